@@ -1,0 +1,41 @@
+# kv-epp developer entry points. `make test` and `make demo` do all the set-up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: test lint typecheck unit demo protos bench-overhead bench-routing clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos --pyi_out=protos protos/kv_feed.proto
+	sed -i 's/^import kv_feed_pb2/from protos import kv_feed_pb2/' protos/kv_feed_pb2_grpc.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check picker listener benchmarks tests
+	$(VENV)/bin/ruff format --check picker listener benchmarks tests
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy picker listener benchmarks
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest -q tests
+
+test: lint typecheck unit
+
+demo: $(STAMP)
+	$(PY) -m benchmarks.demo
+
+bench-overhead: $(STAMP)
+	$(PY) -m benchmarks.overhead --out out/overhead
+
+bench-routing: $(STAMP)
+	$(PY) -m benchmarks.routing --scenario seed003 --out out/seed003
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

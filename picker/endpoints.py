@@ -1,0 +1,61 @@
+"""Value objects the routing pipeline works on: endpoints, their load/health snapshot, decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass(slots=True, frozen=True)
+class Endpoint:
+    """One model-server replica. ``name`` is the stable id used by metrics and the KV index."""
+
+    name: str
+    address: str  # "ip:port", what Envoy's ORIGINAL_DST cluster connects to
+    weight: int = 1
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointState:
+    """Load and health of one endpoint at one instant (read-only snapshot for a decision)."""
+
+    endpoint: Endpoint
+    in_flight: int = 0
+    success_rate: float = 1.0  # windowed, 0..1
+    latency_ewma_ms: float | None = None
+    healthy: bool = True
+    engine_waiting: int | None = None  # scraped queue length, when configured
+
+
+class StorageTier(str, Enum):
+    """Where a backend holds a cached block (the seed's tiers); NONE when it holds nothing."""
+
+    GPU_HOT = "gpu_hot"
+    STORAGE_WARM = "storage_warm"
+    NONE = "none"
+
+
+@dataclass(slots=True, frozen=True)
+class PoolView:
+    """Everything a decision may read: the eligible endpoints (healthy, inside the subset hint)."""
+
+    states: tuple[EndpointState, ...]
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return tuple(s.endpoint for s in self.states)
+
+    def by_name(self) -> dict[str, EndpointState]:
+        return {s.endpoint.name: s for s in self.states}
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """The pick. ``reason`` is the metric label (prefix_hash/overflow/fallback/kv_aware/round_robin/...)."""
+
+    endpoint: Endpoint
+    strategy: str
+    reason: str
+    tier: StorageTier = StorageTier.NONE
+    score: float | None = None
+    fallbacks: tuple[Endpoint, ...] = field(default_factory=tuple)
