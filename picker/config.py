@@ -1,0 +1,323 @@
+"""Typed configuration: one YAML file, the seed's section names, every default in one place.
+
+Precedence: environment (``KV_EPP_<SECTION>__<KEY>``) over the YAML file over the defaults below.
+Hot-reloadable sections are listed in ``HOT_RELOADABLE``; a change elsewhere is reported as
+"restart required" and not half-applied.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+STRATEGIES = (
+    "RoundRobin",
+    "WeightedRoundRobin",
+    "LeastLatency",
+    "Random",
+    "ConsistentHash",
+    "PrefixAwareHash",
+)
+StrategyName = Literal[
+    "RoundRobin", "WeightedRoundRobin", "LeastLatency", "Random", "ConsistentHash", "PrefixAwareHash"
+]
+BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+HOT_RELOADABLE = frozenset({"prefix_routing", "selection_strategy", "pool", "session_affinity"})
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PrefixRoutingConfig(_Section):
+    """Tier 1: prefix-aware sticky routing (seed defaults)."""
+
+    enabled: bool = False
+    max_prefix_length: int = Field(1024, ge=1, le=1 << 20)
+    load_factor_epsilon: float = Field(0.25, ge=0.01, le=10.0)
+    virtual_nodes: int = Field(150, ge=1, le=10_000)
+    anthropic_cache_control_injection: bool = False
+
+
+class ScoringConfig(_Section):
+    """Tier 4 composite score weights (seed defaults); the three main weights sum to 1.0."""
+
+    overlap_weight: float = Field(0.6, ge=0.0, le=1.0)
+    load_weight: float = Field(0.3, ge=0.0, le=1.0)
+    health_weight: float = Field(0.1, ge=0.0, le=1.0)
+    min_overlap_threshold: float = Field(0.3, ge=0.0, le=1.0)
+    gpu_tier_weight: float = Field(1.0, ge=0.0, le=1.0)
+    storage_tier_weight: float = Field(0.6, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _weights_sum_to_one(self) -> ScoringConfig:
+        total = self.overlap_weight + self.load_weight + self.health_weight
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(
+                f"overlap_weight + load_weight + health_weight must sum to 1.0, got {total:.4f}"
+            )
+        return self
+
+
+class StorageOffloadingConfig(_Section):
+    enabled: bool = False
+    treat_eviction_as_offload: bool = True
+
+
+class EventSourceConfig(_Section):
+    """One listener feed the picker subscribes to (one per backend)."""
+
+    backend_name: str
+    endpoint: str
+    reconnect_interval_ms: int = Field(1000, ge=10, le=600_000)
+
+    @field_validator("backend_name")
+    @classmethod
+    def _valid_name(cls, v: str) -> str:
+        if not BACKEND_NAME_RE.match(v):
+            raise ValueError("backend_name must match [A-Za-z0-9_-]{1,64}")
+        return v
+
+    @field_validator("endpoint")
+    @classmethod
+    def _valid_scheme(cls, v: str) -> str:
+        if not re.match(r"^(https?)://", v):
+            raise ValueError("endpoint must be an http:// or https:// URL of the listener")
+        return v
+
+
+class TokenizerConfig(_Section):
+    """Where the picker gets a request's token ids for Tier 4 block keys."""
+
+    source: Literal["engine", "local", "none"] = "engine"
+    timeout_ms: int = Field(50, ge=1, le=10_000)
+    block_size: int = Field(16, ge=1, le=4096)
+    local_path: str | None = None  # tokenizer.json for source=local
+    chat_template_path: str | None = None
+    max_concurrency: int = Field(64, ge=1, le=10_000)
+
+
+class KvCacheIndexConfig(_Section):
+    """Tier 4: the precise KV index (restart-required section)."""
+
+    enabled: bool = False
+    backend: Literal["memory", "redis"] = "memory"
+    max_entries: int = Field(100_000, ge=100, le=10_000_000)
+    entry_ttl_seconds: int = Field(600, ge=1, le=86_400)
+    scoring: ScoringConfig = ScoringConfig()
+    storage_offloading: StorageOffloadingConfig = StorageOffloadingConfig()
+    event_sources: tuple[EventSourceConfig, ...] = ()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    redis_url: str | None = None
+    redis_key_prefix: str = "cr:kvidx:"
+
+
+class BackendConfig(_Section):
+    """A static backend (model-server replica)."""
+
+    name: str
+    address: str
+    weight: int = Field(1, ge=1, le=1000)
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v: str) -> str:
+        if not BACKEND_NAME_RE.match(v):
+            raise ValueError("name must match [A-Za-z0-9_-]{1,64}")
+        return v
+
+    @field_validator("address")
+    @classmethod
+    def _valid_address(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("address must be host:port (ip:port for Envoy's ORIGINAL_DST)")
+        return v
+
+
+class HealthConfig(_Section):
+    """Windowed success rate from response status; below the floor an endpoint is excluded."""
+
+    window_size: int = Field(50, ge=1, le=10_000)  # last N responses per endpoint
+    min_samples: int = Field(5, ge=1, le=10_000)
+    unhealthy_below: float = Field(0.5, ge=0.0, le=1.0)
+    cooldown_seconds: float = Field(10.0, ge=0.0, le=3600.0)  # then readmitted on probation
+
+
+class PoolConfig(_Section):
+    backends: tuple[BackendConfig, ...] = ()
+    health: HealthConfig = HealthConfig()
+    latency_ewma_alpha: float = Field(0.2, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _unique(self) -> PoolConfig:
+        names = [b.name for b in self.backends]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate backend names: {sorted(dup)}")
+        addrs = [b.address for b in self.backends]
+        dup = {a for a in addrs if addrs.count(a) > 1}
+        if dup:
+            raise ValueError(f"duplicate backend addresses: {sorted(dup)}")
+        return self
+
+
+class SessionAffinityConfig(_Section):
+    """Sticky sessions by header; bounded map, LRU + TTL."""
+
+    enabled: bool = False
+    header: str = "x-session-id"
+    ttl_seconds: float = Field(1800.0, gt=0.0)
+    max_sessions: int = Field(100_000, ge=1, le=10_000_000)
+
+
+class ExtProcConfig(_Section):
+    host: str = "0.0.0.0"
+    port: int = Field(9002, ge=0, le=65535)
+    health_port: int | None = Field(9003, ge=0, le=65535)  # None: health only on the ext_proc port
+    max_body_bytes: int = Field(8 << 20, ge=1024, le=256 << 20)
+    drain_seconds: float = Field(10.0, ge=0.0, le=600.0)
+    tenant_header: str = "x-tenant-id"
+
+
+class AdminConfig(_Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(9090, ge=0, le=65535)
+    bearer_token: str | None = None  # required for /admin/* when set
+
+
+class Settings(BaseSettings):
+    """The whole picker configuration."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KV_EPP_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    selection_strategy: StrategyName = "RoundRobin"
+    prefix_routing: PrefixRoutingConfig = PrefixRoutingConfig()
+    kv_cache_index: KvCacheIndexConfig = KvCacheIndexConfig()
+    session_affinity: SessionAffinityConfig = SessionAffinityConfig()
+    pool: PoolConfig = PoolConfig()
+    extproc: ExtProcConfig = ExtProcConfig()
+    admin: AdminConfig = AdminConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return env_settings, init_settings  # the environment overrides the file
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; ``problems`` are (dotted path, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{p}: {m}" for p, m in problems))
+
+
+def _loc(loc: Iterable[int | str]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + item)
+    return "".join(parts) or "<root>"
+
+
+def parse_settings(data: dict[str, Any]) -> Settings:
+    """Validate a config mapping; raise ConfigError naming the path of every bad key."""
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError([(_loc(e["loc"]), e["msg"]) for e in exc.errors()]) from None
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Load the YAML file at ``path`` (or defaults + environment when None)."""
+    if path is None:
+        return parse_settings({})
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([("<file>", f"cannot read {path}: {exc.strerror}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([("<file>", f"invalid YAML in {path}: {exc}")]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([("<root>", "the config file must hold a mapping of sections")])
+    return parse_settings(data)
+
+
+def config_warnings(s: Settings) -> list[tuple[str, str]]:
+    """The seed's warnings: legal but probably not what the operator meant."""
+    out: list[tuple[str, str]] = []
+    if s.selection_strategy == "PrefixAwareHash" and not s.prefix_routing.enabled:
+        out.append(
+            (
+                "selection_strategy",
+                "PrefixAwareHash with prefix_routing.enabled=false hashes the model name only: "
+                "every request of a model goes to one backend, without a load bound",
+            )
+        )
+    kv = s.kv_cache_index
+    if kv.enabled and s.prefix_routing.enabled:
+        if kv.scoring.gpu_tier_weight < kv.scoring.min_overlap_threshold:
+            out.append(
+                (
+                    "kv_cache_index.scoring.gpu_tier_weight",
+                    "gpu_tier_weight below min_overlap_threshold: no backend can pass the threshold, "
+                    "Tier 4 always falls back to the selection strategy",
+                )
+            )
+        if (
+            s.kv_cache_index.storage_offloading.enabled
+            and kv.scoring.storage_tier_weight < kv.scoring.min_overlap_threshold
+        ):
+            out.append(
+                (
+                    "kv_cache_index.scoring.storage_tier_weight",
+                    "storage_tier_weight below min_overlap_threshold: StorageWarm-only holders are never scored",
+                )
+            )
+    if kv.enabled and not s.prefix_routing.enabled:
+        out.append(
+            (
+                "kv_cache_index.enabled",
+                "Tier 4 runs only when prefix_routing.enabled is also true",
+            )
+        )
+    if kv.enabled and not kv.event_sources:
+        out.append(("kv_cache_index.event_sources", "no event sources: the KV index stays empty"))
+    if kv.enabled and kv.tokenizer.source == "none":
+        out.append(("kv_cache_index.tokenizer.source", "source none: requests have no block keys"))
+    if not s.pool.backends:
+        out.append(("pool.backends", "no backends: every request is answered 503"))
+    if s.admin.enabled and s.admin.host not in ("127.0.0.1", "::1", "localhost") and not s.admin.bearer_token:
+        out.append(("admin.bearer_token", "admin listens beyond loopback without a bearer token"))
+    return out
+
+
+def restart_required_changes(old: Settings, new: Settings) -> list[str]:
+    """Top-level sections that changed but cannot be applied without a restart."""
+    return [
+        name
+        for name in Settings.model_fields
+        if name not in HOT_RELOADABLE and getattr(old, name) != getattr(new, name)
+    ]

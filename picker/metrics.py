@@ -1,0 +1,99 @@
+"""Prometheus metrics, the seed's names. One registry per picker process (tests make their own).
+
+Label values come only from fixed sets or configured backend names, so cardinality is bounded.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+DECISION_BUCKETS = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1,
+)  # fmt: skip
+SCORE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class PickerMetrics:
+    """Every metric the picker exports, created against one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        # Tier 1
+        self.prefix_routing_requests = Counter(
+            "continuum_prefix_routing_requests",
+            "PrefixAwareHash selections by outcome (prefix_hash, overflow, fallback)",
+            ["strategy"],
+            registry=r,
+        )
+        self.prefix_routing_backend_distribution = Gauge(
+            "continuum_prefix_routing_backend_distribution",
+            "In-flight requests per backend",
+            ["backend"],
+            registry=r,
+        )
+        # Tier 4
+        self.kv_index_routing_decisions = Counter(
+            "continuum_kv_index_routing_decisions",
+            "Selections where the KV overlap scorer ran, by decision (kv_aware, fallback) and tier",
+            ["decision", "tier"],
+            registry=r,
+        )
+        self.kv_index_overlap_score = Histogram(
+            "continuum_kv_index_overlap_score",
+            "Best composite score of kv_aware decisions",
+            buckets=SCORE_BUCKETS,
+            registry=r,
+        )
+        self.kv_event_dropped = Counter(
+            "continuum_kv_event_dropped",
+            "KV feed records dropped (malformed, oversized, unknown backend)",
+            ["backend"],
+            registry=r,
+        )
+        self.kv_consumer_connected = Gauge(
+            "continuum_kv_consumer_connected",
+            "1 while the picker's feed consumer for a backend is connected",
+            ["backend"],
+            registry=r,
+        )
+        self.kv_index_entries = Gauge(
+            "continuum_kv_index_entries", "(block, backend) entries in the KV index", registry=r
+        )
+        self.kv_tokenize_failures = Counter(
+            "continuum_kv_tokenize_failures",
+            "Requests routed without Tier 4 because token ids were unavailable",
+            ["reason"],
+            registry=r,
+        )
+        # Request path
+        self.requests = Counter(
+            "continuum_picker_requests",
+            "Requests seen by the picker, by outcome (routed, bad_request, no_backend, error)",
+            ["outcome"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "continuum_picker_decisions",
+            "Routing decisions by strategy and backend",
+            ["strategy", "backend"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "continuum_picker_decision_seconds",
+            "CPU time of one decision: parse + keys + pick",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.backend_responses = Counter(
+            "continuum_picker_backend_responses",
+            "Upstream responses by backend and status class",
+            ["backend", "status_class"],
+            registry=r,
+        )
+        self.backend_healthy = Gauge(
+            "continuum_picker_backend_healthy", "1 when the backend is eligible", ["backend"], registry=r
+        )
+        self.config_reloads = Counter(
+            "continuum_picker_config_reloads", "Config reloads by result", ["result"], registry=r
+        )
