@@ -59,9 +59,7 @@ class ScoringConfig(_Section):
     def _weights_sum_to_one(self) -> ScoringConfig:
         total = self.overlap_weight + self.load_weight + self.health_weight
         if abs(total - 1.0) > 1e-6:
-            raise ValueError(
-                f"overlap_weight + load_weight + health_weight must sum to 1.0, got {total:.4f}"
-            )
+            raise ValueError(f"overlap_weight + load_weight + health_weight must sum to 1.0, got {total:.4f}")
         return self
 
 
@@ -184,6 +182,8 @@ class ExtProcConfig(_Section):
     max_body_bytes: int = Field(8 << 20, ge=1024, le=256 << 20)
     drain_seconds: float = Field(10.0, ge=0.0, le=600.0)
     tenant_header: str = "x-tenant-id"
+    # Used only when Envoy does not announce its processing mode (protocol_config) on the stream.
+    default_body_mode: Literal["FULL_DUPLEX_STREAMED", "BUFFERED"] = "FULL_DUPLEX_STREAMED"
 
 
 class AdminConfig(_Section):
@@ -293,7 +293,8 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
             out.append(
                 (
                     "kv_cache_index.scoring.storage_tier_weight",
-                    "storage_tier_weight below min_overlap_threshold: StorageWarm-only holders are never scored",
+                    "storage_tier_weight below min_overlap_threshold: "
+                    "StorageWarm-only holders are never scored",
                 )
             )
     if kv.enabled and not s.prefix_routing.enabled:

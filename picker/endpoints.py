@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,7 +27,7 @@ class EndpointState:
     engine_waiting: int | None = None  # scraped queue length, when configured
 
 
-class StorageTier(str, Enum):
+class StorageTier(StrEnum):
     """Where a backend holds a cached block (the seed's tiers); NONE when it holds nothing."""
 
     GPU_HOT = "gpu_hot"

@@ -1,0 +1,5 @@
+import sys
+
+from picker.cli import main
+
+sys.exit(main())

@@ -1,0 +1,103 @@
+"""Admin HTTP (aiohttp, 127.0.0.1 by default): /metrics, /healthz, /readyz and the seed's /admin/*.
+
+When ``admin.bearer_token`` is set, every /admin/* route needs ``Authorization: Bearer <token>``.
+Extra route groups (e.g. the KV index's) are registered through ``AdminRoutes`` providers.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+if TYPE_CHECKING:
+    from picker.app import PickerApp
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class AdminRoutes(Protocol):
+    """A feature that adds admin routes (GET/POST path -> handler)."""
+
+    def admin_routes(self) -> list[web.RouteDef]: ...
+
+
+def prefix_routing_stats(app: PickerApp) -> dict[str, Any]:
+    """GET /admin/prefix-routing/stats in the seed's shape."""
+    s = app.settings.prefix_routing
+    c = app.router.counts
+    total = sum(c.values())
+    overflow_rate = c.get("overflow", 0) / total if total else 0.0
+    return {
+        "enabled": s.enabled,
+        "config": {
+            "max_prefix_length": s.max_prefix_length,
+            "load_factor_epsilon": s.load_factor_epsilon,
+            "virtual_nodes": s.virtual_nodes,
+            "anthropic_cache_control_injection": s.anthropic_cache_control_injection,
+        },
+        "routing_decisions": {
+            "total": total,
+            "prefix_hash": c.get("prefix_hash", 0),
+            "overflow": c.get("overflow", 0),
+            "fallback": c.get("fallback", 0),
+            "overflow_rate": f"{overflow_rate:.4f}",
+        },
+        "backend_distribution": [
+            {"backend": name, "in_flight_requests": n} for name, n in app.pool.in_flight().items()
+        ],
+        "unique_prefixes": len(app.router.prefixes_seen),
+    }
+
+
+def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> web.Application:
+    token = app.settings.admin.bearer_token
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token and request.path.startswith("/admin"):
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+                return web.json_response({"error": "unauthorized"}, status=401)
+        return await handler(request)
+
+    async def metrics(_: web.Request) -> web.Response:
+        app.refresh_gauges()
+        body = generate_latest(app.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_: web.Request) -> web.Response:
+        if app.ready and not app.draining:
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "draining" if app.draining else "starting"}, status=503)
+
+    async def prefix_stats(_: web.Request) -> web.Response:
+        return web.json_response(prefix_routing_stats(app))
+
+    async def pool(_: web.Request) -> web.Response:
+        return web.json_response({"backends": app.pool.health_snapshot()})
+
+    async def reload(_: web.Request) -> web.Response:
+        applied, messages = app.reload()
+        return web.json_response({"success": applied, "messages": messages}, status=200 if applied else 400)
+
+    web_app = web.Application(middlewares=[auth], client_max_size=1 << 20)
+    web_app.add_routes(
+        [
+            web.get("/metrics", metrics),
+            web.get("/healthz", healthz),
+            web.get("/readyz", readyz),
+            web.get("/admin/prefix-routing/stats", prefix_stats),
+            web.get("/admin/pool", pool),
+            web.post("/admin/config/reload", reload),
+        ]
+    )
+    for provider in extra or []:
+        web_app.add_routes(provider.admin_routes())
+    return web_app

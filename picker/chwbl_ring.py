@@ -1,0 +1,116 @@
+"""Consistent hashing with bounded loads (CHWBL), Tier 1 of the seed.
+
+The ring holds ``virtual_nodes`` points per endpoint (all configured endpoints, so ownership of a
+prefix does not move when another endpoint is briefly ineligible). A lookup walks clockwise from the
+key's point over distinct eligible endpoints:
+- the owner (first eligible) is taken when its in-flight load is below the bound -> ``prefix_hash``;
+- otherwise the next distinct endpoint below the bound -> ``overflow``;
+- when every eligible endpoint is at the bound, the owner keeps the request -> ``prefix_hash``.
+Bound = ceil((1 + epsilon) * (total_in_flight + 1) / n_eligible), the request being placed included.
+Without a key (``fallback``), the model name is hashed and the first eligible node wins, no bound.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from hashlib import blake2b
+
+
+def ring_hash(data: bytes) -> int:
+    """64-bit position on the ring."""
+    return int.from_bytes(blake2b(data, digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """An immutable ring over endpoint names; rebuild to change membership or virtual_nodes."""
+
+    __slots__ = ("_names", "_owners", "_points", "virtual_nodes")
+
+    def __init__(self, names: Sequence[str], virtual_nodes: int) -> None:
+        if virtual_nodes < 1:
+            raise ValueError("virtual_nodes must be >= 1")
+        self.virtual_nodes = virtual_nodes
+        self._names = tuple(names)
+        pairs = sorted(
+            (ring_hash(f"{name}#{i}".encode()), idx)
+            for idx, name in enumerate(self._names)
+            for i in range(virtual_nodes)
+        )
+        self._points = [p for p, _ in pairs]
+        self._owners = [idx for _, idx in pairs]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self._names
+
+    def __len__(self) -> int:
+        return len(self._points)
+
+    def walk(self, point: int, eligible: Mapping[str, object]) -> list[str]:
+        """Distinct eligible endpoint names in clockwise order from ``point``."""
+        n_points = len(self._points)
+        if n_points == 0:
+            return []
+        want = sum(1 for name in self._names if name in eligible)
+        start = bisect_left(self._points, point)
+        seen: set[int] = set()
+        order: list[str] = []
+        for step in range(n_points):
+            idx = self._owners[(start + step) % n_points]
+            if idx in seen:
+                continue
+            seen.add(idx)
+            name = self._names[idx]
+            if name in eligible:
+                order.append(name)
+                if len(order) == want:
+                    break
+        return order
+
+    def first(self, point: int, eligible: Mapping[str, object]) -> str | None:
+        """The first eligible endpoint clockwise from ``point`` (plain consistent hashing)."""
+        n_points = len(self._points)
+        start = bisect_left(self._points, point)
+        for step in range(n_points):
+            name = self._names[self._owners[(start + step) % n_points]]
+            if name in eligible:
+                return name
+        return None
+
+
+def load_bound(total_in_flight: int, n_eligible: int, epsilon: float) -> int:
+    """The CHWBL per-endpoint bound, counting the request being placed."""
+    return max(1, math.ceil((1.0 + epsilon) * (total_in_flight + 1) / max(1, n_eligible)))
+
+
+def bounded_pick(
+    ring: HashRing, key: bytes, loads: Mapping[str, int], epsilon: float
+) -> tuple[str, str] | None:
+    """CHWBL pick over the endpoints in ``loads`` (eligible name -> in-flight). Returns (name, label)."""
+    if not loads:
+        return None
+    point = int.from_bytes(key[:8], "big")
+    bound = load_bound(sum(loads.values()), len(loads), epsilon)
+    owner: str | None = None
+    n_points = len(ring._points)
+    start = bisect_left(ring._points, point)
+    seen: set[int] = set()
+    owners, names = ring._owners, ring._names
+    for step in range(n_points):  # lazy walk: usually stops at the first eligible point
+        idx = owners[(start + step) % n_points]
+        if idx in seen:
+            continue
+        seen.add(idx)
+        name = names[idx]
+        load = loads.get(name)
+        if load is None:
+            continue
+        if owner is None:
+            owner = name
+        if load + 1 <= bound:
+            return name, ("prefix_hash" if name == owner else "overflow")
+    if owner is None:
+        return None
+    return owner, "prefix_hash"  # everyone at the bound: keep locality

@@ -1,0 +1,120 @@
+"""The ``kv-epp`` command: serve, config validate, envoy-config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from picker.config import ConfigError, config_warnings, load_settings
+from picker.envoy_config import EnvoyOptions, bootstrap_yaml
+
+LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from picker.wiring import build_server  # imported late: serve pulls in grpc and aiohttp
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        for path, msg in exc.problems:
+            print(f"error: {path}: {msg}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        server = build_server(settings, args.config)
+        await server.start()
+        server.install_signal_handlers()
+        await server.wait()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.file)
+    except ConfigError as exc:
+        for path, msg in exc.problems:
+            print(f"error: {path}: {msg}")
+        print(f"{args.file}: invalid ({len(exc.problems)} error(s))")
+        return 1
+    warnings = config_warnings(settings)
+    for path, msg in warnings:
+        print(f"warning: {path}: {msg}")
+    print(f"{args.file}: valid ({len(warnings)} warning(s))")
+    return 0
+
+
+def _envoy_config(args: argparse.Namespace) -> int:
+    picker = args.picker
+    if args.mode == "sidecar" and picker is None:
+        picker = "127.0.0.1:9002"
+    if args.mode == "standalone" and picker is None:
+        print("error: --picker HOST:PORT is required in standalone mode", file=sys.stderr)
+        return 2
+    if args.mode == "no-picker" and not args.backend:
+        print("error: --backend IP:PORT (repeatable) is required with --mode no-picker", file=sys.stderr)
+        return 2
+    opts = EnvoyOptions(
+        listen_port=args.listen_port,
+        listen_address=args.listen_address,
+        admin_port=args.admin_port,
+        picker_address=None if args.mode == "no-picker" else picker,
+        body_mode=args.body_mode,
+        fail_open=args.fail_open,
+        message_timeout_ms=args.message_timeout_ms,
+        backends=tuple(args.backend or ()),
+    )
+    sys.stdout.write(bootstrap_yaml(opts))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kv-epp", description="KV-cache-aware endpoint picker (Envoy ext_proc)")
+    p.add_argument("--log-level", default="INFO")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the picker")
+    s.add_argument("--config", help="YAML config file (hot-reloaded on change or SIGHUP)")
+    s.set_defaults(func=_serve)
+
+    c = sub.add_parser("config", help="config tools")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    v = csub.add_parser("validate", help="validate a config file; print warnings; exit 1 on errors")
+    v.add_argument("file")
+    v.set_defaults(func=_validate)
+
+    e = sub.add_parser("envoy-config", help="print an Envoy bootstrap for kv-epp")
+    e.add_argument("--mode", choices=["sidecar", "standalone", "no-picker"], default="sidecar")
+    e.add_argument("--picker", help="ext_proc address host:port (default 127.0.0.1:9002 in sidecar mode)")
+    e.add_argument(
+        "--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED"
+    )
+    e.add_argument("--listen-port", type=int, default=8080)
+    e.add_argument("--listen-address", default="0.0.0.0")
+    e.add_argument("--admin-port", type=int, default=9901)
+    e.add_argument(
+        "--fail-open", action="store_true", help="failure_mode_allow (works in BUFFERED mode only)"
+    )
+    e.add_argument("--message-timeout-ms", type=int, default=5000)
+    e.add_argument("--backend", action="append", help="ip:port of a backend (no-picker mode)")
+    e.set_defaults(func=_envoy_config)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Ready Envoy bootstraps for kv-epp (sidecar or standalone), used by the CLI, tests, demo and Helm.
+
+The upstream cluster is ORIGINAL_DST reading ``x-gateway-destination-endpoint`` (the GIE contract);
+the ext_proc filter calls the picker over HTTP/2 gRPC in FULL_DUPLEX_STREAMED (GIE-mandated) or
+BUFFERED mode. ``picker_address=None`` gives a plain round-robin Envoy over ``backends`` (the
+benchmarks' no-picker baseline). Fail-open only works in BUFFERED mode (Envoy 1.36-1.40 answer 500 in
+full-duplex mode when the picker is unreachable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
+
+
+@dataclass(slots=True, frozen=True)
+class EnvoyOptions:
+    listen_port: int = 8080
+    listen_address: str = "0.0.0.0"
+    admin_port: int = 9901
+    admin_address: str = "127.0.0.1"
+    picker_address: str | None = "127.0.0.1:9002"  # host:port of the ext_proc server; None = no picker
+    body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
+    fail_open: bool = False
+    message_timeout_ms: int = 5000
+    route_timeout_s: int = 600
+    backends: Sequence[str] = field(default_factory=tuple)  # ip:port, only for the no-picker baseline
+    max_requests: int = 10_000
+
+
+def _addr(host_port: str) -> dict[str, Any]:
+    host, _, port = host_port.rpartition(":")
+    return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
+
+
+def _ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
+    full_duplex = o.body_mode == "FULL_DUPLEX_STREAMED"
+    mode = {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": o.body_mode,
+        "response_body_mode": "FULL_DUPLEX_STREAMED" if full_duplex else "STREAMED",
+        "request_trailer_mode": "SEND" if full_duplex else "SKIP",
+        "response_trailer_mode": "SEND" if full_duplex else "SKIP",
+    }
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "kv_epp_picker"}, "timeout": "10s"},
+            "failure_mode_allow": o.fail_open,
+            "message_timeout": f"{o.message_timeout_ms / 1000:.3f}s",
+            "processing_mode": mode,
+        },
+    }
+
+
+def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
+    """The bootstrap as a dict (dump it as YAML or JSON)."""
+    http_filters: list[dict[str, Any]] = []
+    if o.picker_address is not None:
+        http_filters.append(_ext_proc_filter(o))
+    http_filters.append(
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+        }
+    )
+    thresholds = {
+        "thresholds": [
+            {
+                "max_connections": o.max_requests,
+                "max_pending_requests": o.max_requests,
+                "max_requests": o.max_requests,
+            }
+        ]
+    }
+    clusters: list[dict[str, Any]] = []
+    if o.picker_address is not None:
+        clusters.append(
+            {
+                "name": "inference_pool",
+                "type": "ORIGINAL_DST",
+                "lb_policy": "CLUSTER_PROVIDED",
+                "connect_timeout": "2s",
+                "original_dst_lb_config": {
+                    "use_http_header": True,
+                    "http_header_name": "x-gateway-destination-endpoint",
+                },
+                "circuit_breakers": thresholds,
+            }
+        )
+        clusters.append(
+            {
+                "name": "kv_epp_picker",
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}},
+                    }
+                },
+                "circuit_breakers": thresholds,
+                "load_assignment": {
+                    "cluster_name": "kv_epp_picker",
+                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(o.picker_address)}}]}],
+                },
+            }
+        )
+    else:
+        clusters.append(
+            {
+                "name": "inference_pool",
+                "type": "STATIC",
+                "lb_policy": "ROUND_ROBIN",
+                "connect_timeout": "2s",
+                "circuit_breakers": thresholds,
+                "load_assignment": {
+                    "cluster_name": "inference_pool",
+                    "endpoints": [
+                        {"lb_endpoints": [{"endpoint": {"address": _addr(b)}} for b in o.backends]}
+                    ],
+                },
+            }
+        )
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager",
+        "stat_prefix": "kv_epp",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": "600s",
+        "route_config": {
+            "name": "inference",
+            "virtual_hosts": [
+                {
+                    "name": "inference",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"prefix": "/"},
+                            "route": {"cluster": "inference_pool", "timeout": f"{o.route_timeout_s}s"},
+                        }
+                    ],
+                }
+            ],
+        },
+        "http_filters": http_filters,
+    }
+    return {
+        "admin": {"address": _addr(f"{o.admin_address}:{o.admin_port}")},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "inference_listener",
+                    "address": _addr(f"{o.listen_address}:{o.listen_port}"),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": clusters,
+        },
+    }
+
+
+def bootstrap_yaml(o: EnvoyOptions) -> str:
+    return yaml.safe_dump(bootstrap(o), sort_keys=False)

@@ -1,0 +1,40 @@
+"""Tier 1 prefix key, exactly as the seed defines it.
+
+SHA256(model ++ 0x00 ++ "S" ++ system[:max_prefix_length])           when there is a system prompt
+SHA256(model ++ 0x00 ++ "M" ++ first_message[:max_prefix_length])    otherwise
+Truncation is in bytes, backed off to a UTF-8 character boundary. No key when prefix routing is off,
+there is no model, or there is no text. A completions ``prompt`` counts as the first message.
+"""
+
+from __future__ import annotations
+
+from hashlib import sha256
+
+from picker.request_facts import RequestFacts
+
+
+def truncate_utf8(text: str, max_bytes: int) -> bytes:
+    """UTF-8 bytes of ``text`` cut to at most ``max_bytes`` without splitting a character."""
+    raw = text.encode("utf-8")
+    if len(raw) <= max_bytes:
+        return raw
+    end = max_bytes
+    while end > 0 and (raw[end] & 0xC0) == 0x80:  # raw[end] is a continuation byte: back off
+        end -= 1
+    return raw[:end]
+
+
+def prefix_key(facts: RequestFacts, *, enabled: bool, max_prefix_length: int) -> bytes | None:
+    """The 32-byte prefix key of a request, or None."""
+    if not enabled or not facts.model:
+        return None
+    if facts.system:
+        tag, text = b"S", facts.system
+    elif facts.first_message:
+        tag, text = b"M", facts.first_message
+    else:
+        return None
+    h = sha256(facts.model.encode("utf-8"))
+    h.update(b"\x00" + tag)
+    h.update(truncate_utf8(text, max_prefix_length))
+    return h.digest()

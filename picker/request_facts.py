@@ -1,0 +1,216 @@
+"""Parse an inference request body once into a small typed ``RequestFacts``.
+
+Shapes: OpenAI chat completions (``messages``), OpenAI completions (``prompt``) and Anthropic messages
+(``system`` as a string or content blocks). Anything a client can send wrong raises ``BadRequest``
+with a message naming the field; the caller answers 400 with a JSON body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+Api = Literal["chat", "completions", "anthropic", "other"]
+
+CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+COMPLETIONS_PATHS = ("/v1/completions", "/completions")
+ANTHROPIC_PATHS = ("/v1/messages", "/anthropic/v1/messages")
+
+
+class BadRequest(Exception):
+    """A client error: ``code`` is a short machine-readable type, the message says what was wrong."""
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+    def json_body(self) -> bytes:
+        return orjson.dumps(
+            {"error": {"message": str(self), "type": "invalid_request_error", "code": self.code}}
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class RequestFacts:
+    """What the routing pipeline needs to know about one request."""
+
+    api: Api
+    model: str | None = None
+    system: str | None = None  # system prompt text (OpenAI system/developer message, Anthropic system)
+    first_message: str | None = None  # first non-system message text (or the completions prompt)
+    messages: tuple[dict[str, Any], ...] | None = None  # as sent, for tokenizer sources
+    prompt: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    temperature: float | None = None
+    max_tokens: int | None = None
+    top_p: float | None = None
+    session_id: str | None = None
+    tenant_id: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    body_bytes: int = 0
+
+
+def api_for_path(path: str) -> Api:
+    """Which request shape a path carries (query string ignored)."""
+    p = path.split("?", 1)[0].rstrip("/")
+    if p.endswith(CHAT_PATHS):
+        return "chat"
+    if p.endswith(COMPLETIONS_PATHS):
+        return "completions"
+    if p.endswith(ANTHROPIC_PATHS):
+        return "anthropic"
+    return "other"
+
+
+def _content_text(content: Any, where: str) -> str:
+    """Text of an OpenAI/Anthropic content field: a string or a list of parts/blocks."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict):
+                text = part.get("text")
+                if text is not None and not isinstance(text, str):
+                    raise BadRequest(f"{where}[{i}].text must be a string", "invalid_type")
+                if text:
+                    texts.append(text)
+            else:
+                raise BadRequest(f"{where}[{i}] must be an object or a string", "invalid_type")
+        return "\n".join(texts)
+    raise BadRequest(f"{where} must be a string or a list of content parts", "invalid_type")
+
+
+def _opt_number(body: dict[str, Any], key: str) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise BadRequest(f"'{key}' must be a number", "invalid_type")
+    return float(v)
+
+
+def _opt_int(body: dict[str, Any], key: str) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"'{key}' must be an integer", "invalid_type")
+    return v
+
+
+def _opt_str(body: dict[str, Any], key: str) -> str | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise BadRequest(f"'{key}' must be a string", "invalid_type")
+    return v
+
+
+def parse_request(
+    body: bytes,
+    path: str,
+    *,
+    max_body_bytes: int,
+    session_id: str | None = None,
+    tenant_id: str | None = None,
+) -> RequestFacts:
+    """Parse ``body`` of a request to ``path``. Raises BadRequest on anything malformed."""
+    api = api_for_path(path)
+    if len(body) > max_body_bytes:
+        raise BadRequest(
+            f"request body of {len(body)} bytes exceeds the limit of {max_body_bytes} bytes", "body_too_large"
+        )
+    if api == "other" and not body:
+        return RequestFacts(api="other", session_id=session_id, tenant_id=tenant_id)
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object", "invalid_type")
+    model = data.get("model")
+    if api != "other" and model is None:
+        raise BadRequest("missing required field 'model'", "missing_model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise BadRequest("'model' must be a non-empty string", "invalid_type")
+    stream = data.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", "invalid_type")
+    stream_options = data.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise BadRequest("'stream_options' must be an object", "invalid_type")
+    include_usage = bool(stream_options and stream_options.get("include_usage") is True)
+
+    system: str | None = None
+    first: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    prompt: str | None = None
+    if api in ("chat", "anthropic") or (api == "other" and "messages" in data):
+        raw = data.get("messages")
+        if raw is None and api != "other":
+            raise BadRequest("missing required field 'messages'", "missing_messages")
+        if raw is not None:
+            if not isinstance(raw, list):
+                raise BadRequest("'messages' must be a list", "invalid_type")
+            for i, m in enumerate(raw):
+                if not isinstance(m, dict):
+                    raise BadRequest(f"messages[{i}] must be an object", "invalid_type")
+                role = m.get("role")
+                if not isinstance(role, str):
+                    raise BadRequest(f"messages[{i}].role must be a string", "invalid_type")
+                text = _content_text(m.get("content"), f"messages[{i}].content")
+                if role in ("system", "developer") and api != "anthropic":
+                    if system is None:
+                        system = text
+                elif first is None:
+                    first = text
+            messages = tuple(raw)
+        if api == "anthropic" and "system" in data:
+            system = _content_text(data["system"], "system") or None
+    elif api == "completions" or "prompt" in data:
+        p = data.get("prompt")
+        if api == "completions" and p is None:
+            raise BadRequest("missing required field 'prompt'", "missing_prompt")
+        if isinstance(p, list) and all(isinstance(x, str) for x in p) and len(p) == 1:
+            p = p[0]
+        if p is not None and not isinstance(p, str):
+            raise BadRequest(
+                "'prompt' must be a string (token-id and batch prompts are not routed)", "invalid_type"
+            )
+        prompt = p
+        first = p
+
+    extra = data.get("extra_body") if isinstance(data.get("extra_body"), dict) else None
+    lora = None
+    cache_salt = _opt_str(data, "cache_salt") or (_opt_str(extra, "cache_salt") if extra else None)
+    max_tokens = _opt_int(data, "max_tokens")
+    if max_tokens is None:
+        max_tokens = _opt_int(data, "max_completion_tokens")
+    return RequestFacts(
+        api=api,
+        model=model,
+        system=system or None,
+        first_message=first or None,
+        messages=messages,
+        prompt=prompt,
+        stream=stream,
+        include_usage=include_usage,
+        temperature=_opt_number(data, "temperature"),
+        max_tokens=max_tokens,
+        top_p=_opt_number(data, "top_p"),
+        session_id=session_id,
+        tenant_id=tenant_id,
+        lora_name=lora,
+        cache_salt=cache_salt,
+        body_bytes=len(body),
+    )

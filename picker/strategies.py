@@ -1,0 +1,146 @@
+"""Selection strategies: one pure interface, chosen by name from a small registry.
+
+Every strategy implements ``select(facts, key, view) -> Decision | None`` with no I/O; ``view`` holds
+only eligible endpoints (healthy, inside the subset hint) and is never empty when called.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Protocol
+
+from picker.chwbl_ring import HashRing, bounded_pick, ring_hash
+from picker.endpoints import Decision, PoolView
+from picker.request_facts import RequestFacts
+
+
+class RingSource(Protocol):
+    """Gives the current ring (rebuilt by the router on membership or virtual_nodes changes)."""
+
+    def ring(self) -> HashRing: ...
+
+    @property
+    def epsilon(self) -> float: ...
+
+
+class Strategy(Protocol):
+    name: str
+
+    def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None: ...
+
+
+class RoundRobin:
+    name = "RoundRobin"
+
+    def __init__(self, rings: RingSource) -> None:
+        self._next = 0
+
+    def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
+        states = view.states
+        ep = states[self._next % len(states)].endpoint
+        self._next = (self._next + 1) % (1 << 62)
+        return Decision(ep, self.name, "round_robin")
+
+
+class WeightedRoundRobin:
+    """Smooth weighted round robin: each endpoint's share equals its weight, interleaved."""
+
+    name = "WeightedRoundRobin"
+    MAX_TRACKED = 10_000  # current weights per endpoint name; cleared when larger (names come from config)
+
+    def __init__(self, rings: RingSource) -> None:
+        self._current: dict[str, int] = {}
+
+    def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
+        if len(self._current) > self.MAX_TRACKED:
+            self._current.clear()
+        total = 0
+        best = None
+        best_w = 0
+        for st in view.states:
+            ep = st.endpoint
+            w = self._current.get(ep.name, 0) + ep.weight
+            self._current[ep.name] = w
+            total += ep.weight
+            if best is None or w > best_w:
+                best, best_w = ep, w
+        assert best is not None
+        self._current[best.name] -= total
+        return Decision(best, self.name, "weighted_round_robin")
+
+
+class LeastLatency:
+    """Lowest latency EWMA; endpoints with no sample yet are tried first; ties by in-flight."""
+
+    name = "LeastLatency"
+
+    def __init__(self, rings: RingSource) -> None:
+        pass
+
+    def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
+        st = min(
+            view.states,
+            key=lambda s: (s.latency_ewma_ms if s.latency_ewma_ms is not None else -1.0, s.in_flight),
+        )
+        return Decision(st.endpoint, self.name, "least_latency")
+
+
+class Random:
+    name = "Random"
+
+    def __init__(self, rings: RingSource, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
+        return Decision(self._rng.choice(view.states).endpoint, self.name, "random")
+
+
+class ConsistentHash:
+    """Plain consistent hashing (no load bound) on the session id, else the prefix key, else model."""
+
+    name = "ConsistentHash"
+
+    def __init__(self, rings: RingSource) -> None:
+        self._rings = rings
+
+    def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
+        if facts.session_id:
+            point = ring_hash(facts.session_id.encode())
+        elif key is not None:
+            point = int.from_bytes(key[:8], "big")
+        else:
+            point = ring_hash((facts.model or "").encode())
+        eligible = view.by_name()
+        name = self._rings.ring().first(point, eligible)
+        if name is None:
+            return None
+        return Decision(eligible[name].endpoint, self.name, "consistent_hash")
+
+
+class PrefixAwareHash:
+    """Tier 1: CHWBL on the prefix key; without a key, the model name on the ring with no bound."""
+
+    name = "PrefixAwareHash"
+
+    def __init__(self, rings: RingSource) -> None:
+        self._rings = rings
+
+    def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
+        eligible = view.by_name()
+        ring = self._rings.ring()
+        if key is None:
+            name = ring.first(ring_hash((facts.model or "").encode()), eligible)
+            return None if name is None else Decision(eligible[name].endpoint, self.name, "fallback")
+        loads = {n: s.in_flight for n, s in eligible.items()}
+        picked = bounded_pick(ring, key, loads, self._rings.epsilon)
+        if picked is None:
+            return None
+        name, label = picked
+        return Decision(eligible[name].endpoint, self.name, label)
+
+
+STRATEGY_REGISTRY: dict[str, Callable[[RingSource], Strategy]] = {
+    cls.name: cls
+    for cls in (RoundRobin, WeightedRoundRobin, LeastLatency, Random, ConsistentHash, PrefixAwareHash)
+}
