@@ -1,0 +1,292 @@
+"""Continuous-batching scheduler: the simulator's timing model, run as one asyncio loop.
+
+Each step (vLLM V1 style, first come first served):
+
+1. Every running request past its prefill decodes one token (one budget token each).
+2. Running requests still in prefill take the next chunk of their uncached prompt from the step's
+   token budget (``max_num_batched_tokens``): chunked prefill.
+3. Waiting requests are admitted in arrival order while a sequence slot (``max_num_seqs``), budget and
+   KV slots are free; admission looks up the prefix cache (that is when ``prefix_cache_queries`` and
+   ``prefix_cache_hits`` grow) and starts their prefill in the same step. A request that does not fit
+   blocks the queue behind it (no reordering), as in vLLM.
+4. The step sleeps ``step_overhead_ms + prefill_ms_per_token * prefill_tokens + decode_ms_per_seq *
+   decoding_seqs`` times ``time_scale``; then tokens are emitted. A request whose prefill completed in
+   this step stores its full prompt blocks and emits its first token, so TTFT = queueing + the steps
+   spent on its uncached prompt. Evictions and stores of the step are published as one event batch.
+
+KV slots are reserved for prompt + max_tokens at admission, so there is no preemption
+(``num_preemptions_total`` stays 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from benchmarks.engine_sim.config import SimConfig
+from benchmarks.engine_sim.kv_events import (
+    AllBlocksClearedEvent,
+    BlockRemovedEvent,
+    BlockStoredEvent,
+    KvEvent,
+    KvEventPublisher,
+)
+from benchmarks.engine_sim.prefix_cache import Allocation, PagedPrefixCache
+from benchmarks.engine_sim.tokenizer import output_word
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class StepOutput:
+    """One item a request's consumer reads: a generated token, the end, or a failure."""
+
+    kind: Literal["token", "done", "error"]
+    text: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One generation request inside the scheduler."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    digests: list[bytes] = field(default_factory=list)
+    # bound: max_tokens token items + one done/error item, all produced by the scheduler
+    outputs: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
+    arrival: float = 0.0
+    alloc: Allocation | None = None
+    cached_tokens: int = 0
+    prefill_remaining: int = 0
+    chunk: int = 0
+    generated: int = 0
+    finished: bool = False
+    aborted: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Monotonic counters behind /metrics (kept across simulated restarts)."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which found cached
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0  # finished_reason="length"
+    requests_aborted: int = 0  # finished_reason="abort"
+    restarts: int = 0
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never run (too long for the model or the KV capacity)."""
+
+
+class BatchScheduler:
+    """Runs the step loop over one ``PagedPrefixCache``; publishes KV events when given a publisher.
+
+    Waiting queue bound: none of its own; the HTTP server's connection count bounds it (each waiting
+    request is an open HTTP request). Running set bound: ``max_num_seqs``.
+    """
+
+    def __init__(
+        self, config: SimConfig, cache: PagedPrefixCache, publisher: KvEventPublisher | None = None
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.publisher = publisher
+        self.counters = EngineCounters()
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stall_s = 0.0
+        self._generation = 0  # bumped by restart(); a step from an older generation is discarded
+        self._pending_events: list[KvEvent] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the step loop."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kv-sim-scheduler")
+
+    async def stop(self) -> None:
+        """Stop the loop and fail whatever is still queued or running."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._fail_all("engine stopped")
+
+    # -- request side ------------------------------------------------------------------------------
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestRejected when a request could never be scheduled."""
+        total = prompt_tokens + max_tokens
+        if total > self.config.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.config.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion."
+            )
+        if self.cache.slots_needed(total) > self.cache.capacity_blocks:
+            raise RequestRejected(f"request needs {total} tokens of KV cache, more than the engine holds")
+
+    def submit(self, request: SimRequest) -> None:
+        """Queue a request (call ``check`` first)."""
+        request.arrival = time.monotonic()
+        request.digests = self.cache.block_hashes(request.prompt_ids)
+        self.waiting.append(request)
+        self._wakeup.set()
+
+    def abort(self, request: SimRequest) -> None:
+        """The client went away: free the request's slots at the next step."""
+        if request.finished:
+            return
+        request.aborted = True
+        if request in self.waiting:
+            self.waiting.remove(request)
+            self._finish(request, aborted=True)
+
+    def stall(self, ms: float) -> None:
+        """Fault switch: pause the step loop for ``ms`` real milliseconds before its next step."""
+        self._stall_s += max(0.0, ms) / 1000.0
+        self._wakeup.set()
+
+    async def restart(self) -> None:
+        """Simulated engine restart: fail all requests, clear the cache, reset the event sequence,
+        and publish ``AllBlocksCleared`` as seq 0."""
+        self._generation += 1
+        self.counters.restarts += 1
+        self._fail_all("engine restarted")
+        self.cache.clear()
+        self._pending_events.clear()
+        if self.publisher is not None:
+            self.publisher.reset_sequence()
+            await self.publisher.publish([AllBlocksClearedEvent()])
+        log.info("engine_restarted name=%s", self.config.name)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        cfg = self.config
+        while True:
+            if self._stall_s > 0:
+                stall, self._stall_s = self._stall_s, 0.0
+                log.info("scheduler_stalled ms=%.0f", stall * 1000)
+                await asyncio.sleep(stall)
+            if not self.running and not self.waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            generation = self._generation
+            decoding, prefill_tokens = self._plan_step()
+            step_ms = (
+                cfg.step_overhead_ms
+                + cfg.prefill_ms_per_token * prefill_tokens
+                + cfg.decode_ms_per_seq * len(decoding)
+            )
+            await asyncio.sleep(step_ms / 1000.0 * cfg.time_scale)
+            if generation != self._generation:
+                continue  # restarted mid-step: this step's work is void
+            self._apply_step(decoding)
+            if self._pending_events and self.publisher is not None:
+                events, self._pending_events = self._pending_events, []
+                await self.publisher.publish(events)
+            self._pending_events.clear()
+
+    def _plan_step(self) -> tuple[list[SimRequest], int]:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        decoding = [r for r in self.running if r.prefill_remaining == 0 and not r.aborted]
+        budget -= len(decoding)
+        prefill_tokens = 0
+        for r in self.running:
+            r.chunk = 0
+            if r.prefill_remaining > 0 and not r.aborted and budget > 0:
+                r.chunk = min(r.prefill_remaining, budget)
+                budget -= r.chunk
+                prefill_tokens += r.chunk
+        while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+            head = self.waiting[0]
+            evicted: list[bytes] = []
+            alloc = self.cache.try_admit(head.prompt_ids, head.max_tokens, evicted, head.digests)
+            if evicted:
+                self._pending_events.append(BlockRemovedEvent(tuple(evicted)))
+            if alloc is None:
+                break
+            self.waiting.popleft()
+            head.alloc = alloc
+            head.cached_tokens = alloc.hit_blocks * self.cache.block_size
+            head.prefill_remaining = head.prompt_tokens - head.cached_tokens
+            self.counters.prefix_cache_queries += head.prompt_tokens
+            self.counters.prefix_cache_hits += head.cached_tokens
+            self.counters.prompt_tokens += head.prompt_tokens
+            head.chunk = min(head.prefill_remaining, budget)
+            budget -= head.chunk
+            prefill_tokens += head.chunk
+            self.running.append(head)
+        return decoding, prefill_tokens
+
+    def _apply_step(self, decoding: list[SimRequest]) -> None:
+        decoding_set = set(decoding)
+        still_running: list[SimRequest] = []
+        for r in self.running:
+            if r.aborted:
+                self._finish(r, aborted=True)
+                continue
+            if r in decoding_set:
+                self._emit_token(r)
+            elif r.chunk > 0:
+                r.prefill_remaining -= r.chunk
+                r.chunk = 0
+                if r.prefill_remaining == 0:
+                    self._store_prompt_blocks(r)
+                    self._emit_token(r)
+            if r.generated >= r.max_tokens:
+                self._finish(r, aborted=False)
+            else:
+                still_running.append(r)
+        self.running = still_running
+
+    def _store_prompt_blocks(self, r: SimRequest) -> None:
+        assert r.alloc is not None
+        for run in self.cache.commit_prompt_blocks(r.alloc, r.prompt_ids):
+            self._pending_events.append(
+                BlockStoredEvent(run.digests, run.parent, run.token_ids, self.cache.block_size)
+            )
+
+    def _emit_token(self, r: SimRequest) -> None:
+        word = output_word(r.prompt_ids, r.generated)
+        r.generated += 1
+        self.counters.generation_tokens += 1
+        r.outputs.put_nowait(StepOutput("token", word))
+
+    def _finish(self, r: SimRequest, aborted: bool) -> None:
+        if r.finished:
+            return
+        r.finished = True
+        if r.alloc is not None:
+            self.cache.release(r.alloc)
+        if aborted:
+            self.counters.requests_aborted += 1
+        else:
+            self.counters.requests_finished += 1
+            r.outputs.put_nowait(StepOutput("done"))
+
+    def _fail_all(self, reason: str) -> None:
+        for r in [*self.waiting, *self.running]:
+            if not r.finished:
+                r.finished = True
+                r.outputs.put_nowait(StepOutput("error", reason))
+        self.waiting.clear()
+        self.running = []

@@ -1,0 +1,519 @@
+"""The simulator's HTTP server and its in-process API, ``EngineSimulator``.
+
+Endpoints (vLLM's shapes): ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming SSE and
+not; ``usage.prompt_tokens_details.cached_tokens`` always in non-streaming responses, and in a final
+``choices: []`` chunk when ``stream_options.include_usage`` is set), ``POST /tokenize``,
+``POST /detokenize``, ``GET /health``, ``GET /v1/models``, ``GET /metrics``.
+
+Admin (simulator only): ``POST /sim/faults`` with any of ``{"error_rate": 0..1, "stall_ms": N,
+"drop_event_batches": N, "event_drop_rate": 0..1}`` (returns the current fault settings),
+``POST /sim/restart`` (cache cleared, ``AllBlocksCleared`` published as seq 0), ``GET /sim/state``.
+
+Every response carries ``x-kv-sim-name: <config.name>`` so a client behind a proxy knows which replica
+served it. Output length is exactly ``max_tokens`` (default ``default_max_tokens``); the text is
+``tokenizer.output_words``. Prometheus counters are cumulative over the process life (a simulated
+restart does not reset them), so Δ over a run stays meaningful.
+
+Usage::
+
+    sim = EngineSimulator(SimConfig(name="sim-0", time_scale=0.1))
+    await sim.start()
+    print(sim.base_url, sim.kv_events_endpoint, sim.replay_endpoint)
+    ...
+    await sim.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import random
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from benchmarks.engine_sim.config import SimConfig
+from benchmarks.engine_sim.kv_events import KvEventPublisher, KvEventsSettings
+from benchmarks.engine_sim.prefix_cache import PagedPrefixCache
+from benchmarks.engine_sim.scheduler import BatchScheduler, RequestRejected, SimRequest, StepOutput
+from benchmarks.engine_sim.tokenizer import (
+    OUTPUT_WORDS,
+    Detokenizer,
+    TemplateError,
+    chat_token_ids,
+    prompt_token_ids,
+    request_token_ids,
+)
+
+log = logging.getLogger(__name__)
+
+NAME_HEADER = "x-kv-sim-name"
+
+
+def error_response(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
+    """vLLM's OpenAI-style error body."""
+    body = {"object": "error", "message": message, "type": err_type, "param": None, "code": status}
+    return web.json_response(body, status=status)
+
+
+class EngineSimulator:
+    """One simulated vLLM replica: HTTP server + scheduler + prefix cache + KV event publisher."""
+
+    def __init__(self, config: SimConfig | None = None, kv_events: KvEventsSettings | None = None) -> None:
+        self.config = config or SimConfig()
+        self.kv_settings = kv_events or KvEventsSettings()
+        self.cache = PagedPrefixCache(
+            self.config.block_size, self.config.capacity_blocks, self.config.hash_seed
+        )
+        self.publisher: KvEventPublisher | None = (
+            KvEventPublisher(self.kv_settings, drop_seed=self.config.seed)
+            if self.config.kv_events_enabled
+            else None
+        )
+        self.scheduler: BatchScheduler | None = None
+        self.detokenizer = Detokenizer()
+        self.detokenizer.remember(" ".join(OUTPUT_WORDS))
+        self.error_rate = self.config.error_rate
+        self._error_rng = random.Random(self.config.seed)
+        self._ids = itertools.count()
+        self._runner: web.AppRunner | None = None
+        self.port: int = 0
+        self.http_status_counts: dict[int, int] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the ZMQ sockets, start the scheduler and the HTTP server."""
+        if self.publisher is not None:
+            self.publisher.set_drops(drop_rate=self.config.event_drop_rate)
+            await self.publisher.start()
+        self.scheduler = BatchScheduler(self.config, self.cache, self.publisher)
+        self.scheduler.start()
+        self._runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        log.info(
+            "sim_started name=%s url=%s kv_events=%s replay=%s",
+            self.config.name,
+            self.base_url,
+            self.kv_events_endpoint,
+            self.replay_endpoint,
+        )
+
+    async def stop(self) -> None:
+        """Stop serving, fail in-flight requests, close sockets."""
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.publisher is not None:
+            await self.publisher.close()
+        log.info("sim_stopped name=%s", self.config.name)
+
+    async def __aenter__(self) -> EngineSimulator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return self.publisher.endpoint if self.publisher else None
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self.publisher.replay_endpoint if self.publisher else None
+
+    # -- faults ------------------------------------------------------------------------------------
+    async def restart(self) -> None:
+        """Simulated restart (see ``BatchScheduler.restart``)."""
+        assert self.scheduler is not None
+        await self.scheduler.restart()
+
+    def set_faults(
+        self,
+        error_rate: float | None = None,
+        stall_ms: float | None = None,
+        drop_event_batches: int | None = None,
+        event_drop_rate: float | None = None,
+    ) -> dict[str, Any]:
+        """Change fault switches; returns the current settings."""
+        assert self.scheduler is not None
+        if error_rate is not None:
+            self.error_rate = min(1.0, max(0.0, error_rate))
+        if stall_ms is not None:
+            self.scheduler.stall(stall_ms)
+        if self.publisher is not None:
+            self.publisher.set_drops(drop_event_batches, event_drop_rate)
+        return {
+            "error_rate": self.error_rate,
+            "drop_event_batches": self.publisher._drop_next if self.publisher else 0,
+            "event_drop_rate": self.publisher._drop_rate if self.publisher else 0.0,
+        }
+
+    # -- HTTP --------------------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        """The aiohttp application (routes only; ``start`` runs it)."""
+        app = web.Application(middlewares=[self._name_header_middleware], client_max_size=64 * 1024**2)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/sim/faults", self._faults)
+        app.router.add_post("/sim/restart", self._restart)
+        app.router.add_get("/sim/state", self._state)
+        return app
+
+    @web.middleware
+    async def _name_header_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        response: web.StreamResponse = await handler(request)
+        if not response.prepared:
+            response.headers[NAME_HEADER] = self.config.name
+        self.http_status_counts[response.status] = self.http_status_counts.get(response.status, 0) + 1
+        return response
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError")
+        return body
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await self._json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            if chat and not isinstance(body.get("messages"), list):
+                raise TemplateError("'messages' must be a list")
+            prompt_ids = request_token_ids(request.path, body)
+        except TemplateError as exc:
+            return error_response(400, str(exc))
+        if not prompt_ids:
+            return error_response(400, "the prompt is empty")
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+        if max_tokens is None:
+            max_tokens = self.config.default_max_tokens
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            return error_response(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        stream = bool(body.get("stream", False))
+        stream_options = body.get("stream_options") or {}
+        include_usage = isinstance(stream_options, Mapping) and bool(stream_options.get("include_usage"))
+        scheduler = self.scheduler
+        assert scheduler is not None
+        try:
+            scheduler.check(len(prompt_ids), max_tokens)
+        except RequestRejected as exc:
+            return error_response(400, str(exc))
+        if self.error_rate > 0 and self._error_rng.random() < self.error_rate:
+            return error_response(500, "injected fault: internal server error", "InternalServerError")
+        prefix = "chatcmpl" if chat else "cmpl"
+        sim_request = SimRequest(f"{prefix}-{self.config.name}-{next(self._ids)}", prompt_ids, max_tokens)
+        scheduler.submit(sim_request)
+        try:
+            if stream:
+                return await self._stream(request, sim_request, chat, include_usage)
+            return await self._collect(sim_request, chat)
+        finally:
+            scheduler.abort(sim_request)  # no-op when it finished
+
+    def _usage(self, r: SimRequest) -> dict[str, Any]:
+        return {
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.generated,
+            "total_tokens": r.prompt_tokens + r.generated,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+        }
+
+    async def _collect(self, r: SimRequest, chat: bool) -> web.Response:
+        words: list[str] = []
+        while True:
+            item = await r.outputs.get()
+            if item.kind == "token":
+                words.append(item.text)
+            elif item.kind == "error":
+                return error_response(503, item.text, "ServiceUnavailableError")
+            else:
+                break
+        text = " ".join(words)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return web.json_response(
+            {
+                "id": r.request_id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.config.model,
+                "choices": [choice],
+                "usage": self._usage(r),
+            }
+        )
+
+    async def _stream(
+        self, request: web.Request, r: SimRequest, chat: bool, include_usage: bool
+    ) -> web.StreamResponse:
+        first = await r.outputs.get()  # wait for the first token so errors can still be a status code
+        if first.kind == "error":
+            return error_response(503, first.text, "ServiceUnavailableError")
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                NAME_HEADER: self.config.name,
+            }
+        )
+        await response.prepare(request)
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            data: dict[str, Any] = {
+                "id": r.request_id,
+                "object": obj,
+                "created": created,
+                "model": self.config.model,
+                "choices": choices,
+            }
+            if usage is not None:
+                data["usage"] = usage
+            return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+        def piece(text: str, finish: str | None) -> dict[str, Any]:
+            if chat:
+                return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+        if chat:
+            role = {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            await response.write(chunk([role]))
+        item: StepOutput = first
+        index = 0
+        while True:
+            if item.kind == "error":
+                break  # engine restarted/stopped: end the stream without [DONE]
+            if item.kind == "done":
+                last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+                await response.write(chunk([last] if chat else [piece("", "length")]))
+                if include_usage:
+                    await response.write(chunk([], self._usage(r)))
+                await response.write(b"data: [DONE]\n\n")
+                break
+            await response.write(chunk([piece(item.text if index == 0 else " " + item.text, None)]))
+            index += 1
+            item = await r.outputs.get()
+        await response.write_eof()
+        return response
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            if "messages" in body:
+                messages = body["messages"]
+                if not isinstance(messages, list):
+                    raise TemplateError("'messages' must be a list")
+                ids = chat_token_ids(messages, bool(body.get("add_generation_prompt", True)))
+                for m in messages:
+                    if isinstance(m, Mapping) and isinstance(m.get("content"), str):
+                        self.detokenizer.remember(m["content"])
+            elif "prompt" in body:
+                prompt = body["prompt"]
+                if not isinstance(prompt, str | list):
+                    raise TemplateError("'prompt' must be a string or a list of token ids")
+                ids = prompt_token_ids(prompt)
+                if isinstance(prompt, str):
+                    self.detokenizer.remember(prompt)
+            else:
+                raise TemplateError("expected 'prompt' or 'messages'")
+        except TemplateError as exc:
+            return error_response(400, str(exc))
+        return web.json_response(
+            {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids}
+        )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
+            return error_response(400, "'tokens' must be a list of integers")
+        return web.json_response({"prompt": self.detokenizer.decode(tokens)})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = {
+            "id": self.config.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kv-sim",
+            "root": self.config.model,
+            "max_model_len": self.config.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.render_metrics(), content_type="text/plain", charset="utf-8")
+
+    def render_metrics(self) -> str:
+        """Prometheus text exposition with vLLM's metric names and labels."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        c = scheduler.counters
+        labels = f'engine="{self.config.engine_label}",model_name="{self.config.model}"'
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, value: float, extra: str = "") -> None:
+            family = name.removesuffix("_total") if kind == "counter" else name
+            lines.append(f"# HELP {family} {help_text}")
+            lines.append(f"# TYPE {family} {kind}")
+            lines.append(f"{name}{{{labels}{extra}}} {float(value)!r}")
+
+        metric(
+            "vllm:num_requests_running",
+            "gauge",
+            "Requests in model execution batches.",
+            len(scheduler.running),
+        )
+        metric(
+            "vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", len(scheduler.waiting)
+        )
+        metric(
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "KV-cache usage. 1 means 100 percent usage.",
+            self.cache.usage_fraction,
+        )
+        metric(
+            "vllm:prefix_cache_queries_total",
+            "counter",
+            "Prefix cache queries, in tokens.",
+            c.prefix_cache_queries,
+        )
+        metric(
+            "vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens.", c.prefix_cache_hits
+        )
+        metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.", c.preemptions)
+        metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", c.prompt_tokens)
+        metric(
+            "vllm:generation_tokens_total",
+            "counter",
+            "Number of generation tokens processed.",
+            c.generation_tokens,
+        )
+        lines.append("# HELP vllm:request_success Count of successfully processed requests.")
+        lines.append("# TYPE vllm:request_success counter")
+        lines.append(
+            f'vllm:request_success_total{{{labels},finished_reason="length"}} {float(c.requests_finished)!r}'
+        )
+        lines.append(
+            f'vllm:request_success_total{{{labels},finished_reason="abort"}} {float(c.requests_aborted)!r}'
+        )
+        metric("kv_sim_restarts_total", "counter", "Simulated engine restarts.", c.restarts)
+        return "\n".join(lines) + "\n"
+
+    async def _faults(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            current = self.set_faults(
+                error_rate=_opt_float(body, "error_rate"),
+                stall_ms=_opt_float(body, "stall_ms"),
+                drop_event_batches=_opt_int(body, "drop_event_batches"),
+                event_drop_rate=_opt_float(body, "event_drop_rate"),
+            )
+        except ValueError as exc:
+            return error_response(400, str(exc))
+        log.info("faults_set name=%s %s", self.config.name, json.dumps(body, sort_keys=True))
+        return web.json_response(current)
+
+    async def _restart(self, request: web.Request) -> web.Response:
+        await self.restart()
+        return web.json_response(
+            {"restarted": True, "next_seq": self.publisher.next_seq if self.publisher else None}
+        )
+
+    async def _state(self, request: web.Request) -> web.Response:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        return web.json_response(
+            {
+                "name": self.config.name,
+                "cached_blocks": len(self.cache),
+                "evictable_blocks": self.cache.evictable_blocks,
+                "used_slots": self.cache.used_slots,
+                "capacity_blocks": self.cache.capacity_blocks,
+                "running": len(scheduler.running),
+                "waiting": len(scheduler.waiting),
+                "next_event_seq": self.publisher.next_seq if self.publisher else None,
+                "event_batches_dropped": self.publisher.batches_dropped if self.publisher else 0,
+            }
+        )
+
+
+def _opt_float(body: Mapping[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"'{key}' must be a number")
+    return float(value)
+
+
+def _opt_int(body: Mapping[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"'{key}' must be an integer")
+    return value
+
+
+async def run_until_cancelled(sim: EngineSimulator) -> None:
+    """Serve until the task is cancelled, then stop."""
+    await sim.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await sim.stop()
