@@ -1,0 +1,152 @@
+"""Listener configuration (``kv-listener run --config FILE``): pydantic models, every default here.
+
+A bad key or value raises :class:`ListenerConfigError` naming its dotted path (``sources[0].engine``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+Engine = Literal["vllm", "sglang", "trtllm"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LimitsConfig(_Model):
+    """The seed's per-source memory limits (oldest-first pruning of individual blocks)."""
+
+    max_tracked_blocks: int = Field(100_000, ge=1, le=50_000_000)
+    max_retained_tokens: int = Field(16_777_216, ge=0, le=1 << 32)
+    max_chain_tokens: int = Field(16_384, ge=1, le=1 << 24)
+    # One event claiming more token ids than this is dropped as hostile (reason too_large).
+    max_event_tokens: int = Field(1 << 20, ge=1, le=1 << 26)
+    # ZMQ_MAXMSGSIZE: a larger message makes libzmq drop the peer connection.
+    max_message_bytes: int = Field(32 << 20, ge=1024, le=1 << 31)
+
+
+class SourceConfig(_Model):
+    """One engine replica's event source; ``backend_name`` is the picker's endpoint name."""
+
+    backend_name: str
+    engine: Engine = "vllm"
+    model: str
+    block_size: int = Field(16, ge=1, le=65_536)
+    # ZMQ (vllm, sglang)
+    zmq_endpoint: str | None = None
+    zmq_mode: Literal["connect", "bind"] = "connect"  # bind when the engine's publisher connects
+    topic: str = ""
+    replay_endpoint: str | None = None
+    replay_timeout_ms: int = Field(2000, ge=10, le=60_000)
+    # HTTP (trtllm): base URL of trtllm-serve; the poller POSTs {url}/kv_cache_events
+    http_endpoint: str | None = None
+    poll_interval_ms: int = Field(200, ge=10, le=60_000)
+    allowed_publishers: tuple[str, ...] = ()  # empty = any; ZMQ peer IP / TRT-LLM URL host
+    treat_eviction_as_offload: bool = False
+
+    @field_validator("backend_name")
+    @classmethod
+    def _valid_name(cls, v: str) -> str:
+        if not BACKEND_NAME_RE.match(v):
+            raise ValueError("backend_name must match [A-Za-z0-9_-]{1,64}")
+        return v
+
+    @model_validator(mode="after")
+    def _endpoints_for_engine(self) -> SourceConfig:
+        if self.engine == "trtllm":
+            if not self.http_endpoint or not re.match(r"^https?://", self.http_endpoint):
+                raise ValueError("engine trtllm needs http_endpoint (http:// or https:// URL)")
+        elif not self.zmq_endpoint or not re.match(r"^(tcp|ipc|inproc)://", self.zmq_endpoint):
+            raise ValueError(f"engine {self.engine} needs zmq_endpoint (tcp://, ipc:// or inproc://)")
+        return self
+
+
+class FeedConfig(_Model):
+    """Bounds of the listener→picker stream."""
+
+    history_size: int = Field(16_384, ge=16, le=10_000_000)  # records kept per backend for resume
+    subscriber_queue_size: int = Field(4_096, ge=1, le=1_000_000)  # records queued per subscriber
+    max_keys_per_record: int = Field(2_048, ge=1, le=20_000)  # keeps every record far below 1 MiB
+    keepalive_seconds: float = Field(15.0, gt=0, le=3600)
+    write_timeout_seconds: float = Field(10.0, gt=0, le=600)
+
+
+class ListenerConfig(_Model):
+    """Top level of the listener's YAML file."""
+
+    listen: str = "127.0.0.1:7817"  # SSE feed, /metrics, /healthz
+    drain_deadline_seconds: float = Field(5.0, ge=0, le=600)
+    limits: LimitsConfig = LimitsConfig()
+    feed: FeedConfig = FeedConfig()
+    sources: tuple[SourceConfig, ...] = ()
+
+    @field_validator("listen")
+    @classmethod
+    def _valid_listen(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65_535:
+            raise ValueError("listen must be host:port")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_backends(self) -> ListenerConfig:
+        names = [s.backend_name for s in self.sources]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate backend_name: {', '.join(dup)}")
+        return self
+
+    @property
+    def listen_host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def listen_port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+class ListenerConfigError(Exception):
+    """An unusable listener config; ``problems`` are (dotted path, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{p}: {m}" for p, m in problems))
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for item in loc:
+        out += f"[{item}]" if isinstance(item, int) else ("." if out else "") + item
+    return out or "<root>"
+
+
+def parse_listener_config(data: dict[str, Any]) -> ListenerConfig:
+    """Validate a mapping; raise ListenerConfigError naming every bad key's dotted path."""
+    try:
+        return ListenerConfig(**data)
+    except ValidationError as exc:
+        raise ListenerConfigError([(_loc(tuple(e["loc"])), e["msg"]) for e in exc.errors()]) from None
+
+
+def load_listener_config(path: str | Path) -> ListenerConfig:
+    """Load and validate the YAML file at ``path``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ListenerConfigError([("<file>", f"cannot read {path}: {exc.strerror}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ListenerConfigError([("<file>", f"invalid YAML in {path}: {exc}")]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ListenerConfigError([("<root>", "the config file must hold a mapping")])
+    return parse_listener_config(data)

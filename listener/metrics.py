@@ -1,0 +1,70 @@
+"""Listener counters at ``/metrics``. Labels: configured source names and fixed reason sets only."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class ListenerMetrics:
+    """Every metric the listener exports, against one registry (tests make their own)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.messages_received = Counter(
+            "kv_listener_messages_received",
+            "ZMQ messages / HTTP polls with events received",
+            ["source"],
+            registry=r,
+        )
+        self.events_received = Counter(
+            "kv_listener_events_received", "Engine KV events decoded", ["source"], registry=r
+        )
+        self.events_processed = Counter(
+            "kv_listener_events_processed", "Engine KV events applied to block chains", ["source"], registry=r
+        )
+        self.events_dropped = Counter(
+            "kv_listener_events_dropped",
+            "Messages or events skipped, by reason (malformed, too_large, publisher_not_allowed, "
+            "duplicate, stale, ...)",
+            ["source", "reason"],
+            registry=r,
+        )
+        self.block_notes = Counter(
+            "kv_listener_blocks",
+            "Blocks tracked without a key or pruned, by reason (block_size_mismatch, partial_block, "
+            "unknown_parent, chain_too_long, pruned_blocks, unknown_hash, ...)",
+            ["source", "reason"],
+            registry=r,
+        )
+        self.gaps = Counter("kv_listener_sequence_gaps", "Sequence gaps detected", ["source"], registry=r)
+        self.replays = Counter(
+            "kv_listener_replays",
+            "Replay attempts by result (ok, incomplete, failed)",
+            ["source", "result"],
+            registry=r,
+        )
+        self.restarts = Counter(
+            "kv_listener_engine_restarts", "Engine restarts detected (sequence reset)", ["source"], registry=r
+        )
+        self.clears = Counter(
+            "kv_listener_backend_clears", "Backend state dropped, by reason", ["source", "reason"], registry=r
+        )
+        self.tracked_blocks = Gauge(
+            "kv_listener_tracked_blocks", "Engine blocks tracked", ["source"], registry=r
+        )
+        self.retained_tokens = Gauge(
+            "kv_listener_retained_tokens", "Token ids retained in chain segments", ["source"], registry=r
+        )
+        self.subscribers = Gauge(
+            "kv_listener_feed_subscribers", "Connected feed consumers", ["backend"], registry=r
+        )
+        self.feed_overflows = Counter(
+            "kv_listener_feed_overflows",
+            "Consumers disconnected with buffer_overflow",
+            ["backend"],
+            registry=r,
+        )
+        self.feed_records = Counter(
+            "kv_listener_feed_records", "Index delta records published", ["backend"], registry=r
+        )
