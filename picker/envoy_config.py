@@ -31,6 +31,12 @@ class EnvoyOptions:
     route_timeout_s: int = 600
     backends: Sequence[str] = field(default_factory=tuple)  # ip:port, only for the no-picker baseline
     max_requests: int = 10_000
+    # BUFFERED mode holds the whole body in Envoy: keep this above the picker's extproc.max_body_bytes
+    # so the picker, not Envoy's plain-text 413, answers oversized bodies (with a JSON 400).
+    buffer_limit_bytes: int = 16 << 20
+    # Tests only: a Lua filter copies this request header into the subset-hint metadata, as a GIE
+    # gateway would, so the picker's subset handling can be exercised through a real Envoy.
+    subset_hint_from_header: str | None = None
 
 
 def _addr(host_port: str) -> dict[str, Any]:
@@ -56,6 +62,28 @@ def _ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
             "failure_mode_allow": o.fail_open,
             "message_timeout": f"{o.message_timeout_ms / 1000:.3f}s",
             "processing_mode": mode,
+            "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
+        },
+    }
+
+
+def _subset_hint_lua(header: str) -> dict[str, Any]:
+    code = f"""
+function envoy_on_request(handle)
+  local v = handle:headers():get("{header}")
+  if v ~= nil then
+    local list = {{}}
+    for item in string.gmatch(v, "[^,]+") do table.insert(list, item) end
+    handle:streamInfo():dynamicMetadata():set(
+      "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", list)
+  end
+end
+"""
+    return {
+        "name": "envoy.filters.http.lua",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+            "default_source_code": {"inline_string": code},
         },
     }
 
@@ -63,6 +91,8 @@ def _ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
 def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
     """The bootstrap as a dict (dump it as YAML or JSON)."""
     http_filters: list[dict[str, Any]] = []
+    if o.subset_hint_from_header:
+        http_filters.append(_subset_hint_lua(o.subset_hint_from_header))
     if o.picker_address is not None:
         http_filters.append(_ext_proc_filter(o))
     http_filters.append(
@@ -159,6 +189,7 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                 {
                     "name": "inference_listener",
                     "address": _addr(f"{o.listen_address}:{o.listen_port}"),
+                    "per_connection_buffer_limit_bytes": o.buffer_limit_bytes,
                     "filter_chains": [
                         {
                             "filters": [

