@@ -43,7 +43,7 @@ class TraceRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of one trace line."""
-        obj: dict[str, Any] = {"t": round(self.t, 6), "session": self.session, "path": self.path}
+        obj: dict[str, Any] = {"t": self.t, "session": self.session, "path": self.path}
         if self.turn is not None:
             obj["turn"] = self.turn
         obj.update(self.extra)
