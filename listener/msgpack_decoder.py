@@ -48,7 +48,8 @@ def _unpack(payload: bytes, max_array_len: int) -> Any:
             max_ext_len=0,
         )
     except (ValueError, msgpack.UnpackException, TypeError) as exc:
-        raise DecodeError("malformed", f"msgpack: {type(exc).__name__}") from None
+        reason = "too_large" if "exceeds max" in str(exc) else "malformed"
+        raise DecodeError(reason, f"msgpack: {type(exc).__name__}") from None
 
 
 def _opt_int(v: Any, name: str) -> int | None:
