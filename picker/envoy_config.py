@@ -9,6 +9,7 @@ full-duplex mode when the picker is unreachable).
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -42,6 +43,15 @@ class EnvoyOptions:
 def _addr(host_port: str) -> dict[str, Any]:
     host, _, port = host_port.rpartition(":")
     return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
+
+
+def _is_ip(host_port: str) -> bool:
+    host = host_port.rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
@@ -128,7 +138,7 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
         clusters.append(
             {
                 "name": "kv_epp_picker",
-                "type": "STATIC",
+                "type": "STATIC" if _is_ip(o.picker_address) else "STRICT_DNS",
                 "connect_timeout": "1s",
                 "typed_extension_protocol_options": {
                     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {

@@ -47,7 +47,8 @@ class PickerServer:
         self._admin: web.AppRunner | None = None
         self._admin_extra = admin_extra or []
         self._tasks: list[asyncio.Task[None]] = []
-        self._stopped = asyncio.Event()
+        self._stopped = asyncio.Event()  # stop() has begun
+        self._done = asyncio.Event()  # stop() has finished: servers closed, tasks ended
         self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []  # extra long-running coroutines
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
         self.extproc_port = 0
@@ -133,9 +134,10 @@ class PickerServer:
         if self._admin is not None:
             await self._admin.cleanup()
         log.info("event=picker_stopped")
+        self._done.set()
 
     async def wait(self) -> None:
-        await self._stopped.wait()
+        await self._done.wait()
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,121 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from picker.config import (
+    ConfigError,
+    config_warnings,
+    load_settings,
+    parse_settings,
+    restart_required_changes,
+)
+
+
+def test_defaults_follow_the_seed() -> None:
+    s = parse_settings({})
+    pr, kv = s.prefix_routing, s.kv_cache_index
+    assert (pr.enabled, pr.max_prefix_length, pr.load_factor_epsilon, pr.virtual_nodes) == (
+        False,
+        1024,
+        0.25,
+        150,
+    )
+    assert (kv.enabled, kv.backend, kv.max_entries, kv.entry_ttl_seconds) == (False, "memory", 100_000, 600)
+    sc = kv.scoring
+    assert (sc.overlap_weight, sc.load_weight, sc.health_weight, sc.min_overlap_threshold) == (
+        0.6,
+        0.3,
+        0.1,
+        0.3,
+    )
+    assert (sc.gpu_tier_weight, sc.storage_tier_weight) == (1.0, 0.6)
+    assert kv.storage_offloading.treat_eviction_as_offload is True
+    assert s.admin.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        ({"prefix_routing": {"virtual_nodes": 0}}, "prefix_routing.virtual_nodes"),
+        ({"prefix_routing": {"load_factor_epsilon": 20}}, "prefix_routing.load_factor_epsilon"),
+        ({"prefix_routing": {"typo_key": 1}}, "prefix_routing.typo_key"),
+        ({"selection_strategy": "Fastest"}, "selection_strategy"),
+        ({"kv_cache_index": {"max_entries": 5}}, "kv_cache_index.max_entries"),
+        ({"kv_cache_index": {"scoring": {"load_weight": 0.5}}}, "kv_cache_index.scoring"),
+        ({"pool": {"backends": [{"name": "ok", "address": "nohostport"}]}}, "pool.backends[0].address"),
+        ({"pool": {"backends": [{"name": "bad name!", "address": "1.2.3.4:5"}]}}, "pool.backends[0].name"),
+        (
+            {
+                "pool": {
+                    "backends": [{"name": "a", "address": "1.2.3.4:5"}, {"name": "a", "address": "1.2.3.4:6"}]
+                }
+            },
+            "pool",
+        ),
+        ({"unknown_section": {}}, "unknown_section"),
+    ],
+)
+def test_bad_keys_are_refused_with_their_path(data: dict, path: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_settings(data)
+    assert path in [p for p, _ in exc.value.problems], exc.value.problems
+
+
+def test_environment_overrides_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("prefix_routing:\n  enabled: true\n  virtual_nodes: 10\n")
+    monkeypatch.setenv("KV_EPP_PREFIX_ROUTING__VIRTUAL_NODES", "20")
+    s = load_settings(f)
+    assert s.prefix_routing.enabled is True and s.prefix_routing.virtual_nodes == 20
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        load_settings(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [unclosed")
+    with pytest.raises(ConfigError):
+        load_settings(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42")
+    with pytest.raises(ConfigError):
+        load_settings(scalar)
+
+
+def test_seed_warnings() -> None:
+    w = dict(config_warnings(parse_settings({"selection_strategy": "PrefixAwareHash"})))
+    assert "selection_strategy" in w
+    w = dict(
+        config_warnings(
+            parse_settings(
+                {
+                    "prefix_routing": {"enabled": True},
+                    "kv_cache_index": {"enabled": True, "scoring": {"gpu_tier_weight": 0.2}},
+                }
+            )
+        )
+    )
+    assert "kv_cache_index.scoring.gpu_tier_weight" in w
+
+
+def test_restart_required_sections() -> None:
+    a = parse_settings({})
+    b = parse_settings({"extproc": {"port": 1234}, "selection_strategy": "Random"})
+    assert restart_required_changes(a, b) == ["extproc"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "picker", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_validate(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("selection_strategy: PrefixAwareHash\n")
+    r = run_cli("config", "validate", str(good))
+    assert r.returncode == 0 and "warning: selection_strategy:" in r.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prefix_routing:\n  virtual_nodes: -1\n")
+    r = run_cli("config", "validate", str(bad))
+    assert r.returncode == 1 and "error: prefix_routing.virtual_nodes:" in r.stdout

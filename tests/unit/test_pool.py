@@ -1,0 +1,67 @@
+from picker.config import PoolConfig
+from picker.pool import Pool
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def pool(clock: Clock | None = None) -> Pool:
+    cfg = PoolConfig.model_validate(
+        {
+            "backends": [{"name": "a", "address": "1.1.1.1:1"}, {"name": "b", "address": "2.2.2.2:2"}],
+            "health": {"window_size": 4, "min_samples": 2, "unhealthy_below": 0.5, "cooldown_seconds": 10},
+        }
+    )
+    return Pool(cfg, clock or Clock())
+
+
+def test_lease_release_is_idempotent() -> None:
+    p = pool()
+    ep = p.endpoints[0]
+    lease = p.acquire(ep)
+    p.acquire(ep)
+    assert p.in_flight()["a"] == 2
+    lease.release()
+    lease.release()
+    assert p.in_flight()["a"] == 1
+
+
+def test_failures_eject_then_cooldown_readmits() -> None:
+    clock = Clock()
+    p = pool(clock)
+    p.record_response("a", False)
+    p.record_response("a", False)
+    assert [s.endpoint.name for s in p.view().states] == ["b"]
+    clock.t += 11
+    assert [s.endpoint.name for s in p.view().states] == ["a", "b"]
+    assert p.success_rate("a") == 1.0  # fresh window on probation
+
+
+def test_view_reports_load_health_latency_and_subset() -> None:
+    p = pool()
+    p.acquire(p.endpoints[1])
+    p.record_response("b", True, latency_ms=10)
+    p.record_response("b", False)
+    states = p.view().by_name()
+    assert (
+        states["b"].in_flight == 1 and states["b"].success_rate == 0.5 and states["b"].latency_ewma_ms == 10
+    )
+    assert [s.endpoint.name for s in p.view(["2.2.2.2:2"]).states] == ["b"]
+    assert p.view(["9.9.9.9:9"]).states == ()
+
+
+def test_update_keeps_counters_of_remaining_endpoints() -> None:
+    p = pool()
+    p.acquire(p.endpoints[0])
+    p.update(
+        PoolConfig.model_validate(
+            {"backends": [{"name": "a", "address": "1.1.1.1:1"}, {"name": "c", "address": "3.3.3.3:3"}]}
+        )
+    )
+    assert p.in_flight() == {"a": 1, "c": 0}
+    assert p.name_for_address("2.2.2.2:2") is None
