@@ -67,7 +67,8 @@ def test_anthropic_system_string_and_blocks_agree() -> None:
         "/v1/messages",
     )
     blocks = key(
-        b'{"model":"c","system":[{"type":"text","text":"You review code."}],"messages":[{"role":"user","content":"x"}]}',
+        b'{"model":"c","system":[{"type":"text","text":"You review code."}],'
+        b'"messages":[{"role":"user","content":"x"}]}',
         "/v1/messages",
     )
     assert s == blocks == sha256(b"c\x00SYou review code.").digest()
