@@ -1,0 +1,329 @@
+"""The picker's side of the listener feed: one background task per ``kv_cache_index.event_sources``
+entry, applying the backend's index deltas to the KV index in order (see ``listener/feed.py`` for the
+record format).
+
+- Resumes from the last event id it applied (``Last-Event-ID``); a snapshot is staged and swapped in
+  at ``snapshot_end`` in one synchronous step, so lookups never see a half-built backend.
+- Every SSE line and every record's accumulated ``data`` is bounded by ``MAX_RECORD_BYTES`` (1 MiB);
+  an oversize record drops the connection, then the consumer reconnects and resumes.
+- Reconnects with exponential backoff from ``reconnect_interval_ms`` (default 1 s) up to 60 s; the
+  delay resets after a connection that delivered records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import aiohttp
+
+from picker.config import EventSourceConfig
+from picker.endpoints import StorageTier
+from picker.kv_index import InMemoryKvIndex
+from picker.metrics import PickerMetrics
+
+log = logging.getLogger("kv_epp.kv_feed_consumer")
+
+MAX_RECORD_BYTES = 1 << 20  # the seed's MAX_SSE_BUFFER_SIZE: per line and per record
+MAX_BACKOFF_S = 60.0
+_TIERS = {"gpu_hot": StorageTier.GPU_HOT, "storage_warm": StorageTier.STORAGE_WARM}
+
+
+class RecordTooLarge(Exception):
+    """An SSE line or record exceeded MAX_RECORD_BYTES."""
+
+
+class FeedClosed(Exception):
+    """The listener closed the stream with a reason (buffer_overflow, draining)."""
+
+
+@dataclass(slots=True)
+class ConsumerStats:
+    """Per-source figures for ``/admin/kv-index/stats`` and ``/backends``."""
+
+    backend_name: str
+    connected: bool = False
+    events_received: int = 0
+    events_dropped: int = 0
+    last_event_at: float | None = None  # wall-clock seconds
+    reconnect_count: int = 0
+    last_event_id: int | None = None
+    snapshots: int = 0
+    last_close_reason: str | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        at = None
+        if self.last_event_at is not None:
+            at = datetime.fromtimestamp(self.last_event_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {
+            "backend_name": self.backend_name,
+            "connected": self.connected,
+            "events_received": self.events_received,
+            "events_dropped": self.events_dropped,
+            "last_event_at": at,
+            "reconnect_count": self.reconnect_count,
+        }
+
+
+class SseParser:
+    """Incremental SSE parser with bounded buffers. ``feed(bytes)`` returns complete records as
+    (event, data, id) tuples; ``id`` is None when the record carries none."""
+
+    def __init__(self, max_bytes: int = MAX_RECORD_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._buf = bytearray()  # bound: max_bytes without a newline
+        self._event = ""
+        self._data: list[str] = []
+        self._data_len = 0  # bound: max_bytes per record
+        self._id: str | None = None
+
+    def feed(self, chunk: bytes) -> list[tuple[str, str, str | None]]:
+        self._buf += chunk
+        out: list[tuple[str, str, str | None]] = []
+        start = 0
+        while True:
+            nl = self._buf.find(b"\n", start)
+            if nl < 0:
+                break
+            line = bytes(self._buf[start:nl]).rstrip(b"\r").decode("utf-8", "replace")
+            start = nl + 1
+            rec = self._line(line)
+            if rec is not None:
+                out.append(rec)
+        del self._buf[:start]
+        if len(self._buf) > self.max_bytes:
+            raise RecordTooLarge(f"line over {self.max_bytes} bytes")
+        return out
+
+    def _line(self, line: str) -> tuple[str, str, str | None] | None:
+        if not line:
+            if not self._data and not self._event:
+                self._id = None
+                return None
+            rec = (self._event or "message", "\n".join(self._data), self._id)
+            self._event, self._data, self._data_len, self._id = "", [], 0, None
+            return rec
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "data":
+            self._data_len += len(value) + 1
+            if self._data_len > self.max_bytes:
+                raise RecordTooLarge(f"record over {self.max_bytes} bytes")
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id":
+            self._id = value
+        return None
+
+
+class KvFeedConsumer:
+    """Consumes one backend's feed into the index until ``stop()``."""
+
+    def __init__(
+        self,
+        source: EventSourceConfig,
+        index: InMemoryKvIndex,
+        metrics: PickerMetrics | None = None,
+        session: aiohttp.ClientSession | None = None,
+        max_backoff_s: float = MAX_BACKOFF_S,
+    ) -> None:
+        self.source = source
+        self.backend = source.backend_name
+        self.index = index
+        self.metrics = metrics
+        self.stats = ConsumerStats(backend_name=self.backend)
+        self.max_backoff_s = max_backoff_s
+        self._session = session
+        self._own_session = session is None
+        self._task: asyncio.Task[None] | None = None
+        # staged snapshot (key, tier) pairs; bound: the index's max_entries (excess is dropped)
+        self._staged: list[tuple[list[int], StorageTier]] | None = None
+        self._staged_count = 0
+        self._delivered = False
+
+    @property
+    def last_event_id(self) -> int | None:
+        return self.stats.last_event_id
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name=f"kv-feed-{self.backend}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._set_connected(False)
+
+    def _set_connected(self, value: bool) -> None:
+        self.stats.connected = value
+        if self.metrics is not None:
+            self.metrics.kv_consumer_connected.labels(self.backend).set(1 if value else 0)
+
+    def _dropped(self, n: int = 1) -> None:
+        self.stats.events_dropped += n
+        if self.metrics is not None:
+            self.metrics.kv_event_dropped.labels(self.backend).inc(n)
+
+    async def run(self) -> None:
+        """Connect, consume, back off, repeat; never raises except on cancellation."""
+        base = self.source.reconnect_interval_ms / 1000
+        delay = base
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        while True:
+            self._delivered = False
+            try:
+                await self.consume_once()
+                reason = "eof"
+            except asyncio.CancelledError:
+                raise
+            except FeedClosed as exc:
+                reason = str(exc)
+            except RecordTooLarge:
+                self._dropped()
+                reason = "record_too_large"
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                reason = type(exc).__name__
+            finally:
+                self._set_connected(False)
+                self._staged = None
+            self.stats.last_close_reason = reason
+            if self._delivered:
+                delay = base
+            log.info("event=feed_disconnected backend=%s reason=%s retry_in_s=%.1f", self.backend, reason, delay)
+            await asyncio.sleep(delay)
+            delay = min(max(delay * 2, base), max(self.max_backoff_s, base))
+            self.stats.reconnect_count += 1
+
+    async def consume_once(self) -> None:
+        """One connection: read records until EOF, a close record, or an error."""
+        assert self._session is not None
+        headers = {"Accept": "text/event-stream"}
+        if self.stats.last_event_id is not None:
+            headers["Last-Event-ID"] = str(self.stats.last_event_id)
+        async with self._session.get(self.source.endpoint, headers=headers) as resp:
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            self._set_connected(True)
+            parser = SseParser()
+            async for chunk in resp.content.iter_any():
+                for event, data, rec_id in parser.feed(chunk):
+                    self.apply_record(event, data, rec_id)
+
+    def apply_record(self, event: str, data: str, rec_id: str | None) -> None:
+        """Apply one SSE record to the index (synchronous: no await between parse and apply)."""
+        if event == "close":
+            try:
+                reason = str(json.loads(data).get("reason", "closed"))
+            except (ValueError, AttributeError):
+                reason = "closed"
+            raise FeedClosed(reason)
+        self.stats.events_received += 1
+        self.stats.last_event_at = time.time()
+        self._delivered = True
+        try:
+            payload = json.loads(data) if data else {}
+            if not isinstance(payload, dict):
+                raise ValueError("record data is not an object")
+            self._apply(event, payload)
+        except (ValueError, TypeError, KeyError) as exc:
+            self._dropped()
+            log.warning("event=feed_record_dropped backend=%s record=%s error=%s", self.backend, event, exc)
+            return
+        if rec_id is not None:
+            try:
+                self.stats.last_event_id = int(rec_id)
+            except ValueError:
+                self._dropped()
+
+    def _keys(self, payload: dict[str, object]) -> list[int]:
+        raw = payload["keys"]
+        if not isinstance(raw, list):
+            raise ValueError("keys is not a list")
+        return [int(str(k), 16) for k in raw]
+
+    def _apply(self, event: str, payload: dict[str, object]) -> None:
+        if event == "put":
+            tier = _TIERS[str(payload.get("tier"))]
+            keys = self._keys(payload)
+            if self._staged is not None:
+                room = self.index.max_entries - self._staged_count
+                if room > 0:
+                    self._staged.append((keys[:room], tier))
+                    self._staged_count += min(room, len(keys))
+            else:
+                self.index.put(self.backend, keys, tier)
+        elif event == "del":
+            self.index.remove(self.backend, self._keys(payload))
+        elif event == "clear":
+            self.index.drop_backend(self.backend)
+            log.info("event=backend_cleared backend=%s reason=%s", self.backend, payload.get("reason"))
+        elif event == "snapshot_begin":
+            self._staged, self._staged_count = [], 0
+        elif event == "snapshot_end":
+            staged, self._staged = self._staged or [], None
+            self.index.drop_backend(self.backend)
+            for keys, tier in staged:
+                self.index.put(self.backend, keys, tier)
+            self.stats.snapshots += 1
+            log.info("event=snapshot_applied backend=%s entries=%d", self.backend, self._staged_count)
+        else:
+            raise ValueError(f"unknown record type {event!r}")
+
+
+class KvFeedConsumers:
+    """All consumers of a picker (one per configured event source) plus the index TTL sweep."""
+
+    def __init__(
+        self,
+        sources: tuple[EventSourceConfig, ...],
+        index: InMemoryKvIndex,
+        metrics: PickerMetrics | None = None,
+        sweep_interval_s: float = 30.0,
+    ) -> None:
+        self.index = index
+        self.metrics = metrics
+        self.consumers = {s.backend_name: KvFeedConsumer(s, index, metrics) for s in sources}
+        self.sweep_interval_s = sweep_interval_s
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        for c in self.consumers.values():
+            c.start()
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_loop(), name="kv-index-sweep")
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            # bounded work per step, yielding between steps, so the loop never stalls
+            while self.index.sweep_expired(budget=10_000) >= 10_000:
+                await asyncio.sleep(0)
+            if self.metrics is not None:
+                self.metrics.kv_index_entries.set(self.index.entry_count)
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        for c in self.consumers.values():
+            await c.stop()
+
+    def stats(self) -> list[ConsumerStats]:
+        return [c.stats for c in self.consumers.values()]

@@ -1,0 +1,114 @@
+"""Tier 4 admin JSON (the seed's shapes) and the decision counters behind it.
+
+The lead's admin routes return these dicts as they are:
+``GET /admin/kv-index/stats`` → ``kv_index_stats(...)``, ``GET /admin/kv-index/backends`` →
+``kv_index_backends(...)``, ``POST /admin/kv-index/clear`` → ``kv_index_clear(index)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from picker.config import KvCacheIndexConfig
+from picker.endpoints import StorageTier
+from picker.kv_feed_consumer import ConsumerStats
+from picker.kv_index import InMemoryKvIndex
+from picker.metrics import PickerMetrics
+
+
+@dataclass(slots=True)
+class KvDecisionCounters:
+    """Counts of scorer runs by decision; ``record`` also updates the Prometheus metrics."""
+
+    kv_aware: int = 0
+    fallback: int = 0
+    query_latency_count: int = 0
+    overlap_score_count: int = 0
+
+    def record(self, decision: str, tier: StorageTier, score: float, metrics: PickerMetrics | None = None) -> None:
+        """One scorer run: decision ``kv_aware`` (it chose) or ``fallback`` (best score <= 0.3)."""
+        self.query_latency_count += 1
+        if decision == "kv_aware":
+            self.kv_aware += 1
+            self.overlap_score_count += 1
+        else:
+            self.fallback += 1
+        if metrics is not None:
+            metrics.kv_index_routing_decisions.labels(decision, tier.value).inc()
+            if decision == "kv_aware":
+                metrics.kv_index_overlap_score.observe(score)
+
+
+def kv_index_stats(
+    cfg: KvCacheIndexConfig,
+    index: InMemoryKvIndex | None,
+    consumers: Sequence[ConsumerStats],
+    decisions: KvDecisionCounters,
+) -> dict[str, object]:
+    """The seed's ``GET /admin/kv-index/stats`` body."""
+    sc = cfg.scoring
+    return {
+        "enabled": cfg.enabled,
+        "config": {
+            "backend": cfg.backend,
+            "max_entries": cfg.max_entries,
+            "entry_ttl_seconds": cfg.entry_ttl_seconds,
+            "event_sources_count": len(cfg.event_sources),
+            "scoring": {
+                "overlap_weight": sc.overlap_weight,
+                "load_weight": sc.load_weight,
+                "health_weight": sc.health_weight,
+                "min_overlap_threshold": sc.min_overlap_threshold,
+            },
+        },
+        "index": {
+            "prefix_count": index.prefix_count if index else 0,
+            "entry_count": index.entry_count if index else 0,
+            "total_hits": index.total_hits if index else 0,
+            "total_evictions": index.total_evictions if index else 0,
+        },
+        "event_sources": [c.as_dict() for c in consumers],
+        "routing_decisions": {
+            "kv_aware": decisions.kv_aware,
+            "fallback": decisions.fallback,
+            "total": decisions.kv_aware + decisions.fallback,
+        },
+        "query_latency_count": decisions.query_latency_count,
+        "overlap_score_count": decisions.overlap_score_count,
+    }
+
+
+def kv_index_backends(
+    enabled: bool, index: InMemoryKvIndex | None, consumers: Sequence[ConsumerStats]
+) -> dict[str, object]:
+    """The seed's ``GET /admin/kv-index/backends`` body."""
+    out = []
+    for c in consumers:
+        _, created, evicted = index.backend_counters(c.backend_name) if index else (0, 0, 0)
+        d = c.as_dict()
+        out.append(
+            {
+                "backend_name": c.backend_name,
+                "connection": {
+                    "connected": c.connected,
+                    "reconnect_count": c.reconnect_count,
+                    "last_event_at": d["last_event_at"],
+                },
+                "events": {
+                    "received": c.events_received,
+                    "dropped": c.events_dropped,
+                    "index_created": created,
+                    "index_evicted": evicted,
+                },
+            }
+        )
+    return {"enabled": enabled, "backends": out}
+
+
+def kv_index_clear(index: InMemoryKvIndex) -> dict[str, object]:
+    """The seed's ``POST /admin/kv-index/clear`` body (clears the whole index)."""
+    before = index.entry_count
+    prefixes = index.prefix_count
+    index.clear()
+    return {"success": True, "entries_before_clear": before, "cleared_entries": prefixes}
