@@ -150,9 +150,7 @@ async def test_events_decode_to_exactly_the_cached_blocks(
 
 
 @pytest.mark.parametrize("layout", ["seq", "topic"])
-async def test_dropped_batches_leave_a_gap_that_replay_fills(
-    http: aiohttp.ClientSession, layout: str
-) -> None:
+async def test_dropped_batches_leave_a_gap_that_replay_fills(http: aiohttp.ClientSession, layout: str) -> None:
     settings = KvEventsSettings(replay_layout=layout, topic="t")  # type: ignore[arg-type]
     sim, tap = await started(SimConfig(time_scale=0.001), settings)
     try:
@@ -216,3 +214,35 @@ async def test_sglang_flavour(http: aiohttp.ClientSession) -> None:
     finally:
         tap.close()
         await sim.stop()
+
+
+async def test_publisher_connects_to_a_binding_subscriber() -> None:
+    """Connect mode (endpoint without a wildcard): the simulator's PUB dials the subscriber's address.
+
+    Checked by the handshake seen on the subscriber side. Delivery is not asserted: in this
+    environment (libzmq 4.3.5, pyzmq 27.3) a bound SUB fed by a connecting PUB receives nothing even
+    with plain pyzmq sockets, although the ZMTP handshake succeeds.
+    """
+    from zmq.utils.monitor import parse_monitor_message
+
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sub.get_monitor_socket()
+    sub.bind("tcp://127.0.0.1:*")
+    endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    sim = EngineSimulator(SimConfig(time_scale=0.001), KvEventsSettings(endpoint=endpoint, replay_endpoint=None))
+    await sim.start()
+    try:
+        assert sim.kv_events_endpoint == endpoint and sim.replay_endpoint is None
+        while True:
+            event = parse_monitor_message(await asyncio.wait_for(monitor.recv_multipart(), 10))
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                break
+    finally:
+        await sim.stop()
+        sub.disable_monitor()
+        monitor.close(linger=0)
+        sub.close(linger=0)
+        ctx.term()
