@@ -74,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hash-seed", default="")
     parser.add_argument("--vllm-last-token-rule", action="store_true")
     args = parser.parse_args(argv)
-    result = bound_hit_rate(
-        read_trace(args.trace), args.block_size, args.hash_seed, args.vllm_last_token_rule
-    )
+    result = bound_hit_rate(read_trace(args.trace), args.block_size, args.hash_seed, args.vllm_last_token_rule)
     print(json.dumps({**asdict(result), "hit_rate": result.hit_rate}))
     return 0
 

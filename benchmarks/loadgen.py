@@ -165,9 +165,7 @@ async def run_trace(
         waits[i] = previous_turn.get(session) if session is not None else None
         if session is not None:
             previous_turn[session] = finished[i]
-    results = [
-        RequestResult(i, r.session, r.turn, r.path, r.t * time_scale, 0.0, 0) for i, r in enumerate(ordered)
-    ]
+    results = [RequestResult(i, r.session, r.turn, r.path, r.t * time_scale, 0.0, 0) for i, r in enumerate(ordered)]
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
     connector = aiohttp.TCPConnector(limit=max_concurrency)
     start = time.perf_counter()

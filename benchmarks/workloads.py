@@ -159,9 +159,7 @@ def shared_prefix_groups(
     for t, (group, question) in zip(times, pairs, strict=True):
         messages = [{"role": "system", "content": systems[group]}, {"role": "user", "content": question}]
         records.append(
-            TraceRecord(
-                t, CHAT_PATH, {"messages": messages, **_sampling(model, output_len)}, extra={"group": group}
-            )
+            TraceRecord(t, CHAT_PATH, {"messages": messages, **_sampling(model, output_len)}, extra={"group": group})
         )
     return records
 
@@ -185,11 +183,7 @@ def multi_turn_chat(
     appended to the history is ``output_len`` random words, so history lengths match the output length.
     """
     rng = random.Random(seed)
-    starts = (
-        list(session_starts)
-        if session_starts is not None
-        else poisson_arrivals(num_sessions, session_rate, rng)
-    )
+    starts = list(session_starts) if session_starts is not None else poisson_arrivals(num_sessions, session_rate, rng)
     if len(starts) != num_sessions:
         raise ValueError("session_starts must have num_sessions entries")
     records: list[TraceRecord] = []

@@ -25,9 +25,7 @@ KV_PREFIX = "kv-events-"
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI parser (flags derived from the config dataclasses)."""
-    parser = argparse.ArgumentParser(
-        prog="kv-sim", description="Simulated vLLM replica for kv-epp benchmarks"
-    )
+    parser = argparse.ArgumentParser(prog="kv-sim", description="Simulated vLLM replica for kv-epp benchmarks")
     add_dataclass_arguments(parser, SimConfig)
     add_dataclass_arguments(parser.add_argument_group("KV events"), KvEventsSettings, KV_PREFIX)  # type: ignore[arg-type]
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")

@@ -196,9 +196,7 @@ class PagedPrefixCache:
         def close_run(end: int) -> None:
             if run_digests:
                 parent = alloc.digests[run_start - 1] if run_start > 0 else None
-                runs.append(
-                    StoredRun(tuple(run_digests), parent, tuple(token_ids[run_start * bs : end * bs]))
-                )
+                runs.append(StoredRun(tuple(run_digests), parent, tuple(token_ids[run_start * bs : end * bs])))
                 run_digests.clear()
 
         for i in range(alloc.hit_blocks, len(alloc.digests)):

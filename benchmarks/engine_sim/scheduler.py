@@ -99,9 +99,7 @@ class BatchScheduler:
     request is an open HTTP request). Running set bound: ``max_num_seqs``.
     """
 
-    def __init__(
-        self, config: SimConfig, cache: PagedPrefixCache, publisher: KvEventPublisher | None = None
-    ) -> None:
+    def __init__(self, config: SimConfig, cache: PagedPrefixCache, publisher: KvEventPublisher | None = None) -> None:
         self.config = config
         self.cache = cache
         self.publisher = publisher
@@ -191,9 +189,7 @@ class BatchScheduler:
             generation = self._generation
             decoding, prefill_tokens = self._plan_step()
             step_ms = (
-                cfg.step_overhead_ms
-                + cfg.prefill_ms_per_token * prefill_tokens
-                + cfg.decode_ms_per_seq * len(decoding)
+                cfg.step_overhead_ms + cfg.prefill_ms_per_token * prefill_tokens + cfg.decode_ms_per_seq * len(decoding)
             )
             await asyncio.sleep(step_ms / 1000.0 * cfg.time_scale)
             if generation != self._generation:
@@ -261,9 +257,7 @@ class BatchScheduler:
     def _store_prompt_blocks(self, r: SimRequest) -> None:
         assert r.alloc is not None
         for run in self.cache.commit_prompt_blocks(r.alloc, r.prompt_ids):
-            self._pending_events.append(
-                BlockStoredEvent(run.digests, run.parent, run.token_ids, self.cache.block_size)
-            )
+            self._pending_events.append(BlockStoredEvent(run.digests, run.parent, run.token_ids, self.cache.block_size))
 
     def _emit_token(self, r: SimRequest) -> None:
         word = output_word(r.prompt_ids, r.generated)

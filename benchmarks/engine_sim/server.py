@@ -66,13 +66,9 @@ class EngineSimulator:
     def __init__(self, config: SimConfig | None = None, kv_events: KvEventsSettings | None = None) -> None:
         self.config = config or SimConfig()
         self.kv_settings = kv_events or KvEventsSettings()
-        self.cache = PagedPrefixCache(
-            self.config.block_size, self.config.capacity_blocks, self.config.hash_seed
-        )
+        self.cache = PagedPrefixCache(self.config.block_size, self.config.capacity_blocks, self.config.hash_seed)
         self.publisher: KvEventPublisher | None = (
-            KvEventPublisher(self.kv_settings, drop_seed=self.config.seed)
-            if self.config.kv_events_enabled
-            else None
+            KvEventPublisher(self.kv_settings, drop_seed=self.config.seed) if self.config.kv_events_enabled else None
         )
         self.scheduler: BatchScheduler | None = None
         self.detokenizer = Detokenizer()
@@ -279,9 +275,7 @@ class EngineSimulator:
             }
         )
 
-    async def _stream(
-        self, request: web.Request, r: SimRequest, chat: bool, include_usage: bool
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, r: SimRequest, chat: bool, include_usage: bool) -> web.StreamResponse:
         first = await r.outputs.get()  # wait for the first token so errors can still be a status code
         if first.kind == "error":
             return error_response(503, first.text, "ServiceUnavailableError")
@@ -363,18 +357,14 @@ class EngineSimulator:
                 raise TemplateError("expected 'prompt' or 'messages'")
         except TemplateError as exc:
             return error_response(400, str(exc))
-        return web.json_response(
-            {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids}
-        )
+        return web.json_response({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
         if isinstance(body, web.Response):
             return body
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in tokens
-        ):
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             return error_response(400, "'tokens' must be a list of integers")
         return web.json_response({"prompt": self.detokenizer.decode(tokens)})
 
@@ -415,9 +405,7 @@ class EngineSimulator:
             "Requests in model execution batches.",
             len(scheduler.running),
         )
-        metric(
-            "vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", len(scheduler.waiting)
-        )
+        metric("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", len(scheduler.waiting))
         metric(
             "vllm:kv_cache_usage_perc",
             "gauge",
@@ -430,9 +418,7 @@ class EngineSimulator:
             "Prefix cache queries, in tokens.",
             c.prefix_cache_queries,
         )
-        metric(
-            "vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens.", c.prefix_cache_hits
-        )
+        metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens.", c.prefix_cache_hits)
         metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.", c.preemptions)
         metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", c.prompt_tokens)
         metric(
@@ -443,12 +429,8 @@ class EngineSimulator:
         )
         lines.append("# HELP vllm:request_success Count of successfully processed requests.")
         lines.append("# TYPE vllm:request_success counter")
-        lines.append(
-            f'vllm:request_success_total{{{labels},finished_reason="length"}} {float(c.requests_finished)!r}'
-        )
-        lines.append(
-            f'vllm:request_success_total{{{labels},finished_reason="abort"}} {float(c.requests_aborted)!r}'
-        )
+        lines.append(f'vllm:request_success_total{{{labels},finished_reason="length"}} {float(c.requests_finished)!r}')
+        lines.append(f'vllm:request_success_total{{{labels},finished_reason="abort"}} {float(c.requests_aborted)!r}')
         metric("kv_sim_restarts_total", "counter", "Simulated engine restarts.", c.restarts)
         return "\n".join(lines) + "\n"
 
@@ -470,9 +452,7 @@ class EngineSimulator:
 
     async def _restart(self, request: web.Request) -> web.Response:
         await self.restart()
-        return web.json_response(
-            {"restarted": True, "next_seq": self.publisher.next_seq if self.publisher else None}
-        )
+        return web.json_response({"restarted": True, "next_seq": self.publisher.next_seq if self.publisher else None})
 
     async def _state(self, request: web.Request) -> web.Response:
         scheduler = self.scheduler

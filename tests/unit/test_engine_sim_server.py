@@ -37,8 +37,8 @@ async def scrape(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            out[name.split("{")[0] + ("" if "finished_reason" not in name else ":" + name.split('"')[-2])] = (
-                float(value)
+            out[name.split("{")[0] + ("" if "finished_reason" not in name else ":" + name.split('"')[-2])] = float(
+                value
             )
     return out
 
@@ -99,9 +99,7 @@ async def test_usage_and_metrics_agree(sim: EngineSimulator, http: aiohttp.Clien
     assert 0.0 <= after["vllm:kv_cache_usage_perc"] <= 1.0
 
 
-async def test_stream_without_include_usage_has_no_usage(
-    sim: EngineSimulator, http: aiohttp.ClientSession
-) -> None:
+async def test_stream_without_include_usage_has_no_usage(sim: EngineSimulator, http: aiohttp.ClientSession) -> None:
     body = {"prompt": "a b c", "max_tokens": 2, "stream": True}
     result = await post_stream(http, sim.base_url + "/v1/completions", body)
     assert result["usage"] == {} and len(encode(result["text"])) == 2
@@ -160,9 +158,7 @@ async def test_error_rate_fault(sim: EngineSimulator, http: aiohttp.ClientSessio
 async def test_restart_fails_nothing_when_idle_and_clears_cache(
     sim: EngineSimulator, http: aiohttp.ClientSession
 ) -> None:
-    async with http.post(
-        sim.base_url + "/v1/completions", json={"prompt": "w " * 40, "max_tokens": 1}
-    ) as resp:
+    async with http.post(sim.base_url + "/v1/completions", json={"prompt": "w " * 40, "max_tokens": 1}) as resp:
         assert resp.status == 200
     assert len(sim.cache) == 2
     async with http.post(sim.base_url + "/sim/restart") as resp:

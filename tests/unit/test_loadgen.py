@@ -43,9 +43,7 @@ async def test_session_turns_are_sent_in_order_after_the_previous_finished() -> 
     sim = EngineSimulator(SimConfig(time_scale=0.001, kv_events_enabled=False))
     await sim.start()
     try:
-        records = multi_turn_chat(
-            3, ["a b c d"], turns=(3, 4), user_len=5, output_len=3, turn_gap_s=0.0, seed=4
-        )
+        records = multi_turn_chat(3, ["a b c d"], turns=(3, 4), user_len=5, output_len=3, turn_gap_s=0.0, seed=4)
         results = await run_trace(records, sim.base_url, max_concurrency=2)
     finally:
         await sim.stop()

@@ -36,9 +36,7 @@ def test_prefix_repetition_follows_vllm_semantics() -> None:
     assert times == sorted(times) and times[0] > 0
     assert prefix_repetition(32, 8, 5, 3, 4, rate=10.0, seed=7) == records  # fixed seed: same trace
     unshuffled = prefix_repetition(32, 8, 5, 3, 4, seed=7, shuffle=False)
-    assert [r.body["prompt"].split()[:32] for r in unshuffled[:4]].count(
-        unshuffled[0].body["prompt"].split()[:32]
-    ) == 4
+    assert [r.body["prompt"].split()[:32] for r in unshuffled[:4]].count(unshuffled[0].body["prompt"].split()[:32]) == 4
 
 
 def test_shared_prefix_groups() -> None:
@@ -79,9 +77,7 @@ def test_multi_turn_history_grows_and_is_a_token_prefix() -> None:
 def test_zipf_and_chat_skew() -> None:
     weights = zipf_weights(64, 1.1)
     assert sum(weights) == pytest.approx(1.0) and weights[0] > weights[1] > weights[63]
-    records = chat_skew(
-        num_sessions=30, num_system_prompts=8, system_len=(20, 40), user_len=3, output_len=2, seed=2
-    )
+    records = chat_skew(num_sessions=30, num_system_prompts=8, system_len=(20, 40), user_len=3, output_len=2, seed=2)
     systems = {r.body["messages"][0]["content"] for r in records}
     assert all(20 <= len(s.split()) <= 40 for s in systems)
     firsts = [r for r in records if r.turn == 0]
