@@ -1,0 +1,100 @@
+"""The floor for any Python picker: an ext_proc server that does the protocol and nothing else.
+
+Same grpc.aio stack as the picker and the same message pattern (full duplex: buffer the body, send
+the deferred headers response with a fixed destination and Content-Length, echo the body in
+62,000-byte chunks, echo response chunks; buffered: answer headers, then the body with the header),
+but no parsing, no keys, no decision: the destination rotates over a fixed list.
+
+Run: python -m benchmarks.noop_extproc --port P --dest 127.0.0.1:8001[,127.0.0.2:8001...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
+
+from picker.extproc import DEST_HEADER, _header_option, _streamed_chunks
+from picker.server import GRPC_OPTIONS
+
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+class NoopProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, destinations: list[str]) -> None:
+        self._dest = itertools.cycle(destinations)
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        mode = resp_mode = FULL_DUPLEX
+        chunks: list[bytes] = []
+        async for req in request_iterator:
+            if req.HasField("protocol_config"):
+                mode, resp_mode = req.protocol_config.request_body_mode, req.protocol_config.response_body_mode
+            phase = req.WhichOneof("request")
+            if phase == "request_headers":
+                if req.request_headers.end_of_stream or mode != FULL_DUPLEX:
+                    yield self._route(0, at_headers=req.request_headers.end_of_stream, buffered=mode != FULL_DUPLEX)
+            elif phase == "request_body":
+                chunks.append(req.request_body.body)
+                if req.request_body.end_of_stream:
+                    body = b"".join(chunks)
+                    if mode == FULL_DUPLEX:
+                        yield self._route(len(body), at_headers=True, buffered=False)
+                        for r in _streamed_chunks(body, True, request=True):
+                            yield r
+                    else:
+                        yield self._route(len(body), at_headers=False, buffered=True)
+            elif phase == "response_headers":
+                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+            elif phase == "response_body":
+                if resp_mode == FULL_DUPLEX:
+                    for r in _streamed_chunks(req.response_body.body, req.response_body.end_of_stream, request=False):
+                        yield r
+                else:
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+            elif phase == "request_trailers":
+                yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+            elif phase == "response_trailers":
+                yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+    def _route(self, body_len: int, *, at_headers: bool, buffered: bool) -> pb.ProcessingResponse:
+        dest = next(self._dest)
+        sets = [_header_option(DEST_HEADER, dest)]
+        if not buffered and body_len:
+            sets.append(_header_option("content-length", str(body_len)))
+        md = struct_pb2.Struct()
+        md.update({"envoy.lb": {DEST_HEADER: dest}})
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets), clear_route_cache=True)
+        if buffered and not at_headers:
+            return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md)
+
+
+async def serve(port: int, destinations: list[str]) -> None:
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(destinations), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--dest", required=True, help="comma-separated ip:port list")
+    a = p.parse_args()
+    asyncio.run(serve(a.port, a.dest.split(",")))
+
+
+if __name__ == "__main__":
+    main()
