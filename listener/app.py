@@ -111,9 +111,7 @@ class ListenerApp:
             self._tasks.append(asyncio.create_task(src.run(), name=f"source-{name}"))
         self._tasks.append(asyncio.create_task(self._gauge_loop(), name="gauges"))
         app = build_app(self.feeds, self.cfg.feed, self.metrics, self.health, lambda: self.draining)
-        self._runner = web.AppRunner(
-            app, handle_signals=False, shutdown_timeout=self.cfg.drain_deadline_seconds
-        )
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=self.cfg.drain_deadline_seconds)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.listen_host, self.cfg.listen_port)
         await site.start()
@@ -133,9 +131,7 @@ class ListenerApp:
         for feed in self.feeds.values():
             feed.close_all("draining")
         deadline = asyncio.get_running_loop().time() + self.cfg.drain_deadline_seconds
-        while (
-            any(f.subscribers for f in self.feeds.values()) and asyncio.get_running_loop().time() < deadline
-        ):
+        while any(f.subscribers for f in self.feeds.values()) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)
         for t in self._tasks:
             t.cancel()

@@ -143,9 +143,7 @@ class BackendFeed:
             elif self.history and self.history[0][0] <= last_event_id + 1 and last_event_id < self.last_id:
                 initial = [rec for i, rec in self.history if i > last_event_id]
         resumed = initial is not None
-        sub = Subscriber(
-            initial if initial is not None else self.snapshot_records(), self.cfg.subscriber_queue_size
-        )
+        sub = Subscriber(initial if initial is not None else self.snapshot_records(), self.cfg.subscriber_queue_size)
         self.subscribers.add(sub)
         return sub, resumed
 

@@ -48,9 +48,7 @@ def build_app(
         sub, resumed = feed.subscribe(_parse_last_id(request))
         gauge = metrics.subscribers.labels(backend)
         gauge.inc()
-        log.info(
-            "event=subscribe backend=%s resumed=%s initial_records=%d", backend, resumed, len(sub.initial)
-        )
+        log.info("event=subscribe backend=%s resumed=%s initial_records=%d", backend, resumed, len(sub.initial))
         resp = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -71,9 +69,7 @@ def build_app(
         return resp
 
     async def metrics_handler(request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(request: web.Request) -> web.Response:
         body = health()

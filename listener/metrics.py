@@ -50,15 +50,11 @@ class ListenerMetrics:
         self.clears = Counter(
             "kv_listener_backend_clears", "Backend state dropped, by reason", ["source", "reason"], registry=r
         )
-        self.tracked_blocks = Gauge(
-            "kv_listener_tracked_blocks", "Engine blocks tracked", ["source"], registry=r
-        )
+        self.tracked_blocks = Gauge("kv_listener_tracked_blocks", "Engine blocks tracked", ["source"], registry=r)
         self.retained_tokens = Gauge(
             "kv_listener_retained_tokens", "Token ids retained in chain segments", ["source"], registry=r
         )
-        self.subscribers = Gauge(
-            "kv_listener_feed_subscribers", "Connected feed consumers", ["backend"], registry=r
-        )
+        self.subscribers = Gauge("kv_listener_feed_subscribers", "Connected feed consumers", ["backend"], registry=r)
         self.feed_overflows = Counter(
             "kv_listener_feed_overflows",
             "Consumers disconnected with buffer_overflow",

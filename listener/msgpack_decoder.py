@@ -139,9 +139,7 @@ def decode_event(raw: Any, engine: str, max_event_tokens: int) -> KvEvent | None
     if tag == "BlockStored":
         return _stored(f, max_event_tokens)
     if tag == "BlockRemoved":
-        return BlockRemoved(
-            block_hashes=_hashes(f.get("block_hashes")), medium=_opt_str(f.get("medium"), "medium")
-        )
+        return BlockRemoved(block_hashes=_hashes(f.get("block_hashes")), medium=_opt_str(f.get("medium"), "medium"))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None

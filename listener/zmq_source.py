@@ -169,9 +169,7 @@ class ZmqEventSource:
             return False
         if seq < last:
             self.metrics.restarts.labels(self.name).inc()
-            log.warning(
-                "event=engine_restart source=%s last_seq=%d seq=%d action=clear", self.name, last, seq
-            )
+            log.warning("event=engine_restart source=%s last_seq=%d seq=%d action=clear", self.name, last, seq)
             self.tracker.reset("restart")
             return True
         self.metrics.gaps.labels(self.name).inc()

@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import aiohttp
@@ -55,6 +55,7 @@ class ConsumerStats:
     last_event_id: int | None = None
     snapshots: int = 0
     last_close_reason: str | None = None
+    closes: dict[str, int] = field(default_factory=dict)  # disconnects by reason (small fixed set)
 
     def as_dict(self) -> dict[str, object]:
         at = None
@@ -202,6 +203,7 @@ class KvFeedConsumer:
                 self._set_connected(False)
                 self._staged = None
             self.stats.last_close_reason = reason
+            self.stats.closes[reason] = self.stats.closes.get(reason, 0) + 1
             if self._delivered:
                 delay = base
             log.info("event=feed_disconnected backend=%s reason=%s retry_in_s=%.1f", self.backend, reason, delay)

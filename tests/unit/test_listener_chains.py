@@ -36,9 +36,7 @@ class RecSink:
 
 
 def tracker(engine: str = "vllm", limits: LimitsConfig | None = None, **kw: object):
-    src = SourceConfig(
-        backend_name="b1", engine=engine, model=MODEL, block_size=BS, zmq_endpoint="tcp://x:1", **kw
-    )  # type: ignore[arg-type]
+    src = SourceConfig(backend_name="b1", engine=engine, model=MODEL, block_size=BS, zmq_endpoint="tcp://x:1", **kw)  # type: ignore[arg-type]
     sink = RecSink()
     counts: dict[str, int] = {}
 

@@ -116,9 +116,7 @@ async def running(pub: Pub, **src: Any) -> AsyncIterator[ListenerApp]:
     cfg = ListenerConfig(
         listen="127.0.0.1:0",
         limits=limits,
-        sources=(
-            SourceConfig(backend_name="e1", model=MODEL, block_size=BS, zmq_endpoint=pub.endpoint, **src),
-        ),
+        sources=(SourceConfig(backend_name="e1", model=MODEL, block_size=BS, zmq_endpoint=pub.endpoint, **src),),
     )
     app = ListenerApp(cfg)
     await app.start()
@@ -142,9 +140,7 @@ async def test_both_encodings_multiblock_and_removal(ctx: zmq.asyncio.Context) -
         await pub.send(1, batch(stored([4, 5], 3, TOKENS[12:20], as_map=True)))
         await until(lambda: len(feed.state) == 5)
         assert set(feed.state) == set(keys(5))
-        await pub.send(
-            2, msgpack.packb({"ts": 1, "events": [{"type": "BlockRemoved", "block_hashes": [5, 4]}]})
-        )
+        await pub.send(2, msgpack.packb({"ts": 1, "events": [{"type": "BlockRemoved", "block_hashes": [5, 4]}]}))
         await until(lambda: len(feed.state) == 3)
         assert set(feed.state) == set(keys(3))
         assert sample(app, "kv_listener_events_processed_total") == 3
@@ -210,9 +206,7 @@ async def test_allowed_publishers_by_peer_address(ctx: zmq.asyncio.Context) -> N
     pub = Pub(ctx)
     async with running(pub, allowed_publishers=("10.9.9.9",)) as app:
         await pub.send(0, batch(stored([1], None, TOKENS[:4])))
-        await until(
-            lambda: sample(app, "kv_listener_events_dropped_total", reason="publisher_not_allowed") == 1
-        )
+        await until(lambda: sample(app, "kv_listener_events_dropped_total", reason="publisher_not_allowed") == 1)
         assert app.feeds["e1"].state == {}
     pub2 = Pub(ctx)
     async with running(pub2, allowed_publishers=("127.0.0.1",)) as app:
@@ -249,9 +243,7 @@ async def test_hostile_payloads_are_counted_and_skipped(ctx: zmq.asyncio.Context
         await pub.sock.send_multipart([b"", seq8(99)])  # two frames
         await pub.send(len(hostile), batch(stored([7], None, TOKENS[:4])))
         await until(lambda: len(app.feeds["e1"].state) == 1)
-        dropped = {
-            r: sample(app, "kv_listener_events_dropped_total", reason=r) for r in ("malformed", "too_large")
-        }
+        dropped = {r: sample(app, "kv_listener_events_dropped_total", reason=r) for r in ("malformed", "too_large")}
         assert dropped["malformed"] >= 5 and dropped["too_large"] >= 1
         tracker = app.trackers["e1"]
         assert tracker.tracked_blocks <= limits.max_tracked_blocks

@@ -1,0 +1,180 @@
+"""Listener feed → picker consumers over real HTTP: two pickers hold the same index, resume from
+the last id, snapshot when the id is too old, buffer_overflow on a slow consumer, drain on stop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+
+from listener.app import ListenerApp
+from listener.config import FeedConfig, ListenerConfig, SourceConfig
+from listener.events import BlockRemoved, BlockStored
+from picker.block_keys import request_block_keys
+from picker.config import EventSourceConfig
+from picker.kv_feed_consumer import KvFeedConsumer
+from picker.kv_index import InMemoryKvIndex
+from picker.metrics import PickerMetrics
+
+BS = 4
+MODEL = "m"
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[ListenerApp]:
+    cfg = ListenerConfig(
+        listen="127.0.0.1:0",
+        drain_deadline_seconds=2,
+        feed=FeedConfig(history_size=16, subscriber_queue_size=8, max_keys_per_record=3),
+        sources=(SourceConfig(backend_name="e1", model=MODEL, block_size=BS, zmq_endpoint="tcp://127.0.0.1:1"),),
+    )
+    a = ListenerApp(cfg)
+    await a.start()
+    yield a
+    await a.stop()
+
+
+class Chains:
+    """Stores chain i (8 blocks) on the listener's tracker."""
+
+    def __init__(self, app: ListenerApp) -> None:
+        self.tracker = app.trackers["e1"]
+        self.n = 0
+
+    def store(self) -> list[int]:
+        i = self.n
+        self.n += 1
+        toks = [i * 1000 + t for t in range(8 * BS)]
+        self.tracker.apply(BlockStored(tuple(range(i * 100, i * 100 + 8)), None, toks, BS))
+        return request_block_keys(toks, BS, MODEL)
+
+
+def consumer(app: ListenerApp, index: InMemoryKvIndex, metrics: PickerMetrics | None = None) -> KvFeedConsumer:
+    src = EventSourceConfig(
+        backend_name="e1", endpoint=f"http://127.0.0.1:{app.port}/events/e1", reconnect_interval_ms=10
+    )
+    return KvFeedConsumer(src, index, metrics, max_backoff_s=0.05)
+
+
+def holds(index: InMemoryKvIndex, keys: list[int]) -> int:
+    h = index.lookup(keys).get("e1")
+    return h.blocks if h else 0
+
+
+async def test_two_consumers_same_index_resume_and_snapshot(app: ListenerApp) -> None:
+    chains = Chains(app)
+    first = chains.store()
+    i1, i2 = InMemoryKvIndex(), InMemoryKvIndex()
+    metrics = PickerMetrics()
+    c1, c2 = consumer(app, i1, metrics), consumer(app, i2)
+    c1.start()
+    c2.start()
+    try:
+        await until(lambda: holds(i1, first) == 8 and holds(i2, first) == 8)
+        assert c1.stats.snapshots == 1  # no id yet: started from a snapshot
+        assert metrics.registry.get_sample_value("continuum_kv_consumer_connected", {"backend": "e1"}) == 1
+        second = chains.store()
+        app.trackers["e1"].apply(BlockRemoved((100 + 7,)))  # chain 1 loses its last block
+        await until(lambda: holds(i1, second) == 7 and holds(i2, second) == 7)
+        assert i1.entry_count == i2.entry_count == len(app.feeds["e1"].state) == 15
+
+        # resume: disconnect, miss a few records (inside the 16-record history), reconnect
+        await c1.stop()
+        last = c1.last_event_id
+        third = chains.store()  # 3 records (8 keys, 3 per record)
+        c1.start()
+        await until(lambda: holds(i1, third) == 8)
+        assert c1.stats.snapshots == 1 and c1.last_event_id == app.feeds["e1"].last_id
+        assert last is not None and c1.last_event_id > last
+
+        # too old: more records than the history holds → snapshot, same state as the other picker
+        await c1.stop()
+        for _ in range(8):
+            chains.store()
+        app.trackers["e1"].reset("restart")
+        newest = chains.store()
+        c1.start()
+        await until(lambda: c1.stats.snapshots == 2 and holds(i1, newest) == 8)
+        await until(lambda: holds(i2, newest) == 8 and holds(i2, first) == 0)
+        assert holds(i1, first) == 0
+        assert i1.entry_count == i2.entry_count == 8
+    finally:
+        await c1.stop()
+        await c2.stop()
+
+
+async def test_slow_consumer_gets_buffer_overflow(app: ListenerApp) -> None:
+    chains = Chains(app)
+    feed = app.feeds["e1"]
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{app.port}/events/e1") as resp:
+        await until(lambda: len(feed.subscribers) == 1)
+        for _ in range(10):  # 30 records at once: more than the 8-record subscriber queue
+            chains.store()
+        body = await resp.text()
+    assert 'event: close\ndata: {"reason":"buffer_overflow"}' in body
+    assert app.metrics.registry.get_sample_value("kv_listener_feed_overflows_total", {"backend": "e1"}) == 1
+
+
+async def test_oversize_record_drops_connection_and_resumes() -> None:
+    """A record over 1 MiB is dropped; the consumer reconnects and resumes from its last id."""
+    from aiohttp import web
+
+    big = "data: " + "x" * (1 << 20) + "\n\n"
+    served: list[str | None] = []
+    done = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        served.append(request.headers.get("Last-Event-ID"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if len(served) == 1:
+            await resp.write(b'id: 7\nevent: put\ndata: {"keys":["00000000000000aa"],"tier":"gpu_hot"}\n\n')
+            await resp.write(b"event: put\n" + big.encode())
+        else:
+            await resp.write(b'id: 8\nevent: put\ndata: {"keys":["00000000000000bb"],"tier":"gpu_hot"}\n\n')
+            await done.wait()
+        return resp
+
+    web_app = web.Application()
+    web_app.router.add_get("/events/e1", handler)
+    runner = web.AppRunner(web_app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    idx = InMemoryKvIndex()
+    c = KvFeedConsumer(
+        EventSourceConfig(backend_name="e1", endpoint=f"http://127.0.0.1:{port}/events/e1", reconnect_interval_ms=10),
+        idx,
+    )
+    c.start()
+    try:
+        await until(lambda: c.last_event_id == 8)
+        assert served == [None, "7"]
+        assert c.stats.events_dropped == 1 and c.stats.reconnect_count >= 1
+        assert idx.lookup([0xAA]) and idx.lookup([0xBB])
+    finally:
+        done.set()
+        await c.stop()
+        await runner.cleanup()
+
+
+async def test_drain_tells_consumers(app: ListenerApp) -> None:
+    Chains(app).store()
+    idx = InMemoryKvIndex()
+    c = consumer(app, idx)
+    c.start()
+    try:
+        await until(lambda: idx.entry_count == 8)
+        await app.stop()
+        await until(lambda: c.stats.closes.get("draining", 0) == 1)
+    finally:
+        await c.stop()

@@ -1,0 +1,90 @@
+"""InMemoryKvIndex: leading-run lookup, tiers, LRU 10% drop, TTL, drop_backend, measured figures."""
+
+from __future__ import annotations
+
+import gc
+import time
+import tracemalloc
+
+from picker.endpoints import StorageTier
+from picker.kv_index import BackendHold, InMemoryKvIndex
+
+G, W = StorageTier.GPU_HOT, StorageTier.STORAGE_WARM
+
+
+def test_leading_run_per_backend_and_tier() -> None:
+    idx = InMemoryKvIndex()
+    idx.put("a", [1, 2, 3, 4], G, now=0)
+    idx.put("b", [1, 2], G, now=0)
+    idx.put("b", [4], G, now=0)  # not contiguous from block 0: does not count
+    idx.put("c", [1, 2, 3], W, now=0)
+    idx.put("d", [2, 3], G, now=0)  # lacks block 0
+    assert idx.lookup([1, 2, 3, 4, 5], now=1) == {
+        "a": BackendHold(4, G),
+        "b": BackendHold(2, G),
+        "c": BackendHold(3, W),
+    }
+    idx.put("a", [3], W, now=0)
+    assert idx.lookup([1, 2, 3, 4], now=1)["a"] == BackendHold(4, W)
+    assert idx.lookup([9, 1], now=1) == {}
+    assert idx.lookup([], now=1) == {}
+    idx.remove("a", [2])
+    assert idx.lookup([1, 2, 3], now=1)["a"] == BackendHold(1, G)
+    assert idx.entry_count == 4 + 3 + 3 + 2 - 1
+
+
+def test_lru_drops_oldest_ten_percent() -> None:
+    idx = InMemoryKvIndex(max_entries=100)
+    for k in range(100):
+        idx.put("a", [k], G, now=0)
+    idx.put("a", [0], G, now=0)  # refreshed: now the newest
+    idx.put("a", [1000], G, now=0)
+    assert idx.prefix_count == 91
+    assert idx.lookup([0], now=0) and not idx.lookup([1], now=0) and idx.lookup([11], now=0)
+    assert idx.total_evictions == 10 and idx.entry_count == 91
+
+
+def test_ttl_lazy_and_sweep() -> None:
+    idx = InMemoryKvIndex(ttl_seconds=10)
+    idx.put("a", [1, 2], G, now=100)
+    idx.put("a", [3], G, now=105)
+    assert idx.lookup([1, 2], now=109)["a"].blocks == 2
+    assert idx.lookup([1, 2], now=111) == {}  # lazily expired
+    assert idx.sweep_expired(now=116) == 2  # key 2 and 3 ... 1 was dropped by the lookup
+    assert idx.prefix_count == 0 and idx.entry_count == 0
+
+
+def test_drop_backend_and_clear() -> None:
+    idx = InMemoryKvIndex()
+    idx.put("a", [1, 2], G, now=0)
+    idx.put("b", [1, 2], W, now=0)
+    assert idx.drop_backend("a") == 2
+    assert idx.lookup([1, 2], now=0) == {"b": BackendHold(2, W)}
+    idx.put("a", [1], G, now=0)  # a new id for the returning backend
+    assert idx.lookup([1, 2], now=0)["a"] == BackendHold(1, G)
+    idx.drop_backend("b")
+    idx.sweep_expired(now=0)
+    assert idx.prefix_count == 1 and idx.entry_count == 1
+    assert idx.clear() == 1 and idx.prefix_count == 0
+
+
+def test_bytes_per_entry_and_lookup_time() -> None:
+    """Prints the measured figures quoted in picker/kv_index.py (no timing assertion)."""
+    n = 200_000
+    keys = [(i * 0x9E3779B97F4A7C15) & ((1 << 64) - 1) for i in range(n)]
+    gc.collect()
+    tracemalloc.start()
+    idx = InMemoryKvIndex(max_entries=n + 1)
+    for i in range(0, n, 64):
+        idx.put("a", keys[i : i + 64], G)
+        idx.put("b", keys[i : i + 32], G)
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    per_entry = size / n
+    req = keys[:64]
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        idx.lookup(req)
+    us = (time.perf_counter() - t0) / 2000 * 1e6
+    print(f"\nkv_index bytes_per_block_key={per_entry:.0f} lookup_64_blocks_us={us:.1f}")
+    assert per_entry < 400
