@@ -1,0 +1,85 @@
+"""Tokenizer sources: engine /tokenize (chat and prompt, timeout, errors → None), local, none."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from picker.config import TokenizerConfig
+from picker.tokenizer_sources import (
+    EngineTokenizer,
+    NoTokenizer,
+    local_tokenizer_available,
+    make_tokenizer_source,
+)
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
+    seen: list[dict[str, Any]] = []
+    release = asyncio.Event()
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        if body.get("model") == "slow":
+            await release.wait()
+        if body.get("model") == "broken":
+            return web.json_response({"tokens": ["x"]})
+        if body.get("model") == "err":
+            return web.json_response({"error": "no"}, status=400)
+        n = len(body.get("messages", [])) or len(body.get("prompt", ""))
+        return web.json_response({"count": n, "max_model_len": 100, "tokens": list(range(n))})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}", seen
+    release.set()
+    await runner.cleanup()
+
+
+async def test_engine_tokenizer(engine: tuple[str, list[dict[str, Any]]]) -> None:
+    url, seen = engine
+    tok = EngineTokenizer(lambda model: url, timeout_ms=200, max_concurrency=2)
+    try:
+        msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        assert await tok.token_ids("m", messages=msgs) == [0, 1]
+        assert seen[-1] == {"model": "m", "messages": msgs, "add_generation_prompt": True}
+        assert await tok.token_ids("m", prompt="abc") == [0, 1, 2]
+        assert seen[-1] == {"model": "m", "prompt": "abc"}
+        assert await tok.token_ids("slow", prompt="abc") is None  # timeout → None, never raises
+        assert await tok.token_ids("broken", prompt="abc") is None
+        assert await tok.token_ids("err", prompt="abc") is None
+        assert await tok.token_ids("m") is None
+        assert tok.failures["timeout"] == 1 and tok.failures["bad_response"] == 1
+    finally:
+        await tok.close()
+    down = EngineTokenizer(lambda model: "http://127.0.0.1:1", timeout_ms=200)
+    assert await down.token_ids("m", prompt="x") is None
+    await down.close()
+
+
+async def test_none_and_factory() -> None:
+    assert await NoTokenizer().token_ids("m", prompt="x") is None
+    assert isinstance(make_tokenizer_source(TokenizerConfig(source="none")), NoTokenizer)
+    src = make_tokenizer_source(TokenizerConfig(source="local", local_path="/nonexistent/tokenizer.json"))
+    if not local_tokenizer_available():
+        assert isinstance(src, NoTokenizer)  # optional extra not installed: Tier 4 off, no crash
+    assert await src.token_ids("m", prompt="x") is None
+
+
+@pytest.mark.skipif(not local_tokenizer_available(), reason="optional extra local-tokenizer not installed")
+async def test_local_tokenizer_missing_file_is_none() -> None:
+    from picker.tokenizer_sources import LocalTokenizer
+
+    t = LocalTokenizer("/nonexistent/tokenizer.json", timeout_ms=2000)
+    assert await t.token_ids("m", prompt="x") is None
