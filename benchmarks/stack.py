@@ -45,9 +45,7 @@ def envoy_binary() -> str:
     return found
 
 
-def wait_http(
-    url: str, timeout: float = 20.0, expect: int = 200, proc: subprocess.Popen[bytes] | None = None
-) -> None:
+def wait_http(url: str, timeout: float = 20.0, expect: int = 200, proc: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:

@@ -95,7 +95,5 @@ class PickerApp:
         self.router.reconfigure(hot)
         self.settings = hot
         self.metrics.config_reloads.labels("applied").inc()
-        log.info(
-            "event=config_reloaded backends=%d strategy=%s", len(hot.pool.backends), hot.selection_strategy
-        )
+        log.info("event=config_reloaded backends=%d strategy=%s", len(hot.pool.backends), hot.selection_strategy)
         return messages

@@ -82,6 +82,4 @@ def request_block_keys(
     max_blocks: int | None = None,
 ) -> list[int]:
     """A request's block keys from block 0, rooted in the model's seed."""
-    return chain_block_keys(
-        token_ids, block_size, root_key(model), extra_bytes(lora_name, cache_salt), max_blocks
-    )
+    return chain_block_keys(token_ids, block_size, root_key(model), extra_bytes(lora_name, cache_salt), max_blocks)

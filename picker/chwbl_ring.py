@@ -85,9 +85,7 @@ def load_bound(total_in_flight: int, n_eligible: int, epsilon: float) -> int:
     return max(1, math.ceil((1.0 + epsilon) * (total_in_flight + 1) / max(1, n_eligible)))
 
 
-def bounded_pick(
-    ring: HashRing, key: bytes, loads: Mapping[str, int], epsilon: float
-) -> tuple[str, str] | None:
+def bounded_pick(ring: HashRing, key: bytes, loads: Mapping[str, int], epsilon: float) -> tuple[str, str] | None:
     """CHWBL pick over the endpoints in ``loads`` (eligible name -> in-flight). Returns (name, label)."""
     if not loads:
         return None

@@ -94,15 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("envoy-config", help="print an Envoy bootstrap for kv-epp")
     e.add_argument("--mode", choices=["sidecar", "standalone", "no-picker"], default="sidecar")
     e.add_argument("--picker", help="ext_proc address host:port (default 127.0.0.1:9002 in sidecar mode)")
-    e.add_argument(
-        "--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED"
-    )
+    e.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED")
     e.add_argument("--listen-port", type=int, default=8080)
     e.add_argument("--listen-address", default="0.0.0.0")
     e.add_argument("--admin-port", type=int, default=9901)
-    e.add_argument(
-        "--fail-open", action="store_true", help="failure_mode_allow (works in BUFFERED mode only)"
-    )
+    e.add_argument("--fail-open", action="store_true", help="failure_mode_allow (works in BUFFERED mode only)")
     e.add_argument("--message-timeout-ms", type=int, default=5000)
     e.add_argument("--backend", action="append", help="ip:port of a backend (no-picker mode)")
     e.set_defaults(func=_envoy_config)

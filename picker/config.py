@@ -196,9 +196,7 @@ class AdminConfig(_Section):
 class Settings(BaseSettings):
     """The whole picker configuration."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="KV_EPP_", env_nested_delimiter="__", extra="forbid", frozen=True
-    )
+    model_config = SettingsConfigDict(env_prefix="KV_EPP_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
     selection_strategy: StrategyName = "RoundRobin"
     prefix_routing: PrefixRoutingConfig = PrefixRoutingConfig()
@@ -293,8 +291,7 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
             out.append(
                 (
                     "kv_cache_index.scoring.storage_tier_weight",
-                    "storage_tier_weight below min_overlap_threshold: "
-                    "StorageWarm-only holders are never scored",
+                    "storage_tier_weight below min_overlap_threshold: StorageWarm-only holders are never scored",
                 )
             )
     if kv.enabled and not s.prefix_routing.enabled:

@@ -163,9 +163,7 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                 "circuit_breakers": thresholds,
                 "load_assignment": {
                     "cluster_name": "inference_pool",
-                    "endpoints": [
-                        {"lb_endpoints": [{"endpoint": {"address": _addr(b)}} for b in o.backends]}
-                    ],
+                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(b)}} for b in o.backends]}],
                 },
             }
         )
@@ -201,11 +199,7 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                     "address": _addr(f"{o.listen_address}:{o.listen_port}"),
                     "per_connection_buffer_limit_bytes": o.buffer_limit_bytes,
                     "filter_chains": [
-                        {
-                            "filters": [
-                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                            ]
-                        }
+                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
                     ],
                 }
             ],

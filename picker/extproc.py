@@ -105,9 +105,7 @@ class RequestStream:
         self.path = "/"
         self.body: list[bytes] = []
         self.body_len = 0
-        self.mode = (
-            FULL_DUPLEX if app.settings.extproc.default_body_mode == "FULL_DUPLEX_STREAMED" else BUFFERED
-        )
+        self.mode = FULL_DUPLEX if app.settings.extproc.default_body_mode == "FULL_DUPLEX_STREAMED" else BUFFERED
         self.resp_mode = self.mode
         self.subset: list[str] | None = None
         self.decision: Decision | None = None
@@ -167,9 +165,7 @@ class RequestStream:
                 self.done = True
                 self.body.clear()
                 return (
-                    self._bad_request(
-                        BadRequest(f"request body exceeds the limit of {limit} bytes", "body_too_large")
-                    ),
+                    self._bad_request(BadRequest(f"request body exceeds the limit of {limit} bytes", "body_too_large")),
                 )
             self.body.append(msg.body)
         if not msg.end_of_stream and self.mode in (FULL_DUPLEX, processing_mode_pb2.ProcessingMode.STREAMED):
@@ -193,18 +189,12 @@ class RequestStream:
         self.app.metrics.requests.labels("bad_request").inc()
         return immediate(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}")
 
-    async def _route(
-        self, body: bytes, *, at_headers: bool, body_eos: bool = True
-    ) -> Sequence[pb.ProcessingResponse]:
+    async def _route(self, body: bytes, *, at_headers: bool, body_eos: bool = True) -> Sequence[pb.ProcessingResponse]:
         app = self.app
         t0 = time.perf_counter()
         session_hdr = app.settings.session_affinity.header
         try:
-            if (
-                at_headers
-                and api_for_path(self.path) != "other"
-                and self.headers.get(":method", "POST") == "POST"
-            ):
+            if at_headers and api_for_path(self.path) != "other" and self.headers.get(":method", "POST") == "POST":
                 raise BadRequest("request body is empty: a JSON body is required", "empty_body")
             facts = parse_request(
                 body,
@@ -229,25 +219,15 @@ class RequestStream:
         if decision is None:
             self.done = True
             app.metrics.requests.labels("no_backend").inc()
-            why = (
-                "no endpoint in the subset hint is eligible"
-                if self.subset is not None
-                else "no healthy backend"
-            )
-            return (
-                immediate(
-                    503, error_body(why, "no_healthy_backend", "service_unavailable"), "kv_epp_no_backend"
-                ),
-            )
+            why = "no endpoint in the subset hint is eligible" if self.subset is not None else "no healthy backend"
+            return (immediate(503, error_body(why, "no_healthy_backend", "service_unavailable"), "kv_epp_no_backend"),)
         self.decision = decision
         self.lease = app.pool.acquire(decision.endpoint)
         self.decided_at = time.monotonic()
         app.on_decision(decision)
         return self._answer(decision, body, at_headers, body_eos)
 
-    def _answer(
-        self, d: Decision, body: bytes, at_headers: bool, body_eos: bool
-    ) -> Sequence[pb.ProcessingResponse]:
+    def _answer(self, d: Decision, body: bytes, at_headers: bool, body_eos: bool) -> Sequence[pb.ProcessingResponse]:
         dest = d.endpoint.address
         if d.fallbacks:
             dest = ",".join([dest, *(f.address for f in d.fallbacks)])
@@ -263,21 +243,11 @@ class RequestStream:
         )
         if at_headers:
             return (
-                pb.ProcessingResponse(
-                    request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
-                ),
+                pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata),
             )
         if not full_duplex:
-            return (
-                pb.ProcessingResponse(
-                    request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
-                ),
-            )
-        out = [
-            pb.ProcessingResponse(
-                request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
-            )
-        ]
+            return (pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata),)
+        out = [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)]
         out.extend(_streamed_chunks(body, body_eos, request=True))
         return out
 
@@ -331,9 +301,7 @@ def _streamed_chunks(body: bytes, eos: bool, *, request: bool) -> list[pb.Proces
             streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=eos and off == last)
         )
         resp = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-        out.append(
-            pb.ProcessingResponse(request_body=resp) if request else pb.ProcessingResponse(response_body=resp)
-        )
+        out.append(pb.ProcessingResponse(request_body=resp) if request else pb.ProcessingResponse(response_body=resp))
     return out
 
 

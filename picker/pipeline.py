@@ -70,9 +70,7 @@ class SessionTable:
 class Router:
     """Holds the strategy, the ring and the optional Tier 4 scorer; makes one decision per request."""
 
-    def __init__(
-        self, settings: Settings, metrics: PickerMetrics, scorer: OverlapScorer | None = None
-    ) -> None:
+    def __init__(self, settings: Settings, metrics: PickerMetrics, scorer: OverlapScorer | None = None) -> None:
         self.metrics = metrics
         self.scorer = scorer
         self._ring: HashRing | None = None
@@ -83,9 +81,7 @@ class Router:
         self.kv_counts: dict[str, int] = {"kv_aware": 0, "fallback": 0}
         self.settings = settings
         self.strategy: Strategy = STRATEGY_REGISTRY[settings.selection_strategy](self)
-        self.sessions = SessionTable(
-            settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds
-        )
+        self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
 
     MAX_PREFIXES_TRACKED = 100_000  # for the admin "unique_prefixes" figure
 
@@ -121,11 +117,7 @@ class Router:
         return prefix_key(facts, enabled=pr.enabled, max_prefix_length=pr.max_prefix_length)
 
     def tier4_active(self) -> bool:
-        return (
-            self.scorer is not None
-            and self.settings.prefix_routing.enabled
-            and self.settings.kv_cache_index.enabled
-        )
+        return self.scorer is not None and self.settings.prefix_routing.enabled and self.settings.kv_cache_index.enabled
 
     def decide(
         self,

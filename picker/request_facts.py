@@ -27,9 +27,7 @@ class BadRequest(Exception):
         self.code = code
 
     def json_body(self) -> bytes:
-        return orjson.dumps(
-            {"error": {"message": str(self), "type": "invalid_request_error", "code": self.code}}
-        )
+        return orjson.dumps({"error": {"message": str(self), "type": "invalid_request_error", "code": self.code}})
 
 
 @dataclass(slots=True, frozen=True)
@@ -184,9 +182,7 @@ def parse_request(
         if isinstance(p, list) and all(isinstance(x, str) for x in p) and len(p) == 1:
             p = p[0]
         if p is not None and not isinstance(p, str):
-            raise BadRequest(
-                "'prompt' must be a string (token-id and batch prompts are not routed)", "invalid_type"
-            )
+            raise BadRequest("'prompt' must be a string (token-id and batch prompts are not routed)", "invalid_type")
         prompt = p
         first = p
 

@@ -141,6 +141,5 @@ class PrefixAwareHash:
 
 
 STRATEGY_REGISTRY: dict[str, Callable[[RingSource], Strategy]] = {
-    cls.name: cls
-    for cls in (RoundRobin, WeightedRoundRobin, LeastLatency, Random, ConsistentHash, PrefixAwareHash)
+    cls.name: cls for cls in (RoundRobin, WeightedRoundRobin, LeastLatency, Random, ConsistentHash, PrefixAwareHash)
 }

@@ -112,9 +112,7 @@ class Stack:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [
             {"role": "user", "content": user}
         ]
-        return http(
-            "POST", self.url + "/v1/chat/completions", {"model": "m", "messages": messages, **kw}, headers
-        )
+        return http("POST", self.url + "/v1/chat/completions", {"model": "m", "messages": messages, **kw}, headers)
 
     def admin(self, path: str) -> Any:
         return http("GET", self.picker.admin_url + path).json()

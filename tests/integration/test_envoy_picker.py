@@ -49,9 +49,7 @@ def wait_idle(stack: Stack, timeout: float = 10.0) -> dict[str, int]:
 
 
 def test_same_prefix_same_backend(stack: Stack) -> None:
-    served = {
-        stack.chat("You are a tax assistant.", user=f"question {i}").headers["x-backend"] for i in range(8)
-    }
+    served = {stack.chat("You are a tax assistant.", user=f"question {i}").headers["x-backend"] for i in range(8)}
     assert len(served) == 1
 
 
@@ -118,9 +116,7 @@ def test_client_destination_header_is_not_honoured(stack: Stack) -> None:
     r = stack.chat("forgery test", headers={"x-gateway-destination-endpoint": "10.0.0.1:1"})
     assert r.status == 200
     assert r.headers["x-seen-destination"] != "10.0.0.1:1"
-    assert r.headers["x-seen-destination"] == stack.backends.address(
-        stack.backends.names.index(r.headers["x-backend"])
-    )
+    assert r.headers["x-seen-destination"] == stack.backends.address(stack.backends.names.index(r.headers["x-backend"]))
     assert forged  # the picker, not the client, chose
 
 
@@ -200,13 +196,7 @@ def test_aborted_client_releases_in_flight_slot(stack: Stack) -> None:
         + body
     )
     deadline = time.monotonic() + 10
-    while (
-        sum(
-            d["in_flight_requests"]
-            for d in stack.admin("/admin/prefix-routing/stats")["backend_distribution"]
-        )
-        == 0
-    ):
+    while sum(d["in_flight_requests"] for d in stack.admin("/admin/prefix-routing/stats")["backend_distribution"]) == 0:
         assert time.monotonic() < deadline, "request never became in-flight"
         time.sleep(0.02)
     sock.close()  # the client goes away mid-request

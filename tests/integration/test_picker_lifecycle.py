@@ -40,34 +40,24 @@ def test_grpc_health_services(workdir: Path) -> None:
 
 
 def test_hot_reload_applies_hot_sections_and_rejects_bad_files(workdir: Path) -> None:
-    picker = start_picker(
-        {"prefix_routing": {"enabled": True, "virtual_nodes": 150}}, workdir, name="picker-reload"
-    )
+    picker = start_picker({"prefix_routing": {"enabled": True, "virtual_nodes": 150}}, workdir, name="picker-reload")
     try:
         cfg = dict(picker.config)
         cfg["prefix_routing"] = {"enabled": True, "virtual_nodes": 40}
         picker.config_path.write_text(yaml.safe_dump(cfg))
         deadline = time.monotonic() + 10
-        while (
-            http("GET", picker.admin_url + "/admin/prefix-routing/stats").json()["config"]["virtual_nodes"]
-            != 40
-        ):
+        while http("GET", picker.admin_url + "/admin/prefix-routing/stats").json()["config"]["virtual_nodes"] != 40:
             assert time.monotonic() < deadline, "file change was not picked up"
             time.sleep(0.1)
         picker.config_path.write_text("prefix_routing:\n  virtual_nodes: -5\n")
         r = http("POST", picker.admin_url + "/admin/config/reload")
         assert r.status == 400 and "prefix_routing.virtual_nodes" in r.json()["messages"][0]
-        assert (
-            http("GET", picker.admin_url + "/admin/prefix-routing/stats").json()["config"]["virtual_nodes"]
-            == 40
-        )
+        assert http("GET", picker.admin_url + "/admin/prefix-routing/stats").json()["config"]["virtual_nodes"] == 40
         cfg["extproc"] = {**cfg["extproc"], "max_body_bytes": 4096}
         cfg["prefix_routing"] = {"enabled": True, "virtual_nodes": 60}
         picker.config_path.write_text(yaml.safe_dump(cfg))
         r = http("POST", picker.admin_url + "/admin/config/reload")
-        assert r.status == 200 and any(
-            "extproc" in m and "restart required" in m for m in r.json()["messages"]
-        )
+        assert r.status == 200 and any("extproc" in m and "restart required" in m for m in r.json()["messages"])
         picker.process.proc.send_signal(signal.SIGHUP)  # SIGHUP reloads too, and must not kill the process
         time.sleep(0.3)
         assert picker.process.proc.poll() is None
@@ -103,9 +93,9 @@ def test_sigterm_drains_open_requests(workdir: Path) -> None:
         t = threading.Thread(target=slow_request)
         t.start()
         deadline = time.monotonic() + 10
-        while not http("GET", picker.admin_url + "/admin/prefix-routing/stats").json()[
-            "backend_distribution"
-        ][0]["in_flight_requests"]:
+        while not http("GET", picker.admin_url + "/admin/prefix-routing/stats").json()["backend_distribution"][0][
+            "in_flight_requests"
+        ]:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         picker.process.proc.send_signal(signal.SIGTERM)

@@ -47,11 +47,7 @@ def test_defaults_follow_the_seed() -> None:
         ({"pool": {"backends": [{"name": "ok", "address": "nohostport"}]}}, "pool.backends[0].address"),
         ({"pool": {"backends": [{"name": "bad name!", "address": "1.2.3.4:5"}]}}, "pool.backends[0].name"),
         (
-            {
-                "pool": {
-                    "backends": [{"name": "a", "address": "1.2.3.4:5"}, {"name": "a", "address": "1.2.3.4:6"}]
-                }
-            },
+            {"pool": {"backends": [{"name": "a", "address": "1.2.3.4:5"}, {"name": "a", "address": "1.2.3.4:6"}]}},
             "pool",
         ),
         ({"unknown_section": {}}, "unknown_section"),

@@ -35,9 +35,7 @@ def headers_msg(path: str = "/v1/chat/completions", eos: bool = False, extra=())
     ]
     hv += [bcore.HeaderValue(key=k, raw_value=v.encode()) for k, v in extra]
     return bytes(
-        bext.ProcessingRequest(
-            request_headers=bext.HttpHeaders(headers=bcore.HeaderMap(headers=hv), end_of_stream=eos)
-        )
+        bext.ProcessingRequest(request_headers=bext.HttpHeaders(headers=bcore.HeaderMap(headers=hv), end_of_stream=eos))
     )
 
 
@@ -51,9 +49,7 @@ async def feed(stream: RequestStream, raw: bytes) -> list[bext.ProcessingRespons
 
 
 def header_map(mutation: bext.HeaderMutation) -> dict[str, str]:
-    return {
-        o.header.key: (o.header.raw_value or o.header.value.encode()).decode() for o in mutation.set_headers
-    }
+    return {o.header.key: (o.header.raw_value or o.header.value.encode()).decode() for o in mutation.set_headers}
 
 
 CHAT = json.dumps(
@@ -101,9 +97,7 @@ async def test_full_duplex_round_trip() -> None:
 async def test_buffered_round_trip() -> None:
     stream = RequestStream(app("BUFFERED"))
     out = await feed(stream, headers_msg())
-    assert out[0].request_headers.response.header_mutation.remove_headers == [
-        "x-gateway-destination-endpoint"
-    ]
+    assert out[0].request_headers.response.header_mutation.remove_headers == ["x-gateway-destination-endpoint"]
     out = await feed(stream, body_msg(CHAT, True))
     assert len(out) == 1
     hdrs = header_map(out[0].request_body.response.header_mutation)
@@ -142,9 +136,7 @@ async def test_subset_hint_list_is_honoured() -> None:
     assert got == {"x-gateway-destination-endpoint-subset": ["10.0.0.2:8000"]}
     await stream.handle(req)
     out = await stream.handle(pb.ProcessingRequest.FromString(body_msg(CHAT, True)))
-    dest = {
-        h.header.key: h.header.raw_value for h in out[0].request_headers.response.header_mutation.set_headers
-    }
+    dest = {h.header.key: h.header.raw_value for h in out[0].request_headers.response.header_mutation.set_headers}
     assert dest["x-gateway-destination-endpoint"] == b"10.0.0.2:8000"
 
 

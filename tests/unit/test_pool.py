@@ -48,9 +48,7 @@ def test_view_reports_load_health_latency_and_subset() -> None:
     p.record_response("b", True, latency_ms=10)
     p.record_response("b", False)
     states = p.view().by_name()
-    assert (
-        states["b"].in_flight == 1 and states["b"].success_rate == 0.5 and states["b"].latency_ewma_ms == 10
-    )
+    assert states["b"].in_flight == 1 and states["b"].success_rate == 0.5 and states["b"].latency_ewma_ms == 10
     assert [s.endpoint.name for s in p.view(["2.2.2.2:2"]).states] == ["b"]
     assert p.view(["9.9.9.9:9"]).states == ()
 

@@ -13,9 +13,7 @@ def key(body: bytes, path: str = "/v1/chat/completions", limit: int = 1024):
 
 
 def test_system_prompt_key_is_the_seed_formula() -> None:
-    k = key(
-        b'{"model":"llama","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"hi"}]}'
-    )
+    k = key(b'{"model":"llama","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"hi"}]}')
     assert k == sha256(b"llama\x00SBe brief.").digest()
 
 

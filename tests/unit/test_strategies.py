@@ -76,9 +76,7 @@ def test_prefix_aware_hash_labels_and_counts() -> None:
     fallback = r.decide(RequestFacts(api="chat", model="m"), view())
     assert fallback is not None and fallback.reason == "fallback"
     assert r.counts == {"prefix_hash": 1, "overflow": 0, "fallback": 1}
-    sample = r.metrics.registry.get_sample_value(
-        "continuum_prefix_routing_requests_total", {"strategy": "fallback"}
-    )
+    sample = r.metrics.registry.get_sample_value("continuum_prefix_routing_requests_total", {"strategy": "fallback"})
     assert sample == 1.0
 
 
@@ -86,9 +84,7 @@ def test_prefix_routing_counter_only_for_prefix_aware_hash() -> None:
     r = router("RoundRobin")
     r.decide(chat(), view())
     assert (
-        r.metrics.registry.get_sample_value(
-            "continuum_prefix_routing_requests_total", {"strategy": "prefix_hash"}
-        )
+        r.metrics.registry.get_sample_value("continuum_prefix_routing_requests_total", {"strategy": "prefix_hash"})
         is None
     )
 
@@ -132,14 +128,10 @@ def tier4_router(pick: ScoredPick | None, strategy: str = "RoundRobin") -> tuple
 def test_tier4_decides_strictly_above_threshold() -> None:
     r, _ = tier4_router(ScoredPick("c", 0.31, StorageTier.GPU_HOT))
     d = r.decide(chat(), view(), block_keys=[1, 2, 3])
-    assert (
-        d is not None and d.reason == "kv_aware" and d.endpoint.name == "c" and d.tier is StorageTier.GPU_HOT
-    )
+    assert d is not None and d.reason == "kv_aware" and d.endpoint.name == "c" and d.tier is StorageTier.GPU_HOT
     reg = r.metrics.registry
     assert (
-        reg.get_sample_value(
-            "continuum_kv_index_routing_decisions_total", {"decision": "kv_aware", "tier": "gpu_hot"}
-        )
+        reg.get_sample_value("continuum_kv_index_routing_decisions_total", {"decision": "kv_aware", "tier": "gpu_hot"})
         == 1
     )
 
@@ -189,9 +181,7 @@ def test_hot_reload_rebuilds_ring_and_switches_strategy() -> None:
     ring = r.ring()
     assert len(ring) == 150 * 3
     r.reconfigure(
-        parse_settings(
-            {"selection_strategy": "RoundRobin", "prefix_routing": {"enabled": True, "virtual_nodes": 10}}
-        )
+        parse_settings({"selection_strategy": "RoundRobin", "prefix_routing": {"enabled": True, "virtual_nodes": 10}})
     )
     assert len(r.ring()) == 30 and r.strategy.name == "RoundRobin"
 
