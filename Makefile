@@ -4,17 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test lint typecheck unit demo protos bench-overhead bench-routing clean
+.PHONY: test lint typecheck unit demo bench-overhead bench-routing clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
-
-protos: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos --pyi_out=protos protos/kv_feed.proto
-	sed -i 's/^import kv_feed_pb2/from protos import kv_feed_pb2/' protos/kv_feed_pb2_grpc.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check picker listener benchmarks tests
