@@ -1,0 +1,83 @@
+"""Routing policies of the harness: policy name -> how to set up the stack for it.
+
+A ``PolicySpec`` says which processes run in front of the simulators and with which picker config:
+
+- ``picker=None``: no picker; Envoy's own round robin over the replicas (static cluster).
+- ``picker={...}``: ``kv-epp serve`` with these config sections (the harness adds ``pool.backends``,
+  one per simulator, named like the simulator: ``sim-0``, ``sim-1``, ...) behind the real Envoy.
+- ``listener=True``: also a ``kv-listener`` subscribed to every simulator's ZMQ KV events (PUB +
+  replay), and the picker's ``kv_cache_index.event_sources`` pointed at the listener's per-backend
+  feed (``http://LISTEN/events/<backend>``), with the engine's ``/tokenize`` as tokenizer source.
+
+Adding a policy is one entry in ``POLICIES``. ``kv_aware`` is registered but ``available=False`` until
+Tier 4 (listener + kv_cache_index) is ready: the harness reports it as "not available" and never
+invents its numbers. To enable it, delete the ``unavailable_reason=...`` line of its entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True, frozen=True)
+class PolicySpec:
+    """How to run one routing policy."""
+
+    name: str
+    description: str
+    picker: dict[str, Any] | None = None  # picker config sections (pool filled in by the harness)
+    listener: bool = False  # start kv-listener and wire kv_cache_index.event_sources to it
+    unavailable_reason: str = ""  # non-empty: registered but reported "not available", never run
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def available(self) -> bool:
+        return not self.unavailable_reason
+
+
+PREFIX_ROUTING: dict[str, Any] = {"enabled": True}
+
+POLICIES: dict[str, PolicySpec] = {
+    "round_robin": PolicySpec("round_robin", "Envoy's own round robin, no picker"),
+    "load_only": PolicySpec(
+        "load_only",
+        "picker LeastLatency (latency EWMA, ties by in-flight); no prefix routing",
+        picker={"selection_strategy": "LeastLatency"},
+        notes=(
+            "the picker has no least-in-flight strategy (the seed's load-only meaning); LeastLatency is the "
+            "load-based strategy that exists: lowest latency EWMA of completed requests, in-flight only as a "
+            "tie-break",
+        ),
+    ),
+    "prefix_hash": PolicySpec(
+        "prefix_hash",
+        "picker PrefixAwareHash (Tier 1 CHWBL) with prefix_routing enabled",
+        picker={"selection_strategy": "PrefixAwareHash", "prefix_routing": PREFIX_ROUTING},
+    ),
+    "kv_aware": PolicySpec(
+        "kv_aware",
+        "picker Tier 4 KV overlap scorer (kv-listener + kv_cache_index) with PrefixAwareHash as fallback",
+        picker={
+            "selection_strategy": "PrefixAwareHash",
+            "prefix_routing": PREFIX_ROUTING,
+            "kv_cache_index": {"enabled": True, "tokenizer": {"source": "engine", "block_size": 16}},
+        },
+        listener=True,
+        unavailable_reason="Tier 4 (kv-listener + kv_cache_index) not ready yet",  # delete this line to enable
+    ),
+}
+
+
+def parse_policies(text: str) -> list[PolicySpec]:
+    """``round_robin,prefix_hash`` -> specs (ValueError naming an unknown policy)."""
+    out: list[PolicySpec] = []
+    for name in (p.strip() for p in text.split(",")):
+        if not name:
+            continue
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+        out.append(POLICIES[name])
+    if not out:
+        raise ValueError("no policy given")
+    return out

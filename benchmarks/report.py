@@ -1,0 +1,355 @@
+"""Figures, tables and plots of the routing harness (BENCHMARKS.md definitions).
+
+``policy_figures`` turns one policy's raw run (per-request results, engine counters before/after,
+run duration) into the BENCHMARKS.md figures; ``write_report`` writes ``results.json``,
+``results.md`` and the PNG plots; ``markdown_table`` is the table printed at the end of a run.
+
+Units: times are *simulated* (wall time divided by the run's ``time_scale``), so figures compare
+across time scales and with the seed; ``*_wall_ms`` keys hold the raw wall-clock values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.loadgen import PrefixCacheCounters, RequestResult, engine_hit_rate, gateway_cached_share
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (``q`` in 0..1) of ``values``; None when empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def _ms(values: Sequence[float], q: float, scale: float) -> float | None:
+    p = percentile(values, q)
+    return None if p is None else round(p * 1000.0 / scale, 1)
+
+
+def windows(
+    results: Sequence[RequestResult], time_scale: float, window_s: float, replicas: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Per window of ``window_s`` simulated seconds (by request send time): requests per replica, the
+    cached share of the requests that reported usage (hit rate over time) and TTFT p50."""
+    if not results:
+        return []
+    end = max(r.start_s for r in results) / time_scale
+    n = max(1, math.ceil((end + 1e-9) / window_s))
+    out: list[dict[str, Any]] = []
+    for w in range(n):
+        lo, hi = w * window_s, (w + 1) * window_s
+        inside = [r for r in results if lo <= r.start_s / time_scale < hi]
+        counts = {name: sum(1 for r in inside if r.served_by == name) for name in replicas}
+        cached = sum(r.cached_tokens or 0 for r in inside if r.cached_tokens is not None and r.prompt_tokens)
+        prompt = sum(r.prompt_tokens or 0 for r in inside if r.cached_tokens is not None and r.prompt_tokens)
+        per_replica_hit: dict[str, float | None] = {}
+        for name in replicas:
+            mine = [r for r in inside if r.served_by == name and r.cached_tokens is not None and r.prompt_tokens]
+            p = sum(r.prompt_tokens or 0 for r in mine)
+            per_replica_hit[name] = _r(sum(r.cached_tokens or 0 for r in mine) / p) if p else None
+        ttfts = [r.ttft_s for r in inside if r.ok and r.ttft_s is not None]
+        out.append(
+            {
+                "t_start_s": round(lo, 2),
+                "requests": len(inside),
+                "failed": sum(1 for r in inside if not r.ok),
+                "requests_per_replica": counts,
+                "cached_share": _r(cached / prompt) if prompt else None,
+                "cached_share_per_replica": per_replica_hit,
+                "ttft_p50_ms": _ms(ttfts, 0.5, time_scale),
+            }
+        )
+    return out
+
+
+def policy_figures(
+    results: Sequence[RequestResult],
+    before: Mapping[str, PrefixCacheCounters],
+    after: Mapping[str, PrefixCacheCounters],
+    url_names: Mapping[str, str],
+    *,
+    bound: float,
+    target_rate: float,
+    time_scale: float,
+    wall_duration_s: float,
+    window_s: float,
+) -> dict[str, Any]:
+    """The BENCHMARKS.md figures of one policy's run (plus the evidence behind them)."""
+    replicas = sorted(url_names.values(), key=lambda n: (len(n), n))
+    hit = engine_hit_rate(before, after)
+    per_replica: dict[str, dict[str, float | None]] = {}
+    for url, end in after.items():
+        begin = before.get(url, PrefixCacheCounters(0.0, 0.0))
+        dq, dh = end.queries - begin.queries, end.hits - begin.hits
+        per_replica[url_names[url]] = {"queries": dq, "hits": dh, "hit_rate": _r(dh / dq) if dq else None}
+    ok = [r for r in results if r.ok]
+    served = [r for r in results if r.served_by]
+    share = {
+        name: _r(sum(1 for r in served if r.served_by == name) / len(served)) if served else 0.0 for name in replicas
+    }
+    statuses: dict[str, int] = {}
+    for r in results:
+        key = str(r.status) if r.error is None or r.status >= 300 else f"{r.status}:error"
+        statuses[key] = statuses.get(key, 0) + 1
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    lats = [r.latency_s for r in ok if r.latency_s is not None]
+    sim_duration = wall_duration_s / time_scale
+    achieved = len(ok) / sim_duration if sim_duration > 0 else 0.0
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    output_tokens = sum(r.completion_tokens or 0 for r in ok)
+    gcs = gateway_cached_share(results)
+    return {
+        "available": True,
+        "hit_rate": _r(hit),
+        "hit_rate_vs_bound": _r(hit / bound) if hit is not None and bound > 0 else None,
+        "request_share": share,
+        "requests_per_replica": {name: sum(1 for r in served if r.served_by == name) for name in replicas},
+        "ttft_ms": {
+            "p50": _ms(ttfts, 0.5, time_scale),
+            "p90": _ms(ttfts, 0.9, time_scale),
+            "p99": _ms(ttfts, 0.99, time_scale),
+        },
+        "latency_ms": {"p50": _ms(lats, 0.5, time_scale), "p99": _ms(lats, 0.99, time_scale)},
+        "ttft_wall_ms": {"p50": _ms(ttfts, 0.5, 1.0), "p99": _ms(ttfts, 0.99, 1.0)},
+        "achieved_rate": _r(achieved, 3),
+        "target_rate": _r(target_rate, 3),
+        "achieved_rate_ratio": _r(achieved / target_rate) if target_rate and math.isfinite(target_rate) else None,
+        "success_rate": _r(len(ok) / len(results)) if results else None,
+        "requests": len(results),
+        "status_counts": statuses,
+        "tokens_per_s": round((prompt_tokens + output_tokens) / sim_duration, 1) if sim_duration > 0 else 0.0,
+        "output_tokens_per_s": round(output_tokens / sim_duration, 1) if sim_duration > 0 else 0.0,
+        "gateway_cached_share": _r(gcs),
+        "usage_unknown": sum(1 for r in results if r.cached_tokens is None),
+        "duration_s": round(sim_duration, 2),
+        "wall_duration_s": round(wall_duration_s, 2),
+        "prefix_cache_per_replica": per_replica,
+        "windows": windows(results, time_scale, window_s, replicas),
+        "ttft_samples_ms": [round(t * 1000.0 / time_scale, 1) for t in sorted(ttfts)],
+    }
+
+
+def unavailable(reason: str) -> dict[str, Any]:
+    return {"available": False, "reason": reason}
+
+
+# -- tables ---------------------------------------------------------------------------------------------
+def _pct(x: Any) -> str:
+    return "—" if x is None else f"{100 * x:.2f}%"
+
+
+def _num(x: Any, fmt: str = "{:.0f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def markdown_table(doc: Mapping[str, Any]) -> str:
+    """The results table (one row per policy) plus the bound line."""
+    lines = [
+        f"Bound (one replica, unlimited cache, arrival order): **{_pct(doc['bound_hit_rate'])}**",
+        "",
+        "| policy | hit rate | vs bound | request share | TTFT p50 / p90 / p99 ms | latency p50 / p99 ms "
+        "| achieved / target | success | tokens/s | gateway cached |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, p in doc["policies"].items():
+        if not p.get("available"):
+            lines.append(f"| {name} | not available: {p.get('reason', '')} |  |  |  |  |  |  |  |  |")
+            continue
+        share = " / ".join(f"{100 * v:.1f}" for v in p["request_share"].values()) + " %"
+        t, lat = p["ttft_ms"], p["latency_ms"]
+        lines.append(
+            f"| {name} | {_pct(p['hit_rate'])} | {_pct(p['hit_rate_vs_bound'])} | {share} "
+            f"| {_num(t['p50'])} / {_num(t['p90'])} / {_num(t['p99'])} | {_num(lat['p50'])} / {_num(lat['p99'])} "
+            f"| {_num(p['achieved_rate'], '{:.2f}')} / {_num(p['target_rate'], '{:.2f}')} req/s "
+            f"({_pct(p['achieved_rate_ratio'])}) | {_pct(p['success_rate'])} | {_num(p['tokens_per_s'])} "
+            f"| {_pct(p['gateway_cached_share'])} |"
+        )
+    return "\n".join(lines)
+
+
+def recovery_table(doc: Mapping[str, Any]) -> str:
+    """Hit rate (cached share) and TTFT p50 per time window, one column per policy (S3)."""
+    pols = {n: p for n, p in doc["policies"].items() if p.get("available")}
+    if not pols:
+        return ""
+    events = doc.get("params", {}).get("events") or []
+    first = next(iter(pols.values()))
+    lines = [
+        "| window start (s) | " + " | ".join(f"{n} hit / TTFT p50 ms" for n in pols) + " | event |",
+        "|---|" + "---|" * len(pols) + "---|",
+    ]
+    for i, w in enumerate(first["windows"]):
+        cells = []
+        for p in pols.values():
+            ws = p["windows"]
+            if i < len(ws):
+                cells.append(f"{_pct(ws[i]['cached_share'])} / {_num(ws[i]['ttft_p50_ms'])}")
+            else:
+                cells.append("")
+        lo = w["t_start_s"]
+        hi = lo + doc["params"].get("window_s", 0)
+        ev = ", ".join(f"{e['action']} sim-{e['replica']}" for e in events if lo <= e["at_s"] < hi)
+        lines.append(f"| {lo:.0f} | " + " | ".join(cells) + f" | {ev} |")
+    return "\n".join(lines)
+
+
+def results_markdown(doc: Mapping[str, Any]) -> str:
+    params = doc.get("params", {})
+    parts = [
+        f"# Routing harness: {doc['scenario']}",
+        "",
+        str(doc.get("description", "")),
+        "",
+        markdown_table(doc),
+        "",
+        "Times are simulated ms (wall ms / time_scale); achieved rate = successful requests / run duration; "
+        "hit rate = Σ Δprefix_cache_hits / Σ Δprefix_cache_queries over all replicas (tokens); "
+        "gateway cached = Σ cached_tokens / Σ prompt_tokens over requests that reported usage.",
+        "",
+        "## Parameters",
+        "",
+        "```json",
+        json.dumps({k: v for k, v in params.items() if k != "sim"}, indent=1),
+        "```",
+        "",
+        f"Simulator: `{json.dumps(params.get('sim', {}))}`",
+        "",
+        f"Calibration: {doc.get('calibration', '')}",
+        "",
+        f"Machine: {doc.get('machine', '')}",
+    ]
+    notes = doc.get("notes") or []
+    if notes:
+        parts += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    evidence = []
+    for name, p in doc["policies"].items():
+        if p.get("available") and p.get("picker_stats"):
+            rd = p["picker_stats"].get("routing_decisions")
+            if rd:
+                evidence.append(f"- {name}: picker routing decisions {json.dumps(rd)}")
+    if evidence:
+        parts += ["", "## Picker decision counters (/admin/prefix-routing/stats)", "", *evidence]
+    per_rep = []
+    for name, p in doc["policies"].items():
+        if p.get("available"):
+            cells = ", ".join(
+                f"{rep}: {_pct(v['hit_rate'])} of {v['queries']:.0f} tok"
+                for rep, v in p["prefix_cache_per_replica"].items()
+            )
+            per_rep.append(f"- {name}: {cells}")
+    if per_rep:
+        parts += ["", "## Engine hit rate per replica (Δ counters)", "", *per_rep]
+    if params.get("events"):
+        parts += ["", "## Recovery (per time window, by request send time)", "", recovery_table(doc)]
+    return "\n".join(parts) + "\n"
+
+
+# -- plots ------------------------------------------------------------------------------------------------
+def write_plots(doc: Mapping[str, Any], out: Path) -> list[Path]:
+    """hit rate vs bound, TTFT CDF, request share per replica over time (and hit rate over time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pols = {n: p for n, p in doc["policies"].items() if p.get("available")}
+    written: list[Path] = []
+    if not pols:
+        return written
+    bound = doc["bound_hit_rate"]
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(pols)
+    ax.bar(names, [pols[n]["hit_rate"] or 0 for n in names], color="tab:blue")
+    ax.axhline(bound, color="tab:red", linestyle="--", label=f"bound {bound:.3f}")
+    for i, n in enumerate(names):
+        ax.text(i, (pols[n]["hit_rate"] or 0) + 0.01, f"{100 * (pols[n]['hit_rate_vs_bound'] or 0):.0f}% of bound",
+                ha="center", fontsize=8)  # fmt: skip
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("engine prefix-cache hit rate (tokens)")
+    ax.set_title(f"{doc['scenario']}: hit rate vs bound")
+    ax.legend()
+    fig.tight_layout()
+    written.append(out / "hit_rate_vs_bound.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n, p in pols.items():
+        xs = p.get("ttft_samples_ms") or []
+        if xs:
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=n)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (simulated ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"{doc['scenario']}: TTFT CDF")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    written.append(out / "ttft_cdf.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    events = doc.get("params", {}).get("events") or []
+    fig, axes = plt.subplots(len(pols), 1, figsize=(7, 2.2 * len(pols) + 0.6), sharex=True, squeeze=False)
+    for ax, (n, p) in zip(axes[:, 0], pols.items(), strict=True):
+        ws = p["windows"]
+        ts = [w["t_start_s"] for w in ws]
+        reps = list(p["request_share"])
+        for rep in reps:
+            ys = [(w["requests_per_replica"].get(rep, 0) / w["requests"]) if w["requests"] else 0 for w in ws]
+            ax.plot(ts, ys, marker=".", label=rep)
+        for e in events:
+            ax.axvline(e["at_s"], color="grey", linestyle=":")
+        ax.set_ylim(0, 1)
+        ax.set_ylabel(f"{n}\nshare")
+        ax.legend(fontsize=7, ncol=len(reps), loc="upper right")
+    axes[-1, 0].set_xlabel("time (simulated s, by request send time)")
+    fig.suptitle(f"{doc['scenario']}: request share per replica over time")
+    fig.tight_layout()
+    written.append(out / "request_share_over_time.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for n, p in pols.items():
+        ws = p["windows"]
+        ax.plot([w["t_start_s"] for w in ws], [w["cached_share"] for w in ws], marker=".", label=n)
+    for e in events:
+        ax.axvline(e["at_s"], color="grey", linestyle=":")
+        ax.text(e["at_s"], 0.02, f" {e['action']} sim-{e['replica']}", fontsize=7, rotation=90)
+    ax.axhline(bound, color="tab:red", linestyle="--", label="bound (whole run)")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("time (simulated s)")
+    ax.set_ylabel("cached share per window")
+    ax.set_title(f"{doc['scenario']}: hit rate over time")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "hit_rate_over_time.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    return written
+
+
+def write_report(doc: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
+    """Write results.json, results.md and the plots into ``out``; returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "results.json", out / "results.md"]
+    files[0].write_text(json.dumps(doc, indent=1))
+    files[1].write_text(results_markdown(doc))
+    if plots:
+        files += write_plots(doc, out)
+    return files

@@ -1,0 +1,351 @@
+"""Routing-quality harness: the same workload through each routing policy, cold, side by side.
+
+    python -m benchmarks.routing --scenario seed003|chat-skew|churn|tiny|demo [--trace FILE]
+        [--policies round_robin,load_only,prefix_hash,kv_aware] [--out DIR] [--time-scale 0.5] [--seed 0]
+
+For every policy (``benchmarks.policies.POLICIES``), in order: start fresh simulators (cold caches),
+the picker (and the listener) the policy needs, and the real Envoy; scrape the engines' prefix-cache
+counters; replay the trace (``benchmarks.loadgen.run_trace``) while applying the scenario's churn
+events (S3: a simulator restart, a replica added to the picker's hot-reloaded config file); scrape
+again; read the picker's decision counters; stop everything (by pid). Then compute the BENCHMARKS.md
+figures (``benchmarks.report``) against the bound of the trace itself, write ``results.json``,
+``results.md`` and PNG plots into ``--out``, and print the table.
+
+Envoy's round robin uses a static cluster: a replica added mid-run (S3) cannot join it without an
+Envoy restart, which would reset every connection; the harness starts the replica anyway (so the
+same processes run) and reports that round robin did not use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from benchmarks.bound import bound_hit_rate
+from benchmarks.engine_sim.config import SimConfig
+from benchmarks.engine_sim.process import SimulatorProcess, start_simulators
+from benchmarks.loadgen import PrefixCacheCounters, RequestResult, run_trace, scrape_prefix_cache_counters
+from benchmarks.policies import POLICIES, PolicySpec, parse_policies
+from benchmarks.report import markdown_table, policy_figures, unavailable, write_report
+from benchmarks.scenarios import DEFAULT_TIME_SCALE, SCENARIOS, ChurnEvent, Scenario, trace_scenario
+from benchmarks.stack import (
+    EnvoyProcess,
+    ManagedProcess,
+    PickerProcess,
+    free_port,
+    make_workdir,
+    spawn,
+    start_envoy,
+    start_picker,
+    wait_http,
+)
+from picker.envoy_config import EnvoyOptions
+
+log = logging.getLogger(__name__)
+
+
+class PolicyStack:
+    """The processes in front of the simulators for one policy: Envoy, and the picker/listener if any."""
+
+    def __init__(self, policy: PolicySpec, workdir: Path) -> None:
+        self.policy = policy
+        self.workdir = workdir
+        self.envoy: EnvoyProcess | None = None
+        self.picker: PickerProcess | None = None
+        self.listener: ManagedProcess | None = None
+        self.listener_url: str | None = None
+        self.backends: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+
+    @property
+    def url(self) -> str:
+        assert self.envoy is not None
+        return self.envoy.url
+
+    def start(self, sims: list[SimulatorProcess]) -> None:
+        self.backends = [{"name": s.config.name, "address": s.address} for s in sims]
+        picker_address = None
+        if self.policy.picker is not None:
+            config: dict[str, Any] = {k: v for k, v in self.policy.picker.items()}
+            config["pool"] = {"backends": list(self.backends)}
+            if self.policy.listener:
+                config["kv_cache_index"] = self._start_listener(sims, dict(config.get("kv_cache_index", {})))
+            self.picker = start_picker(config, self.workdir, name=f"picker-{self.policy.name}")
+            picker_address = f"127.0.0.1:{self.picker.extproc_port}"
+        opts = EnvoyOptions(
+            listen_port=free_port(),
+            listen_address="127.0.0.1",
+            admin_port=free_port(),
+            picker_address=picker_address,
+            backends=tuple(b["address"] for b in self.backends) if picker_address is None else (),
+            max_requests=100_000,
+        )
+        self.envoy = start_envoy(opts, self.workdir)
+
+    def _start_listener(self, sims: list[SimulatorProcess], kv_index: dict[str, Any]) -> dict[str, Any]:
+        """Start ``kv-listener`` over the simulators' ZMQ events; returns the picker's kv_cache_index."""
+        port = free_port()
+        self.listener_url = f"http://127.0.0.1:{port}"
+        sources = [
+            {
+                "backend_name": s.config.name,
+                "engine": "vllm",
+                "model": s.config.model,
+                "block_size": s.config.block_size,
+                "zmq_endpoint": s.kv_events_endpoint,
+                "replay_endpoint": s.replay_endpoint,
+            }
+            for s in sims
+        ]
+        path = self.workdir / f"listener-{self.policy.name}.yaml"
+        path.write_text(yaml.safe_dump({"listen": f"127.0.0.1:{port}", "sources": sources}))
+        argv = [sys.executable, "-m", "listener", "run", "--config", str(path)]
+        self.listener = spawn(f"listener-{self.policy.name}", argv, self.workdir)
+        wait_http(f"{self.listener_url}/healthz", proc=self.listener.proc)
+        kv_index["enabled"] = True
+        kv_index["event_sources"] = [
+            {"backend_name": s.config.name, "endpoint": f"{self.listener_url}/events/{s.config.name}"} for s in sims
+        ]
+        return kv_index
+
+    def add_backend(self, sim: SimulatorProcess) -> str:
+        """Add a replica: rewrite the picker's config file (hot-reloaded), or report what happened."""
+        if self.picker is None:
+            note = (
+                f"{sim.config.name} started but not added to Envoy's static round-robin cluster (adding one "
+                "needs an Envoy restart, which would reset every connection); round robin kept the old replicas"
+            )
+            self.notes.append(note)
+            return note
+        self.backends.append({"name": sim.config.name, "address": sim.address})
+        cfg = dict(self.picker.config)
+        cfg["pool"] = {**dict(cfg.get("pool", {})), "backends": list(self.backends)}
+        self.picker.config = cfg
+        tmp = self.picker.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(cfg))
+        os.replace(tmp, self.picker.config_path)  # the picker polls the file's mtime (1 s) and reloads
+        note = f"{sim.config.name} added to the picker's pool via its hot-reloaded config file"
+        if self.policy.listener:
+            note += " (the listener's sources are not hot-reloaded: no KV events from it)"
+        self.notes.append(note)
+        return note
+
+    async def picker_stats(self) -> dict[str, Any] | None:
+        if self.picker is None:
+            return None
+        try:
+            url = f"{self.picker.admin_url}/admin/prefix-routing/stats"
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http, http.get(url) as resp:
+                data: dict[str, Any] = await resp.json()
+                return data
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return {"error": str(exc)}
+
+    def stop(self) -> None:
+        for proc in (self.envoy, self.picker):
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    proc.stop()
+        if self.listener is not None:
+            with contextlib.suppress(Exception):
+                self.listener.stop()
+
+
+@dataclasses.dataclass
+class PolicyRun:
+    """The raw outcome of one policy's run."""
+
+    results: list[RequestResult]
+    before: dict[str, PrefixCacheCounters]
+    after: dict[str, PrefixCacheCounters]
+    url_names: dict[str, str]
+    wall_duration_s: float
+    picker_stats: dict[str, Any] | None
+    events: list[dict[str, Any]]
+    notes: list[str]
+
+
+async def _apply_events(
+    scenario: Scenario, sims: list[SimulatorProcess], stack: PolicyStack, log_dir: Path, t0: float
+) -> list[dict[str, Any]]:
+    """Apply the churn events at their (scaled) times; returns what happened and when (simulated s)."""
+    done: list[dict[str, Any]] = []
+    for ev in sorted(scenario.events, key=lambda e: e.at_s):
+        delay = ev.at_s * scenario.time_scale - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        at = (time.perf_counter() - t0) / scenario.time_scale
+        if ev.action == "restart":
+            await asyncio.to_thread(sims[ev.replica].restart)
+            done.append({"at_s": round(at, 2), "action": "restart", "replica": sims[ev.replica].config.name})
+        elif ev.action == "add":
+            cfg = dataclasses.replace(scenario.sim, name=f"sim-{ev.replica}", port=0, engine_label=str(ev.replica))
+            sim = SimulatorProcess(cfg, None, log_dir / f"sim-{ev.replica}.log")
+            await asyncio.to_thread(sim.start)
+            sims.append(sim)
+            note = stack.add_backend(sim)
+            done.append({"at_s": round(at, 2), "action": "add", "replica": cfg.name, "note": note})
+    return done
+
+
+async def run_policy(scenario: Scenario, policy: PolicySpec, workdir: Path) -> PolicyRun:
+    """Run ``scenario`` through ``policy`` on fresh (cold) simulators."""
+    log_dir = workdir / policy.name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    sims = await asyncio.to_thread(start_simulators, scenario.replicas, scenario.sim, None, log_dir)
+    stack = PolicyStack(policy, log_dir)
+    try:
+        await asyncio.to_thread(stack.start, sims)
+        urls = [s.base_url for s in sims]
+        before = await scrape_prefix_cache_counters(urls)
+        t0 = time.perf_counter()
+        events_task = asyncio.create_task(_apply_events(scenario, sims, stack, log_dir, t0))
+        results = await run_trace(
+            scenario.records, stack.url, max_concurrency=scenario.max_concurrency, time_scale=scenario.time_scale
+        )
+        wall = max((r.start_s + (r.latency_s or 0.0) for r in results), default=time.perf_counter() - t0)
+        if not events_task.done():
+            events_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            events = await events_task
+        if events_task.cancelled():
+            events = []
+        after = await scrape_prefix_cache_counters([s.base_url for s in sims])
+        stats = await stack.picker_stats()
+        url_names = {s.base_url: s.config.name for s in sims}
+        return PolicyRun(results, before, after, url_names, wall, stats, events, list(stack.notes))
+    finally:
+        await asyncio.to_thread(stack.stop)
+        for s in sims:
+            with contextlib.suppress(Exception):
+                s.stop()
+
+
+def machine_description() -> str:
+    try:
+        load = os.getloadavg()
+        load_s = f", load average at start {load[0]:.2f}"
+    except OSError:
+        load_s = ""
+    return (
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs (shared with other work){load_s}, "
+        f"Python {platform.python_version()}; the load generator, Envoy, the picker and every simulator "
+        "share these cores"
+    )
+
+
+def _sim_params(sim: SimConfig) -> dict[str, Any]:
+    keep = (
+        "block_size", "capacity_blocks", "max_num_seqs", "max_num_batched_tokens", "step_overhead_ms",
+        "prefill_ms_per_token", "decode_ms_per_seq", "time_scale",
+    )  # fmt: skip
+    return {k: getattr(sim, k) for k in keep}
+
+
+def run(scenario: Scenario, policies: list[PolicySpec], out: Path, plots: bool = True) -> dict[str, Any]:
+    """Run every policy on ``scenario``; write and return the results document."""
+    bound = bound_hit_rate(scenario.records, block_size=scenario.sim.block_size)
+    span = max((r.t for r in scenario.records), default=0.0)
+    window_s = max(1.0, round(span / 20.0, 1))
+    doc: dict[str, Any] = {
+        "scenario": scenario.name,
+        "description": scenario.description,
+        "params": {
+            **scenario.params,
+            "replicas": scenario.replicas,
+            "requests": len(scenario.records),
+            "target_rate": scenario.target_rate,
+            "max_concurrency": scenario.max_concurrency,
+            "time_scale": scenario.time_scale,
+            "seed": scenario.seed,
+            "window_s": window_s,
+            "policies": [p.name for p in policies],
+            "policy_setup": {p.name: p.description for p in policies},
+            "envoy_body_mode": "FULL_DUPLEX_STREAMED",
+            "sim": _sim_params(scenario.sim),
+            "bound_detail": dataclasses.asdict(bound),
+        },
+        "bound_hit_rate": round(bound.hit_rate, 4),
+        "calibration": scenario.calibration,
+        "machine": machine_description(),
+        "notes": [],
+        "policies": {},
+    }
+    workdir = make_workdir(f"kv-epp-routing-{scenario.name}-")
+    doc["params"]["workdir"] = str(workdir)
+    for policy in policies:
+        if not policy.available:
+            doc["policies"][policy.name] = unavailable(policy.unavailable_reason)
+            print(f"[{policy.name}] not available: {policy.unavailable_reason}", flush=True)
+            continue
+        print(f"[{policy.name}] running {len(scenario.records)} requests ...", flush=True)
+        started = time.perf_counter()
+        pr = asyncio.run(run_policy(scenario, policy, workdir))
+        figures = policy_figures(
+            pr.results, pr.before, pr.after, pr.url_names,
+            bound=bound.hit_rate, target_rate=scenario.target_rate, time_scale=scenario.time_scale,
+            wall_duration_s=pr.wall_duration_s, window_s=window_s,
+        )  # fmt: skip
+        figures["picker_stats"] = pr.picker_stats
+        figures["events"] = pr.events
+        figures["notes"] = [*policy.notes, *pr.notes]
+        doc["policies"][policy.name] = figures
+        doc["notes"] += [f"{policy.name}: {n}" for n in figures["notes"]]
+        print(
+            f"[{policy.name}] hit {figures['hit_rate']} (bound {bound.hit_rate:.4f}) share {figures['request_share']} "
+            f"ttft p99 {figures['ttft_ms']['p99']} ms, {time.perf_counter() - started:.1f} s wall",
+            flush=True,
+        )
+    write_report(doc, out, plots=plots)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.routing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--scenario", choices=list(SCENARIOS))
+    src.add_argument("--trace", type=Path, help="JSONL trace file (BENCHMARKS.md format)")
+    ap.add_argument("--policies", default="round_robin,load_only,prefix_hash,kv_aware")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE, help="real s per simulated s")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replicas", type=int, default=2, help="with --trace")
+    ap.add_argument("--rate", type=float, default=None, help="target rate with --trace (default: from the trace)")
+    ap.add_argument("--max-concurrency", type=int, default=32, help="with --trace")
+    ap.add_argument("--no-plots", action="store_true")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        policies = parse_policies(a.policies)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if a.trace is not None:
+        scenario = trace_scenario(a.trace, a.replicas, None, a.rate, a.max_concurrency, a.time_scale)
+    else:
+        scenario = SCENARIOS[a.scenario](a.time_scale, a.seed)
+    out = a.out or Path("out") / scenario.name
+    doc = run(scenario, policies, out, plots=not a.no_plots)
+    print()
+    print(markdown_table(doc))
+    print(f"\nwrote {out}/results.json, results.md and plots")
+    return 0
+
+
+__all__ = ["POLICIES", "ChurnEvent", "PolicyStack", "main", "run", "run_policy"]
+
+if __name__ == "__main__":
+    sys.exit(main())
