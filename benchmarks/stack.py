@@ -169,3 +169,37 @@ def start_picker(config: dict[str, Any], workdir: Path, name: str = "picker") ->
 
 def make_workdir(prefix: str = "kv-epp-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+@dataclass
+class ListenerProcess:
+    config: dict[str, Any]
+    port: int
+    process: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def events_url(self, backend: str) -> str:
+        return f"{self.url}/events/{backend}"
+
+    def stop(self) -> int:
+        return self.process.stop()
+
+
+def start_listener(config: dict[str, Any], workdir: Path, name: str = "listener") -> ListenerProcess:
+    """Run ``kv-listener run`` with ``config`` (``listen`` filled in with a free port when missing)."""
+    cfg = dict(config)
+    if "listen" not in cfg:
+        cfg["listen"] = f"127.0.0.1:{free_port()}"
+    port = int(str(cfg["listen"]).rpartition(":")[2])
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    mp = spawn(name, [sys.executable, "-m", "listener.cli", "run", "--config", str(path)], workdir)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz", proc=mp.proc)
+    except Exception:
+        mp.stop()
+        raise RuntimeError(f"listener did not start:\n{mp.log_tail()}") from None
+    return ListenerProcess(cfg, port, mp)

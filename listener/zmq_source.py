@@ -60,6 +60,7 @@ class ZmqEventSource:
         self.ctx = ctx
         self.name = cfg.backend_name
         self.last_seq: int | None = None
+        self._last_payload_digest: int | None = None  # tells a restart at the same seq from a duplicate
         self.bound_endpoint: str | None = None  # set when zmq_mode is bind (resolves port 0 / *)
         self.connected = False
         self._allowed = frozenset(cfg.allowed_publishers)
@@ -139,10 +140,12 @@ class ZmqEventSource:
             self._drop("malformed")
             return
         seq = int.from_bytes(seq_b, "big")
-        if not await self._accept_seq(seq):
+        payload = frames[2].bytes
+        if not await self._accept_seq(seq, payload):
             return
         self.last_seq = seq
-        self.apply_payload(frames[2].bytes)
+        self._last_payload_digest = hash(payload)
+        self.apply_payload(payload)
 
     def apply_payload(self, payload: bytes) -> None:
         """Decode one batch and apply its events (bad events are counted and skipped)."""
@@ -160,14 +163,16 @@ class ZmqEventSource:
             self.tracker.apply(ev)
         self.metrics.events_processed.labels(self.name).inc(len(batch.events))
 
-    async def _accept_seq(self, seq: int) -> bool:
+    async def _accept_seq(self, seq: int, payload: bytes) -> bool:
         last = self.last_seq
         if last is None or seq == last + 1:
             return True
-        if seq == last:
+        if seq == last and hash(payload) == self._last_payload_digest:
             self._drop("duplicate")
             return False
-        if seq < last:
+        # A sequence that goes back -- or repeats with another payload (an engine that published only
+        # seq 0 before restarting starts again at seq 0) -- is a restart.
+        if seq <= last:
             self.metrics.restarts.labels(self.name).inc()
             log.warning("event=engine_restart source=%s last_seq=%d seq=%d action=clear", self.name, last, seq)
             self.tracker.reset("restart")
@@ -208,6 +213,7 @@ class ZmqEventSource:
                     break
                 self.apply_payload(payload)
                 self.last_seq = seq
+                self._last_payload_digest = hash(payload)
                 expected += 1
                 if expected == until:
                     break

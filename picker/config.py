@@ -99,6 +99,8 @@ class TokenizerConfig(_Section):
     local_path: str | None = None  # tokenizer.json for source=local
     chat_template_path: str | None = None
     max_concurrency: int = Field(64, ge=1, le=10_000)
+    endpoint: str | None = None  # base URL for source=engine; default: a healthy backend of the pool
+    max_prefix_tokens: int = Field(16_384, ge=1, le=1 << 20)  # block keys computed for this many tokens at most
 
 
 class KvCacheIndexConfig(_Section):
@@ -112,8 +114,13 @@ class KvCacheIndexConfig(_Section):
     storage_offloading: StorageOffloadingConfig = StorageOffloadingConfig()
     event_sources: tuple[EventSourceConfig, ...] = ()
     tokenizer: TokenizerConfig = TokenizerConfig()
-    redis_url: str | None = None
-    redis_key_prefix: str = "cr:kvidx:"
+
+    @field_validator("backend")
+    @classmethod
+    def _memory_only(cls, v: str) -> str:
+        if v != "memory":
+            raise ValueError("only the in-memory KV index is available in this release (backend: memory)")
+        return v
 
 
 class BackendConfig(_Section):

@@ -84,12 +84,14 @@ def kv_index_backends(
 ) -> dict[str, object]:
     """The seed's ``GET /admin/kv-index/backends`` body."""
     out = []
+    entries = index.backend_entries() if index else {}
     for c in consumers:
         _, created, evicted = index.backend_counters(c.backend_name) if index else (0, 0, 0)
         d = c.as_dict()
         out.append(
             {
                 "backend_name": c.backend_name,
+                "entries": entries.get(c.backend_name, 0),  # blocks this backend holds now (not in the seed)
                 "connection": {
                     "connected": c.connected,
                     "reconnect_count": c.reconnect_count,

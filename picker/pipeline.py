@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from picker.chwbl_ring import HashRing
 from picker.config import Settings
-from picker.endpoints import Decision, PoolView, StorageTier
+from picker.endpoints import Decision, Endpoint, PoolView, StorageTier
+from picker.kv_stats import KvDecisionCounters
 from picker.metrics import PickerMetrics
 from picker.prefix_key import prefix_key
 from picker.request_facts import RequestFacts
@@ -23,19 +23,13 @@ from picker.strategies import STRATEGY_REGISTRY, Strategy
 SCORER_THRESHOLD = 0.3  # the pool's composite-score threshold; Tier 4 decides only strictly above it
 
 
-@dataclass(slots=True, frozen=True)
-class ScoredPick:
-    """Tier 4's best holder: its name, composite score and the tier it holds the prefix in."""
-
-    backend: str
-    score: float
-    tier: StorageTier
-
-
 class OverlapScorer(Protocol):
-    """Tier 4 scorer: pure and synchronous over its prepared snapshot."""
+    """Tier 4 scorer: pure and synchronous over its prepared snapshot. Returns the best holder (or
+    None), its composite score and the tier it holds the prefix in, from one read."""
 
-    def best(self, block_keys: Sequence[int], view: PoolView) -> ScoredPick | None: ...
+    def score_with_tier(
+        self, block_keys: Sequence[int], view: PoolView
+    ) -> tuple[Endpoint | None, float, StorageTier]: ...
 
 
 class SessionTable:
@@ -78,7 +72,7 @@ class Router:
         self._pool_names: tuple[str, ...] = ()
         self.prefixes_seen: OrderedDict[bytes, None] = OrderedDict()  # bound: MAX_PREFIXES_TRACKED, LRU
         self.counts: dict[str, int] = {"prefix_hash": 0, "overflow": 0, "fallback": 0}
-        self.kv_counts: dict[str, int] = {"kv_aware": 0, "fallback": 0}
+        self.kv_decisions = KvDecisionCounters()
         self.settings = settings
         self.strategy: Strategy = STRATEGY_REGISTRY[settings.selection_strategy](self)
         self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
@@ -157,16 +151,13 @@ class Router:
 
     def _tier4(self, block_keys: Sequence[int], view: PoolView) -> Decision | None:
         assert self.scorer is not None
-        best = self.scorer.best(block_keys, view) if block_keys else None
-        if best is not None and best.score > SCORER_THRESHOLD:
-            st = view.by_name().get(best.backend)
-            if st is not None:
-                self.kv_counts["kv_aware"] += 1
-                self.metrics.kv_index_routing_decisions.labels("kv_aware", best.tier.value).inc()
-                self.metrics.kv_index_overlap_score.observe(best.score)
-                return Decision(st.endpoint, "KvOverlap", "kv_aware", best.tier, best.score)
-        self.kv_counts["fallback"] += 1
-        self.metrics.kv_index_routing_decisions.labels("fallback", StorageTier.NONE.value).inc()
+        best, score, tier = (
+            self.scorer.score_with_tier(block_keys, view) if block_keys else (None, 0.0, StorageTier.NONE)
+        )
+        if best is not None and score > SCORER_THRESHOLD and best in view.endpoints:
+            self.kv_decisions.record("kv_aware", tier, score, self.metrics)
+            return Decision(best, "KvOverlap", "kv_aware", tier, score)
+        self.kv_decisions.record("fallback", StorageTier.NONE, score, self.metrics)
         return None
 
     def _note_prefix(self, key: bytes) -> None:

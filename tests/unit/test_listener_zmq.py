@@ -251,3 +251,20 @@ async def test_hostile_payloads_are_counted_and_skipped(ctx: zmq.asyncio.Context
         async with ClientSession() as s, s.get(f"http://127.0.0.1:{app.port}/healthz") as r:
             assert r.status == 200
             assert (await r.json())["status"] == "ok"
+
+
+async def test_restart_after_only_seq_zero_is_not_a_duplicate(ctx: zmq.asyncio.Context) -> None:
+    """Found end to end: an engine that had published only seq 0 restarts and publishes seq 0 again
+    (AllBlocksCleared). Same seq with another payload is a restart; the very same message is a duplicate."""
+    pub = Pub(ctx)
+    async with running(pub) as app:
+        feed = app.feeds["e1"]
+        await pub.send(0, batch(stored([1, 2], None, TOKENS[:8])))
+        await until(lambda: len(feed.state) == 2)
+        cleared = batch(["AllBlocksCleared"])
+        await pub.send(0, cleared)
+        await until(lambda: sample(app, "kv_listener_engine_restarts_total") == 1)
+        await until(lambda: feed.state == {})
+        await pub.send(0, cleared)
+        await until(lambda: sample(app, "kv_listener_events_dropped_total", reason="duplicate") == 1)
+        assert sample(app, "kv_listener_engine_restarts_total") == 1

@@ -7,7 +7,7 @@ import pytest
 from picker.config import parse_settings
 from picker.endpoints import Endpoint, EndpointState, PoolView, StorageTier
 from picker.metrics import PickerMetrics
-from picker.pipeline import Router, ScoredPick, SessionTable
+from picker.pipeline import Router, SessionTable
 from picker.request_facts import RequestFacts
 from picker.strategies import STRATEGY_REGISTRY, Random
 
@@ -102,16 +102,17 @@ def test_empty_view_gives_no_decision() -> None:
 
 
 class FixedScorer:
-    def __init__(self, pick: ScoredPick | None) -> None:
-        self.pick = pick
+    def __init__(self, name: str, score: float, tier: StorageTier) -> None:
+        self.pick = (Endpoint(name, f"{name}:1"), score, tier)
         self.calls = 0
 
-    def best(self, block_keys, view):
+    def score_with_tier(self, block_keys, view):
         self.calls += 1
-        return self.pick
+        ep = next((e for e in view.endpoints if e.name == self.pick[0].name), self.pick[0])
+        return ep, self.pick[1], self.pick[2]
 
 
-def tier4_router(pick: ScoredPick | None, strategy: str = "RoundRobin") -> tuple[Router, FixedScorer]:
+def tier4_router(pick: tuple[str, float, StorageTier], strategy: str = "RoundRobin") -> tuple[Router, FixedScorer]:
     s = parse_settings(
         {
             "selection_strategy": strategy,
@@ -119,14 +120,14 @@ def tier4_router(pick: ScoredPick | None, strategy: str = "RoundRobin") -> tuple
             "kv_cache_index": {"enabled": True},
         }
     )
-    scorer = FixedScorer(pick)
+    scorer = FixedScorer(*pick)
     r = Router(s, PickerMetrics(), scorer)
     r.set_pool_names(tuple(e.name for e in EPS))
     return r, scorer
 
 
 def test_tier4_decides_strictly_above_threshold() -> None:
-    r, _ = tier4_router(ScoredPick("c", 0.31, StorageTier.GPU_HOT))
+    r, _ = tier4_router(("c", 0.31, StorageTier.GPU_HOT))
     d = r.decide(chat(), view(), block_keys=[1, 2, 3])
     assert d is not None and d.reason == "kv_aware" and d.endpoint.name == "c" and d.tier is StorageTier.GPU_HOT
     reg = r.metrics.registry
@@ -137,21 +138,21 @@ def test_tier4_decides_strictly_above_threshold() -> None:
 
 
 def test_tier4_at_threshold_falls_back_to_strategy() -> None:
-    r, _ = tier4_router(ScoredPick("c", 0.3, StorageTier.GPU_HOT))
+    r, _ = tier4_router(("c", 0.3, StorageTier.GPU_HOT))
     d = r.decide(chat(), view(), block_keys=[1])
     assert d is not None and d.reason == "round_robin"
-    assert r.kv_counts == {"kv_aware": 0, "fallback": 1}
+    assert (r.kv_decisions.kv_aware, r.kv_decisions.fallback) == (0, 1)
 
 
 def test_tier4_not_run_without_prefix_key() -> None:
-    r, scorer = tier4_router(ScoredPick("c", 0.9, StorageTier.GPU_HOT))
+    r, scorer = tier4_router(("c", 0.9, StorageTier.GPU_HOT))
     d = r.decide(RequestFacts(api="chat", model="m"), view(), block_keys=[1])
     assert d is not None and d.reason == "round_robin" and scorer.calls == 0
-    assert r.kv_counts == {"kv_aware": 0, "fallback": 0}
+    assert (r.kv_decisions.kv_aware, r.kv_decisions.fallback) == (0, 0)
 
 
 def test_tier4_pick_outside_view_is_ignored() -> None:
-    r, _ = tier4_router(ScoredPick("zzz", 0.9, StorageTier.GPU_HOT))
+    r, _ = tier4_router(("zzz", 0.9, StorageTier.GPU_HOT))
     d = r.decide(chat(), view(), block_keys=[1])
     assert d is not None and d.reason == "round_robin"
 
