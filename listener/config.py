@@ -9,8 +9,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from picker.config import ConfigError, read_yaml_mapping, validation_problems
 
 BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 Engine = Literal["vllm", "sglang", "trtllm"]
@@ -112,19 +113,8 @@ class ListenerConfig(_Model):
         return int(self.listen.rpartition(":")[2])
 
 
-class ListenerConfigError(Exception):
+class ListenerConfigError(ConfigError):
     """An unusable listener config; ``problems`` are (dotted path, message) pairs."""
-
-    def __init__(self, problems: list[tuple[str, str]]) -> None:
-        self.problems = problems
-        super().__init__("; ".join(f"{p}: {m}" for p, m in problems))
-
-
-def _loc(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for item in loc:
-        out += f"[{item}]" if isinstance(item, int) else ("." if out else "") + item
-    return out or "<root>"
 
 
 def parse_listener_config(data: dict[str, Any]) -> ListenerConfig:
@@ -132,21 +122,13 @@ def parse_listener_config(data: dict[str, Any]) -> ListenerConfig:
     try:
         return ListenerConfig(**data)
     except ValidationError as exc:
-        raise ListenerConfigError([(_loc(tuple(e["loc"])), e["msg"]) for e in exc.errors()]) from None
+        raise ListenerConfigError(validation_problems(exc)) from None
 
 
 def load_listener_config(path: str | Path) -> ListenerConfig:
     """Load and validate the YAML file at ``path``."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ListenerConfigError([("<file>", f"cannot read {path}: {exc.strerror}")]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ListenerConfigError([("<file>", f"invalid YAML in {path}: {exc}")]) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ListenerConfigError([("<root>", "the config file must hold a mapping")])
+        data = read_yaml_mapping(path)
+    except ConfigError as exc:
+        raise ListenerConfigError(exc.problems) from None
     return parse_listener_config(data)

@@ -243,18 +243,21 @@ def _loc(loc: Iterable[int | str]) -> str:
     return "".join(parts) or "<root>"
 
 
+def validation_problems(exc: ValidationError) -> list[tuple[str, str]]:
+    """(dotted path, message) for every error pydantic found."""
+    return [(_loc(e["loc"]), e["msg"]) for e in exc.errors()]
+
+
 def parse_settings(data: dict[str, Any]) -> Settings:
     """Validate a config mapping; raise ConfigError naming the path of every bad key."""
     try:
         return Settings(**data)
     except ValidationError as exc:
-        raise ConfigError([(_loc(e["loc"]), e["msg"]) for e in exc.errors()]) from None
+        raise ConfigError(validation_problems(exc)) from None
 
 
-def load_settings(path: str | Path | None) -> Settings:
-    """Load the YAML file at ``path`` (or defaults + environment when None)."""
-    if path is None:
-        return parse_settings({})
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """The mapping at the top of a YAML file ({} when empty); ConfigError when unreadable or not a mapping."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
@@ -264,10 +267,15 @@ def load_settings(path: str | Path | None) -> Settings:
     except yaml.YAMLError as exc:
         raise ConfigError([("<file>", f"invalid YAML in {path}: {exc}")]) from None
     if data is None:
-        data = {}
+        return {}
     if not isinstance(data, dict):
         raise ConfigError([("<root>", "the config file must hold a mapping of sections")])
-    return parse_settings(data)
+    return data
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Load the YAML file at ``path`` (or defaults + environment when None)."""
+    return parse_settings({} if path is None else read_yaml_mapping(path))
 
 
 def config_warnings(s: Settings) -> list[tuple[str, str]]:
