@@ -98,6 +98,17 @@ def spawn(name: str, argv: Sequence[str], workdir: Path, env: dict[str, str] | N
     return ManagedProcess(name, proc, log_path)
 
 
+def spawn_ready(name: str, argv: Sequence[str], workdir: Path, ready_url: str) -> ManagedProcess:
+    """Spawn a process and wait until ``ready_url`` answers 200; stop it and raise with its log if not."""
+    mp = spawn(name, argv, workdir)
+    try:
+        wait_http(ready_url, proc=mp.proc)
+    except Exception:
+        mp.stop()
+        raise RuntimeError(f"{name} did not start:\n{mp.log_tail()}") from None
+    return mp
+
+
 @dataclass
 class EnvoyProcess:
     opts: EnvoyOptions
@@ -119,12 +130,7 @@ def start_envoy(opts: EnvoyOptions, workdir: Path, concurrency: int = 1) -> Envo
         envoy_binary(), "-c", str(cfg), "--disable-hot-restart", "--concurrency", str(concurrency),
         "-l", "warning", "--log-format", "[%Y-%m-%d %T.%e][%l] %v",
     ]  # fmt: skip
-    mp = spawn(f"envoy-{opts.listen_port}", argv, workdir)
-    try:
-        wait_http(f"http://127.0.0.1:{opts.admin_port}/ready", proc=mp.proc)
-    except Exception:
-        mp.stop()
-        raise RuntimeError(f"envoy did not start:\n{mp.log_tail()}") from None
+    mp = spawn_ready(f"envoy-{opts.listen_port}", argv, workdir, f"http://127.0.0.1:{opts.admin_port}/ready")
     return EnvoyProcess(opts, mp)
 
 
@@ -158,12 +164,8 @@ def start_picker(config: dict[str, Any], workdir: Path, name: str = "picker") ->
     cfg["admin"] = admin
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    mp = spawn(name, [sys.executable, "-m", "picker", "serve", "--config", str(path)], workdir)
-    try:
-        wait_http(f"http://127.0.0.1:{admin['port']}/readyz", proc=mp.proc)
-    except Exception:
-        mp.stop()
-        raise RuntimeError(f"picker did not start:\n{mp.log_tail()}") from None
+    argv = [sys.executable, "-m", "picker", "serve", "--config", str(path)]
+    mp = spawn_ready(name, argv, workdir, f"http://127.0.0.1:{admin['port']}/readyz")
     return PickerProcess(cfg, path, extproc["port"], admin["port"], mp)
 
 
@@ -196,10 +198,6 @@ def start_listener(config: dict[str, Any], workdir: Path, name: str = "listener"
     port = int(str(cfg["listen"]).rpartition(":")[2])
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    mp = spawn(name, [sys.executable, "-m", "listener.cli", "run", "--config", str(path)], workdir)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/healthz", proc=mp.proc)
-    except Exception:
-        mp.stop()
-        raise RuntimeError(f"listener did not start:\n{mp.log_tail()}") from None
+    argv = [sys.executable, "-m", "listener.cli", "run", "--config", str(path)]
+    mp = spawn_ready(name, argv, workdir, f"http://127.0.0.1:{port}/healthz")
     return ListenerProcess(cfg, port, mp)
