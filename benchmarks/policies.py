@@ -55,6 +55,15 @@ POLICIES: dict[str, PolicySpec] = {
         "picker PrefixAwareHash (Tier 1 CHWBL) with prefix_routing enabled",
         picker={"selection_strategy": "PrefixAwareHash", "prefix_routing": PREFIX_ROUTING},
     ),
+    # Diagnostic variant (not in the default policy list): CHWBL with a looser load bound.
+    "prefix_hash_eps05": PolicySpec(
+        "prefix_hash_eps05",
+        "picker PrefixAwareHash, prefix_routing.load_factor_epsilon=0.5 (seed default 0.25)",
+        picker={
+            "selection_strategy": "PrefixAwareHash",
+            "prefix_routing": {"enabled": True, "load_factor_epsilon": 0.5},
+        },
+    ),
     "kv_aware": PolicySpec(
         "kv_aware",
         "picker Tier 4 KV overlap scorer (kv-listener + kv_cache_index) with PrefixAwareHash as fallback",

@@ -78,10 +78,10 @@ class Scenario:
 
 
 S1_SIM = SimConfig(
-    capacity_blocks=24576,
-    prefill_ms_per_token=0.14,
-    decode_ms_per_seq=0.1,
-    step_overhead_ms=2.0,
+    capacity_blocks=18432,
+    prefill_ms_per_token=0.13,
+    decode_ms_per_seq=0.05,
+    step_overhead_ms=1.0,
     max_num_seqs=64,
     max_num_batched_tokens=2048,
 )
@@ -119,9 +119,9 @@ def seed003(time_scale: float = DEFAULT_TIME_SCALE, seed: int = 0) -> Scenario:
 
 S2_SIM = SimConfig(
     capacity_blocks=12288,
-    prefill_ms_per_token=0.05,
-    decode_ms_per_seq=0.1,
-    step_overhead_ms=2.0,
+    prefill_ms_per_token=0.1,
+    decode_ms_per_seq=0.05,
+    step_overhead_ms=1.0,
     max_num_seqs=64,
     max_num_batched_tokens=2048,
 )
@@ -130,7 +130,8 @@ S2_CALIBRATION = (
     "4 replicas x 12288 blocks (197k tokens each, 786k total). The 64 system prompts alone are ~16k blocks "
     "(2-6k tokens each) plus growing session histories: below one replica's capacity when every replica "
     "sees every prompt (round robin thrashes), above it only by a little when prompts are partitioned. "
-    "Prefill 0.05 ms/token (20k tok/s per replica) keeps the ramp's peak near, not far past, capacity."
+    "Prefill 0.1 ms/token (10k tok/s per replica, 40k for the pool): at the ramp's peak (~10 req/s of ~5k-token "
+    "prompts) a router that misses half the prompt tokens is near saturation, a cache-affine one is not."
 )
 
 

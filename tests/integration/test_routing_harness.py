@@ -1,0 +1,57 @@
+"""The routing harness end to end on real processes (simulators, picker, Envoy): a tiny prefix-heavy
+scenario through round robin and PrefixAwareHash, then the shape and sanity of results.json.
+No timing assertions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.policies import POLICIES, parse_policies
+from benchmarks.routing import run
+from benchmarks.scenarios import tiny
+
+
+def test_tiny_scenario_two_policies(tmp_path: Path) -> None:
+    scenario = tiny(time_scale=0.5)
+    doc = run(scenario, parse_policies("round_robin,prefix_hash,kv_aware"), tmp_path, plots=True)
+
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["scenario"] == "tiny"
+    assert (tmp_path / "results.md").read_text().startswith("# Routing harness: tiny")
+    for png in ("hit_rate_vs_bound.png", "ttft_cdf.png", "request_share_over_time.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+    bound = on_disk["bound_hit_rate"]
+    assert 0 < bound <= 1
+    assert on_disk["params"]["sim"]["capacity_blocks"] == scenario.sim.capacity_blocks
+    assert set(on_disk["policies"]) == {"round_robin", "prefix_hash", "kv_aware"}
+    assert on_disk["policies"]["kv_aware"] == {"available": False, "reason": POLICIES["kv_aware"].unavailable_reason}
+
+    for name in ("round_robin", "prefix_hash"):
+        p = on_disk["policies"][name]
+        for key in (
+            "hit_rate", "hit_rate_vs_bound", "request_share", "ttft_ms", "latency_ms", "achieved_rate_ratio",
+            "success_rate", "tokens_per_s", "gateway_cached_share",
+        ):  # fmt: skip
+            assert key in p, (name, key)
+        assert set(p["ttft_ms"]) == {"p50", "p90", "p99"} and set(p["latency_ms"]) == {"p50", "p99"}
+        assert p["ttft_ms"]["p50"] <= p["ttft_ms"]["p90"] <= p["ttft_ms"]["p99"]
+        assert set(p["request_share"]) == {"sim-0", "sim-1"}
+        assert sum(p["request_share"].values()) == pytest.approx(1.0, abs=1e-3)
+        assert p["success_rate"] == 1.0 and p["requests"] == len(scenario.records)
+        assert 0 <= p["hit_rate"] <= bound + 1e-9
+        assert p["hit_rate_vs_bound"] == pytest.approx(p["hit_rate"] / bound, abs=1e-3)
+        # every request reported usage, so the gateway's cached share equals the engines' hit rate
+        assert p["usage_unknown"] == 0
+        assert p["gateway_cached_share"] == pytest.approx(p["hit_rate"], abs=1e-3)
+        assert p["achieved_rate_ratio"] > 0 and p["tokens_per_s"] > 0
+
+    rr, ph = doc["policies"]["round_robin"], doc["policies"]["prefix_hash"]
+    assert ph["hit_rate"] > rr["hit_rate"]
+    assert rr["picker_stats"] is None
+    decisions = ph["picker_stats"]["routing_decisions"]
+    assert decisions["total"] == len(scenario.records)
+    assert all(b["in_flight_requests"] == 0 for b in ph["picker_stats"]["backend_distribution"])
