@@ -42,14 +42,13 @@ from benchmarks.report import markdown_table, policy_figures, unavailable, write
 from benchmarks.scenarios import DEFAULT_TIME_SCALE, SCENARIOS, ChurnEvent, Scenario, trace_scenario
 from benchmarks.stack import (
     EnvoyProcess,
-    ManagedProcess,
+    ListenerProcess,
     PickerProcess,
     free_port,
     make_workdir,
-    spawn,
     start_envoy,
+    start_listener,
     start_picker,
-    wait_http,
 )
 from picker.envoy_config import EnvoyOptions
 
@@ -64,8 +63,7 @@ class PolicyStack:
         self.workdir = workdir
         self.envoy: EnvoyProcess | None = None
         self.picker: PickerProcess | None = None
-        self.listener: ManagedProcess | None = None
-        self.listener_url: str | None = None
+        self.listener: ListenerProcess | None = None
         self.backends: list[dict[str, Any]] = []
         self.notes: list[str] = []
 
@@ -96,8 +94,6 @@ class PolicyStack:
 
     def _start_listener(self, sims: list[SimulatorProcess], kv_index: dict[str, Any]) -> dict[str, Any]:
         """Start ``kv-listener`` over the simulators' ZMQ events; returns the picker's kv_cache_index."""
-        port = free_port()
-        self.listener_url = f"http://127.0.0.1:{port}"
         sources = [
             {
                 "backend_name": s.config.name,
@@ -109,14 +105,10 @@ class PolicyStack:
             }
             for s in sims
         ]
-        path = self.workdir / f"listener-{self.policy.name}.yaml"
-        path.write_text(yaml.safe_dump({"listen": f"127.0.0.1:{port}", "sources": sources}))
-        argv = [sys.executable, "-m", "listener", "run", "--config", str(path)]
-        self.listener = spawn(f"listener-{self.policy.name}", argv, self.workdir)
-        wait_http(f"{self.listener_url}/healthz", proc=self.listener.proc)
+        self.listener = start_listener({"sources": sources}, self.workdir, name=f"listener-{self.policy.name}")
         kv_index["enabled"] = True
         kv_index["event_sources"] = [
-            {"backend_name": s.config.name, "endpoint": f"{self.listener_url}/events/{s.config.name}"} for s in sims
+            {"backend_name": s.config.name, "endpoint": self.listener.events_url(s.config.name)} for s in sims
         ]
         return kv_index
 
@@ -154,13 +146,10 @@ class PolicyStack:
             return {"error": str(exc)}
 
     def stop(self) -> None:
-        for proc in (self.envoy, self.picker):
+        for proc in (self.envoy, self.picker, self.listener):
             if proc is not None:
                 with contextlib.suppress(Exception):
                     proc.stop()
-        if self.listener is not None:
-            with contextlib.suppress(Exception):
-                self.listener.stop()
 
 
 @dataclasses.dataclass
