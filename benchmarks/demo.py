@@ -3,7 +3,8 @@
     python -m benchmarks.demo [--out out/demo] [--time-scale 0.5]
 
 Two simulated vLLM replicas behind the real Envoy: first Envoy's own round robin (no picker), then the
-picker's PrefixAwareHash (and the KV-aware policy once it is available), each on cold caches with the
+picker's PrefixAwareHash at the seed's load bound (epsilon 0.25) and at epsilon 0.5 (and the KV-aware
+policy once it is available), each on cold caches with the
 same prefix-repetition trace (64 prefixes of 3072 tokens, 3 uses each, 10 req/s, concurrency 32).
 Prints the results table and what the cache-aware routing gained; writes results.json, results.md and
 plots into ``--out``.
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=0.5, help="real s per simulated s")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    names = ["round_robin", "prefix_hash"] + (["kv_aware"] if POLICIES["kv_aware"].available else [])
+    names = ["round_robin", "prefix_hash", "prefix_hash_eps05"]
+    names += ["kv_aware"] if POLICIES["kv_aware"].available else []
     scenario = demo(a.time_scale)
     print(
         f"kv-epp demo: {len(scenario.records)} requests, 2 simulated replicas, real Envoy; policies: {', '.join(names)}"
