@@ -9,9 +9,8 @@ A ``PolicySpec`` says which processes run in front of the simulators and with wh
   replay), and the picker's ``kv_cache_index.event_sources`` pointed at the listener's per-backend
   feed (``http://LISTEN/events/<backend>``), with the engine's ``/tokenize`` as tokenizer source.
 
-Adding a policy is one entry in ``POLICIES``. ``kv_aware`` is registered but ``available=False`` until
-Tier 4 (listener + kv_cache_index) is ready: the harness reports it as "not available" and never
-invents its numbers. To enable it, delete the ``unavailable_reason=...`` line of its entry.
+Adding a policy is one entry in ``POLICIES``. A policy with an ``unavailable_reason`` is reported as
+"not available" and never run (its numbers are never invented).
 """
 
 from __future__ import annotations
@@ -42,13 +41,8 @@ POLICIES: dict[str, PolicySpec] = {
     "round_robin": PolicySpec("round_robin", "Envoy's own round robin, no picker"),
     "load_only": PolicySpec(
         "load_only",
-        "picker LeastLatency (latency EWMA, ties by in-flight); no prefix routing",
-        picker={"selection_strategy": "LeastLatency"},
-        notes=(
-            "the picker has no least-in-flight strategy (the seed's load-only meaning); LeastLatency is the "
-            "load-based strategy that exists: lowest latency EWMA of completed requests, in-flight only as a "
-            "tie-break",
-        ),
+        "picker LeastRequest (fewest in-flight requests); no prefix routing",
+        picker={"selection_strategy": "LeastRequest"},
     ),
     "prefix_hash": PolicySpec(
         "prefix_hash",
@@ -70,10 +64,13 @@ POLICIES: dict[str, PolicySpec] = {
         picker={
             "selection_strategy": "PrefixAwareHash",
             "prefix_routing": PREFIX_ROUTING,
-            "kv_cache_index": {"enabled": True, "tokenizer": {"source": "engine", "block_size": 16}},
+            "kv_cache_index": {
+                "enabled": True,
+                "entry_ttl_seconds": 3600,  # exact events: engines do not re-announce blocks they keep
+                "tokenizer": {"source": "engine", "block_size": 16, "timeout_ms": 200},
+            },
         },
         listener=True,
-        unavailable_reason="Tier 4 (kv-listener + kv_cache_index) not ready yet",  # delete this line to enable
     ),
 }
 

@@ -240,8 +240,14 @@ def results_markdown(doc: Mapping[str, Any]) -> str:
             rd = p["picker_stats"].get("routing_decisions")
             if rd:
                 evidence.append(f"- {name}: picker routing decisions {json.dumps(rd)}")
+            kv = p["picker_stats"].get("kv_index")
+            if kv:
+                evidence.append(
+                    f"- {name}: Tier 4 decisions {json.dumps(kv.get('routing_decisions'))}, "
+                    f"index {json.dumps(kv.get('index'))}"
+                )
     if evidence:
-        parts += ["", "## Picker decision counters (/admin/prefix-routing/stats)", "", *evidence]
+        parts += ["", "## Picker decision counters (/admin/prefix-routing/stats, /admin/kv-index/stats)", "", *evidence]
     per_rep = []
     for name, p in doc["policies"].items():
         if p.get("available"):

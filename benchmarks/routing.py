@@ -135,13 +135,21 @@ class PolicyStack:
         return note
 
     async def picker_stats(self) -> dict[str, Any] | None:
+        """The picker's Tier 1 stats, plus the Tier 4 stats under ``kv_index`` when the listener runs."""
         if self.picker is None:
             return None
+        paths = ["/admin/prefix-routing/stats"] + (["/admin/kv-index/stats"] if self.policy.listener else [])
+        out: dict[str, Any] = {}
         try:
-            url = f"{self.picker.admin_url}/admin/prefix-routing/stats"
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http, http.get(url) as resp:
-                data: dict[str, Any] = await resp.json()
-                return data
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+                for path in paths:
+                    async with http.get(f"{self.picker.admin_url}{path}") as resp:
+                        data: dict[str, Any] = await resp.json()
+                    if path.startswith("/admin/kv-index"):
+                        out["kv_index"] = data
+                    else:
+                        out.update(data)
+            return out
         except (aiohttp.ClientError, TimeoutError) as exc:
             return {"error": str(exc)}
 

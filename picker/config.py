@@ -20,12 +20,13 @@ STRATEGIES = (
     "RoundRobin",
     "WeightedRoundRobin",
     "LeastLatency",
+    "LeastRequest",
     "Random",
     "ConsistentHash",
     "PrefixAwareHash",
 )
 StrategyName = Literal[
-    "RoundRobin", "WeightedRoundRobin", "LeastLatency", "Random", "ConsistentHash", "PrefixAwareHash"
+    "RoundRobin", "WeightedRoundRobin", "LeastLatency", "LeastRequest", "Random", "ConsistentHash", "PrefixAwareHash"
 ]
 BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 HOT_RELOADABLE = frozenset({"prefix_routing", "selection_strategy", "pool", "session_affinity"})

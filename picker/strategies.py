@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from picker.chwbl_ring import HashRing, bounded_pick, ring_hash
-from picker.endpoints import Decision, PoolView
+from picker.endpoints import Decision, EndpointState, PoolView
 from picker.request_facts import RequestFacts
 
 
@@ -71,7 +71,9 @@ class WeightedRoundRobin:
 
 
 class LeastLatency:
-    """Lowest latency EWMA; endpoints with no sample yet are tried first; ties by in-flight."""
+    """Lowest expected wait: latency EWMA x (in-flight + 1). Endpoints with no sample yet are tried
+    first. Weighting by in-flight keeps the fastest endpoint from taking every request while its EWMA
+    (updated only when responses arrive) is stale."""
 
     name = "LeastLatency"
 
@@ -79,11 +81,30 @@ class LeastLatency:
         pass
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
-        st = min(
-            view.states,
-            key=lambda s: (s.latency_ewma_ms if s.latency_ewma_ms is not None else -1.0, s.in_flight),
-        )
+        def cost(s: EndpointState) -> tuple[float, int]:
+            if s.latency_ewma_ms is None:
+                return (-1.0, s.in_flight)
+            return (s.latency_ewma_ms * (s.in_flight + 1), s.in_flight)
+
+        st = min(view.states, key=cost)
         return Decision(st.endpoint, self.name, "least_latency")
+
+
+class LeastRequest:
+    """Fewest in-flight requests (load only); ties broken in rotation so idle pools spread evenly."""
+
+    name = "LeastRequest"
+
+    def __init__(self, rings: RingSource) -> None:
+        self._next = 0
+
+    def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
+        states = view.states
+        n = len(states)
+        start = self._next % n
+        self._next = (self._next + 1) % (1 << 62)
+        best = min(range(n), key=lambda i: (states[(start + i) % n].in_flight, i))
+        return Decision(states[(start + best) % n].endpoint, self.name, "least_request")
 
 
 class Random:
@@ -141,5 +162,6 @@ class PrefixAwareHash:
 
 
 STRATEGY_REGISTRY: dict[str, Callable[[RingSource], Strategy]] = {
-    cls.name: cls for cls in (RoundRobin, WeightedRoundRobin, LeastLatency, Random, ConsistentHash, PrefixAwareHash)
+    cls.name: cls
+    for cls in (RoundRobin, WeightedRoundRobin, LeastLatency, LeastRequest, Random, ConsistentHash, PrefixAwareHash)
 }

@@ -32,6 +32,7 @@ def chat(system: str | None = "sys", session: str | None = None, model: str = "m
 def test_registry_has_every_seed_strategy() -> None:
     assert set(STRATEGY_REGISTRY) == {
         "RoundRobin", "WeightedRoundRobin", "LeastLatency", "Random", "ConsistentHash", "PrefixAwareHash",
+        "LeastRequest",  # ours: load only (fewest in-flight), the benchmarks' load_only policy
     }  # fmt: skip
 
 
@@ -55,6 +56,22 @@ def test_least_latency_prefers_fastest_and_unsampled() -> None:
     assert r.decide(chat(), v).endpoint.name == "b"  # type: ignore[union-attr]
     v2 = view(EndpointState(EPS[0], latency_ewma_ms=50), EndpointState(EPS[1], latency_ewma_ms=None))
     assert r.decide(chat(), v2).endpoint.name == "b"  # type: ignore[union-attr]
+
+
+def test_least_latency_weighs_latency_by_in_flight() -> None:
+    r = router("LeastLatency")
+    v = view(
+        EndpointState(EPS[0], in_flight=9, latency_ewma_ms=5), EndpointState(EPS[1], in_flight=0, latency_ewma_ms=20)
+    )
+    assert r.decide(chat(), v).endpoint.name == "b"  # type: ignore[union-attr]  # 5*10 > 20*1
+
+
+def test_least_request_picks_fewest_in_flight_and_rotates_ties() -> None:
+    r = router("LeastRequest")
+    v = view(EndpointState(EPS[0], in_flight=3), EndpointState(EPS[1], in_flight=1), EndpointState(EPS[2], in_flight=2))
+    assert r.decide(chat(), v).endpoint.name == "b"  # type: ignore[union-attr]
+    idle = view()
+    assert {r.decide(chat(), idle).endpoint.name for _ in range(3)} == {"a", "b", "c"}  # type: ignore[union-attr]
 
 
 def test_random_stays_in_view() -> None:
