@@ -3,9 +3,10 @@
     python -m benchmarks.demo [--out out/demo] [--time-scale 0.5]
 
 Two simulated vLLM replicas behind the real Envoy: first Envoy's own round robin (no picker), then the
-picker's PrefixAwareHash at the seed's load bound (epsilon 0.25) and at epsilon 0.5 (and the KV-aware
-policy once it is available), each on cold caches with the
-same prefix-repetition trace (64 prefixes of 3072 tokens, 3 uses each, 10 req/s, concurrency 32).
+picker's PrefixAwareHash (Tier 1, the seed's load bound epsilon 0.25), then the KV-aware policy (Tier 4:
+the kv-listener follows the engines' KV events, the picker routes to the replica holding the prompt),
+each on cold caches with the same prefix-repetition trace (64 prefixes of 3072 tokens, 3 uses each,
+10 req/s, concurrency 32).
 Prints the results table and what the cache-aware routing gained; writes results.json, results.md and
 plots into ``--out``.
 """
@@ -56,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=0.5, help="real s per simulated s")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    names = ["round_robin", "prefix_hash", "prefix_hash_eps05"]
-    names += ["kv_aware"] if POLICIES["kv_aware"].available else []
+    names = ["round_robin", "prefix_hash", "kv_aware"]
     scenario = demo(a.time_scale)
     print(
         f"kv-epp demo: {len(scenario.records)} requests, 2 simulated replicas, real Envoy; policies: {', '.join(names)}"
@@ -69,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in gains(doc):
         print(line)
-    if not POLICIES["kv_aware"].available:
-        print(f"kv_aware: not available ({POLICIES['kv_aware'].unavailable_reason})")
     print(f"\n{time.perf_counter() - started:.0f} s; wrote {a.out}/results.json, results.md and plots")
     return 0
 

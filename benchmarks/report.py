@@ -106,6 +106,8 @@ def policy_figures(
         statuses[key] = statuses.get(key, 0) + 1
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     lats = [r.latency_s for r in ok if r.latency_s is not None]
+    # TTFT as a user arriving at the scheduled time sees it: the wait for a concurrency slot included.
+    from_arrival = [max(0.0, r.start_s - r.scheduled_s) + r.ttft_s for r in ok if r.ttft_s is not None]
     sim_duration = wall_duration_s / time_scale
     achieved = len(ok) / sim_duration if sim_duration > 0 else 0.0
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
@@ -124,6 +126,8 @@ def policy_figures(
         },
         "latency_ms": {"p50": _ms(lats, 0.5, time_scale), "p99": _ms(lats, 0.99, time_scale)},
         "ttft_wall_ms": {"p50": _ms(ttfts, 0.5, 1.0), "p99": _ms(ttfts, 0.99, 1.0)},
+        "ttft_from_arrival_ms": {"p50": _ms(from_arrival, 0.5, time_scale), "p99": _ms(from_arrival, 0.99, time_scale)},
+        "ttft_by_cache_ms": ttft_by_cache(ok, time_scale),
         "achieved_rate": _r(achieved, 3),
         "target_rate": _r(target_rate, 3),
         "achieved_rate_ratio": _r(achieved / target_rate) if target_rate and math.isfinite(target_rate) else None,
@@ -153,6 +157,64 @@ def _pct(x: Any) -> str:
 
 def _num(x: Any, fmt: str = "{:.0f}") -> str:
     return "—" if x is None else fmt.format(x)
+
+
+def restart_recovery(figures: Mapping[str, Any], threshold: float = 0.9) -> list[dict[str, Any]]:
+    """For each restart event: the restarted replica's cached share before it, and the simulated seconds
+    from the restart to the start of the first later window where that replica is back to ``threshold``
+    of it (None when it never is). Resolution: one window."""
+    out: list[dict[str, Any]] = []
+    wins = figures.get("windows") or []
+    for ev in figures.get("events") or []:
+        if ev.get("action") != "restart":
+            continue
+        name, at = ev["replica"], float(ev["at_s"])
+        before = [w["cached_share_per_replica"].get(name) for w in wins if w["t_start_s"] + 0 < at]
+        before = [b for b in before if b is not None]
+        pre = sum(before) / len(before) if before else None
+        recovered = None
+        if pre:
+            for w in wins:
+                hit = w["cached_share_per_replica"].get(name)
+                if w["t_start_s"] > at and hit is not None and hit >= threshold * pre:
+                    recovered = round(w["t_start_s"] - at, 2)
+                    break
+        out.append({"replica": name, "restart_at_s": at, "hit_before": _r(pre) if pre else None,
+                    "recovered_after_s": recovered, "threshold": threshold})  # fmt: skip
+    return out
+
+
+def ttft_by_cache(ok: Sequence[RequestResult], time_scale: float) -> dict[str, dict[str, float | int | None]]:
+    """TTFT of requests that found at least half their prompt cached ("hit") vs the rest ("miss"):
+    pairs each request's cache outcome with its TTFT (what seed 003 could not)."""
+    groups: dict[str, list[float]] = {"hit": [], "miss": []}
+    for r in ok:
+        if r.ttft_s is None or r.cached_tokens is None or not r.prompt_tokens:
+            continue
+        groups["hit" if r.cached_tokens >= 0.5 * r.prompt_tokens else "miss"].append(r.ttft_s)
+    return {
+        k: {"requests": len(v), "p50": _ms(v, 0.5, time_scale), "p99": _ms(v, 0.99, time_scale)}
+        for k, v in groups.items()
+    }
+
+
+def ttft_detail_table(doc: Mapping[str, Any]) -> str:
+    """TTFT from the scheduled arrival (client-side wait included) and TTFT split by cache outcome."""
+    lines = [
+        "| policy | TTFT from arrival p50 / p99 ms | hit requests: n, TTFT p50 / p99 ms "
+        "| miss requests: n, TTFT p50 / p99 ms |",
+        "|---|---|---|---|",
+    ]
+    for name, p in doc["policies"].items():
+        if not p.get("available") or "ttft_from_arrival_ms" not in p:
+            continue
+        a, c = p["ttft_from_arrival_ms"], p["ttft_by_cache_ms"]
+        h, m = c["hit"], c["miss"]
+        lines.append(
+            f"| {name} | {_num(a['p50'])} / {_num(a['p99'])} | {h['requests']}: {_num(h['p50'])} / {_num(h['p99'])} "
+            f"| {m['requests']}: {_num(m['p50'])} / {_num(m['p99'])} |"
+        )
+    return "\n".join(lines)
 
 
 def markdown_table(doc: Mapping[str, Any]) -> str:
@@ -219,6 +281,14 @@ def results_markdown(doc: Mapping[str, Any]) -> str:
         "hit rate = Σ Δprefix_cache_hits / Σ Δprefix_cache_queries over all replicas (tokens); "
         "gateway cached = Σ cached_tokens / Σ prompt_tokens over requests that reported usage.",
         "",
+        "## TTFT detail",
+        "",
+        ttft_detail_table(doc),
+        "",
+        "TTFT above is measured from when the request was sent (as vLLM's benchmark does); with a concurrency "
+        "cap, a policy that cannot keep up queues requests in the client, where that TTFT does not see them. "
+        "'From arrival' adds that wait. A hit request found at least half of its prompt in the engine's cache.",
+        "",
         "## Parameters",
         "",
         "```json",
@@ -260,6 +330,16 @@ def results_markdown(doc: Mapping[str, Any]) -> str:
         parts += ["", "## Engine hit rate per replica (Δ counters)", "", *per_rep]
     if params.get("events"):
         parts += ["", "## Recovery (per time window, by request send time)", "", recovery_table(doc)]
+        rec = [
+            f"- {name}: {r['replica']} restarted at {r['restart_at_s']} s (cached share before: "
+            f"{_pct(r['hit_before'])}); back to {int(100 * r['threshold'])}% of it after "
+            + (f"{r['recovered_after_s']} s" if r["recovered_after_s"] is not None else "— (not within the run)")
+            for name, p in doc["policies"].items()
+            if p.get("available")
+            for r in p.get("restart_recovery") or []
+        ]
+        if rec:
+            parts += ["", "Recovery time of the restarted replica (window resolution):", "", *rec]
     return "\n".join(parts) + "\n"
 
 

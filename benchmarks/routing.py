@@ -38,7 +38,14 @@ from benchmarks.engine_sim.config import SimConfig
 from benchmarks.engine_sim.process import SimulatorProcess, start_simulators
 from benchmarks.loadgen import PrefixCacheCounters, RequestResult, run_trace, scrape_prefix_cache_counters
 from benchmarks.policies import POLICIES, PolicySpec, parse_policies
-from benchmarks.report import markdown_table, policy_figures, unavailable, write_report
+from benchmarks.report import (
+    markdown_table,
+    policy_figures,
+    restart_recovery,
+    ttft_detail_table,
+    unavailable,
+    write_report,
+)
 from benchmarks.scenarios import DEFAULT_TIME_SCALE, SCENARIOS, ChurnEvent, Scenario, trace_scenario
 from benchmarks.stack import (
     EnvoyProcess,
@@ -297,6 +304,7 @@ def run(scenario: Scenario, policies: list[PolicySpec], out: Path, plots: bool =
         )  # fmt: skip
         figures["picker_stats"] = pr.picker_stats
         figures["events"] = pr.events
+        figures["restart_recovery"] = restart_recovery(figures)
         figures["notes"] = [*policy.notes, *pr.notes]
         doc["policies"][policy.name] = figures
         doc["notes"] += [f"{policy.name}: {n}" for n in figures["notes"]]
@@ -338,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = run(scenario, policies, out, plots=not a.no_plots)
     print()
     print(markdown_table(doc))
+    print()
+    print(ttft_detail_table(doc))
     print(f"\nwrote {out}/results.json, results.md and plots")
     return 0
 
