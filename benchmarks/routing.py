@@ -304,7 +304,7 @@ def run(scenario: Scenario, policies: list[PolicySpec], out: Path, plots: bool =
         )  # fmt: skip
         figures["picker_stats"] = pr.picker_stats
         figures["events"] = pr.events
-        figures["restart_recovery"] = restart_recovery(figures)
+        figures["restart_recovery"] = restart_recovery(figures, window_s)
         figures["notes"] = [*policy.notes, *pr.notes]
         doc["policies"][policy.name] = figures
         doc["notes"] += [f"{policy.name}: {n}" for n in figures["notes"]]
