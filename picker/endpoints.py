@@ -35,18 +35,35 @@ class StorageTier(StrEnum):
     NONE = "none"
 
 
-@dataclass(slots=True, frozen=True)
 class PoolView:
-    """Everything a decision may read: the eligible endpoints (healthy, inside the subset hint)."""
+    """Everything a decision may read: the eligible endpoints (healthy, inside the subset hint).
 
-    states: tuple[EndpointState, ...]
+    Immutable; the name index and the in-flight map are built once, on first use."""
+
+    __slots__ = ("_by_name", "_loads", "states")
+
+    def __init__(self, states: tuple[EndpointState, ...]) -> None:
+        self.states = states
+        self._by_name: dict[str, EndpointState] | None = None
+        self._loads: dict[str, int] | None = None
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
         return tuple(s.endpoint for s in self.states)
 
     def by_name(self) -> dict[str, EndpointState]:
-        return {s.endpoint.name: s for s in self.states}
+        if self._by_name is None:
+            self._by_name = {s.endpoint.name: s for s in self.states}
+        return self._by_name
+
+    def loads(self) -> dict[str, int]:
+        """Eligible endpoint name -> in-flight requests."""
+        if self._loads is None:
+            self._loads = {s.endpoint.name: s.in_flight for s in self.states}
+        return self._loads
+
+    def __repr__(self) -> str:
+        return f"PoolView({self.states!r})"
 
 
 @dataclass(slots=True, frozen=True)

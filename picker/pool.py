@@ -50,6 +50,11 @@ class Pool:
         self._clock = clock
         self._stats: dict[str, _EndpointStats] = {}
         self._by_address: dict[str, str] = {}
+        # Snapshot cache: one EndpointState per endpoint, rebuilt only when that endpoint changes, and
+        # the full (unfiltered) view. Bound: one entry per configured endpoint.
+        self._snaps: dict[str, EndpointState] = {}
+        self._full_view: PoolView | None = None
+        self._next_readmit = 0.0  # earliest ejected_until among ejected endpoints (0: none ejected)
         self.cfg = cfg
         self.update(cfg)
 
@@ -72,6 +77,13 @@ class Pool:
         self.cfg = cfg
         self._stats = new
         self._by_address = {s.endpoint.address: name for name, s in new.items()}
+        self._snaps.clear()
+        self._full_view = None
+        self._next_readmit = min((s.ejected_until for s in new.values() if s.ejected_until), default=0.0)
+
+    def _changed(self, name: str) -> None:
+        self._snaps.pop(name, None)
+        self._full_view = None
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
@@ -88,12 +100,14 @@ class Pool:
         st = self._stats.get(endpoint.name)
         if st is not None:
             st.in_flight += 1
+            self._changed(endpoint.name)
         return Lease(self, endpoint)
 
     def _release(self, name: str) -> None:
         st = self._stats.get(name)
         if st is not None and st.in_flight > 0:
             st.in_flight -= 1
+            self._changed(name)
 
     def in_flight(self) -> dict[str, int]:
         return {name: s.in_flight for name, s in self._stats.items()}
@@ -104,6 +118,7 @@ class Pool:
         st = self._stats.get(name)
         if st is None:
             return
+        self._changed(name)
         st.window.append(ok)
         if ok:
             st.successes += 1
@@ -117,6 +132,8 @@ class Pool:
         h = self.cfg.health
         if len(st.window) >= h.min_samples and self._rate(st) < h.unhealthy_below and st.ejected_until == 0.0:
             st.ejected_until = self._clock() + h.cooldown_seconds
+            if not self._next_readmit or st.ejected_until < self._next_readmit:
+                self._next_readmit = st.ejected_until
 
     @staticmethod
     def _rate(st: _EndpointStats) -> float:
@@ -128,8 +145,17 @@ class Pool:
         if now >= st.ejected_until:  # cooldown over: readmit on probation with a fresh window
             st.ejected_until = 0.0
             st.window.clear()
+            self._changed(st.endpoint.name)
             return True
         return False
+
+    def _readmit_due(self, now: float) -> None:
+        """Readmit endpoints whose cooldown is over (cheap when none is due)."""
+        if not self._next_readmit or now < self._next_readmit:
+            return
+        for st in self._stats.values():
+            self._healthy(st, now)
+        self._next_readmit = min((s.ejected_until for s in self._stats.values() if s.ejected_until), default=0.0)
 
     def success_rate(self, name: str) -> float:
         st = self._stats.get(name)
@@ -138,18 +164,23 @@ class Pool:
     # -- snapshots ------------------------------------------------------------------------------
     def view(self, subset: Iterable[str] | None = None) -> PoolView:
         """Eligible endpoints now: healthy and, when the proxy sent a subset hint, inside it."""
-        now = self._clock()
-        allowed: set[str] | None = None
-        if subset is not None:
-            allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
-        states = []
-        for name, st in self._stats.items():
-            if allowed is not None and name not in allowed:
-                continue
-            if not self._healthy(st, now):
-                continue
-            states.append(EndpointState(st.endpoint, st.in_flight, self._rate(st), st.latency_ewma_ms, True))
-        return PoolView(tuple(states))
+        self._readmit_due(self._clock())
+        full = self._full_view
+        if full is None:
+            states = []
+            for name, st in self._stats.items():
+                if st.ejected_until:
+                    continue
+                snap = self._snaps.get(name)
+                if snap is None:
+                    snap = EndpointState(st.endpoint, st.in_flight, self._rate(st), st.latency_ewma_ms, True)
+                    self._snaps[name] = snap
+                states.append(snap)
+            full = self._full_view = PoolView(tuple(states))
+        if subset is None:
+            return full
+        allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
+        return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed))
 
     def health_snapshot(self) -> list[dict[str, object]]:
         now = self._clock()

@@ -153,8 +153,7 @@ class PrefixAwareHash:
         if key is None:
             name = ring.first(ring_hash((facts.model or "").encode()), eligible)
             return None if name is None else Decision(eligible[name].endpoint, self.name, "fallback")
-        loads = {n: s.in_flight for n, s in eligible.items()}
-        picked = bounded_pick(ring, key, loads, self._rings.epsilon)
+        picked = bounded_pick(ring, key, view.loads(), self._rings.epsilon)
         if picked is None:
             return None
         name, label = picked

@@ -63,3 +63,21 @@ def test_update_keeps_counters_of_remaining_endpoints() -> None:
     )
     assert p.in_flight() == {"a": 1, "c": 0}
     assert p.name_for_address("2.2.2.2:2") is None
+
+
+def test_views_are_snapshots_and_follow_every_change() -> None:
+    clock = Clock()
+    p = pool(clock)
+    v1 = p.view()
+    lease = p.acquire(p.endpoints[0])
+    v2 = p.view()
+    assert v1.by_name()["a"].in_flight == 0 and v2.by_name()["a"].in_flight == 1  # old view unchanged
+    assert v2.loads() == {"a": 1, "b": 0}
+    lease.release()
+    assert p.view().loads() == {"a": 0, "b": 0}
+    p.record_response("b", False)
+    p.record_response("b", False)
+    assert list(p.view().by_name()) == ["a"]
+    clock.t += 11
+    assert list(p.view().by_name()) == ["a", "b"]
+    assert p.view() is p.view()  # unchanged pool: the same cached view
