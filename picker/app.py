@@ -38,10 +38,18 @@ class PickerApp:
         self.router.set_pool_names(self.pool.names())
         self.block_key_source = block_key_source
         self.open_streams = 0
+        self.wanted_headers = self._wanted_headers(settings)
         self.ready = False
         self.draining = False
         for path, msg in config_warnings(settings):
             log.warning("event=config_warning path=%s message=%r", path, msg)
+
+    @staticmethod
+    def _wanted_headers(s: Settings) -> frozenset[str]:
+        """Request headers the picker reads (the rest are not decoded)."""
+        return frozenset(
+            {":path", ":method", s.session_affinity.header.lower(), s.extproc.tenant_header.lower(), "x-request-id"}
+        )
 
     async def block_keys_for(self, facts: RequestFacts) -> Sequence[int] | None:
         """The request's Tier 4 block keys, or None (no source, timeout or failure: Tier 1 decides)."""
@@ -57,8 +65,9 @@ class PickerApp:
             return None
 
     def on_decision(self, d: Decision) -> None:
-        self.metrics.requests.labels("routed").inc()
-        self.metrics.decisions.labels(d.strategy, d.endpoint.name).inc()
+        m = self.metrics
+        m.child(m.requests, "routed").inc()
+        m.child(m.decisions, d.strategy, d.endpoint.name).inc()
 
     def refresh_gauges(self) -> None:
         """Copy live load into gauges (called at scrape time, not on the request path)."""
@@ -94,6 +103,7 @@ class PickerApp:
         self.router.set_pool_names(self.pool.names())
         self.router.reconfigure(hot)
         self.settings = hot
+        self.wanted_headers = self._wanted_headers(hot)
         self.metrics.config_reloads.labels("applied").inc()
         log.info("event=config_reloaded backends=%d strategy=%s", len(hot.pool.backends), hot.selection_strategy)
         return messages

@@ -141,8 +141,11 @@ class RequestStream:
 
     # -- request phases ---------------------------------------------------------------------------
     async def _request_headers(self, msg: pb.HttpHeaders) -> Sequence[pb.ProcessingResponse]:
+        wanted = self.app.wanted_headers
         for h in msg.headers.headers:
-            self.headers[h.key.lower()] = _header_value(h)
+            key = h.key.lower()
+            if key in wanted:  # decode only what routing reads
+                self.headers[key] = _header_value(h)
         self.path = self.headers.get(":path", "/")
         if msg.end_of_stream:
             return await self._route(b"", at_headers=True)
@@ -233,7 +236,7 @@ class RequestStream:
             dest = ",".join([dest, *(f.address for f in d.fallbacks)])
         sets = [_header_option(DEST_HEADER, dest)]
         metadata = struct_pb2.Struct()
-        metadata.update({LB_NAMESPACE: {DEST_HEADER: dest}})
+        metadata.fields[LB_NAMESPACE].struct_value.fields[DEST_HEADER].string_value = dest
         full_duplex = self.mode == FULL_DUPLEX and not at_headers
         if full_duplex:
             sets.append(_header_option("content-length", str(len(body))))
@@ -265,9 +268,8 @@ class RequestStream:
             ok = self.status is not None and self.status < 500
             latency_ms = (time.monotonic() - self.decided_at) * 1000.0
             self.app.pool.record_response(self.decision.endpoint.name, ok, latency_ms if ok else None)
-            self.app.metrics.backend_responses.labels(
-                self.decision.endpoint.name, f"{(self.status or 0) // 100}xx"
-            ).inc()
+            m = self.app.metrics
+            m.child(m.backend_responses, self.decision.endpoint.name, f"{(self.status or 0) // 100}xx").inc()
         if msg.end_of_stream:
             self._finish()
         return (pb.ProcessingResponse(response_headers=pb.HeadersResponse()),)

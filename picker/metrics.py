@@ -5,6 +5,8 @@ Label values come only from fixed sets or configured backend names, so cardinali
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 DECISION_BUCKETS = (
@@ -16,7 +18,20 @@ SCORE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 class PickerMetrics:
     """Every metric the picker exports, created against one registry."""
 
+    MAX_CHILDREN = 10_000  # cached labelled children; cleared when exceeded (label values are bounded anyway)
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, cached: the request path skips prometheus_client's label lookup."""
+        key = (id(metric), values)
+        c = self._children.get(key)
+        if c is None:
+            if len(self._children) >= self.MAX_CHILDREN:
+                self._children.clear()
+            c = self._children[key] = metric.labels(*values)
+        return c
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         # Tier 1

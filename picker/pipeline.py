@@ -144,7 +144,7 @@ class Router:
             decision = self.strategy.select(facts, key, view)
             if decision is not None and self.strategy.name == "PrefixAwareHash":
                 self.counts[decision.reason] = self.counts.get(decision.reason, 0) + 1
-                self.metrics.prefix_routing_requests.labels(decision.reason).inc()
+                self.metrics.child(self.metrics.prefix_routing_requests, decision.reason).inc()
         if decision is not None and session:
             self.sessions.put(session, decision.endpoint.name, t)
         return decision
