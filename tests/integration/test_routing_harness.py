@@ -1,9 +1,10 @@
 """The routing harness end to end on real processes (simulators, picker, Envoy): a tiny prefix-heavy
-scenario through round robin and PrefixAwareHash, then the shape and sanity of results.json.
-No timing assertions."""
+scenario through round robin, PrefixAwareHash and the KV-aware policy (kv-listener + Tier 4), then the
+shape and sanity of results.json. No timing assertions."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,9 +15,10 @@ from benchmarks.routing import run
 from benchmarks.scenarios import tiny
 
 
-def test_tiny_scenario_two_policies(tmp_path: Path) -> None:
+def test_tiny_scenario_three_policies(tmp_path: Path) -> None:
     scenario = tiny(time_scale=0.5)
-    doc = run(scenario, parse_policies("round_robin,prefix_hash,kv_aware"), tmp_path, plots=True)
+    unavailable = dataclasses.replace(POLICIES["prefix_hash"], name="not_ready", unavailable_reason="not built yet")
+    doc = run(scenario, [*parse_policies("round_robin,prefix_hash,kv_aware"), unavailable], tmp_path, plots=True)
 
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["scenario"] == "tiny"
@@ -27,10 +29,10 @@ def test_tiny_scenario_two_policies(tmp_path: Path) -> None:
     bound = on_disk["bound_hit_rate"]
     assert 0 < bound <= 1
     assert on_disk["params"]["sim"]["capacity_blocks"] == scenario.sim.capacity_blocks
-    assert set(on_disk["policies"]) == {"round_robin", "prefix_hash", "kv_aware"}
-    assert on_disk["policies"]["kv_aware"] == {"available": False, "reason": POLICIES["kv_aware"].unavailable_reason}
+    assert set(on_disk["policies"]) == {"round_robin", "prefix_hash", "kv_aware", "not_ready"}
+    assert on_disk["policies"]["not_ready"] == {"available": False, "reason": "not built yet"}  # never invented
 
-    for name in ("round_robin", "prefix_hash"):
+    for name in ("round_robin", "prefix_hash", "kv_aware"):
         p = on_disk["policies"][name]
         for key in (
             "hit_rate", "hit_rate_vs_bound", "request_share", "ttft_ms", "latency_ms", "achieved_rate_ratio",
@@ -55,3 +57,8 @@ def test_tiny_scenario_two_policies(tmp_path: Path) -> None:
     decisions = ph["picker_stats"]["routing_decisions"]
     assert decisions["total"] == len(scenario.records)
     assert all(b["in_flight_requests"] == 0 for b in ph["picker_stats"]["backend_distribution"])
+
+    kv = doc["policies"]["kv_aware"]
+    assert kv["hit_rate"] > rr["hit_rate"]
+    tier4 = kv["picker_stats"]["kv_index"]["routing_decisions"]
+    assert tier4["total"] == len(scenario.records) and tier4["kv_aware"] > 0  # Tier 4 really decided
