@@ -11,9 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from picker.config import ConfigError, read_yaml_mapping, validation_problems
+from picker.config import BackendName, ConfigError, read_yaml_mapping, validation_problems
 
-BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 Engine = Literal["vllm", "sglang", "trtllm"]
 
 
@@ -36,7 +35,7 @@ class LimitsConfig(_Model):
 class SourceConfig(_Model):
     """One engine replica's event source; ``backend_name`` is the picker's endpoint name."""
 
-    backend_name: str
+    backend_name: BackendName
     engine: Engine = "vllm"
     model: str
     block_size: int = Field(16, ge=1, le=65_536)
@@ -51,13 +50,6 @@ class SourceConfig(_Model):
     poll_interval_ms: int = Field(200, ge=10, le=60_000)
     allowed_publishers: tuple[str, ...] = ()  # empty = any; ZMQ peer IP / TRT-LLM URL host
     treat_eviction_as_offload: bool = False
-
-    @field_validator("backend_name")
-    @classmethod
-    def _valid_name(cls, v: str) -> str:
-        if not BACKEND_NAME_RE.match(v):
-            raise ValueError("backend_name must match [A-Za-z0-9_-]{1,64}")
-        return v
 
     @model_validator(mode="after")
     def _endpoints_for_engine(self) -> SourceConfig:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 STRATEGIES = (
@@ -29,6 +29,16 @@ StrategyName = Literal[
     "RoundRobin", "WeightedRoundRobin", "LeastLatency", "LeastRequest", "Random", "ConsistentHash", "PrefixAwareHash"
 ]
 BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _check_backend_name(v: str) -> str:
+    if not BACKEND_NAME_RE.match(v):
+        raise ValueError("must match [A-Za-z0-9_-]{1,64}")
+    return v
+
+
+# A backend (replica) name: metric label, KV-index id and feed path segment, hence the strict charset.
+BackendName = Annotated[str, AfterValidator(_check_backend_name)]
 HOT_RELOADABLE = frozenset({"prefix_routing", "selection_strategy", "pool", "session_affinity"})
 
 
@@ -72,16 +82,9 @@ class StorageOffloadingConfig(_Section):
 class EventSourceConfig(_Section):
     """One listener feed the picker subscribes to (one per backend)."""
 
-    backend_name: str
+    backend_name: BackendName
     endpoint: str
     reconnect_interval_ms: int = Field(1000, ge=10, le=600_000)
-
-    @field_validator("backend_name")
-    @classmethod
-    def _valid_name(cls, v: str) -> str:
-        if not BACKEND_NAME_RE.match(v):
-            raise ValueError("backend_name must match [A-Za-z0-9_-]{1,64}")
-        return v
 
     @field_validator("endpoint")
     @classmethod
@@ -127,16 +130,9 @@ class KvCacheIndexConfig(_Section):
 class BackendConfig(_Section):
     """A static backend (model-server replica)."""
 
-    name: str
+    name: BackendName
     address: str
     weight: int = Field(1, ge=1, le=1000)
-
-    @field_validator("name")
-    @classmethod
-    def _valid_name(cls, v: str) -> str:
-        if not BACKEND_NAME_RE.match(v):
-            raise ValueError("name must match [A-Za-z0-9_-]{1,64}")
-        return v
 
     @field_validator("address")
     @classmethod
