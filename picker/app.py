@@ -36,6 +36,7 @@ class PickerApp:
         self.pool = Pool(settings.pool)
         self.router = Router(settings, self.metrics, scorer)
         self.router.set_pool_names(self.pool.names())
+        self.router.ring()  # built at start, not on the first request's path
         self.block_key_source = block_key_source
         self.open_streams = 0
         self.wanted_headers = self._wanted_headers(settings)
@@ -87,6 +88,10 @@ class PickerApp:
             self.metrics.config_reloads.labels("error").inc()
             log.error("event=config_reload_failed problems=%r", exc.problems)
             return False, [f"{p}: {m}" for p, m in exc.problems]
+        except Exception as exc:  # e.g. a non-UTF-8 file or non-string keys: keep the old config, keep watching
+            self.metrics.config_reloads.labels("error").inc()
+            log.error("event=config_reload_failed error=%r", exc)
+            return False, [f"<file>: {exc}"]
         return True, self.apply(new)
 
     def apply(self, new: Settings) -> list[str]:
@@ -102,6 +107,7 @@ class PickerApp:
         self.pool.update(hot.pool)
         self.router.set_pool_names(self.pool.names())
         self.router.reconfigure(hot)
+        self.router.ring()  # rebuild now, not on the next request's path
         self.settings = hot
         self.wanted_headers = self._wanted_headers(hot)
         self.metrics.config_reloads.labels("applied").inc()

@@ -85,6 +85,7 @@ class EventSourceConfig(_Section):
     backend_name: BackendName
     endpoint: str
     reconnect_interval_ms: int = Field(1000, ge=10, le=600_000)
+    read_timeout_ms: int = Field(45_000, ge=100, le=3_600_000)  # > the listener's keepalive (15 s)
 
     @field_validator("endpoint")
     @classmethod

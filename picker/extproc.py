@@ -27,7 +27,7 @@ from google.protobuf import struct_pb2
 
 from picker.endpoints import Decision
 from picker.pool import Lease
-from picker.request_facts import BadRequest, api_for_path, parse_request
+from picker.request_facts import BadRequest, RequestFacts, api_for_path, parse_request
 
 if TYPE_CHECKING:
     from picker.app import PickerApp
@@ -41,6 +41,12 @@ LB_NAMESPACE = "envoy.lb"
 MAX_STREAMED_CHUNK = 62_000  # Envoy's limit for one streamed body mutation in full-duplex mode
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
+BUFFERED_PARTIAL = processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL
+# Body modes where the router would see the headers before a complete body: the picker routes at the
+# headers phase on the path alone (no prefix key) and answers each body chunk. envoy-config never
+# generates them; a hand-written Envoy config might.
+ROUTE_AT_HEADERS_MODES = frozenset({processing_mode_pb2.ProcessingMode.NONE, STREAMED, BUFFERED_PARTIAL})
 JSON_HEADERS = (("content-type", "application/json"),)
 
 
@@ -149,6 +155,8 @@ class RequestStream:
         self.path = self.headers.get(":path", "/")
         if msg.end_of_stream:
             return await self._route(b"", at_headers=True)
+        if self.mode in ROUTE_AT_HEADERS_MODES:
+            return await self._route(b"", at_headers=True, parse=False)
         if self.mode == FULL_DUPLEX:
             return ()  # deferred until the body is complete
         strip = pb.HeaderMutation(remove_headers=[DEST_HEADER])
@@ -159,8 +167,12 @@ class RequestStream:
         )
 
     async def _request_body(self, msg: pb.HttpBody) -> Sequence[pb.ProcessingResponse]:
-        if self.decision is not None or self.done:
+        if self.done:
             return ()
+        if self.decision is not None:  # routed at the headers phase: pass chunks through
+            return (
+                (pb.ProcessingResponse(request_body=pb.BodyResponse()),) if self.mode in ROUTE_AT_HEADERS_MODES else ()
+            )
         if msg.body:
             self.body_len += len(msg.body)
             limit = self.app.settings.extproc.max_body_bytes
@@ -171,7 +183,7 @@ class RequestStream:
                     self._bad_request(BadRequest(f"request body exceeds the limit of {limit} bytes", "body_too_large")),
                 )
             self.body.append(msg.body)
-        if not msg.end_of_stream and self.mode in (FULL_DUPLEX, processing_mode_pb2.ProcessingMode.STREAMED):
+        if not msg.end_of_stream and self.mode == FULL_DUPLEX:
             return ()
         body = b"".join(self.body)
         self.body.clear()
@@ -192,23 +204,24 @@ class RequestStream:
         self.app.metrics.requests.labels("bad_request").inc()
         return immediate(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}")
 
-    async def _route(self, body: bytes, *, at_headers: bool, body_eos: bool = True) -> Sequence[pb.ProcessingResponse]:
+    async def _route(
+        self, body: bytes, *, at_headers: bool, body_eos: bool = True, parse: bool = True
+    ) -> Sequence[pb.ProcessingResponse]:
         app = self.app
         t0 = time.perf_counter()
-        session_hdr = app.settings.session_affinity.header
-        try:
-            if at_headers and api_for_path(self.path) != "other" and self.headers.get(":method", "POST") == "POST":
-                raise BadRequest("request body is empty: a JSON body is required", "empty_body")
-            facts = parse_request(
-                body,
-                self.path,
-                max_body_bytes=app.settings.extproc.max_body_bytes,
-                session_id=self.headers.get(session_hdr),
-                tenant_id=self.headers.get(app.settings.extproc.tenant_header),
-            )
-        except BadRequest as exc:
-            self.done = True
-            return (self._bad_request(exc),)
+        session = self.headers.get(app.settings.session_affinity.header)
+        tenant = self.headers.get(app.settings.extproc.tenant_header)
+        if not parse:  # the body is not available before the pick in this mode: route on the path alone
+            facts = RequestFacts(api=api_for_path(self.path), session_id=session, tenant_id=tenant)
+        else:
+            try:
+                if at_headers and api_for_path(self.path) != "other" and self.headers.get(":method", "POST") == "POST":
+                    raise BadRequest("request body is empty: a JSON body is required", "empty_body")
+                max_bytes = app.settings.extproc.max_body_bytes
+                facts = parse_request(body, self.path, max_body_bytes=max_bytes, session_id=session, tenant_id=tenant)
+            except BadRequest as exc:
+                self.done = True
+                return (self._bad_request(exc),)
         cpu = time.perf_counter() - t0
         key = app.router.key_for(facts)
         block_keys: Sequence[int] | None = None

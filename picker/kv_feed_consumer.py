@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import aiohttp
+import orjson
 
 from picker.config import EventSourceConfig
 from picker.endpoints import StorageTier
@@ -32,6 +33,10 @@ log = logging.getLogger("kv_epp.kv_feed_consumer")
 MAX_RECORD_BYTES = 1 << 20  # the seed's MAX_SSE_BUFFER_SIZE: per line and per record
 MAX_BACKOFF_S = 60.0
 _TIERS = {"gpu_hot": StorageTier.GPU_HOT, "storage_warm": StorageTier.STORAGE_WARM}
+
+
+_HEX64 = re.compile(r"[0-9a-f]{1,16}")  # a 64-bit block key as the listener writes it (fullmatch below)
+MAX_CLOSE_REASONS = 32  # distinct close reasons counted per source; the rest count as "other"
 
 
 class RecordTooLarge(Exception):
@@ -184,7 +189,11 @@ class KvFeedConsumer:
         base = self.source.reconnect_interval_ms / 1000
         delay = base
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+            # sock_read: the listener sends a keepalive every 15 s; silence past this means a dead peer
+            read_s = self.source.read_timeout_ms / 1000
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read_s)
+            )
         while True:
             self._delivered = False
             try:
@@ -199,9 +208,14 @@ class KvFeedConsumer:
                 reason = "record_too_large"
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                 reason = type(exc).__name__
+            except Exception:  # a bug or an input we did not foresee: log, reconnect, never stop consuming
+                log.exception("event=feed_consumer_error backend=%s", self.backend)
+                reason = "error"
             finally:
                 self._set_connected(False)
                 self._staged = None
+            if reason not in self.stats.closes and len(self.stats.closes) >= MAX_CLOSE_REASONS:
+                reason = "other"  # reasons come from the listener: keep the map bounded
             self.stats.last_close_reason = reason
             self.stats.closes[reason] = self.stats.closes.get(reason, 0) + 1
             if self._delivered:
@@ -230,7 +244,7 @@ class KvFeedConsumer:
         """Apply one SSE record to the index (synchronous: no await between parse and apply)."""
         if event == "close":
             try:
-                reason = str(json.loads(data).get("reason", "closed"))
+                reason = str(orjson.loads(data).get("reason", "closed"))[:64]
             except (ValueError, AttributeError):
                 reason = "closed"
             raise FeedClosed(reason)
@@ -238,7 +252,7 @@ class KvFeedConsumer:
         self.stats.last_event_at = time.time()
         self._delivered = True
         try:
-            payload = json.loads(data) if data else {}
+            payload = orjson.loads(data) if data else {}  # orjson caps nesting depth (no RecursionError)
             if not isinstance(payload, dict):
                 raise ValueError("record data is not an object")
             self._apply(event, payload)
@@ -256,7 +270,12 @@ class KvFeedConsumer:
         raw = payload["keys"]
         if not isinstance(raw, list):
             raise ValueError("keys is not a list")
-        return [int(str(k), 16) for k in raw]
+        out = []
+        for k in raw:
+            if not isinstance(k, str) or not _HEX64.fullmatch(k):
+                raise ValueError("a block key is not 1-16 lowercase hex digits")
+            out.append(int(k, 16))
+        return out
 
     def _apply(self, event: str, payload: dict[str, object]) -> None:
         if event == "put":
@@ -314,6 +333,8 @@ class KvFeedConsumers:
             await asyncio.sleep(self.sweep_interval_s)
             # bounded work per step, yielding between steps, so the loop never stalls
             while self.index.sweep_expired(budget=10_000) >= 10_000:
+                await asyncio.sleep(0)
+            while self.index.scrub_step(budget=10_000):  # dead backends' bits, in bounded steps
                 await asyncio.sleep(0)
             if self.metrics is not None:
                 self.metrics.kv_index_entries.set(self.index.entry_count)

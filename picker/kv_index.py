@@ -61,6 +61,8 @@ class InMemoryKvIndex:
         self._names: dict[int, str] = {}  # live id → name
         self._counters: dict[int, _BackendCounters] = {}
         self._dead_ids: list[int] = []  # retired ids whose bits may still linger until a sweep
+        # a scrub pass in progress: (keys to check, next position, dead ids it covers); bound: one pass
+        self._scrub: tuple[list[int], int, int] | None = None
         self._free_ids: list[int] = []  # scrubbed ids ready for reuse
         self._next_id = 0
         self._live_mask = 0  # both bits of every live id
@@ -173,6 +175,7 @@ class InMemoryKvIndex:
             c.entries = 0
         self._free_ids.extend(self._dead_ids)
         self._dead_ids.clear()
+        self._scrub = None
         return n
 
     def sweep_expired(self, now: float | None = None, budget: int | None = None) -> int:
@@ -180,26 +183,47 @@ class InMemoryKvIndex:
         bits. ``budget`` bounds the keys examined per call. Returns the number of keys dropped."""
         t = int(time.monotonic() if now is None else now)
         dropped = 0
-        examined = 0
         for k, stamp in list(itertools.islice(self._written.items(), budget)):
-            examined += 1
             if t - stamp <= self.ttl:
                 break
             self._drop_key(k)
             dropped += 1
-        if self._dead_ids and (budget is None or examined < budget):
-            live = self._live_mask
-            for k in [k for k, m in self._masks.items() if m & ~live]:
-                m = self._masks[k] & live
-                if m:
-                    self._masks[k] = m
-                else:
-                    del self._masks[k]
-                    self._written.pop(k, None)
-            self._free_ids.extend(self._dead_ids)
-            self._dead_ids.clear()
+        if self._dead_ids and budget is None:
+            while self.scrub_step(None):
+                pass
         self.total_evictions += dropped
         return dropped
+
+    def scrub_step(self, budget: int | None = 10_000) -> bool:
+        """Clear dead backends' bits from at most ``budget`` keys; True while more work remains.
+
+        Dead bits are already invisible (masked by the live mask); this only reclaims memory and, when
+        a pass completes, frees the dead ids for reuse. Keys written after the pass began never carry
+        dead bits (a dead id is not reused before its pass completes)."""
+        if not self._dead_ids and self._scrub is None:
+            return False
+        if self._scrub is None:
+            self._scrub = (list(self._masks), 0, len(self._dead_ids))
+        keys, pos, n_dead = self._scrub
+        end = len(keys) if budget is None else min(len(keys), pos + budget)
+        live = self._live_mask
+        masks = self._masks
+        for k in keys[pos:end]:
+            m = masks.get(k)
+            if m is not None and m & ~live:
+                m &= live
+                if m:
+                    masks[k] = m
+                else:
+                    del masks[k]
+                    self._written.pop(k, None)
+        if end < len(keys):
+            self._scrub = (keys, end, n_dead)
+            return True
+        self._scrub = None
+        self._free_ids.extend(self._dead_ids[:n_dead])  # ids dropped during this pass wait for the next
+        del self._dead_ids[:n_dead]
+        return bool(self._dead_ids)
 
     # -- reads ---------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], now: float | None = None) -> dict[str, BackendHold]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from hashlib import blake2b
 from typing import Protocol
 
 from picker.chwbl_ring import HashRing
@@ -32,15 +33,20 @@ class OverlapScorer(Protocol):
     ) -> tuple[Endpoint | None, float, StorageTier]: ...
 
 
+def session_key(session: str) -> bytes:
+    """A fixed-size key for a client-supplied session id (the header may be kilobytes long)."""
+    return blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 class SessionTable:
-    """session id -> endpoint name. Bound: ``max_sessions`` entries, LRU eviction, TTL on read."""
+    """session key -> endpoint name. Bound: ``max_sessions`` entries of 16-byte keys, LRU, TTL on read."""
 
     def __init__(self, max_sessions: int, ttl_seconds: float) -> None:
         self.max_sessions = max_sessions
         self.ttl = ttl_seconds
-        self._map: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._map: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
 
-    def get(self, session: str, now: float) -> str | None:
+    def get(self, session: bytes, now: float) -> str | None:
         item = self._map.get(session)
         if item is None:
             return None
@@ -51,7 +57,7 @@ class SessionTable:
         self._map.move_to_end(session)
         return name
 
-    def put(self, session: str, name: str, now: float) -> None:
+    def put(self, session: bytes, name: str, now: float) -> None:
         self._map[session] = (name, now + self.ttl)
         self._map.move_to_end(session)
         while len(self._map) > self.max_sessions:
@@ -132,7 +138,7 @@ class Router:
         if key is not None and self.scorer is not None and self.tier4_active():
             decision = self._tier4(block_keys or (), view)
         sa = self.settings.session_affinity
-        session = facts.session_id if sa.enabled else None
+        session = session_key(facts.session_id) if sa.enabled and facts.session_id else None
         t = time.monotonic() if now is None else now
         if decision is None and session:
             name = self.sessions.get(session, t)

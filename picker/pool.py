@@ -27,12 +27,14 @@ class _EndpointStats:
 
 
 class Lease:
-    """One request's claim on an endpoint's in-flight slot; ``release`` is idempotent."""
+    """One request's claim on an endpoint's in-flight slot; ``release`` is idempotent. It holds the
+    counter it incremented, so an endpoint removed and re-added by reloads meanwhile is not miscounted."""
 
-    __slots__ = ("_pool", "endpoint", "released", "started")
+    __slots__ = ("_pool", "_stats", "endpoint", "released", "started")
 
-    def __init__(self, pool: Pool, endpoint: Endpoint) -> None:
+    def __init__(self, pool: Pool, endpoint: Endpoint, stats: _EndpointStats | None) -> None:
         self._pool = pool
+        self._stats = stats
         self.endpoint = endpoint
         self.released = False
         self.started = time.monotonic()
@@ -40,7 +42,8 @@ class Lease:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._pool._release(self.endpoint.name)
+            if self._stats is not None:
+                self._pool._release(self._stats)
 
 
 class Pool:
@@ -67,11 +70,9 @@ class Pool:
             ep = Endpoint(b.name, b.address, b.weight)
             prev = old.get(b.name)
             window: deque[bool] = deque(prev.window if prev else (), maxlen=cfg.health.window_size)
-            if prev is not None:
-                new[b.name] = _EndpointStats(
-                    ep, prev.in_flight, window, prev.ejected_until, prev.latency_ewma_ms,
-                    prev.successes, prev.failures,
-                )  # fmt: skip
+            if prev is not None:  # the same object: open leases keep decrementing the live counter
+                prev.endpoint, prev.window = ep, window
+                new[b.name] = prev
             else:
                 new[b.name] = _EndpointStats(ep, 0, window)
         self.cfg = cfg
@@ -101,13 +102,13 @@ class Pool:
         if st is not None:
             st.in_flight += 1
             self._changed(endpoint.name)
-        return Lease(self, endpoint)
+        return Lease(self, endpoint, st)
 
-    def _release(self, name: str) -> None:
-        st = self._stats.get(name)
-        if st is not None and st.in_flight > 0:
+    def _release(self, st: _EndpointStats) -> None:
+        if st.in_flight > 0:
             st.in_flight -= 1
-            self._changed(name)
+        if self._stats.get(st.endpoint.name) is st:
+            self._changed(st.endpoint.name)
 
     def in_flight(self) -> dict[str, int]:
         return {name: s.in_flight for name, s in self._stats.items()}

@@ -133,8 +133,12 @@ def parse_request(
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        if api == "other":  # e.g. a multipart upload to another endpoint: route it, do not judge it
+            return RequestFacts(api="other", session_id=session_id, tenant_id=tenant_id, body_bytes=len(body))
         raise BadRequest(f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(data, dict):
+        if api == "other":
+            return RequestFacts(api="other", session_id=session_id, tenant_id=tenant_id, body_bytes=len(body))
         raise BadRequest("request body must be a JSON object", "invalid_type")
     model = data.get("model")
     if api != "other" and model is None:

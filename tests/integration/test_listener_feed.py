@@ -178,3 +178,51 @@ async def test_drain_tells_consumers(app: ListenerApp) -> None:
         await until(lambda: c.stats.closes.get("draining", 0) == 1)
     finally:
         await c.stop()
+
+
+async def test_hostile_records_are_dropped_and_a_silent_peer_is_left() -> None:
+    """Found in review: a deeply nested record used to kill the consumer task (RecursionError), a
+    4,000-digit key became a huge int in the index, and a peer that stops talking hung the consumer."""
+    from aiohttp import web
+
+    served: list[str | None] = []
+    release = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        served.append(request.headers.get("Last-Event-ID"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if len(served) == 1:
+            deep = "[" * 5000 + "]" * 5000
+            await resp.write(f'id: 1\nevent: put\ndata: {{"keys":{deep},"tier":"gpu_hot"}}\n\n'.encode())
+            await resp.write(f'id: 2\nevent: put\ndata: {{"keys":["{"f" * 4000}"],"tier":"gpu_hot"}}\n\n'.encode())
+            await resp.write(b'id: 3\nevent: put\ndata: {"keys":["00000000000000aa"],"tier":"gpu_hot"}\n\n')
+            await release.wait()  # then silence: no keepalive, no close
+        else:
+            await resp.write(b'id: 4\nevent: put\ndata: {"keys":["00000000000000bb"],"tier":"gpu_hot"}\n\n')
+            await release.wait()
+        return resp
+
+    web_app = web.Application()
+    web_app.router.add_get("/events/e1", handler)
+    runner = web.AppRunner(web_app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    idx = InMemoryKvIndex()
+    src = EventSourceConfig(
+        backend_name="e1", endpoint=f"http://127.0.0.1:{port}/events/e1", reconnect_interval_ms=10, read_timeout_ms=300
+    )
+    c = KvFeedConsumer(src, idx)
+    c.start()
+    try:
+        await until(lambda: c.last_event_id == 4)  # reconnected after the silent peer's read timeout
+        assert served == [None, "3"]
+        assert c.stats.events_dropped == 2
+        assert idx.lookup([0xAA]) and idx.lookup([0xBB]) and idx.prefix_count == 2
+        assert c._task is not None and not c._task.done()
+    finally:
+        release.set()
+        await c.stop()
+        await runner.cleanup()

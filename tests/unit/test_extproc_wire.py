@@ -148,3 +148,20 @@ async def test_abort_releases_lease() -> None:
     stream.close()
     stream.close()
     assert sum(stream.app.pool.in_flight().values()) == 0
+
+
+async def test_streamed_mode_routes_at_headers_and_answers_every_chunk() -> None:
+    """Found in review: in STREAMED (and NONE) body mode the router sees the headers before a whole body,
+    so the pick happens at the headers phase and every body chunk gets its own answer."""
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+
+    stream = RequestStream(app())
+    req = pb.ProcessingRequest.FromString(headers_msg())
+    req.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.STREAMED
+    out = await stream.handle(req)
+    assert out[0].WhichOneof("response") == "request_headers"
+    dest = {h.header.key for h in out[0].request_headers.response.header_mutation.set_headers}
+    assert "x-gateway-destination-endpoint" in dest
+    for eos in (False, False, True):
+        chunk = await stream.handle(pb.ProcessingRequest.FromString(body_msg(b"{}", eos)))
+        assert len(chunk) == 1 and chunk[0].WhichOneof("response") == "request_body"

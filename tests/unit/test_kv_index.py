@@ -88,3 +88,18 @@ def test_bytes_per_entry_and_lookup_time() -> None:
     us = (time.perf_counter() - t0) / 2000 * 1e6
     print(f"\nkv_index bytes_per_block_key={per_entry:.0f} lookup_64_blocks_us={us:.1f}")
     assert per_entry < 400
+
+
+def test_dead_backend_scrub_runs_in_bounded_steps() -> None:
+    """Found in review: scrubbing a dropped backend walked the whole index in one step."""
+    idx = InMemoryKvIndex(max_entries=10_000, ttl_seconds=3600)
+    idx.put("a", list(range(1, 1001)), StorageTier.GPU_HOT, now=0)
+    idx.put("b", list(range(1, 11)), StorageTier.GPU_HOT, now=0)
+    idx.drop_backend("a")
+    assert idx.lookup(list(range(1, 5)), now=1) == {"b": BackendHold(4, StorageTier.GPU_HOT)}  # masked at once
+    steps = 0
+    while idx.scrub_step(budget=100):
+        steps += 1
+    assert steps == 9  # 1,000 keys in steps of 100
+    assert idx.prefix_count == 10  # only b's keys remain
+    assert not idx.scrub_step(budget=100)

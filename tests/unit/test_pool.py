@@ -81,3 +81,19 @@ def test_views_are_snapshots_and_follow_every_change() -> None:
     clock.t += 11
     assert list(p.view().by_name()) == ["a", "b"]
     assert p.view() is p.view()  # unchanged pool: the same cached view
+
+
+def test_lease_of_a_removed_then_readded_endpoint_does_not_skew_the_new_counter() -> None:
+    p = pool()
+    lease = p.acquire(p.endpoints[0])
+    only_b = PoolConfig.model_validate({"backends": [{"name": "b", "address": "2.2.2.2:2"}]})
+    both = PoolConfig.model_validate(
+        {"backends": [{"name": "a", "address": "1.1.1.1:1"}, {"name": "b", "address": "2.2.2.2:2"}]}
+    )
+    p.update(only_b)
+    p.update(both)
+    fresh = p.acquire(p.endpoints[0])
+    lease.release()  # the old lease must not take the new request's slot away
+    assert p.in_flight()["a"] == 1
+    fresh.release()
+    assert p.in_flight()["a"] == 0

@@ -88,6 +88,12 @@ def test_other_paths_without_body_are_fine() -> None:
     assert f.api == "other" and f.model is None
 
 
+def test_other_paths_with_non_json_bodies_are_routed() -> None:
+    f = parse(b"--boundary\r\nContent-Disposition: form-data; name=file\r\n\r\nRIFF....", "/v1/audio/transcriptions")
+    assert f.api == "other" and f.model is None
+    assert parse(b"[1, 2]", "/v1/rerank").api == "other"
+
+
 def test_deeply_nested_json_is_a_clean_error() -> None:
     with pytest.raises(BadRequest):
         parse(b"[" * 100_000 + b"]" * 100_000)

@@ -187,11 +187,17 @@ def test_session_affinity_sticks_and_follows_eligibility() -> None:
 
 def test_session_table_is_bounded_and_expires() -> None:
     t = SessionTable(max_sessions=2, ttl_seconds=10)
-    t.put("a", "x", 0)
-    t.put("b", "y", 0)
-    t.put("c", "z", 0)
-    assert len(t) == 2 and t.get("a", 1) is None
-    assert t.get("c", 5) == "z" and t.get("c", 11) is None
+    t.put(b"a", "x", 0)
+    t.put(b"b", "y", 0)
+    t.put(b"c", "z", 0)
+    assert len(t) == 2 and t.get(b"a", 1) is None
+    assert t.get(b"c", 5) == "z" and t.get(b"c", 11) is None
+
+
+def test_session_keys_are_fixed_size() -> None:
+    from picker.pipeline import session_key
+
+    assert len(session_key("x" * 60_000)) == 16 and session_key("a") != session_key("b")
 
 
 def test_hot_reload_rebuilds_ring_and_switches_strategy() -> None:
