@@ -115,3 +115,17 @@ def test_cli_validate(tmp_path: Path) -> None:
     bad.write_text("prefix_routing:\n  virtual_nodes: -1\n")
     r = run_cli("config", "validate", str(bad))
     assert r.returncode == 1 and "error: prefix_routing.virtual_nodes:" in r.stdout
+
+
+def test_reload_survives_files_that_are_not_config(tmp_path: Path) -> None:
+    """Found in review: non-string YAML keys or non-UTF-8 bytes raised out of reload() and ended the watcher."""
+    from picker.app import PickerApp
+
+    f = tmp_path / "c.yaml"
+    f.write_text("prefix_routing:\n  enabled: true\n")
+    app = PickerApp(load_settings(f), config_path=f)
+    for bad in (b"1: x\n", b"\xff\xfe\x00garbage"):
+        f.write_bytes(bad)
+        applied, messages = app.reload()
+        assert applied is False and messages
+    assert app.settings.prefix_routing.enabled is True  # the old config stays
