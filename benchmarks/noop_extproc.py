@@ -42,8 +42,10 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
                 mode, resp_mode = req.protocol_config.request_body_mode, req.protocol_config.response_body_mode
             phase = req.WhichOneof("request")
             if phase == "request_headers":
-                if req.request_headers.end_of_stream or mode != FULL_DUPLEX:
-                    yield self._route(0, at_headers=req.request_headers.end_of_stream, buffered=mode != FULL_DUPLEX)
+                if req.request_headers.end_of_stream:
+                    yield self._route(0, at_headers=True, buffered=mode != FULL_DUPLEX)
+                elif mode != FULL_DUPLEX:  # buffered: headers answered now, the pick rides on the body answer
+                    yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
             elif phase == "request_body":
                 chunks.append(req.request_body.body)
                 if req.request_body.end_of_stream:

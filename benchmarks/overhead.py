@@ -245,10 +245,17 @@ def run(out: Path, quick: bool, body_mode: str, seconds: float, concurrency: int
 
 def format_row(r: dict[str, Any]) -> str:
     e, f, p = r["envoy_only"], r["floor"], r["picker"]
+    bad = {
+        n: r[n]["non_200"] + r[n]["errors"]
+        for n in ("envoy_only", "floor", "picker")
+        if r[n]["non_200"] + r[n]["errors"]
+    }
+    warn = f" | FAILED REQUESTS {bad}: figures invalid" if bad else ""
     return (
         f"body={r['body_bytes']:>6} backends={r['backends']:>3} | rps envoy={e['rps']:>7.0f} floor={f['rps']:>7.0f} "
         f"picker={p['rps']:>7.0f} ratio={r['throughput_ratio']} | p50 envoy={e['p50_ms']:.2f} floor={f['p50_ms']:.2f} "
         f"picker={p['p50_ms']:.2f} (+{r['p50_delta_ms']:.2f} ms) | p99 floor={f['p99_ms']:.2f} picker={p['p99_ms']:.2f}"
+        + warn
     )
 
 
