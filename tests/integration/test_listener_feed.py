@@ -17,6 +17,7 @@ from picker.config import EventSourceConfig
 from picker.kv_feed_consumer import KvFeedConsumer
 from picker.kv_index import InMemoryKvIndex
 from picker.metrics import PickerMetrics
+from tests.support.http_server import serve
 
 BS = 4
 MODEL = "m"
@@ -143,28 +144,20 @@ async def test_oversize_record_drops_connection_and_resumes() -> None:
             await done.wait()
         return resp
 
-    web_app = web.Application()
-    web_app.router.add_get("/events/e1", handler)
-    runner = web.AppRunner(web_app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    idx = InMemoryKvIndex()
-    c = KvFeedConsumer(
-        EventSourceConfig(backend_name="e1", endpoint=f"http://127.0.0.1:{port}/events/e1", reconnect_interval_ms=10),
-        idx,
-    )
-    c.start()
-    try:
-        await until(lambda: c.last_event_id == 8)
-        assert served == [None, "7"]
-        assert c.stats.events_dropped == 1 and c.stats.reconnect_count >= 1
-        assert idx.lookup([0xAA]) and idx.lookup([0xBB])
-    finally:
-        done.set()
-        await c.stop()
-        await runner.cleanup()
+    async with serve([web.get("/events/e1", handler)]) as url:
+        idx = InMemoryKvIndex()
+        c = KvFeedConsumer(
+            EventSourceConfig(backend_name="e1", endpoint=f"{url}/events/e1", reconnect_interval_ms=10), idx
+        )
+        c.start()
+        try:
+            await until(lambda: c.last_event_id == 8)
+            assert served == [None, "7"]
+            assert c.stats.events_dropped == 1 and c.stats.reconnect_count >= 1
+            assert idx.lookup([0xAA]) and idx.lookup([0xBB])
+        finally:
+            done.set()
+            await c.stop()
 
 
 async def test_drain_tells_consumers(app: ListenerApp) -> None:
@@ -203,26 +196,19 @@ async def test_hostile_records_are_dropped_and_a_silent_peer_is_left() -> None:
             await release.wait()
         return resp
 
-    web_app = web.Application()
-    web_app.router.add_get("/events/e1", handler)
-    runner = web.AppRunner(web_app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    idx = InMemoryKvIndex()
-    src = EventSourceConfig(
-        backend_name="e1", endpoint=f"http://127.0.0.1:{port}/events/e1", reconnect_interval_ms=10, read_timeout_ms=300
-    )
-    c = KvFeedConsumer(src, idx)
-    c.start()
-    try:
-        await until(lambda: c.last_event_id == 4)  # reconnected after the silent peer's read timeout
-        assert served == [None, "3"]
-        assert c.stats.events_dropped == 2
-        assert idx.lookup([0xAA]) and idx.lookup([0xBB]) and idx.prefix_count == 2
-        assert c._task is not None and not c._task.done()
-    finally:
-        release.set()
-        await c.stop()
-        await runner.cleanup()
+    async with serve([web.get("/events/e1", handler)]) as url:
+        idx = InMemoryKvIndex()
+        src = EventSourceConfig(
+            backend_name="e1", endpoint=f"{url}/events/e1", reconnect_interval_ms=10, read_timeout_ms=300
+        )
+        c = KvFeedConsumer(src, idx)
+        c.start()
+        try:
+            await until(lambda: c.last_event_id == 4)  # reconnected after the silent peer's read timeout
+            assert served == [None, "3"]
+            assert c.stats.events_dropped == 2
+            assert idx.lookup([0xAA]) and idx.lookup([0xBB]) and idx.prefix_count == 2
+            assert c._task is not None and not c._task.done()
+        finally:
+            release.set()
+            await c.stop()

@@ -16,6 +16,7 @@ from picker.tokenizer_sources import (
     local_tokenizer_available,
     make_tokenizer_source,
 )
+from tests.support.http_server import serve
 
 
 @pytest.fixture
@@ -35,16 +36,9 @@ async def engine() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
         n = len(body.get("messages", [])) or len(body.get("prompt", ""))
         return web.json_response({"count": n, "max_model_len": 100, "tokens": list(range(n))})
 
-    app = web.Application()
-    app.router.add_post("/tokenize", tokenize)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}", seen
-    release.set()
-    await runner.cleanup()
+    async with serve([web.post("/tokenize", tokenize)]) as url:
+        yield url, seen
+        release.set()
 
 
 async def test_engine_tokenizer(engine: tuple[str, list[dict[str, Any]]]) -> None:

@@ -17,6 +17,7 @@ from listener.app import ListenerApp
 from listener.config import ListenerConfig, SourceConfig
 from listener.trtllm_source import TrtllmHttpSource
 from picker.block_keys import request_block_keys
+from tests.support.http_server import serve
 
 BS = 4
 TOK = list(range(500, 512))
@@ -34,15 +35,8 @@ async def server() -> AsyncIterator[tuple[str, list[Any]]]:
         body = queue.pop(0) if queue else []
         return web.Response(body=body if isinstance(body, bytes) else json.dumps(body).encode())
 
-    app = web.Application()
-    app.router.add_post("/kv_cache_events", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}", queue
-    await runner.cleanup()
+    async with serve([web.post("/kv_cache_events", handler)]) as url:
+        yield url, queue
 
 
 def make(url: str, **kw: Any) -> tuple[ListenerApp, TrtllmHttpSource]:
