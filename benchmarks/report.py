@@ -363,6 +363,16 @@ def results_markdown(doc: Mapping[str, Any]) -> str:
 
 
 # -- plots ------------------------------------------------------------------------------------------------
+def _save(fig: Any, path: Path, written: list[Path]) -> None:
+    """Lay out, write (110 dpi) and close one figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+
 def write_plots(doc: Mapping[str, Any], out: Path) -> list[Path]:
     """hit rate vs bound, TTFT CDF, request share per replica over time (and hit rate over time)."""
     import matplotlib
@@ -387,10 +397,7 @@ def write_plots(doc: Mapping[str, Any], out: Path) -> list[Path]:
     ax.set_ylabel("engine prefix-cache hit rate (tokens)")
     ax.set_title(f"{doc['scenario']}: hit rate vs bound")
     ax.legend()
-    fig.tight_layout()
-    written.append(out / "hit_rate_vs_bound.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    _save(fig, out / "hit_rate_vs_bound.png", written)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for n, p in pols.items():
@@ -403,10 +410,7 @@ def write_plots(doc: Mapping[str, Any], out: Path) -> list[Path]:
     ax.set_title(f"{doc['scenario']}: TTFT CDF")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    written.append(out / "ttft_cdf.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    _save(fig, out / "ttft_cdf.png", written)
 
     events = doc.get("params", {}).get("events") or []
     fig, axes = plt.subplots(len(pols), 1, figsize=(7, 2.2 * len(pols) + 0.6), sharex=True, squeeze=False)
@@ -424,10 +428,7 @@ def write_plots(doc: Mapping[str, Any], out: Path) -> list[Path]:
         ax.legend(fontsize=7, ncol=len(reps), loc="upper right")
     axes[-1, 0].set_xlabel("time (simulated s, by request send time)")
     fig.suptitle(f"{doc['scenario']}: request share per replica over time")
-    fig.tight_layout()
-    written.append(out / "request_share_over_time.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    _save(fig, out / "request_share_over_time.png", written)
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for n, p in pols.items():
@@ -442,10 +443,7 @@ def write_plots(doc: Mapping[str, Any], out: Path) -> list[Path]:
     ax.set_ylabel("cached share per window")
     ax.set_title(f"{doc['scenario']}: hit rate over time")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(out / "hit_rate_over_time.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    _save(fig, out / "hit_rate_over_time.png", written)
     return written
 
 

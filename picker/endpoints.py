@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -24,7 +24,6 @@ class EndpointState:
     success_rate: float = 1.0  # windowed, 0..1
     latency_ewma_ms: float | None = None
     healthy: bool = True
-    engine_waiting: int | None = None  # scraped queue length, when configured
 
 
 class StorageTier(StrEnum):
@@ -75,4 +74,3 @@ class Decision:
     reason: str
     tier: StorageTier = StorageTier.NONE
     score: float | None = None
-    fallbacks: tuple[Endpoint, ...] = field(default_factory=tuple)

@@ -245,8 +245,6 @@ class RequestStream:
 
     def _answer(self, d: Decision, body: bytes, at_headers: bool, body_eos: bool) -> Sequence[pb.ProcessingResponse]:
         dest = d.endpoint.address
-        if d.fallbacks:
-            dest = ",".join([dest, *(f.address for f in d.fallbacks)])
         sets = [_header_option(DEST_HEADER, dest)]
         metadata = struct_pb2.Struct()
         metadata.fields[LB_NAMESPACE].struct_value.fields[DEST_HEADER].string_value = dest

@@ -68,12 +68,10 @@ class KvOverlapScorer:
         index: SyncKvIndexReader | AsyncKvIndexReader,
         scoring: ScoringConfig,
         block_size: int,
-        use_engine_queue: bool = False,
     ) -> None:
         self.index = index
         self.cfg = scoring
         self.block_size = block_size
-        self.use_engine_queue = use_engine_queue  # add scraped engine_waiting to in_flight when known
         self._sync = isinstance(index, SyncKvIndexReader)
         # (first key, last key, length) → (monotonic time, lookup); bound PREPARED_MAX, oldest dropped
         self._prepared: dict[tuple[int, int, int], tuple[float, dict[str, BackendHold]]] = {}
@@ -117,8 +115,7 @@ class KvOverlapScorer:
         max_tokens = 0
         max_load = 0
         for st in view.states:
-            load = self._load(st.in_flight, st.engine_waiting)
-            max_load = max(max_load, load)
+            max_load = max(max_load, st.in_flight)
             h = holds.get(st.endpoint.name)
             if h is not None and h.blocks > 0:
                 t = h.blocks * self.block_size
@@ -141,7 +138,7 @@ class KvOverlapScorer:
             if overlap < cfg.min_overlap_threshold:
                 scores[name] = 0.0
                 continue
-            load_ratio = self._load(st.in_flight, st.engine_waiting) / max_load if max_load else 0.0
+            load_ratio = st.in_flight / max_load if max_load else 0.0
             health = min(1.0, max(0.0, st.success_rate))
             s = cfg.overlap_weight * overlap + cfg.load_weight * (1.0 - load_ratio) + cfg.health_weight * health
             scores[name] = s
@@ -153,8 +150,3 @@ class KvOverlapScorer:
         """(best endpoint, its composite score, the tier it holds the prefix in) in one read."""
         r = self.score(block_keys, view)
         return r.best, r.score, r.tier
-
-    def _load(self, in_flight: int, waiting: int | None) -> int:
-        if self.use_engine_queue and waiting is not None:
-            return in_flight + waiting
-        return in_flight

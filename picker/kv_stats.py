@@ -35,7 +35,7 @@ class KvDecisionCounters:
         else:
             self.fallback += 1
         if metrics is not None:
-            metrics.kv_index_routing_decisions.labels(decision, tier.value).inc()
+            metrics.child(metrics.kv_index_routing_decisions, decision, tier.value).inc()
             if decision == "kv_aware":
                 metrics.kv_index_overlap_score.observe(score)
 

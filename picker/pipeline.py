@@ -135,7 +135,7 @@ class Router:
         if key is not None:
             self._note_prefix(key)
         decision: Decision | None = None
-        if key is not None and self.scorer is not None and self.tier4_active():
+        if key is not None and self.tier4_active():
             decision = self._tier4(block_keys or (), view)
         sa = self.settings.session_affinity
         session = session_key(facts.session_id) if sa.enabled and facts.session_id else None
@@ -160,7 +160,7 @@ class Router:
         best, score, tier = (
             self.scorer.score_with_tier(block_keys, view) if block_keys else (None, 0.0, StorageTier.NONE)
         )
-        if best is not None and score > SCORER_THRESHOLD and best in view.endpoints:
+        if best is not None and score > SCORER_THRESHOLD and best.name in view.by_name():
             self.kv_decisions.record("kv_aware", tier, score, self.metrics)
             return Decision(best, "KvOverlap", "kv_aware", tier, score)
         self.kv_decisions.record("fallback", StorageTier.NONE, score, self.metrics)

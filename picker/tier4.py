@@ -64,10 +64,10 @@ class Tier4:
             async with asyncio.timeout(timeout):
                 ids = await self.tokenizer.token_ids(facts.model, messages=facts.messages, prompt=facts.prompt)
         except TimeoutError:
-            self.metrics.kv_tokenize_failures.labels("timeout").inc()
+            self.metrics.child(self.metrics.kv_tokenize_failures, "timeout").inc()
             return None
         if ids is None:
-            self.metrics.kv_tokenize_failures.labels("unavailable").inc()
+            self.metrics.child(self.metrics.kv_tokenize_failures, "unavailable").inc()
             return None
         keys = request_block_keys(
             ids, self.cfg.tokenizer.block_size, facts.model, facts.lora_name, facts.cache_salt, self.max_blocks
