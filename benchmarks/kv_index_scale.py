@@ -2,7 +2,7 @@
 
     python -m benchmarks.kv_index_scale [--entries 1000000] [--backends 8] [--out DIR]
 
-Fills an ``InMemoryKvIndex`` the way the feed does (chains of block keys from ``picker.block_keys``,
+Fills an ``InMemoryKvIndex`` the way the feed does (chains of block keys from ``picker.shared.block_keys``,
 each chain held by one or two backends), then measures: bytes per entry (tracemalloc), process RSS,
 and the median time of ``lookup`` and of ``KvOverlapScorer.score`` for a 64-block (1k-token) and a
 1024-block (16k-token) request whose prefix is held, and for a miss. Prints JSON; writes it too.
@@ -21,11 +21,11 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from picker.block_keys import request_block_keys
 from picker.config import ScoringConfig
-from picker.endpoints import Endpoint, EndpointState, PoolView, StorageTier
-from picker.kv_index import InMemoryKvIndex
-from picker.kv_scorer import KvOverlapScorer
+from picker.kv.index import InMemoryKvIndex
+from picker.routing.endpoints import Endpoint, EndpointState, PoolView, StorageTier
+from picker.routing.kv_scorer import KvOverlapScorer
+from picker.shared.block_keys import request_block_keys
 
 BLOCK = 16
 CHAIN_BLOCKS = 64  # each stored prompt: 1,024 tokens

@@ -22,8 +22,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
-from picker.extproc import DEST_HEADER, _header_option, _streamed_chunks
-from picker.server import GRPC_OPTIONS
+from picker.extproc.stream import DEST_HEADER, _header_option, _streamed_chunks
+from picker.runtime.lifecycle import GRPC_OPTIONS
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 

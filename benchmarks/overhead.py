@@ -25,11 +25,11 @@ import yaml
 
 from benchmarks.httpload import LoadResult, run_load
 from benchmarks.stack import ManagedProcess, free_port, make_workdir, spawn, start_envoy, start_picker, wait_http
-from picker.app import PickerApp
 from picker.config import parse_settings
-from picker.envoy_config import EnvoyOptions
-from picker.pool import Lease
-from picker.request_facts import parse_request
+from picker.pool.pool import Lease
+from picker.request.facts import parse_request
+from picker.runtime.app import PickerApp
+from picker.runtime.envoy_config import EnvoyOptions
 
 BODY_SIZES = (4096, 220 * 1024)
 BACKEND_COUNTS = (2, 16, 128)

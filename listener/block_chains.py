@@ -1,7 +1,7 @@
 """Engine block chains → the project's block keys, per source, within the seed's memory limits.
 
 For every BlockStored the tracker computes our 64-bit chained keys from the event's ``token_ids``
-(``picker.block_keys``: rooted in the source's model, LoRA name and cache salt folded in) and keeps an
+(``picker.shared.block_keys``: rooted in the source's model, LoRA name and cache salt folded in) and keeps an
 engine-hash → node map so removals and ``parent_block_hash`` resolve. It emits index deltas (put with a
 tier, delete, clear) to a sink, in event order.
 
@@ -24,7 +24,7 @@ from typing import Protocol
 
 from listener.config import LimitsConfig, SourceConfig
 from listener.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, SourceReset
-from picker.block_keys import chain_block_keys, extra_bytes, root_key
+from picker.shared.block_keys import chain_block_keys, extra_bytes, root_key
 
 log = logging.getLogger("kv_listener.block_chains")
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from picker.config import BackendName, ConfigError, read_yaml_mapping, validation_problems
+from picker.shared.config_files import BackendName, ConfigError, read_yaml_mapping, validation_problems
 
 Engine = Literal["vllm", "sglang", "trtllm"]
 

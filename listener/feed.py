@@ -1,16 +1,8 @@
 """The listener→picker feed: an ordered, resumable per-backend stream of index deltas (SSE records).
 
-Wire format (one SSE record each; every record is far below the consumer's 1 MiB bound because a
-put/del record carries at most ``feed.max_keys_per_record`` keys, about 19 bytes per key):
-
-    id: <int>            event: put       data: {"keys": ["<16 hex>", ...], "tier": "gpu_hot"|"storage_warm"}
-    id: <int>            event: del       data: {"keys": ["<16 hex>", ...]}
-    id: <int>            event: clear     data: {"reason": "restart"|"all_blocks_cleared"|"gap"|...}
-                         event: snapshot_begin  data: {"last_id": N, "entries": M}   (consumer: drop backend)
-                         event: put ...   (snapshot records carry no id)
-    id: N                event: snapshot_end    data: {}
-                         event: close     data: {"reason": "buffer_overflow"|"draining"}  then EOF
-    : keepalive
+The record format lives in ``picker.shared.feed_records`` (written here, read by the picker). A put/del
+record carries at most ``feed.max_keys_per_record`` keys (about 19 bytes per key), far below the
+consumer's 1 MiB bound.
 
 Event ids increase by one per record within a backend and start at the listener's start time in
 microseconds, so ids of an earlier listener process are always "too old" and yield a snapshot.
@@ -21,20 +13,15 @@ gets a snapshot (the backend's full current state, then live records).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 
 from listener.config import FeedConfig
+from picker.shared.feed_records import encode_keys, encode_record
 
 log = logging.getLogger("kv_listener.feed")
-
-
-def _record(event: str, data: dict[str, object], event_id: int | None = None) -> bytes:
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
 class Subscriber:
@@ -97,11 +84,11 @@ class BackendFeed:
             if op == "put":
                 for k in chunk:
                     self.state[k] = tier or "gpu_hot"
-                data: dict[str, object] = {"keys": [format(k, "016x") for k in chunk], "tier": tier}
+                data: dict[str, object] = {"keys": encode_keys(chunk), "tier": tier}
             else:
                 for k in chunk:
                     self.state.pop(k, None)
-                data = {"keys": [format(k, "016x") for k in chunk]}
+                data = {"keys": encode_keys(chunk)}
             self._publish(op, data)
 
     def clear(self, reason: str) -> None:
@@ -111,7 +98,7 @@ class BackendFeed:
     # -- subscribers ---------------------------------------------------------------------------
     def _publish(self, event: str, data: dict[str, object]) -> None:
         self.last_id += 1
-        rec = _record(event, data, self.last_id)
+        rec = encode_record(event, data, self.last_id)
         self.history.append((self.last_id, rec))
         self.records_published += 1
         for sub in list(self.subscribers):
@@ -122,16 +109,16 @@ class BackendFeed:
 
     def snapshot_records(self) -> list[bytes]:
         """The backend's full current state as records, ending with snapshot_end at ``last_id``."""
-        out = [_record("snapshot_begin", {"last_id": self.last_id, "entries": len(self.state)})]
+        out = [encode_record("snapshot_begin", {"last_id": self.last_id, "entries": len(self.state)})]
         by_tier: dict[str, list[int]] = {}
         for k, t in self.state.items():
             by_tier.setdefault(t, []).append(k)
         step = self.cfg.max_keys_per_record
         for tier, keys in by_tier.items():
             for i in range(0, len(keys), step):
-                hexes = [format(k, "016x") for k in keys[i : i + step]]
-                out.append(_record("put", {"keys": hexes, "tier": tier}))
-        out.append(_record("snapshot_end", {}, self.last_id))
+                hexes = encode_keys(keys[i : i + step])
+                out.append(encode_record("put", {"keys": hexes, "tier": tier}))
+        out.append(encode_record("snapshot_end", {}, self.last_id))
         return out
 
     def subscribe(self, last_event_id: int | None) -> tuple[Subscriber, bool]:

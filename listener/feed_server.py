@@ -11,8 +11,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from listener.config import FeedConfig
-from listener.feed import BackendFeed, Subscriber, _record
+from listener.feed import BackendFeed, Subscriber
 from listener.metrics import ListenerMetrics
+from picker.shared.feed_records import KEEPALIVE, encode_record
 
 log = logging.getLogger("kv_listener.feed_server")
 
@@ -103,7 +104,7 @@ async def _serve(resp: web.StreamResponse, sub: Subscriber, cfg: FeedConfig) -> 
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(sub.wake.wait(), cfg.keepalive_seconds)
         if sub.close_reason is None and not sub.pending:
-            await _write(resp, b": keepalive\n\n", cfg)
-    await _write(resp, _record("close", {"reason": sub.close_reason}), cfg)
+            await _write(resp, KEEPALIVE, cfg)
+    await _write(resp, encode_record("close", {"reason": sub.close_reason}), cfg)
     with contextlib.suppress(Exception):
         await resp.write_eof()

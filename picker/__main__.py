@@ -1,5 +1,5 @@
 import sys
 
-from picker.cli import main
+from picker.runtime.cli import main
 
 sys.exit(main())

@@ -14,7 +14,7 @@ from benchmarks.engine_sim.config import SimConfig
 from benchmarks.engine_sim.kv_events import KvEventsSettings
 from benchmarks.engine_sim.process import SimulatorProcess
 from benchmarks.stack import free_port, make_workdir, start_envoy, start_listener, start_picker
-from picker.envoy_config import EnvoyOptions
+from picker.runtime.envoy_config import EnvoyOptions
 from tests.integration.conftest import http
 
 pytestmark = pytest.mark.envoy

@@ -24,7 +24,7 @@ from benchmarks.stack import (
     start_picker,
     wait_http,
 )
-from picker.envoy_config import EnvoyOptions
+from picker.runtime.envoy_config import EnvoyOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET_TEST_HEADER = "x-test-subset"

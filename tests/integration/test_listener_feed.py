@@ -12,11 +12,11 @@ import pytest
 from listener.app import ListenerApp
 from listener.config import FeedConfig, ListenerConfig, SourceConfig
 from listener.events import BlockRemoved, BlockStored
-from picker.block_keys import request_block_keys
 from picker.config import EventSourceConfig
-from picker.kv_feed_consumer import KvFeedConsumer
-from picker.kv_index import InMemoryKvIndex
-from picker.metrics import PickerMetrics
+from picker.kv.feed_consumer import KvFeedConsumer
+from picker.kv.index import InMemoryKvIndex
+from picker.ops.metrics import PickerMetrics
+from picker.shared.block_keys import request_block_keys
 from tests.support.http_server import serve
 
 BS = 4

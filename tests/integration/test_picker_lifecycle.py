@@ -16,7 +16,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.stack import envoy_binary, free_port, start_envoy, start_picker
-from picker.envoy_config import EnvoyOptions
+from picker.runtime.envoy_config import EnvoyOptions
 from tests.integration.conftest import http, start_backends
 
 pytestmark = pytest.mark.envoy

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from picker.admin import build_admin_app
-from picker.app import PickerApp
 from picker.config import parse_settings
-from picker.request_facts import RequestFacts
-from picker.wiring import _DisabledKvAdmin
+from picker.ops.admin import build_admin_app
+from picker.request.facts import RequestFacts
+from picker.runtime.app import PickerApp
+from picker.runtime.wiring import _DisabledKvAdmin
 
 
 def make_app(**extra) -> PickerApp:

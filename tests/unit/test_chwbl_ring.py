@@ -4,7 +4,7 @@ from hashlib import sha256
 
 import pytest
 
-from picker.chwbl_ring import HashRing, bounded_pick, load_bound
+from picker.routing.chwbl_ring import HashRing, bounded_pick, load_bound
 
 NAMES = ("a", "b", "c", "d")
 

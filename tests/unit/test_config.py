@@ -119,7 +119,7 @@ def test_cli_validate(tmp_path: Path) -> None:
 
 def test_reload_survives_files_that_are_not_config(tmp_path: Path) -> None:
     """Found in review: non-string YAML keys or non-UTF-8 bytes raised out of reload() and ended the watcher."""
-    from picker.app import PickerApp
+    from picker.runtime.app import PickerApp
 
     f = tmp_path / "c.yaml"
     f.write_text("prefix_routing:\n  enabled: true\n")

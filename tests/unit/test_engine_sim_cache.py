@@ -8,7 +8,7 @@ from benchmarks.engine_sim.prefix_cache import (
     hash_as_int64,
     hash_as_uint64,
 )
-from picker.block_keys import request_block_keys
+from picker.shared.block_keys import request_block_keys
 
 BS = 4
 

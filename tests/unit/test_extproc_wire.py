@@ -9,9 +9,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy_data_plane.envoy.config.core import v3 as bcore
 from envoy_data_plane.envoy.service.ext_proc import v3 as bext
 
-from picker.app import PickerApp
 from picker.config import parse_settings
-from picker.extproc import MAX_STREAMED_CHUNK, RequestStream
+from picker.extproc.stream import MAX_STREAMED_CHUNK, RequestStream
+from picker.runtime.app import PickerApp
 
 BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
 

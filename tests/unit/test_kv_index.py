@@ -6,8 +6,8 @@ import gc
 import time
 import tracemalloc
 
-from picker.endpoints import StorageTier
-from picker.kv_index import BackendHold, InMemoryKvIndex
+from picker.kv.index import BackendHold, InMemoryKvIndex
+from picker.shared.tiers import StorageTier
 
 G, W = StorageTier.GPU_HOT, StorageTier.STORAGE_WARM
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import pytest
 
 from picker.config import ScoringConfig
-from picker.endpoints import Endpoint, EndpointState, PoolView, StorageTier
-from picker.kv_index import BackendHold, InMemoryKvIndex
-from picker.kv_scorer import KvOverlapScorer
+from picker.kv.index import BackendHold, InMemoryKvIndex
+from picker.routing.endpoints import Endpoint, EndpointState, PoolView, StorageTier
+from picker.routing.kv_scorer import KvOverlapScorer
 
 G, W = StorageTier.GPU_HOT, StorageTier.STORAGE_WARM
 KEYS = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from picker.config import TokenizerConfig
-from picker.tokenizer_sources import (
+from picker.kv.tokenizer_sources import (
     EngineTokenizer,
     NoTokenizer,
     local_tokenizer_available,
@@ -72,7 +72,7 @@ async def test_none_and_factory() -> None:
 
 
 async def test_local_tokenizer_missing_file_is_none() -> None:
-    from picker.tokenizer_sources import LocalTokenizer
+    from picker.kv.tokenizer_sources import LocalTokenizer
 
     t = LocalTokenizer("/nonexistent/tokenizer.json", timeout_ms=2000)
     assert await t.token_ids("m", prompt="x") is None
@@ -82,7 +82,7 @@ async def test_local_tokenizer_encodes_prompt_and_chat_template(tmp_path) -> Non
     """A real tokenizer.json (word-level, built here) and a Jinja chat template file."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from picker.tokenizer_sources import LocalTokenizer
+    from picker.kv.tokenizer_sources import LocalTokenizer
 
     vocab = {"[UNK]": 0, "<s>": 1, "system": 2, "user": 3, "be": 4, "brief": 5, "hi": 6, "assistant": 7}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))

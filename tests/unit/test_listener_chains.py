@@ -9,7 +9,7 @@ from listener.block_chains import BlockChainTracker
 from listener.config import LimitsConfig, SourceConfig
 from listener.events import BlockStored, DecodeError, normalise_hash
 from listener.msgpack_decoder import decode_batch
-from picker.block_keys import request_block_keys
+from picker.shared.block_keys import request_block_keys
 
 BS = 4
 MODEL = "m"

@@ -16,7 +16,7 @@ from aiohttp import web
 from listener.app import ListenerApp
 from listener.config import ListenerConfig, SourceConfig
 from listener.trtllm_source import TrtllmHttpSource
-from picker.block_keys import request_block_keys
+from picker.shared.block_keys import request_block_keys
 from tests.support.http_server import serve
 
 BS = 4

@@ -17,7 +17,7 @@ from aiohttp import ClientSession
 
 from listener.app import ListenerApp
 from listener.config import LimitsConfig, ListenerConfig, SourceConfig
-from picker.block_keys import request_block_keys
+from picker.shared.block_keys import request_block_keys
 
 BS = 4
 MODEL = "m"

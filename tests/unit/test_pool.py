@@ -1,5 +1,5 @@
 from picker.config import PoolConfig
-from picker.pool import Pool
+from picker.pool.pool import Pool
 
 
 class Clock:

@@ -1,7 +1,7 @@
 from hashlib import sha256
 
-from picker.prefix_key import prefix_key, truncate_utf8
-from picker.request_facts import parse_request
+from picker.request.facts import parse_request
+from picker.routing.prefix_key import prefix_key, truncate_utf8
 
 
 def facts(body: bytes, path: str = "/v1/chat/completions"):

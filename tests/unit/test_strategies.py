@@ -5,11 +5,11 @@ from hashlib import sha256
 import pytest
 
 from picker.config import parse_settings
-from picker.endpoints import Endpoint, EndpointState, PoolView, StorageTier
-from picker.metrics import PickerMetrics
-from picker.pipeline import Router, SessionTable
-from picker.request_facts import RequestFacts
-from picker.strategies import STRATEGY_REGISTRY, Random
+from picker.ops.metrics import PickerMetrics
+from picker.request.facts import RequestFacts
+from picker.routing.core import Router, SessionTable
+from picker.routing.endpoints import Endpoint, EndpointState, PoolView, StorageTier
+from picker.routing.strategies import STRATEGY_REGISTRY, Random
 
 EPS = [Endpoint("a", "10.0.0.1:80"), Endpoint("b", "10.0.0.2:80", weight=3), Endpoint("c", "10.0.0.3:80")]
 
@@ -195,7 +195,7 @@ def test_session_table_is_bounded_and_expires() -> None:
 
 
 def test_session_keys_are_fixed_size() -> None:
-    from picker.pipeline import session_key
+    from picker.routing.core import session_key
 
     assert len(session_key("x" * 60_000)) == 16 and session_key("a") != session_key("b")
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from picker.config import PoolConfig
-from picker.endpoints import Endpoint, EndpointState, PoolView
+from picker.routing.endpoints import Endpoint, EndpointState, PoolView
 
 
 @dataclass(slots=True)

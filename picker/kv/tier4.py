@@ -2,7 +2,7 @@
 
 ``Tier4.block_keys_for`` runs on the request path before the (synchronous) decision: it awaits the
 request's token ids with a bounded timeout (``kv_cache_index.tokenizer.timeout_ms``) and turns them
-into block keys with ``picker.block_keys`` (the listener's function). Any failure gives None: the
+into block keys with ``picker.shared.block_keys`` (the listener's function). Any failure gives None: the
 request is routed by the strategy, never failed. The feed consumers and the TTL sweep run as
 background tasks; the admin routes serve the seed's /admin/kv-index/* JSON.
 """
@@ -16,17 +16,17 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from picker.block_keys import request_block_keys
 from picker.config import KvCacheIndexConfig
-from picker.endpoints import Endpoint, PoolView, StorageTier
-from picker.kv_feed_consumer import KvFeedConsumers
-from picker.kv_index import InMemoryKvIndex
-from picker.kv_scorer import KvOverlapScorer
-from picker.kv_stats import KvDecisionCounters, kv_index_backends, kv_index_clear, kv_index_stats
-from picker.metrics import PickerMetrics
-from picker.pool import Pool
-from picker.request_facts import RequestFacts
-from picker.tokenizer_sources import TokenizerSource, make_tokenizer_source
+from picker.kv.admin import KvDecisionCounters, kv_index_backends, kv_index_clear, kv_index_stats
+from picker.kv.feed_consumer import KvFeedConsumers
+from picker.kv.index import InMemoryKvIndex
+from picker.kv.tokenizer_sources import TokenizerSource, make_tokenizer_source
+from picker.ops.metrics import PickerMetrics
+from picker.pool.pool import Pool
+from picker.request.facts import RequestFacts
+from picker.routing.endpoints import Endpoint, PoolView, StorageTier
+from picker.routing.kv_scorer import KvOverlapScorer
+from picker.shared.block_keys import request_block_keys
 
 log = logging.getLogger("kv_epp.tier4")
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+
+from picker.shared.tiers import StorageTier
+
+__all__ = ["Decision", "Endpoint", "EndpointState", "PoolView", "StorageTier"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,14 +27,6 @@ class EndpointState:
     success_rate: float = 1.0  # windowed, 0..1
     latency_ewma_ms: float | None = None
     healthy: bool = True
-
-
-class StorageTier(StrEnum):
-    """Where a backend holds a cached block (the seed's tiers); NONE when it holds nothing."""
-
-    GPU_HOT = "gpu_hot"
-    STORAGE_WARM = "storage_warm"
-    NONE = "none"
 
 
 class PoolView:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hashlib import sha256
 
-from picker.request_facts import RequestFacts
+from picker.request.facts import RequestFacts
 
 
 def truncate_utf8(text: str, max_bytes: int) -> bytes:

@@ -8,11 +8,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from picker.config import ConfigError, Settings, config_warnings, load_settings, restart_required_changes
-from picker.endpoints import Decision
-from picker.metrics import PickerMetrics
-from picker.pipeline import OverlapScorer, Router
-from picker.pool import Pool
-from picker.request_facts import RequestFacts
+from picker.ops.metrics import PickerMetrics
+from picker.pool.pool import Pool
+from picker.request.facts import RequestFacts
+from picker.routing.core import OverlapScorer, Router
+from picker.routing.endpoints import Decision
 
 log = logging.getLogger("kv_epp.app")
 

@@ -25,12 +25,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from picker.endpoints import Decision
-from picker.pool import Lease
-from picker.request_facts import BadRequest, RequestFacts, api_for_path, parse_request
+from picker.pool.pool import Lease
+from picker.request.facts import BadRequest, RequestFacts, api_for_path, parse_request
+from picker.routing.endpoints import Decision
 
 if TYPE_CHECKING:
-    from picker.app import PickerApp
+    from picker.runtime.app import PickerApp
 
 log = logging.getLogger("kv_epp.extproc")
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from picker.endpoints import StorageTier
+from picker.shared.tiers import StorageTier
 
 EVICT_FRACTION = 0.10  # the seed: drop the oldest 10% when max_entries is reached
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from picker.config import ScoringConfig
-from picker.endpoints import Endpoint, PoolView, StorageTier
-from picker.kv_index import BackendHold
+from picker.kv.index import BackendHold
+from picker.routing.endpoints import Endpoint, PoolView, StorageTier
 
 PREPARED_TTL_S = 0.1  # the seed's 100 ms prepared snapshot
 PREPARED_MAX = 4096  # prepared lookups kept; the oldest is dropped beyond it

@@ -1,6 +1,6 @@
 """The picker's side of the listener feed: one background task per ``kv_cache_index.event_sources``
-entry, applying the backend's index deltas to the KV index in order (see ``listener/feed.py`` for the
-record format).
+entry, applying the backend's index deltas to the KV index in order (the record format is
+``picker.shared.feed_records``).
 
 - Resumes from the last event id it applied (``Last-Event-ID``); a snapshot is staged and swapped in
   at ``snapshot_end`` in one synchronous step, so lookups never see a half-built backend.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -24,23 +23,17 @@ import aiohttp
 import orjson
 
 from picker.config import EventSourceConfig
-from picker.endpoints import StorageTier
-from picker.kv_index import InMemoryKvIndex
-from picker.metrics import PickerMetrics
+from picker.kv.index import InMemoryKvIndex
+from picker.ops.metrics import PickerMetrics
+from picker.shared.feed_records import RecordTooLarge, SseParser, decode_keys, decode_tier
+from picker.shared.tiers import StorageTier
 
 log = logging.getLogger("kv_epp.kv_feed_consumer")
 
-MAX_RECORD_BYTES = 1 << 20  # the seed's MAX_SSE_BUFFER_SIZE: per line and per record
 MAX_BACKOFF_S = 60.0
-_TIERS = {"gpu_hot": StorageTier.GPU_HOT, "storage_warm": StorageTier.STORAGE_WARM}
 
 
-_HEX64 = re.compile(r"[0-9a-f]{1,16}")  # a 64-bit block key as the listener writes it (fullmatch below)
 MAX_CLOSE_REASONS = 32  # distinct close reasons counted per source; the rest count as "other"
-
-
-class RecordTooLarge(Exception):
-    """An SSE line or record exceeded MAX_RECORD_BYTES."""
 
 
 class FeedClosed(Exception):
@@ -74,60 +67,6 @@ class ConsumerStats:
             "last_event_at": at,
             "reconnect_count": self.reconnect_count,
         }
-
-
-class SseParser:
-    """Incremental SSE parser with bounded buffers. ``feed(bytes)`` returns complete records as
-    (event, data, id) tuples; ``id`` is None when the record carries none."""
-
-    def __init__(self, max_bytes: int = MAX_RECORD_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self._buf = bytearray()  # bound: max_bytes without a newline
-        self._event = ""
-        self._data: list[str] = []
-        self._data_len = 0  # bound: max_bytes per record
-        self._id: str | None = None
-
-    def feed(self, chunk: bytes) -> list[tuple[str, str, str | None]]:
-        self._buf += chunk
-        out: list[tuple[str, str, str | None]] = []
-        start = 0
-        while True:
-            nl = self._buf.find(b"\n", start)
-            if nl < 0:
-                break
-            line = bytes(self._buf[start:nl]).rstrip(b"\r").decode("utf-8", "replace")
-            start = nl + 1
-            rec = self._line(line)
-            if rec is not None:
-                out.append(rec)
-        del self._buf[:start]
-        if len(self._buf) > self.max_bytes:
-            raise RecordTooLarge(f"line over {self.max_bytes} bytes")
-        return out
-
-    def _line(self, line: str) -> tuple[str, str, str | None] | None:
-        if not line:
-            if not self._data and not self._event:
-                self._id = None
-                return None
-            rec = (self._event or "message", "\n".join(self._data), self._id)
-            self._event, self._data, self._data_len, self._id = "", [], 0, None
-            return rec
-        if line.startswith(":"):
-            return None
-        name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if name == "data":
-            self._data_len += len(value) + 1
-            if self._data_len > self.max_bytes:
-                raise RecordTooLarge(f"record over {self.max_bytes} bytes")
-            self._data.append(value)
-        elif name == "event":
-            self._event = value
-        elif name == "id":
-            self._id = value
-        return None
 
 
 class KvFeedConsumer:
@@ -266,21 +205,10 @@ class KvFeedConsumer:
             except ValueError:
                 self._dropped()
 
-    def _keys(self, payload: dict[str, object]) -> list[int]:
-        raw = payload["keys"]
-        if not isinstance(raw, list):
-            raise ValueError("keys is not a list")
-        out = []
-        for k in raw:
-            if not isinstance(k, str) or not _HEX64.fullmatch(k):
-                raise ValueError("a block key is not 1-16 lowercase hex digits")
-            out.append(int(k, 16))
-        return out
-
     def _apply(self, event: str, payload: dict[str, object]) -> None:
         if event == "put":
-            tier = _TIERS[str(payload.get("tier"))]
-            keys = self._keys(payload)
+            tier = decode_tier(payload.get("tier"))
+            keys = decode_keys(payload.get("keys"))
             if self._staged is not None:
                 room = self.index.max_entries - self._staged_count
                 if room > 0:
@@ -289,7 +217,7 @@ class KvFeedConsumer:
             else:
                 self.index.put(self.backend, keys, tier)
         elif event == "del":
-            self.index.remove(self.backend, self._keys(payload))
+            self.index.remove(self.backend, decode_keys(payload.get("keys")))
         elif event == "clear":
             self.index.drop_backend(self.backend)
             log.info("event=backend_cleared backend=%s reason=%s", self.backend, payload.get("reason"))

@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
-    from picker.app import PickerApp
+    from picker.runtime.app import PickerApp
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

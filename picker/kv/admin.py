@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from picker.config import KvCacheIndexConfig
-from picker.endpoints import StorageTier
-from picker.kv_feed_consumer import ConsumerStats
-from picker.kv_index import InMemoryKvIndex
-from picker.metrics import PickerMetrics
+from picker.kv.feed_consumer import ConsumerStats
+from picker.kv.index import InMemoryKvIndex
+from picker.ops.metrics import PickerMetrics
+from picker.shared.tiers import StorageTier
 
 
 @dataclass(slots=True)

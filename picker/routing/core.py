@@ -12,14 +12,14 @@ from collections.abc import Sequence
 from hashlib import blake2b
 from typing import Protocol
 
-from picker.chwbl_ring import HashRing
 from picker.config import Settings
-from picker.endpoints import Decision, Endpoint, PoolView, StorageTier
-from picker.kv_stats import KvDecisionCounters
-from picker.metrics import PickerMetrics
-from picker.prefix_key import prefix_key
-from picker.request_facts import RequestFacts
-from picker.strategies import STRATEGY_REGISTRY, Strategy
+from picker.kv.admin import KvDecisionCounters
+from picker.ops.metrics import PickerMetrics
+from picker.request.facts import RequestFacts
+from picker.routing.chwbl_ring import HashRing
+from picker.routing.endpoints import Decision, Endpoint, PoolView, StorageTier
+from picker.routing.prefix_key import prefix_key
+from picker.routing.strategies import STRATEGY_REGISTRY, Strategy
 
 SCORER_THRESHOLD = 0.3  # the pool's composite-score threshold; Tier 4 decides only strictly above it
 

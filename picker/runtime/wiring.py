@@ -6,11 +6,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from picker.app import PickerApp
 from picker.config import Settings
-from picker.metrics import PickerMetrics
-from picker.server import PickerServer
-from picker.tier4 import Tier4
+from picker.kv.tier4 import Tier4
+from picker.ops.metrics import PickerMetrics
+from picker.runtime.app import PickerApp
+from picker.runtime.lifecycle import PickerServer
 
 
 class _DisabledKvAdmin:

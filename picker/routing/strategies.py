@@ -10,9 +10,9 @@ import random
 from collections.abc import Callable
 from typing import Protocol
 
-from picker.chwbl_ring import HashRing, bounded_pick, ring_hash
-from picker.endpoints import Decision, EndpointState, PoolView
-from picker.request_facts import RequestFacts
+from picker.request.facts import RequestFacts
+from picker.routing.chwbl_ring import HashRing, bounded_pick, ring_hash
+from picker.routing.endpoints import Decision, EndpointState, PoolView
 
 
 class RingSource(Protocol):

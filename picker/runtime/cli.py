@@ -9,13 +9,13 @@ import sys
 from collections.abc import Sequence
 
 from picker.config import ConfigError, config_warnings, load_settings
-from picker.envoy_config import EnvoyOptions, bootstrap_yaml
+from picker.runtime.envoy_config import EnvoyOptions, bootstrap_yaml
 
 LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from picker.wiring import build_server  # imported late: serve pulls in grpc and aiohttp
+    from picker.runtime.wiring import build_server  # imported late: serve pulls in grpc and aiohttp
 
     try:
         settings = load_settings(args.config)
