@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
@@ -316,36 +314,3 @@ def _streamed_chunks(body: bytes, eos: bool, *, request: bool) -> list[pb.Proces
         resp = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
         out.append(pb.ProcessingResponse(request_body=resp) if request else pb.ProcessingResponse(response_body=resp))
     return out
-
-
-class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """The gRPC service: one RequestStream per Process() call."""
-
-    def __init__(self, app: PickerApp) -> None:
-        self.app = app
-
-    async def Process(
-        self,
-        request_iterator: AsyncIterator[pb.ProcessingRequest],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = RequestStream(self.app)
-        self.app.open_streams += 1
-        try:
-            async for req in request_iterator:
-                try:
-                    responses = await stream.handle(req)
-                except Exception:  # a bug must cost one request, never the process
-                    log.exception("event=extproc_error path=%s", stream.path)
-                    self.app.metrics.requests.labels("error").inc()
-                    yield immediate(
-                        500, error_body("internal picker error", "picker_error", "api_error"), "kv_epp_error"
-                    )
-                    return
-                for r in responses:
-                    yield r
-                if stream.done and stream.decision is None:
-                    return  # immediate response sent: nothing more to process
-        finally:
-            stream.close()
-            self.app.open_streams -= 1

@@ -20,7 +20,7 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from picker.extproc.stream import ExternalProcessor
+from picker.extproc.service import ExternalProcessor
 from picker.ops.admin import AdminRoutes, build_admin_app
 from picker.runtime.app import PickerApp
 
