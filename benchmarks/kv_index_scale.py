@@ -4,7 +4,7 @@
 
 Fills an ``InMemoryKvIndex`` the way the feed does (chains of block keys from ``picker.shared.block_keys``,
 each chain held by one or two backends), then measures: bytes per entry (tracemalloc), process RSS,
-and the median time of ``lookup`` and of ``KvOverlapScorer.score`` for a 64-block (1k-token) and a
+and the median time of ``lookup`` and of ``lookup`` + ``KvOverlapScorer.score`` for a 64-block (1k-token) and a
 1024-block (16k-token) request whose prefix is held, and for a miss. Prints JSON; writes it too.
 """
 
@@ -21,11 +21,9 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from picker.config import ScoringConfig
-from picker.kv.index import InMemoryKvIndex
-from picker.routing.endpoints import Endpoint, EndpointState, PoolView, StorageTier
-from picker.routing.kv_scorer import KvOverlapScorer
+from picker.api import Endpoint, EndpointState, InMemoryKvIndex, KvOverlapScorer, PoolView, Settings
 from picker.shared.block_keys import request_block_keys
+from picker.shared.tiers import StorageTier
 
 BLOCK = 16
 CHAIN_BLOCKS = 64  # each stored prompt: 1,024 tokens
@@ -69,7 +67,7 @@ def measure(entries: int, n_backends: int, seed: int = 0) -> dict[str, Any]:
     chains = fill(index, entries, backends, rng)
     index_bytes = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    scorer = KvOverlapScorer(index, ScoringConfig(), BLOCK)
+    scorer = KvOverlapScorer(Settings().kv_cache_index.scoring, BLOCK)
     view = PoolView(
         tuple(EndpointState(Endpoint(b, f"10.0.0.{i}:8000"), in_flight=i % 3) for i, b in enumerate(backends))
     )
@@ -92,8 +90,8 @@ def measure(entries: int, n_backends: int, seed: int = 0) -> dict[str, Any]:
             "miss": _median_us(lambda: index.lookup(miss), reps),
         },
         "score_us": {
-            "hit_64_blocks": _median_us(lambda: scorer.score(hit64, view), reps),
-            "miss": _median_us(lambda: scorer.score(miss, view), reps),
+            "hit_64_blocks": _median_us(lambda: scorer.score(index.lookup(hit64), view), reps),
+            "miss": _median_us(lambda: scorer.score(index.lookup(miss), view), reps),
         },
         "hit_64_result": {k: v.blocks for k, v in index.lookup(hit64).items()},
     }

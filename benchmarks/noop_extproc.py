@@ -20,10 +20,8 @@ import grpc
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from google.protobuf import struct_pb2
 
-from picker.extproc.stream import DEST_HEADER, _header_option, _streamed_chunks
-from picker.runtime.lifecycle import GRPC_OPTIONS
+from picker.api import DEST_HEADER, GRPC_OPTIONS, destination_metadata, header_option, streamed_chunks
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
@@ -52,7 +50,7 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
                     body = b"".join(chunks)
                     if mode == FULL_DUPLEX:
                         yield self._route(len(body), at_headers=True, buffered=False)
-                        for r in _streamed_chunks(body, True, request=True):
+                        for r in streamed_chunks(body, True, request=True):
                             yield r
                     else:
                         yield self._route(len(body), at_headers=False, buffered=True)
@@ -60,7 +58,7 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
             elif phase == "response_body":
                 if resp_mode == FULL_DUPLEX:
-                    for r in _streamed_chunks(req.response_body.body, req.response_body.end_of_stream, request=False):
+                    for r in streamed_chunks(req.response_body.body, req.response_body.end_of_stream, request=False):
                         yield r
                 else:
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -71,11 +69,10 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
 
     def _route(self, body_len: int, *, at_headers: bool, buffered: bool) -> pb.ProcessingResponse:
         dest = next(self._dest)
-        sets = [_header_option(DEST_HEADER, dest)]
+        sets = [header_option(DEST_HEADER, dest)]
         if not buffered and body_len:
-            sets.append(_header_option("content-length", str(body_len)))
-        md = struct_pb2.Struct()
-        md.update({"envoy.lb": {DEST_HEADER: dest}})
+            sets.append(header_option("content-length", str(body_len)))
+        md = destination_metadata(dest)
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets), clear_route_cache=True)
         if buffered and not at_headers:
             return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)

@@ -25,11 +25,7 @@ import yaml
 
 from benchmarks.httpload import LoadResult, run_load
 from benchmarks.stack import ManagedProcess, free_port, make_workdir, spawn, start_envoy, start_picker, wait_http
-from picker.config import parse_settings
-from picker.pool.pool import Lease
-from picker.request.facts import parse_request
-from picker.runtime.app import PickerApp
-from picker.runtime.envoy_config import EnvoyOptions
+from picker.api import EnvoyOptions, Exchange, Inbound, PickerApp, parse_settings
 
 BODY_SIZES = (4096, 220 * 1024)
 BACKEND_COUNTS = (2, 16, 128)
@@ -138,8 +134,9 @@ async def measure(port: int, bodies: list[bytes], seconds: float, concurrency: i
 
 
 def decision_cpu_us(body_bytes: int, backends: int, iterations: int = 2000) -> float:
-    """Median CPU time of parse + prefix key + pick (+ taking the in-flight slot) for one request, in µs,
-    with ~16 requests in flight so every decision sees changed load."""
+    """Median CPU time of the picker's request path for one request (parse, prefix key, pick, lease,
+    recording: ``RequestPath.route``, what the ext_proc stream calls), in µs, with ~16 requests in
+    flight so every decision sees changed load. Raises if a request is not routed."""
     settings = parse_settings(
         {
             "selection_strategy": "PrefixAwareHash",
@@ -149,24 +146,25 @@ def decision_cpu_us(body_bytes: int, backends: int, iterations: int = 2000) -> f
             },
         }
     )
-    app = PickerApp(settings)
+    path = PickerApp(settings).path
     bodies = chat_bodies(body_bytes)
-    samples = []
-    limit = settings.extproc.max_body_bytes
-    leases: list[Lease] = []
-    for i in range(iterations):
-        body = bodies[i % len(bodies)]
-        t0 = time.perf_counter()
-        facts = parse_request(body, "/v1/chat/completions", max_body_bytes=limit)
-        key = app.router.key_for(facts)
-        view = app.pool.view(None)
-        d = app.router.decide(facts, view, None, key)
-        assert d is not None
-        leases.append(app.pool.acquire(d.endpoint))  # the request path takes the in-flight slot too
-        samples.append(time.perf_counter() - t0)
-        if len(leases) > 16:  # keep ~16 requests in flight, as under load
-            leases.pop(0).release()
-    return round(statistics.median(samples) * 1e6, 2)
+
+    async def run() -> list[float]:
+        samples = []
+        open_: list[Exchange] = []
+        for i in range(iterations):
+            req = Inbound("/v1/chat/completions", {":method": "POST"}, bodies[i % len(bodies)])
+            t0 = time.perf_counter()
+            ex = await path.route(req)  # no I/O without Tier 4: this await never suspends
+            samples.append(time.perf_counter() - t0)
+            if not isinstance(ex, Exchange):
+                raise RuntimeError(f"request not routed: {ex}")
+            open_.append(ex)
+            if len(open_) > 16:  # keep ~16 requests in flight, as under load
+                open_.pop(0).end(completed=True)
+        return samples
+
+    return round(statistics.median(asyncio.run(run())) * 1e6, 2)
 
 
 def _envoy_options(body_mode: str, picker_address: str | None, backends: list[str] | None = None) -> EnvoyOptions:

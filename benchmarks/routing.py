@@ -57,7 +57,7 @@ from benchmarks.stack import (
     start_listener,
     start_picker,
 )
-from picker.runtime.envoy_config import EnvoyOptions
+from picker.api import EnvoyOptions
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from picker.runtime.envoy_config import EnvoyOptions, bootstrap_yaml
+from picker.api import EnvoyOptions, bootstrap_yaml
 
 
 def free_port() -> int:

@@ -1,6 +1,4 @@
-"""Tier 4 admin JSON (the seed's shapes) and the decision counters behind it.
-
-The lead's admin routes return these dicts as they are:
+"""Tier 4 admin JSON, the seed's shapes. The admin routes (``picker.ops.admin``) return these dicts:
 ``GET /admin/kv-index/stats`` → ``kv_index_stats(...)``, ``GET /admin/kv-index/backends`` →
 ``kv_index_backends(...)``, ``POST /admin/kv-index/clear`` → ``kv_index_clear(index)``.
 """
@@ -8,36 +6,11 @@ The lead's admin routes return these dicts as they are:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from picker.config import KvCacheIndexConfig
 from picker.kv.feed_consumer import ConsumerStats
 from picker.kv.index import InMemoryKvIndex
-from picker.ops.metrics import PickerMetrics
-from picker.shared.tiers import StorageTier
-
-
-@dataclass(slots=True)
-class KvDecisionCounters:
-    """Counts of scorer runs by decision; ``record`` also updates the Prometheus metrics."""
-
-    kv_aware: int = 0
-    fallback: int = 0
-    query_latency_count: int = 0
-    overlap_score_count: int = 0
-
-    def record(self, decision: str, tier: StorageTier, score: float, metrics: PickerMetrics | None = None) -> None:
-        """One scorer run: decision ``kv_aware`` (it chose) or ``fallback`` (best score <= 0.3)."""
-        self.query_latency_count += 1
-        if decision == "kv_aware":
-            self.kv_aware += 1
-            self.overlap_score_count += 1
-        else:
-            self.fallback += 1
-        if metrics is not None:
-            metrics.child(metrics.kv_index_routing_decisions, decision, tier.value).inc()
-            if decision == "kv_aware":
-                metrics.kv_index_overlap_score.observe(score)
+from picker.ops.recorder import KvDecisionCounters
 
 
 def kv_index_stats(

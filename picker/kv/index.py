@@ -25,19 +25,12 @@ import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from picker.routing.endpoints import BackendHold
 from picker.shared.tiers import StorageTier
 
 EVICT_FRACTION = 0.10  # the seed: drop the oldest 10% when max_entries is reached
-
-
-@dataclass(slots=True, frozen=True)
-class BackendHold:
-    """How much of a request's prefix one backend holds: leading blocks from block 0, and the tier
-    (GpuHot when every block of the run is on GPU, else StorageWarm)."""
-
-    blocks: int
-    tier: StorageTier
 
 
 @dataclass(slots=True)
@@ -45,6 +38,23 @@ class _BackendCounters:
     entries: int = 0
     puts: int = 0  # "index_created"
     removals: int = 0  # "index_evicted" (event removals, TTL and LRU drops)
+
+
+class KvIndex(Protocol):
+    """What Tier 4 reads and the feed consumers write. A backend that needs I/O (Valkey) does its one
+    round trip in ``holds``, which the request path awaits in its prepare stage, never in the decision."""
+
+    max_entries: int
+
+    async def holds(self, keys: Sequence[int]) -> dict[str, BackendHold]: ...
+
+    def put(self, backend: str, keys: Sequence[int], tier: StorageTier, now: float | None = None) -> None: ...
+
+    def remove(self, backend: str, keys: Iterable[int]) -> None: ...
+
+    def drop_backend(self, backend: str) -> int: ...
+
+    def clear(self) -> int: ...
 
 
 class InMemoryKvIndex:
@@ -272,6 +282,10 @@ class InMemoryKvIndex:
                 tier = StorageTier.GPU_HOT if all_gpu & low else StorageTier.STORAGE_WARM
                 out[names[(low.bit_length() - 1) >> 1]] = BackendHold(blocks, tier)
         return out
+
+    async def holds(self, keys: Sequence[int]) -> dict[str, BackendHold]:
+        """``KvIndex.holds``: the in-memory lookup needs no I/O, so this never waits."""
+        return self.lookup(keys)
 
     # -- stats ---------------------------------------------------------------------------------
     @property

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from picker.kv.admin import kv_index_backends, kv_index_clear, kv_index_stats
+
 if TYPE_CHECKING:
     from picker.runtime.app import PickerApp
 
@@ -28,7 +30,7 @@ class AdminRoutes(Protocol):
 def prefix_routing_stats(app: PickerApp) -> dict[str, Any]:
     """GET /admin/prefix-routing/stats in the seed's shape."""
     s = app.settings.prefix_routing
-    c = app.router.counts
+    c = app.recorder.counts
     total = sum(c.values())
     overflow_rate = c.get("overflow", 0) / total if total else 0.0
     return {
@@ -49,8 +51,42 @@ def prefix_routing_stats(app: PickerApp) -> dict[str, Any]:
         "backend_distribution": [
             {"backend": name, "in_flight_requests": n} for name, n in app.pool.in_flight().items()
         ],
-        "unique_prefixes": len(app.router.prefixes_seen),
+        "unique_prefixes": len(app.recorder.prefixes_seen),
     }
+
+
+def kv_index_routes(app: PickerApp) -> list[web.RouteDef]:
+    """The seed's /admin/kv-index/* routes; their "not enabled" answers when Tier 4 is off."""
+    tier4 = app.tier4
+    if tier4 is None:
+
+        async def off(_: web.Request) -> web.Response:
+            return web.json_response({"enabled": False})
+
+        async def refuse_clear(_: web.Request) -> web.Response:
+            return web.json_response({"success": False, "error": "KV cache index is not enabled"})
+
+        return [
+            web.get("/admin/kv-index/stats", off),
+            web.get("/admin/kv-index/backends", off),
+            web.post("/admin/kv-index/clear", refuse_clear),
+        ]
+
+    async def stats(_: web.Request) -> web.Response:
+        body = kv_index_stats(tier4.cfg, tier4.index, tier4.consumers.stats(), app.recorder.kv)
+        return web.json_response(body)
+
+    async def backends(_: web.Request) -> web.Response:
+        return web.json_response(kv_index_backends(tier4.cfg.enabled, tier4.index, tier4.consumers.stats()))
+
+    async def clear(_: web.Request) -> web.Response:
+        return web.json_response(kv_index_clear(tier4.index))
+
+    return [
+        web.get("/admin/kv-index/stats", stats),
+        web.get("/admin/kv-index/backends", backends),
+        web.post("/admin/kv-index/clear", clear),
+    ]
 
 
 def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> web.Application:
@@ -98,6 +134,7 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
             web.post("/admin/config/reload", reload),
         ]
     )
+    web_app.add_routes(kv_index_routes(app))
     for provider in extra or []:
         web_app.add_routes(provider.admin_routes())
     return web_app

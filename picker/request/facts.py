@@ -27,7 +27,12 @@ class BadRequest(Exception):
         self.code = code
 
     def json_body(self) -> bytes:
-        return orjson.dumps({"error": {"message": str(self), "type": "invalid_request_error", "code": self.code}})
+        return error_body(str(self), self.code)
+
+
+def error_body(message: str, code: str, kind: str = "invalid_request_error") -> bytes:
+    """The JSON error body of an answer the picker gives itself (OpenAI's error shape)."""
+    return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
 
 
 @dataclass(slots=True, frozen=True)

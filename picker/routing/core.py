@@ -1,36 +1,53 @@
-"""The selection pipeline, in the seed's order: Tier 4 overlap scorer -> session affinity -> strategy.
+"""The pure routing core: ``Router.decide(facts, view, prepared) -> Decision | None``.
 
-``Router.decide`` is synchronous and does no I/O: it reads a ``PoolView`` snapshot, the request's
-facts, its prefix key and (when Tier 4 is on) its block keys, computed before the call.
+The seed's order: Tier 4 overlap scorer (when the prepare stage consulted the KV index) → session
+affinity → the configured strategy. ``decide`` is synchronous, does no I/O and records nothing: it
+reads a ``PoolView`` snapshot, the request's facts and what the prepare stage computed (``Prepared``:
+the prefix key, the KV holds, the session's endpoint). Counting, metrics, the session table and the
+in-flight lease are the commit stage's (``picker.request.path``, ``picker.ops.recorder``).
+
+The only state here is what a strategy keeps to do its job (a round-robin cursor, smooth weights)
+and the ring, rebuilt on ``reconfigure``/``set_pool_names``, never on a request.
 """
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Protocol
 
 from picker.config import Settings
-from picker.kv.admin import KvDecisionCounters
-from picker.ops.metrics import PickerMetrics
 from picker.request.facts import RequestFacts
 from picker.routing.chwbl_ring import HashRing
-from picker.routing.endpoints import Decision, Endpoint, PoolView, StorageTier
+from picker.routing.endpoints import BackendHold, Decision, PoolView
+from picker.routing.kv_scorer import KvOverlapScorer, KvScoreResult
 from picker.routing.prefix_key import prefix_key
-from picker.routing.strategies import STRATEGY_REGISTRY, Strategy
+from picker.routing.strategies import STRATEGY_REGISTRY, RingView, Strategy
 
 SCORER_THRESHOLD = 0.3  # the pool's composite-score threshold; Tier 4 decides only strictly above it
 
 
 class OverlapScorer(Protocol):
-    """Tier 4 scorer: pure and synchronous over its prepared snapshot. Returns the best holder (or
-    None), its composite score and the tier it holds the prefix in, from one read."""
+    """Tier 4 scorer: pure and synchronous over the prepared holds and the view."""
 
-    def score_with_tier(
-        self, block_keys: Sequence[int], view: PoolView
-    ) -> tuple[Endpoint | None, float, StorageTier]: ...
+    def score(self, holds: Mapping[str, BackendHold], view: PoolView) -> KvScoreResult: ...
+
+
+@dataclass(slots=True, frozen=True)
+class Prepared:
+    """What the prepare stage computed for one request; with the facts and the view, all ``decide`` reads.
+
+    ``holds`` is None when Tier 4 was not consulted (off, or no prefix key), and an empty mapping when
+    it was but nothing is held or token ids were unavailable (a Tier 4 fallback)."""
+
+    key: bytes | None = None
+    holds: Mapping[str, BackendHold] | None = None
+    session: bytes | None = None  # the fixed-size session key, when session affinity is on
+    sticky: str | None = None  # the endpoint the session table names (it may be ineligible now)
+
+
+NOTHING_PREPARED = Prepared()
 
 
 def session_key(session: str) -> bytes:
@@ -38,139 +55,64 @@ def session_key(session: str) -> bytes:
     return blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
-class SessionTable:
-    """session key -> endpoint name. Bound: ``max_sessions`` entries of 16-byte keys, LRU, TTL on read."""
-
-    def __init__(self, max_sessions: int, ttl_seconds: float) -> None:
-        self.max_sessions = max_sessions
-        self.ttl = ttl_seconds
-        self._map: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
-
-    def get(self, session: bytes, now: float) -> str | None:
-        item = self._map.get(session)
-        if item is None:
-            return None
-        name, expires = item
-        if now >= expires:
-            del self._map[session]
-            return None
-        self._map.move_to_end(session)
-        return name
-
-    def put(self, session: bytes, name: str, now: float) -> None:
-        self._map[session] = (name, now + self.ttl)
-        self._map.move_to_end(session)
-        while len(self._map) > self.max_sessions:
-            self._map.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-
 class Router:
-    """Holds the strategy, the ring and the optional Tier 4 scorer; makes one decision per request."""
+    """The strategy, the ring and the Tier 4 scorer; one pure decision per request."""
 
-    def __init__(self, settings: Settings, metrics: PickerMetrics, scorer: OverlapScorer | None = None) -> None:
-        self.metrics = metrics
-        self.scorer = scorer
-        self._ring: HashRing | None = None
-        self._ring_names: tuple[str, ...] = ()
-        self._pool_names: tuple[str, ...] = ()
-        self.prefixes_seen: OrderedDict[bytes, None] = OrderedDict()  # bound: MAX_PREFIXES_TRACKED, LRU
-        self.counts: dict[str, int] = {"prefix_hash": 0, "overflow": 0, "fallback": 0}
-        self.kv_decisions = KvDecisionCounters()
+    def __init__(self, settings: Settings, scorer: OverlapScorer | None = None) -> None:
         self.settings = settings
-        self.strategy: Strategy = STRATEGY_REGISTRY[settings.selection_strategy](self)
-        self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
+        kv = settings.kv_cache_index
+        self.scorer: OverlapScorer = scorer or KvOverlapScorer(kv.scoring, kv.tokenizer.block_size)
+        self._pool_names: tuple[str, ...] = ()
+        self.rings = RingView(
+            HashRing((), settings.prefix_routing.virtual_nodes), settings.prefix_routing.load_factor_epsilon
+        )
+        self.strategy: Strategy = STRATEGY_REGISTRY[settings.selection_strategy](self.rings)
 
-    MAX_PREFIXES_TRACKED = 100_000  # for the admin "unique_prefixes" figure
-
-    # -- configuration ----------------------------------------------------------------------------
+    # -- configuration (never on the request path) --------------------------------------------------
     def reconfigure(self, settings: Settings) -> None:
-        """Apply the hot-reloadable sections (strategy, ring size, epsilon, session table bounds)."""
+        """Apply the hot-reloadable sections (strategy, ring size, epsilon)."""
         old = self.settings
         self.settings = settings
-        if settings.selection_strategy != old.selection_strategy:
-            self.strategy = STRATEGY_REGISTRY[settings.selection_strategy](self)
+        self.rings.epsilon = settings.prefix_routing.load_factor_epsilon
         if settings.prefix_routing.virtual_nodes != old.prefix_routing.virtual_nodes:
-            self._ring = None
-        sa = settings.session_affinity
-        self.sessions.max_sessions, self.sessions.ttl = sa.max_sessions, sa.ttl_seconds
+            self.rings.ring = HashRing(self._pool_names, settings.prefix_routing.virtual_nodes)
+        if settings.selection_strategy != old.selection_strategy:
+            self.strategy = STRATEGY_REGISTRY[settings.selection_strategy](self.rings)
 
     def set_pool_names(self, names: tuple[str, ...]) -> None:
-        """The configured endpoint names (the ring spans all of them, eligible or not)."""
-        self._pool_names = names
+        """The configured endpoint names: the ring spans all of them, eligible or not."""
+        if names != self._pool_names or not len(self.rings.ring):
+            self._pool_names = names
+            self.rings.ring = HashRing(names, self.settings.prefix_routing.virtual_nodes)
 
     def ring(self) -> HashRing:
-        if self._ring is None or self._ring_names != self._pool_names:
-            self._ring = HashRing(self._pool_names, self.settings.prefix_routing.virtual_nodes)
-            self._ring_names = self._pool_names
-        return self._ring
+        return self.rings.ring
 
-    @property
-    def epsilon(self) -> float:
-        return self.settings.prefix_routing.load_factor_epsilon
-
-    # -- the decision -----------------------------------------------------------------------------
+    # -- inputs the prepare stage computes --------------------------------------------------------
     def key_for(self, facts: RequestFacts) -> bytes | None:
+        """The request's Tier 1 prefix key (None when prefix routing is off or there is no text)."""
         pr = self.settings.prefix_routing
         return prefix_key(facts, enabled=pr.enabled, max_prefix_length=pr.max_prefix_length)
 
     def tier4_active(self) -> bool:
-        return self.scorer is not None and self.settings.prefix_routing.enabled and self.settings.kv_cache_index.enabled
+        return self.settings.prefix_routing.enabled and self.settings.kv_cache_index.enabled
 
-    def decide(
-        self,
-        facts: RequestFacts,
-        view: PoolView,
-        block_keys: Sequence[int] | None = None,
-        key: bytes | None = None,
-        now: float | None = None,
-    ) -> Decision | None:
-        """Pick an endpoint from ``view`` or return None when nothing is eligible."""
+    # -- the decision -----------------------------------------------------------------------------
+    def decide(self, facts: RequestFacts, view: PoolView, prepared: Prepared = NOTHING_PREPARED) -> Decision | None:
+        """Pick an endpoint from ``view``, or None when nothing is eligible."""
         if not view.states:
             return None
-        if key is None:
-            key = self.key_for(facts)
-        if key is not None:
-            self._note_prefix(key)
-        decision: Decision | None = None
-        if key is not None and self.tier4_active():
-            decision = self._tier4(block_keys or (), view)
-        sa = self.settings.session_affinity
-        session = session_key(facts.session_id) if sa.enabled and facts.session_id else None
-        t = time.monotonic() if now is None else now
-        if decision is None and session:
-            name = self.sessions.get(session, t)
-            if name is not None:
-                st = view.by_name().get(name)
-                if st is not None:
-                    decision = Decision(st.endpoint, "SessionAffinity", "session")
-        if decision is None:
-            decision = self.strategy.select(facts, key, view)
-            if decision is not None and self.strategy.name == "PrefixAwareHash":
-                self.counts[decision.reason] = self.counts.get(decision.reason, 0) + 1
-                self.metrics.child(self.metrics.prefix_routing_requests, decision.reason).inc()
-        if decision is not None and session:
-            self.sessions.put(session, decision.endpoint.name, t)
-        return decision
-
-    def _tier4(self, block_keys: Sequence[int], view: PoolView) -> Decision | None:
-        assert self.scorer is not None
-        best, score, tier = (
-            self.scorer.score_with_tier(block_keys, view) if block_keys else (None, 0.0, StorageTier.NONE)
-        )
-        if best is not None and score > SCORER_THRESHOLD and best.name in view.by_name():
-            self.kv_decisions.record("kv_aware", tier, score, self.metrics)
-            return Decision(best, "KvOverlap", "kv_aware", tier, score)
-        self.kv_decisions.record("fallback", StorageTier.NONE, score, self.metrics)
-        return None
-
-    def _note_prefix(self, key: bytes) -> None:
-        seen = self.prefixes_seen
-        if key in seen:
-            seen.move_to_end(key)
-            return
-        seen[key] = None
-        if len(seen) > self.MAX_PREFIXES_TRACKED:
-            seen.popitem(last=False)
+        fallback_score: float | None = None
+        if prepared.holds is not None:
+            r = self.scorer.score(prepared.holds, view)
+            if r.best is not None and r.score > SCORER_THRESHOLD and r.best.name in view.by_name():
+                return Decision(r.best, "KvOverlap", "kv_aware", r.tier, r.score)
+            fallback_score = r.score
+        if prepared.sticky is not None:
+            st = view.by_name().get(prepared.sticky)
+            if st is not None:
+                return Decision(st.endpoint, "SessionAffinity", "session", kv_fallback_score=fallback_score)
+        d = self.strategy.select(facts, prepared.key, view)
+        if d is not None and fallback_score is not None:
+            d = Decision(d.endpoint, d.strategy, d.reason, d.tier, d.score, fallback_score)
+        return d

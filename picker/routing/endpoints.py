@@ -1,4 +1,4 @@
-"""Value objects the routing pipeline works on: endpoints, their load/health snapshot, decisions."""
+"""Value objects the routing core works on: endpoints, their load/health snapshot, held prefixes, decisions."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from picker.shared.tiers import StorageTier
 
-__all__ = ["Decision", "Endpoint", "EndpointState", "PoolView", "StorageTier"]
+__all__ = ["BackendHold", "Decision", "Endpoint", "EndpointState", "PoolView", "StorageTier"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,11 +61,24 @@ class PoolView:
 
 
 @dataclass(slots=True, frozen=True)
+class BackendHold:
+    """How much of a request's prefix one backend holds: leading blocks from block 0, and the tier
+    (GpuHot when every block of the run is on GPU, else StorageWarm)."""
+
+    blocks: int
+    tier: StorageTier
+
+
+@dataclass(slots=True, frozen=True)
 class Decision:
-    """The pick. ``reason`` is the metric label (prefix_hash/overflow/fallback/kv_aware/round_robin/...)."""
+    """The pick. ``reason`` is the metric label (prefix_hash/overflow/fallback/kv_aware/round_robin/...).
+
+    ``tier`` and ``score`` describe a Tier 4 (``kv_aware``) pick. ``kv_fallback_score`` is set when the
+    Tier 4 scorer ran but did not decide (its best composite score, <= the threshold)."""
 
     endpoint: Endpoint
     strategy: str
     reason: str
     tier: StorageTier = StorageTier.NONE
     score: float | None = None
+    kv_fallback_score: float | None = None

@@ -1,7 +1,8 @@
 """Selection strategies: one pure interface, chosen by name from a small registry.
 
 Every strategy implements ``select(facts, key, view) -> Decision | None`` with no I/O; ``view`` holds
-only eligible endpoints (healthy, inside the subset hint) and is never empty when called.
+only eligible endpoints (healthy, inside the subset hint) and is never empty when called. A strategy
+is built with a ``RingView`` (the ring and epsilon), never with the router.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from picker.routing.chwbl_ring import HashRing, bounded_pick, ring_hash
 from picker.routing.endpoints import Decision, EndpointState, PoolView
 
 
-class RingSource(Protocol):
-    """Gives the current ring (rebuilt by the router on membership or virtual_nodes changes)."""
+class RingView:
+    """What ring-based strategies read: the current ring and the CHWBL epsilon. The router swaps
+    both on membership or config changes; strategies never see the router."""
 
-    def ring(self) -> HashRing: ...
+    __slots__ = ("epsilon", "ring")
 
-    @property
-    def epsilon(self) -> float: ...
+    def __init__(self, ring: HashRing, epsilon: float) -> None:
+        self.ring = ring
+        self.epsilon = epsilon
 
 
 class Strategy(Protocol):
@@ -33,7 +36,7 @@ class Strategy(Protocol):
 class RoundRobin:
     name = "RoundRobin"
 
-    def __init__(self, rings: RingSource) -> None:
+    def __init__(self, rings: RingView) -> None:
         self._next = 0
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
@@ -49,7 +52,7 @@ class WeightedRoundRobin:
     name = "WeightedRoundRobin"
     MAX_TRACKED = 10_000  # current weights per endpoint name; cleared when larger (names come from config)
 
-    def __init__(self, rings: RingSource) -> None:
+    def __init__(self, rings: RingView) -> None:
         self._current: dict[str, int] = {}
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
@@ -77,7 +80,7 @@ class LeastLatency:
 
     name = "LeastLatency"
 
-    def __init__(self, rings: RingSource) -> None:
+    def __init__(self, rings: RingView) -> None:
         pass
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
@@ -95,7 +98,7 @@ class LeastRequest:
 
     name = "LeastRequest"
 
-    def __init__(self, rings: RingSource) -> None:
+    def __init__(self, rings: RingView) -> None:
         self._next = 0
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
@@ -110,7 +113,7 @@ class LeastRequest:
 class Random:
     name = "Random"
 
-    def __init__(self, rings: RingSource, rng: random.Random | None = None) -> None:
+    def __init__(self, rings: RingView, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
@@ -122,7 +125,7 @@ class ConsistentHash:
 
     name = "ConsistentHash"
 
-    def __init__(self, rings: RingSource) -> None:
+    def __init__(self, rings: RingView) -> None:
         self._rings = rings
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
@@ -133,7 +136,7 @@ class ConsistentHash:
         else:
             point = ring_hash((facts.model or "").encode())
         eligible = view.by_name()
-        name = self._rings.ring().first(point, eligible)
+        name = self._rings.ring.first(point, eligible)
         if name is None:
             return None
         return Decision(eligible[name].endpoint, self.name, "consistent_hash")
@@ -144,12 +147,12 @@ class PrefixAwareHash:
 
     name = "PrefixAwareHash"
 
-    def __init__(self, rings: RingSource) -> None:
+    def __init__(self, rings: RingView) -> None:
         self._rings = rings
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
         eligible = view.by_name()
-        ring = self._rings.ring()
+        ring = self._rings.ring
         if key is None:
             name = ring.first(ring_hash((facts.model or "").encode()), eligible)
             return None if name is None else Decision(eligible[name].endpoint, self.name, "fallback")
@@ -160,7 +163,7 @@ class PrefixAwareHash:
         return Decision(eligible[name].endpoint, self.name, label)
 
 
-STRATEGY_REGISTRY: dict[str, Callable[[RingSource], Strategy]] = {
+STRATEGY_REGISTRY: dict[str, Callable[[RingView], Strategy]] = {
     cls.name: cls
     for cls in (RoundRobin, WeightedRoundRobin, LeastLatency, LeastRequest, Random, ConsistentHash, PrefixAwareHash)
 }

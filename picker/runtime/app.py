@@ -1,74 +1,44 @@
-"""PickerApp: the picker's live state (settings, pool, router, metrics, Tier 4 hooks) and reload."""
+"""PickerApp: the picker's live state (settings, pool, router, request path, metrics, Tier 4) and reload."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from picker.config import ConfigError, Settings, config_warnings, load_settings, restart_required_changes
+from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
+from picker.ops.recorder import DecisionRecorder
 from picker.pool.pool import Pool
-from picker.request.facts import RequestFacts
-from picker.routing.core import OverlapScorer, Router
-from picker.routing.endpoints import Decision
+from picker.request.path import RequestPath
+from picker.routing.core import Router
 
 log = logging.getLogger("kv_epp.app")
 
-BlockKeySource = Callable[[RequestFacts], Awaitable[Sequence[int] | None]]
-
 
 class PickerApp:
-    """Everything the request path reads; background tasks publish into it."""
+    """Everything the request path reads; background tasks publish into it. Built in one step: Tier 4
+    (when ``kv_cache_index.enabled``) enters the request path as its holds source, nothing is attached later."""
 
     def __init__(
-        self,
-        settings: Settings,
-        metrics: PickerMetrics | None = None,
-        config_path: str | Path | None = None,
-        scorer: OverlapScorer | None = None,
-        block_key_source: BlockKeySource | None = None,
+        self, settings: Settings, metrics: PickerMetrics | None = None, config_path: str | Path | None = None
     ) -> None:
         self.settings = settings
         self.config_path = Path(config_path) if config_path else None
         self.metrics = metrics or PickerMetrics()
         self.pool = Pool(settings.pool)
-        self.router = Router(settings, self.metrics, scorer)
-        self.router.set_pool_names(self.pool.names())
-        self.router.ring()  # built at start, not on the first request's path
-        self.block_key_source = block_key_source
+        self.router = Router(settings)
+        self.router.set_pool_names(self.pool.names())  # the ring is built here, not on a request
+        self.recorder = DecisionRecorder(self.metrics)
+        self.tier4 = (
+            Tier4(settings.kv_cache_index, self.pool, self.metrics) if settings.kv_cache_index.enabled else None
+        )
+        self.path = RequestPath(settings, self.pool, self.router, self.recorder, holds=self.tier4)
         self.open_streams = 0
-        self.wanted_headers = self._wanted_headers(settings)
         self.ready = False
         self.draining = False
         for path, msg in config_warnings(settings):
             log.warning("event=config_warning path=%s message=%r", path, msg)
-
-    @staticmethod
-    def _wanted_headers(s: Settings) -> frozenset[str]:
-        """Request headers the picker reads (the rest are not decoded)."""
-        return frozenset(
-            {":path", ":method", s.session_affinity.header.lower(), s.extproc.tenant_header.lower(), "x-request-id"}
-        )
-
-    async def block_keys_for(self, facts: RequestFacts) -> Sequence[int] | None:
-        """The request's Tier 4 block keys, or None (no source, timeout or failure: Tier 1 decides)."""
-        if self.block_key_source is None:
-            return None
-        try:
-            return await self.block_key_source(facts)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # never fail the request because of Tier 4
-            log.warning("event=block_keys_failed error=%r", exc)
-            self.metrics.kv_tokenize_failures.labels("error").inc()
-            return None
-
-    def on_decision(self, d: Decision) -> None:
-        m = self.metrics
-        m.child(m.requests, "routed").inc()
-        m.child(m.decisions, d.strategy, d.endpoint.name).inc()
 
     def refresh_gauges(self) -> None:
         """Copy live load into gauges (called at scrape time, not on the request path)."""
@@ -105,11 +75,10 @@ class PickerApp:
         for path, msg in config_warnings(hot):
             log.warning("event=config_warning path=%s message=%r", path, msg)
         self.pool.update(hot.pool)
-        self.router.set_pool_names(self.pool.names())
         self.router.reconfigure(hot)
-        self.router.ring()  # rebuild now, not on the next request's path
+        self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now, not on a request
+        self.path.configure(hot)
         self.settings = hot
-        self.wanted_headers = self._wanted_headers(hot)
         self.metrics.config_reloads.labels("applied").inc()
         log.info("event=config_reloaded backends=%d strategy=%s", len(hot.pool.backends), hot.selection_strategy)
         return messages

@@ -8,7 +8,6 @@ from picker.config import parse_settings
 from picker.ops.admin import build_admin_app
 from picker.request.facts import RequestFacts
 from picker.runtime.app import PickerApp
-from picker.runtime.wiring import _DisabledKvAdmin
 
 
 def make_app(**extra) -> PickerApp:
@@ -27,7 +26,7 @@ def make_app(**extra) -> PickerApp:
 
 
 async def client_for(app: PickerApp) -> TestClient:
-    client = TestClient(TestServer(build_admin_app(app, [_DisabledKvAdmin()])))
+    client = TestClient(TestServer(build_admin_app(app)))
     await client.start_server()
     return client
 
@@ -64,9 +63,10 @@ async def test_prefix_routing_stats_shape_and_metrics() -> None:
     app = make_app()
     for i in range(5):
         facts = RequestFacts(api="chat", model="m", system=f"s{i % 2}")
-        d = app.router.decide(facts, app.pool.view())
+        prepared = await app.path.prepare(facts)
+        d = app.path.decide(facts, prepared, None)
         assert d is not None
-        app.pool.acquire(d.endpoint)
+        app.path.commit(facts, d, prepared)  # takes the in-flight slot and counts the decision
     client = await client_for(app)
     try:
         body = await (await client.get("/admin/prefix-routing/stats")).json()

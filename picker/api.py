@@ -1,0 +1,41 @@
+"""kv-epp's public Python entry points: what the benchmarks (and anyone embedding the picker) import.
+
+Everything else under ``picker`` is internal and may move; an import-linter contract keeps the
+benchmarks on this module and on ``picker.shared``.
+"""
+
+from __future__ import annotations
+
+from picker.config import Settings, load_settings, parse_settings
+from picker.extproc.messages import DEST_HEADER, destination_metadata, header_option, streamed_chunks
+from picker.kv.index import InMemoryKvIndex
+from picker.request.path import Answer, Exchange, Inbound, RequestPath
+from picker.routing.endpoints import BackendHold, Endpoint, EndpointState, PoolView
+from picker.routing.kv_scorer import KvOverlapScorer
+from picker.runtime.app import PickerApp
+from picker.runtime.envoy_config import EnvoyOptions, bootstrap_yaml
+from picker.runtime.lifecycle import GRPC_OPTIONS
+
+__all__ = [
+    "DEST_HEADER",
+    "GRPC_OPTIONS",
+    "Answer",
+    "BackendHold",
+    "Endpoint",
+    "EndpointState",
+    "EnvoyOptions",
+    "Exchange",
+    "InMemoryKvIndex",
+    "Inbound",
+    "KvOverlapScorer",
+    "PickerApp",
+    "PoolView",
+    "RequestPath",
+    "Settings",
+    "bootstrap_yaml",
+    "destination_metadata",
+    "header_option",
+    "load_settings",
+    "parse_settings",
+    "streamed_chunks",
+]

@@ -1,0 +1,88 @@
+"""Envoy ext_proc message helpers: header options, immediate answers, streamed body chunks, the subset
+hint, the pick (header + ``envoy.lb`` metadata). Shared by the picker's stream and the no-op floor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+DEST_HEADER = "x-gateway-destination-endpoint"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+MAX_STREAMED_CHUNK = 62_000  # Envoy's limit for one streamed body mutation in full-duplex mode
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
+BUFFERED_PARTIAL = processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL
+
+
+def header_value(h: base_pb2.HeaderValue) -> str:
+    return h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+
+
+def header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def immediate(
+    status: int, body: bytes, details: str, headers: Iterable[tuple[str, str]] = (("content-type", "application/json"),)
+) -> pb.ProcessingResponse:
+    """An ImmediateResponse: the picker answers the client itself (400, 503, a cached response)."""
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=pb.HeaderMutation(set_headers=[header_option(k, v) for k, v in headers]),
+            body=body,
+            details=details,
+        )
+    )
+
+
+def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
+    """The proxy's subset hint (list of ip:port), or None when absent."""
+    if not req.HasField("metadata_context"):
+        return None
+    fm = req.metadata_context.filter_metadata
+    if SUBSET_NAMESPACE not in fm:
+        return None
+    value = fm[SUBSET_NAMESPACE].fields.get(SUBSET_KEY)
+    if value is None:
+        return None
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return [v.string_value for v in value.list_value.values if v.string_value]
+    if kind == "string_value":
+        return [a.strip() for a in value.string_value.split(",") if a.strip()]
+    return []
+
+
+def destination_metadata(dest: str) -> struct_pb2.Struct:
+    """``envoy.lb`` dynamic metadata carrying the pick (the GIE contract, beside the header)."""
+    metadata = struct_pb2.Struct()
+    metadata.fields[LB_NAMESPACE].struct_value.fields[DEST_HEADER].string_value = dest
+    return metadata
+
+
+def streamed_chunks(body: bytes, eos: bool, *, request: bool) -> list[pb.ProcessingResponse]:
+    """``body`` as full-duplex streamed body mutations of at most MAX_STREAMED_CHUNK bytes."""
+    out: list[pb.ProcessingResponse] = []
+    n = len(body)
+    offsets = range(0, n, MAX_STREAMED_CHUNK) if n else range(1)
+    last = offsets[-1]
+    for off in offsets:
+        chunk = body[off : off + MAX_STREAMED_CHUNK]
+        mutation = pb.BodyMutation(
+            streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=eos and off == last)
+        )
+        resp = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+        out.append(pb.ProcessingResponse(request_body=resp) if request else pb.ProcessingResponse(response_body=resp))
+    return out

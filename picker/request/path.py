@@ -1,0 +1,253 @@
+"""The request path: the stages one request goes through, in order, and the response observers.
+
+    parse    → RequestFacts, or a 400 answer                        (sync, ``picker.request.facts``)
+    cache    → a stored answer for a repeated deterministic request (async; no cache configured yet)
+    prepare  → Prepared: prefix key, session's endpoint, Tier 4 holds (async: the one place a request
+               may wait on I/O — the tokenizer, an I/O-backed KV index)
+    decide   → Decision from the pool's snapshot                    (sync, pure: ``picker.routing.core``)
+    commit   → the in-flight lease, the session table, counters and metrics
+               → an ``Exchange``, which lives until the response ends
+
+The Envoy protocol is not here: ``picker.extproc.stream`` turns Envoy's messages into an ``Inbound``
+and the returned ``Exchange`` or ``Answer`` back into Envoy's messages, and feeds the response phases
+to the ``Exchange``, which hands them to the response observers (status, first byte, body, end).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from picker.config import Settings
+from picker.ops.recorder import DecisionRecorder
+from picker.pool.pool import Lease, Pool
+from picker.request.facts import BadRequest, RequestFacts, api_for_path, error_body, parse_request
+from picker.request.sessions import SessionTable
+from picker.routing.core import Prepared, Router, session_key
+from picker.routing.endpoints import BackendHold, Decision
+
+_perf = time.perf_counter
+_mono = time.monotonic
+
+
+@dataclass(slots=True)
+class Inbound:
+    """One request as the protocol layer received it: the headers routing reads, the body (None when
+    the body is not available before the pick), the proxy's subset hint."""
+
+    path: str
+    headers: Mapping[str, str]
+    body: bytes | None
+    subset: Sequence[str] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Answer:
+    """A response the picker gives itself (400 bad request, 503 no backend, a response-cache hit)."""
+
+    status: int
+    body: bytes
+    details: str
+    headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"),)
+
+
+class ResponseCache(Protocol):
+    """The response-cache stage (Tier 2): a stored answer for an eligible request, else None."""
+
+    async def lookup(self, facts: RequestFacts) -> Answer | None: ...
+
+
+class HoldsSource(Protocol):
+    """Tier 4 in the prepare stage: backend → how much of the request's prefix it holds."""
+
+    async def holds_for(self, facts: RequestFacts) -> Mapping[str, BackendHold]: ...
+
+
+class ResponseObserver(Protocol):
+    """Told about every routed request's response. ``wants_body`` False: ``on_body`` is never called
+    (the stream then does no per-chunk work for it)."""
+
+    wants_body: bool
+
+    def on_headers(self, ex: Exchange, status: int | None) -> None: ...
+
+    def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None: ...
+
+    def on_end(self, ex: Exchange, completed: bool) -> None: ...
+
+
+class Exchange:
+    """One routed request, from the commit to the end of its response (or the stream's abort)."""
+
+    __slots__ = (
+        "_body_observers", "_ended", "_observers", "decided_at", "decision", "facts", "first_byte_at", "lease",
+        "status",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        facts: RequestFacts,
+        decision: Decision,
+        lease: Lease,
+        observers: tuple[ResponseObserver, ...],
+        body_observers: tuple[ResponseObserver, ...],
+    ) -> None:
+        self.facts = facts
+        self.decision = decision
+        self.lease = lease
+        self.decided_at = _mono()
+        self.status: int | None = None
+        self.first_byte_at: float | None = None
+        self._observers = observers
+        self._body_observers = body_observers
+        self._ended = False
+
+    @property
+    def wants_body(self) -> bool:
+        return bool(self._body_observers)
+
+    def response_headers(self, status: int | None) -> None:
+        self.status = status
+        self.first_byte_at = _mono()
+        for o in self._observers:
+            o.on_headers(self, status)
+
+    def response_body(self, chunk: bytes, end: bool) -> None:
+        for o in self._body_observers:
+            o.on_body(self, chunk, end)
+        if end:
+            self.end(completed=True)
+
+    def end(self, completed: bool) -> None:
+        """The response ended (``completed``) or the stream closed first; runs once, frees the slot."""
+        if self._ended:
+            return
+        self._ended = True
+        self.lease.release()
+        for o in self._observers:
+            o.on_end(self, completed)
+
+
+class HealthObserver:
+    """Response status → the pool's windowed success rate and latency EWMA, and the per-backend metric."""
+
+    wants_body = False
+
+    def __init__(self, pool: Pool, recorder: DecisionRecorder) -> None:
+        self.pool = pool
+        self.recorder = recorder
+
+    def on_headers(self, ex: Exchange, status: int | None) -> None:
+        ok = status is not None and status < 500
+        name = ex.decision.endpoint.name
+        latency_ms = ((ex.first_byte_at or _mono()) - ex.decided_at) * 1000.0
+        self.pool.record_response(name, ok, latency_ms if ok else None)
+        self.recorder.response(name, status)
+
+    def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:
+        return None
+
+    def on_end(self, ex: Exchange, completed: bool) -> None:
+        return None
+
+
+NO_BODY_REQUIRED = "request body is empty: a JSON body is required"
+
+
+class RequestPath:
+    """Runs the stages for one request. Holds no per-request state; one per picker process."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: Pool,
+        router: Router,
+        recorder: DecisionRecorder,
+        holds: HoldsSource | None = None,
+        cache: ResponseCache | None = None,
+        observers: tuple[ResponseObserver, ...] = (),
+    ) -> None:
+        self.pool = pool
+        self.router = router
+        self.recorder = recorder
+        self.holds = holds
+        self.cache = cache
+        self.observers: tuple[ResponseObserver, ...] = (HealthObserver(pool, recorder), *observers)
+        self.body_observers = tuple(o for o in self.observers if o.wants_body)
+        self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
+        self.configure(settings)
+
+    def configure(self, settings: Settings) -> None:
+        """Apply (re)loaded settings: what the stages read from the config."""
+        self.settings = settings
+        sa = settings.session_affinity
+        self.sessions.max_sessions, self.sessions.ttl = sa.max_sessions, sa.ttl_seconds
+        self.session_header = sa.header.lower()  # read even without affinity: ConsistentHash hashes it
+        self.affinity = sa.enabled
+        self.tenant_header = settings.extproc.tenant_header.lower()
+        self.max_body_bytes = settings.extproc.max_body_bytes
+        self.tier4 = self.holds is not None and self.router.tier4_active()
+        # request headers the stages read: the protocol layer decodes only these
+        self.wanted_headers = frozenset({":path", ":method", self.session_header, self.tenant_header, "x-request-id"})
+
+    # -- the stages -------------------------------------------------------------------------------
+    def parse(self, req: Inbound) -> RequestFacts:
+        """Stage 1. Raises BadRequest on anything a client sent wrong."""
+        h = req.headers
+        session = h.get(self.session_header)
+        tenant = h.get(self.tenant_header)
+        if req.body is None:  # the body is not available before the pick: route on the path alone
+            return RequestFacts(api=api_for_path(req.path), session_id=session, tenant_id=tenant)
+        if not req.body and api_for_path(req.path) != "other" and h.get(":method", "POST") == "POST":
+            raise BadRequest(NO_BODY_REQUIRED, "empty_body")
+        return parse_request(
+            req.body, req.path, max_body_bytes=self.max_body_bytes, session_id=session, tenant_id=tenant
+        )
+
+    async def prepare(self, facts: RequestFacts) -> Prepared:
+        """Stage 3: the prefix key, the session's endpoint and (Tier 4) the KV holds."""
+        key = self.router.key_for(facts)
+        holds = await self.holds.holds_for(facts) if key is not None and self.tier4 and self.holds else None
+        if not self.affinity or not facts.session_id:
+            return Prepared(key, holds)
+        session = session_key(facts.session_id)
+        return Prepared(key, holds, session, self.sessions.get(session, _mono()))
+
+    def decide(self, facts: RequestFacts, prepared: Prepared, subset: Sequence[str] | None) -> Decision | None:
+        """Stage 4: the pure decision over the pool's snapshot."""
+        return self.router.decide(facts, self.pool.view(subset), prepared)
+
+    def commit(self, facts: RequestFacts, decision: Decision, prepared: Prepared) -> Exchange:
+        """Stage 5: take the in-flight slot, remember the session, count the decision."""
+        lease = self.pool.acquire(decision.endpoint)
+        if prepared.session is not None:
+            self.sessions.put(prepared.session, decision.endpoint.name, _mono())
+        self.recorder.decided(decision, prepared.key)
+        return Exchange(facts, decision, lease, self.observers, self.body_observers)
+
+    # -- all of them ------------------------------------------------------------------------------
+    async def route(self, req: Inbound) -> Exchange | Answer:
+        """Run the stages; an ``Answer`` when the picker answers the request itself."""
+        t0 = _perf()
+        try:
+            facts = self.parse(req)
+        except BadRequest as exc:
+            self.recorder.refused("bad_request")
+            return Answer(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}")
+        cpu = _perf() - t0
+        if self.cache is not None:
+            hit = await self.cache.lookup(facts)
+            if hit is not None:
+                return hit
+        prepared = await self.prepare(facts)
+        t1 = _perf()
+        decision = self.decide(facts, prepared, req.subset)
+        if decision is None:
+            self.recorder.refused("no_backend")
+            why = "no endpoint in the subset hint is eligible" if req.subset is not None else "no healthy backend"
+            return Answer(503, error_body(why, "no_healthy_backend", "service_unavailable"), "kv_epp_no_backend")
+        ex = self.commit(facts, decision, prepared)
+        self.recorder.decision_cpu(cpu + _perf() - t1)
+        return ex
