@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(VENV)/bin/ruff check picker listener benchmarks tests
 	$(VENV)/bin/ruff format --check picker listener benchmarks tests
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy picker listener benchmarks
