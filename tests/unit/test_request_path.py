@@ -1,0 +1,177 @@
+"""The request path's stages in order (parse → cache → prepare → decide → commit) and the response
+observers, without Envoy: what each stage hands the next and what it must not do."""
+
+from __future__ import annotations
+
+import json
+
+from picker.config import parse_settings
+from picker.request.facts import RequestFacts
+from picker.request.path import Answer, Exchange, Inbound
+from picker.routing.endpoints import BackendHold, StorageTier
+from picker.runtime.app import PickerApp
+
+BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
+CHAT = "/v1/chat/completions"
+
+
+def make_app(**extra) -> PickerApp:
+    return PickerApp(
+        parse_settings(
+            {
+                "selection_strategy": "PrefixAwareHash",
+                "prefix_routing": {"enabled": True},
+                "pool": {"backends": BACKENDS},
+            }
+            | extra
+        )
+    )
+
+
+def chat_body(system: str = "you are helpful") -> bytes:
+    return json.dumps(
+        {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}]}
+    ).encode()
+
+
+def sample(app: PickerApp, name: str, labels: dict[str, str] | None = None) -> float | None:
+    return app.metrics.registry.get_sample_value(name, labels or {})
+
+
+def in_flight(app: PickerApp) -> dict[str, int]:
+    return app.pool.in_flight()
+
+
+async def test_bad_request_stops_at_parse() -> None:
+    app = make_app()
+    out = await app.path.route(Inbound(CHAT, {":method": "POST"}, b"{not json"))
+    assert isinstance(out, Answer) and out.status == 400 and json.loads(out.body)["error"]["code"] == "invalid_json"
+    assert sample(app, "continuum_picker_requests_total", {"outcome": "bad_request"}) == 1
+    assert in_flight(app) == {"a": 0, "b": 0}  # nothing committed
+    assert sample(app, "continuum_picker_decision_seconds_count") == 0
+
+
+async def test_empty_body_on_an_inference_path_is_refused() -> None:
+    out = await make_app().path.route(Inbound(CHAT, {":method": "POST"}, b""))
+    assert isinstance(out, Answer) and out.status == 400 and b"empty_body" in out.body
+
+
+async def test_routed_request_commits_once_and_releases_once() -> None:
+    app = make_app()
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
+    assert isinstance(ex, Exchange)
+    name = ex.decision.endpoint.name
+    assert in_flight(app)[name] == 1 and ex.decision.reason == "prefix_hash"
+    assert app.recorder.counts["prefix_hash"] == 1 and len(app.recorder.prefixes_seen) == 1
+    assert sample(app, "continuum_picker_decision_seconds_count") == 1
+    ex.end(completed=True)
+    ex.end(completed=False)  # the stream's close after a completed response: no second release
+    assert in_flight(app) == {"a": 0, "b": 0}
+
+
+async def test_subset_hint_outside_the_pool_is_503() -> None:
+    app = make_app()
+    out = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body(), subset=["10.9.9.9:1"]))
+    assert isinstance(out, Answer) and out.status == 503 and b"subset hint" in out.body
+    assert sample(app, "continuum_picker_requests_total", {"outcome": "no_backend"}) == 1
+
+
+async def test_path_only_routing_when_the_body_comes_after_the_pick() -> None:
+    ex = await make_app().path.route(Inbound(CHAT, {":method": "POST"}, None))
+    assert isinstance(ex, Exchange) and ex.facts.model is None and ex.decision.reason == "fallback"
+
+
+class StoredAnswers:
+    """A response-cache stage that answers every request for model ``m``."""
+
+    def __init__(self) -> None:
+        self.looked_up: list[RequestFacts] = []
+
+    async def lookup(self, facts: RequestFacts) -> Answer | None:
+        self.looked_up.append(facts)
+        return (
+            Answer(200, b'{"cached":true}', "kv_epp_cache_hit", (("x-cache", "HIT"),)) if facts.model == "m" else None
+        )
+
+
+class CountingHolds:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def holds_for(self, facts: RequestFacts) -> dict[str, BackendHold]:
+        self.calls += 1
+        return {"b": BackendHold(8, StorageTier.GPU_HOT)}
+
+
+async def test_a_cache_hit_skips_prepare_decide_and_commit() -> None:
+    app = make_app(kv_cache_index={"enabled": True})
+    holds, cache = CountingHolds(), StoredAnswers()
+    app.path.holds, app.path.cache = holds, cache
+    app.path.configure(app.settings)
+    out = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
+    assert out == Answer(200, b'{"cached":true}', "kv_epp_cache_hit", (("x-cache", "HIT"),))
+    assert len(cache.looked_up) == 1 and holds.calls == 0 and in_flight(app) == {"a": 0, "b": 0}
+
+
+async def test_prepare_awaits_the_holds_and_decide_uses_them() -> None:
+    app = make_app(kv_cache_index={"enabled": True})
+    holds = CountingHolds()
+    app.path.holds = holds
+    app.path.configure(app.settings)
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
+    assert isinstance(ex, Exchange) and holds.calls == 1
+    assert ex.decision.reason == "kv_aware" and ex.decision.endpoint.name == "b"
+    assert app.recorder.kv.kv_aware == 1
+    # no prefix key (no text to key on): Tier 4 is not consulted at all
+    bare = json.dumps({"model": "m", "messages": [{"role": "user", "content": ""}]}).encode()
+    ex2 = await app.path.route(Inbound(CHAT, {":method": "POST"}, bare))
+    assert isinstance(ex2, Exchange) and holds.calls == 1 and ex2.decision.reason == "fallback"
+
+
+class BodyTap:
+    wants_body = True
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, object]] = []
+
+    def on_headers(self, ex: Exchange, status: int | None) -> None:
+        self.events.append(("headers", status))
+
+    def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:
+        self.events.append(("body", chunk))
+
+    def on_end(self, ex: Exchange, completed: bool) -> None:
+        self.events.append(("end", completed))
+
+
+async def test_observers_see_status_body_and_end() -> None:
+    app = make_app()
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
+    assert isinstance(ex, Exchange) and not ex.wants_body  # no body observer: no per-chunk work
+    ex.response_headers(503)
+    ex.end(completed=True)
+    name = ex.decision.endpoint.name
+    assert app.pool.success_rate(name) == 0.0  # the health observer charged the endpoint that served
+    assert sample(app, "continuum_picker_backend_responses_total", {"backend": name, "status_class": "5xx"}) == 1
+
+    tap = BodyTap()
+    app.path.observers += (tap,)
+    app.path.body_observers = (tap,)
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body("other")))
+    assert isinstance(ex, Exchange) and ex.wants_body
+    ex.response_headers(200)
+    ex.response_body(b"data: 1\n\n", end=False)
+    ex.response_body(b"data: [DONE]\n\n", end=True)
+    ex.end(completed=False)  # the stream closes afterwards: observers are not told twice
+    assert tap.events == [("headers", 200), ("body", b"data: 1\n\n"), ("body", b"data: [DONE]\n\n"), ("end", True)]
+    assert ex.first_byte_at is not None and ex.first_byte_at >= ex.decided_at
+
+
+async def test_an_aborted_stream_ends_the_exchange_uncompleted() -> None:
+    app = make_app()
+    tap = BodyTap()
+    app.path.observers += (tap,)
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
+    assert isinstance(ex, Exchange)
+    ex.end(completed=False)
+    assert tap.events == [("end", False)] and in_flight(app) == {"a": 0, "b": 0}
