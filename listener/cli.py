@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_listener_config(args.config)
     except ListenerConfigError as exc:
         for path, msg in exc.problems:
-            sys.stderr.write(f"config error: {path}: {msg}\n")
+            sys.stderr.write(f"error: {path}: {msg}\n")
         return 2
     if args.command == "check":
         sys.stdout.write(f"ok: {len(cfg.sources)} source(s)\n")

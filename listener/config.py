@@ -49,6 +49,8 @@ class SourceConfig(_Model):
     http_endpoint: str | None = None
     poll_interval_ms: int = Field(200, ge=10, le=60_000)
     allowed_publishers: tuple[str, ...] = ()  # empty = any; ZMQ peer IP / TRT-LLM URL host
+    # The seed's true acts only under storage_offloading.enabled (default false), a switch the listener has
+    # not: false is the seed's default behaviour (a GPU eviction removes the block). See README.
     treat_eviction_as_offload: bool = False
 
     @model_validator(mode="after")
@@ -115,6 +117,8 @@ def parse_listener_config(data: dict[str, Any]) -> ListenerConfig:
         return ListenerConfig(**data)
     except ValidationError as exc:
         raise ListenerConfigError(validation_problems(exc)) from None
+    except TypeError as exc:  # a key that is not a string (read_yaml_mapping refuses those already)
+        raise ListenerConfigError([("<root>", f"section names must be strings ({exc})")]) from None
 
 
 def load_listener_config(path: str | Path) -> ListenerConfig:

@@ -7,12 +7,14 @@ Hot-reloadable sections are listed in ``HOT_RELOADABLE``; a change elsewhere is 
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from picker.shared.config_files import BackendName, ConfigError, read_yaml_mapping, validation_problems
 
@@ -29,6 +31,9 @@ StrategyName = Literal[
     "RoundRobin", "WeightedRoundRobin", "LeastLatency", "LeastRequest", "Random", "ConsistentHash", "PrefixAwareHash"
 ]
 HOT_RELOADABLE = frozenset({"prefix_routing", "selection_strategy", "pool", "session_affinity"})
+ENV_PREFIX = "KV_EPP_"
+ENV_NESTED_DELIMITER = "__"
+NOT_IMPLEMENTED = "accepted, not implemented yet"
 
 
 class _Section(BaseModel):
@@ -101,20 +106,13 @@ class KvCacheIndexConfig(_Section):
     """Tier 4: the precise KV index (restart-required section)."""
 
     enabled: bool = False
-    backend: Literal["memory", "redis"] = "memory"
+    backend: Literal["memory", "redis"] = "memory"  # redis: accepted, warned about, the in-memory index is used
     max_entries: int = Field(100_000, ge=100, le=10_000_000)
     entry_ttl_seconds: int = Field(600, ge=1, le=86_400)
     scoring: ScoringConfig = ScoringConfig()
     storage_offloading: StorageOffloadingConfig = StorageOffloadingConfig()
     event_sources: tuple[EventSourceConfig, ...] = ()
     tokenizer: TokenizerConfig = TokenizerConfig()
-
-    @field_validator("backend")
-    @classmethod
-    def _memory_only(cls, v: str) -> str:
-        if v != "memory":
-            raise ValueError("only the in-memory KV index is available in this release (backend: memory)")
-        return v
 
 
 class BackendConfig(_Section):
@@ -190,7 +188,9 @@ class AdminConfig(_Section):
 class Settings(BaseSettings):
     """The whole picker configuration."""
 
-    model_config = SettingsConfigDict(env_prefix="KV_EPP_", env_nested_delimiter="__", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED_DELIMITER, extra="forbid", frozen=True
+    )
 
     selection_strategy: StrategyName = "RoundRobin"
     prefix_routing: PrefixRoutingConfig = PrefixRoutingConfig()
@@ -213,11 +213,52 @@ class Settings(BaseSettings):
 
 
 def parse_settings(data: dict[str, Any]) -> Settings:
-    """Validate a config mapping; raise ConfigError naming the path of every bad key."""
+    """Validate a config mapping (plus the ``KV_EPP_*`` environment); raise ConfigError naming the
+    path of every bad key, or the environment variable whose value is not JSON."""
     try:
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(validation_problems(exc)) from None
+    except SettingsError as exc:
+        cause = exc.__cause__
+        raise ConfigError(_environment_problems(f"{exc} ({cause})" if cause else str(exc))) from None
+    except TypeError as exc:  # a key that is not a string (read_yaml_mapping refuses those already)
+        raise ConfigError([("<root>", f"section names must be strings ({exc})")]) from None
+    except RecursionError:  # an environment value (JSON) nested thousands of levels deep
+        raise ConfigError(_environment_problems("a value is nested too deeply")) from None
+
+
+def _environment_problems(otherwise: str) -> list[tuple[str, str]]:
+    """Which ``KV_EPP_*`` variable pydantic-settings could not parse (a section or list given as JSON)."""
+    problems = []
+    for name, value in sorted(os.environ.items()):
+        if not name.upper().startswith(ENV_PREFIX) or not _parsed_as_json(name[len(ENV_PREFIX) :]):
+            continue
+        try:
+            json.loads(value)
+        except ValueError as err:
+            problems.append((name, f"not valid JSON ({err}); a section or list is given as JSON, e.g. '{{}}' or '[]'"))
+        except RecursionError:
+            problems.append((name, "JSON nested too deeply"))
+    return problems or [(ENV_PREFIX + "*", otherwise)]
+
+
+def _parsed_as_json(var: str) -> bool:
+    """True when the variable ``KV_EPP_<var>`` names a section or a list (its value is decoded as JSON)."""
+    model: type[BaseModel] = Settings
+    field = None
+    for part in var.lower().split(ENV_NESTED_DELIMITER):
+        if field is not None:  # a path below a field that is not a section
+            return False
+        info = model.model_fields.get(part)
+        if info is None:
+            return False
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            field = ann
+    return field is None or get_origin(field) in (tuple, list, dict)
 
 
 def load_settings(path: str | Path | None) -> Settings:
@@ -269,8 +310,52 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
         out.append(("kv_cache_index.tokenizer.source", "source none: requests have no block keys"))
     if not s.pool.backends:
         out.append(("pool.backends", "no backends: every request is answered 503"))
+    out.extend(not_implemented_warnings(s))
     if s.admin.enabled and s.admin.host not in ("127.0.0.1", "::1", "localhost") and not s.admin.bearer_token:
         out.append(("admin.bearer_token", "admin listens beyond loopback without a bearer token"))
+    return out
+
+
+def not_implemented_warnings(s: Settings) -> list[tuple[str, str]]:
+    """Keys of the seed that are accepted so configs stay portable, but change nothing yet."""
+    out: list[tuple[str, str]] = []
+    if s.prefix_routing.anthropic_cache_control_injection:
+        out.append(
+            (
+                "prefix_routing.anthropic_cache_control_injection",
+                f"{NOT_IMPLEMENTED} (Anthropic cache_control injection): request bodies are forwarded unchanged",
+            )
+        )
+    kv = s.kv_cache_index
+    if kv.backend == "redis":
+        out.append(
+            (
+                "kv_cache_index.backend",
+                f"{NOT_IMPLEMENTED} (Tier 3 Redis KV index): the in-memory index is used",
+            )
+        )
+    for key in sorted(kv.storage_offloading.model_fields_set):
+        out.append(
+            (
+                f"kv_cache_index.storage_offloading.{key}",
+                f"{NOT_IMPLEMENTED} (Tier 4 storage tiers): the picker scores the tiers its listener feed "
+                "reports; whether an eviction is an offload is the listener's sources[].treat_eviction_as_offload",
+            )
+        )
+    return out
+
+
+def settings_json_schema() -> dict[str, Any]:
+    """JSON Schema (draft-07, as Helm's values.schema.json wants) of the picker's YAML file, from ``Settings``.
+
+    It checks names, types, ranges and enums; cross-field rules (weights summing to 1.0, unique backend
+    names, host:port syntax) are checked by ``kv-epp config validate`` only.
+    """
+    schema = Settings.model_json_schema(ref_template="#/definitions/{model}")
+    defs = schema.pop("$defs", {})
+    out: dict[str, Any] = {"$schema": "http://json-schema.org/draft-07/schema#", **schema}
+    if defs:
+        out["definitions"] = defs
     return out
 
 

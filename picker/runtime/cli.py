@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 from collections.abc import Sequence
 
-from picker.config import ConfigError, config_warnings, load_settings
+from picker.config import ConfigError, config_warnings, load_settings, settings_json_schema
 from picker.runtime.envoy_config import EnvoyOptions, bootstrap_yaml
 
 LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
@@ -42,13 +43,18 @@ def _validate(args: argparse.Namespace) -> int:
         settings = load_settings(args.file)
     except ConfigError as exc:
         for path, msg in exc.problems:
-            print(f"error: {path}: {msg}")
-        print(f"{args.file}: invalid ({len(exc.problems)} error(s))")
-        return 1
+            print(f"error: {path}: {msg}", file=sys.stderr)
+        print(f"{args.file}: invalid ({len(exc.problems)} error(s))", file=sys.stderr)
+        return 2
     warnings = config_warnings(settings)
     for path, msg in warnings:
         print(f"warning: {path}: {msg}")
     print(f"{args.file}: valid ({len(warnings)} warning(s))")
+    return 0
+
+
+def _schema(_: argparse.Namespace) -> int:
+    sys.stdout.write(json.dumps(settings_json_schema(), indent=2) + "\n")
     return 0
 
 
@@ -87,9 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("config", help="config tools")
     csub = c.add_subparsers(dest="config_command", required=True)
-    v = csub.add_parser("validate", help="validate a config file; print warnings; exit 1 on errors")
+    v = csub.add_parser("validate", help="validate a config file; print warnings; exit 2 on errors")
     v.add_argument("file")
     v.set_defaults(func=_validate)
+    sc = csub.add_parser("schema", help="print the JSON Schema of the config file (draft-07, for values.schema.json)")
+    sc.set_defaults(func=_schema)
 
     e = sub.add_parser("envoy-config", help="print an Envoy bootstrap for kv-epp")
     e.add_argument("--mode", choices=["sidecar", "standalone", "no-picker"], default="sidecar")

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import AfterValidator, ValidationError
+from pydantic import AfterValidator, ValidationError, WithJsonSchema
 
 BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_YAML_DEPTH = 64  # a config is ~5 levels deep; the bound keeps PyYAML's recursive composer far from RecursionError
 
 
 def _check_backend_name(v: str) -> str:
@@ -24,7 +25,11 @@ def _check_backend_name(v: str) -> str:
 
 
 # A backend (replica) name: metric label, KV-index id and feed path segment, hence the strict charset.
-BackendName = Annotated[str, AfterValidator(_check_backend_name)]
+BackendName = Annotated[
+    str,
+    AfterValidator(_check_backend_name),
+    WithJsonSchema({"type": "string", "pattern": BACKEND_NAME_RE.pattern}),
+]
 
 
 class ConfigError(Exception):
@@ -50,18 +55,75 @@ def validation_problems(exc: ValidationError) -> list[tuple[str, str]]:
     return [(_loc(e["loc"]), e["msg"]) for e in exc.errors()]
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that refuses what a config file never needs: duplicate keys (YAML says they are an
+    error, PyYAML keeps the last), keys that are not strings, and nesting deeper than MAX_YAML_DEPTH."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges are allowed to be overridden by explicit keys
+            key = self.construct_object(key_node, deep=True)
+            mark = key_node.start_mark
+            if not isinstance(key, str):
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is not a string (quote it)", mark)
+            if key in first_line:
+                problem = f"duplicate key {key!r} (first on line {first_line[key]})"
+                raise yaml.constructor.ConstructorError(None, None, problem, mark)
+            first_line[key] = mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
-    """The mapping at the top of a YAML file ({} when empty); ConfigError when unreadable or not a mapping."""
+    """The mapping at the top of a YAML file ({} when empty); ConfigError when unreadable, not UTF-8,
+    not YAML, not a mapping, nested too deep, with duplicate or non-string keys."""
+    where = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError([("<file>", f"cannot read {path}: {exc.strerror}")]) from None
+        raise ConfigError([(where, f"cannot read the file: {exc.strerror}")]) from None
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError([(where, f"not UTF-8 text: byte 0x{raw[exc.start]:02x} on line {line}")]) from None
+    try:
+        loader = _ConfigLoader(text)  # the reader refuses control characters here already
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
-        raise ConfigError([("<file>", f"invalid YAML in {path}: {exc}")]) from None
+        raise ConfigError([(where, f"invalid YAML: {_one_line(exc)}")]) from None
+    except RecursionError:  # the depth bound should make this unreachable; never a traceback
+        raise ConfigError([(where, f"invalid YAML: nested deeper than {MAX_YAML_DEPTH} levels")]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError([("<root>", "the config file must hold a mapping of sections")])
     return data
+
+
+def _one_line(exc: yaml.YAMLError) -> str:
+    """PyYAML's message without its multi-line source excerpt: problem and where."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        parts = [exc.context or "", exc.problem or ""]
+        mark = exc.problem_mark or exc.context_mark
+        text = ", ".join(p for p in parts if p)
+        return f"{text} (line {mark.line + 1}, column {mark.column + 1})" if mark else text
+    return " ".join(str(exc).split())

@@ -96,6 +96,44 @@ def test_seed_warnings() -> None:
     assert "kv_cache_index.scoring.gpu_tier_weight" in w
 
 
+@pytest.mark.parametrize(
+    ("data", "path", "area"),
+    [
+        ({"kv_cache_index": {"backend": "redis"}}, "kv_cache_index.backend", "(Tier 3 Redis KV index)"),
+        (
+            {"prefix_routing": {"anthropic_cache_control_injection": True}},
+            "prefix_routing.anthropic_cache_control_injection",
+            "(Anthropic cache_control injection)",
+        ),
+        (
+            {"kv_cache_index": {"storage_offloading": {"enabled": True}}},
+            "kv_cache_index.storage_offloading.enabled",
+            "(Tier 4 storage tiers)",
+        ),
+        (
+            {"kv_cache_index": {"storage_offloading": {"treat_eviction_as_offload": False}}},
+            "kv_cache_index.storage_offloading.treat_eviction_as_offload",
+            "(Tier 4 storage tiers)",
+        ),
+    ],
+)
+def test_keys_that_do_nothing_yet_are_accepted_with_a_warning(data: dict, path: str, area: str) -> None:
+    """Issue 7: these were accepted silently (or, for redis, offered and then refused)."""
+    w = dict(config_warnings(parse_settings(data)))
+    assert w[path].startswith("accepted, not implemented yet " + area), w
+
+
+def test_redis_backend_warning_says_what_is_used() -> None:
+    w = dict(config_warnings(parse_settings({"kv_cache_index": {"backend": "redis"}})))
+    assert w["kv_cache_index.backend"] == (
+        "accepted, not implemented yet (Tier 3 Redis KV index): the in-memory index is used"
+    )
+
+
+def test_defaults_give_no_not_implemented_warning() -> None:
+    assert not [p for p, m in config_warnings(parse_settings({})) if "not implemented" in m]
+
+
 def test_restart_required_sections() -> None:
     a = parse_settings({})
     b = parse_settings({"extproc": {"port": 1234}, "selection_strategy": "Random"})
@@ -114,7 +152,7 @@ def test_cli_validate(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("prefix_routing:\n  virtual_nodes: -1\n")
     r = run_cli("config", "validate", str(bad))
-    assert r.returncode == 1 and "error: prefix_routing.virtual_nodes:" in r.stdout
+    assert r.returncode == 2 and "error: prefix_routing.virtual_nodes:" in r.stderr
 
 
 def test_reload_survives_files_that_are_not_config(tmp_path: Path) -> None:
