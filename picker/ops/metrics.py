@@ -5,6 +5,7 @@ Label values come only from fixed sets or configured backend names, so cardinali
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -29,6 +30,31 @@ class PickerMetrics:
                 self._children.clear()
             c = self._children[key] = metric.labels(*values)
         return c
+
+    def forget_backends(self, names: Iterable[str], keep_feed: Iterable[str] = ()) -> None:
+        """Remove every series labelled with one of ``names`` (backends a reload took out of the pool),
+        and their cached children, so /metrics stops exporting them. ``keep_feed``: backends whose KV feed
+        consumer still runs (kv_cache_index is restart-required); their feed series stay true and stay."""
+        gone = set(names)
+        if not gone:
+            return
+        kept = set(keep_feed)
+        feed = {id(self.kv_event_dropped), id(self.kv_consumer_connected)}
+        for metric in self._per_backend():
+            drop = gone - kept if id(metric) in feed else gone
+            at = metric._labelnames.index("backend")
+            for values in [v for v in list(metric._metrics) if v[at] in drop]:
+                metric.remove(*values)
+            for key in [k for k in self._children if k[0] == id(metric) and k[1][at] in drop]:
+                del self._children[key]
+
+    def _per_backend(self) -> list[Any]:
+        """The labelled metrics that carry a ``backend`` label."""
+        return [
+            m
+            for m in vars(self).values()
+            if isinstance(m, Counter | Gauge | Histogram) and "backend" in getattr(m, "_labelnames", ())
+        ]
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}

@@ -74,7 +74,9 @@ class PickerApp:
         hot = new.model_copy(update={name: getattr(self.settings, name) for name in restart})
         for path, msg in config_warnings(hot):
             log.warning("event=config_warning path=%s message=%r", path, msg)
+        gone = set(self.pool.names()) - {b.name for b in hot.pool.backends}
         self.pool.update(hot.pool)
+        self.metrics.forget_backends(gone, keep_feed=[s.backend_name for s in hot.kv_cache_index.event_sources])
         self.router.reconfigure(hot)
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now, not on a request
         self.path.configure(hot)
