@@ -1,14 +1,18 @@
 """Admin HTTP (aiohttp, 127.0.0.1 by default): /metrics, /healthz, /readyz and the seed's /admin/*.
 
-When ``admin.bearer_token`` is set, every /admin/* route needs ``Authorization: Bearer <token>``.
+When ``admin.bearer_token`` is set, every /admin/* route needs ``Authorization: Bearer <token>`` (the
+scheme in any case). A state-changing /admin/* request must be ``application/json`` and carry no Origin
+but the admin's own: a web page cannot POST to a loopback admin cross-site.
 Extra route groups (e.g. the KV index's) are registered through ``AdminRoutes`` providers.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -89,15 +93,71 @@ def kv_index_routes(app: PickerApp) -> list[web.RouteDef]:
     ]
 
 
+STATE_CHANGING = frozenset({"POST", "PUT", "DELETE", "PATCH"})
+
+
+def bearer_token_matches(authorization: str, token: str) -> bool:
+    """``Authorization: <scheme> <token>`` with the scheme ``Bearer`` in any case (RFC 7235); the token
+    is compared in constant time."""
+    scheme, _, credentials = authorization.strip().partition(" ")
+    is_bearer = scheme.lower() == "bearer"
+    same = hmac.compare_digest(credentials.strip().encode(), token.encode())
+    return is_bearer and same
+
+
+def cross_site_problem(request: web.Request, admin_host: str) -> str | None:
+    """Why a state-changing /admin/* request may come from another site's page, or None.
+
+    A page can send a cross-site POST without a CORS preflight only as a "simple request": a form or
+    text/plain body, and always with its own Origin. Requiring ``application/json`` and, when Origin is
+    present, the admin's own host:port (the listening socket, not the Host header a rebinding DNS name
+    controls) leaves such a page nothing to send.
+    """
+    if request.content_type != "application/json":
+        return "state-changing admin requests need Content-Type: application/json"
+    origin = request.headers.get("Origin")
+    if origin is not None and not _own_origin(request, origin, admin_host):
+        return "cross-origin admin request refused"
+    return None
+
+
+def _own_origin(request: web.Request, origin: str, admin_host: str) -> bool:
+    try:
+        parts = urlsplit(origin)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return False
+    sock = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    if not parts.hostname or not isinstance(sock, tuple) or port != sock[1]:
+        return False
+    host = parts.hostname.lower()
+    try:
+        local = ipaddress.ip_address(str(sock[0]).split("%")[0])
+    except ValueError:
+        return False
+    if host == "localhost":
+        return local.is_loopback
+    if host == admin_host.lower() and admin_host not in ("0.0.0.0", "::", ""):
+        return True  # the name the admin was configured to listen on
+    try:
+        return ipaddress.ip_address(host) == local
+    except ValueError:
+        return False
+
+
 def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> web.Application:
     token = app.settings.admin.bearer_token
+    admin_host = app.settings.admin.host
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token and request.path.startswith("/admin"):
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+        if request.path.startswith("/admin"):
+            if token and not bearer_token_matches(request.headers.get("Authorization", ""), token):
                 return web.json_response({"error": "unauthorized"}, status=401)
+            if request.method in STATE_CHANGING:
+                problem = cross_site_problem(request, admin_host)
+                if problem is not None:
+                    return web.json_response({"error": problem}, status=403)
         return await handler(request)
 
     async def metrics(_: web.Request) -> web.Response:

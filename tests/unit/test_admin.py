@@ -79,7 +79,7 @@ async def test_prefix_routing_stats_shape_and_metrics() -> None:
         assert 'continuum_prefix_routing_backend_distribution{backend="a"}' in text
         kv = await (await client.get("/admin/kv-index/stats")).json()
         assert kv == {"enabled": False}
-        clear = await (await client.post("/admin/kv-index/clear")).json()
+        clear = await (await client.post("/admin/kv-index/clear", headers={"Content-Type": "application/json"})).json()
         assert clear["success"] is False
     finally:
         await client.close()
