@@ -173,6 +173,9 @@ class ExtProcConfig(_Section):
     health_port: int | None = Field(9003, ge=0, le=65535)  # None: health only on the ext_proc port
     max_body_bytes: int = Field(8 << 20, ge=1024, le=256 << 20)
     drain_seconds: float = Field(10.0, ge=0.0, le=600.0)
+    # SIGTERM: readiness is NOT_SERVING this long before new streams are refused, so load balancers and
+    # health checks stop sending first (raise it to the probe period in Kubernetes).
+    drain_propagation_seconds: float = Field(1.0, ge=0.0, le=60.0)
     tenant_header: str = "x-tenant-id"
     # Used only when Envoy does not announce its processing mode (protocol_config) on the stream.
     default_body_mode: Literal["FULL_DUPLEX_STREAMED", "BUFFERED"] = "FULL_DUPLEX_STREAMED"

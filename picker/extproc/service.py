@@ -1,7 +1,12 @@
-"""The gRPC servicer: one ``RequestStream`` per ``Process()`` call; the protocol lives in ``stream``."""
+"""The gRPC servicer: one ``RequestStream`` per ``Process()`` call; the protocol lives in ``stream``.
+
+It also admits streams: during a drain the lifecycle turns ``admitting`` off, new streams are
+refused with UNAVAILABLE and ``wait_idle()`` tells when the open ones have finished.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -23,14 +28,35 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, app: PickerApp) -> None:
         self.app = app
+        self.admitting = True  # turned off by the lifecycle once the drain's propagation delay is over
+        self.refused = 0  # streams refused while draining (logged at stop)
+        self._open = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def open_streams(self) -> int:
+        return self._open
+
+    async def wait_idle(self) -> None:
+        """Return once no stream is open."""
+        await self._idle.wait()
 
     async def Process(
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.ProcessingResponse]:
+        if not self.admitting:
+            self.refused += 1
+            # UNAVAILABLE, not an ImmediateResponse 503: a 503 is a final answer Envoy relays to the client,
+            # while UNAVAILABLE is a processor failure Envoy can fail over on (failure_mode_allow continues
+            # without the picker, outlier detection ejects this host, status_on_error picks the client status).
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "kv-epp is draining: stream refused")
         stream = RequestStream(self.app)
         self.app.open_streams += 1
+        self._open += 1
+        self._idle.clear()
         try:
             async for req in request_iterator:
                 try:
@@ -49,3 +75,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         finally:
             stream.close()
             self.app.open_streams -= 1
+            self._open -= 1
+            if self._open == 0:
+                self._idle.set()

@@ -138,3 +138,9 @@ class PickerMetrics:
         self.config_reloads = Counter(
             "continuum_picker_config_reloads", "Config reloads by result", ["result"], registry=r
         )
+        self.background_task_failures = Counter(
+            "continuum_picker_background_task_failures",
+            "Background tasks that crashed, by task name (fixed set); the picker is not ready after one",
+            ["task"],
+            registry=r,
+        )

@@ -15,27 +15,42 @@ from picker.runtime.envoy_config import EnvoyOptions, bootstrap_yaml
 LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from picker.runtime.wiring import build_server  # imported late: serve pulls in grpc and aiohttp
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())  # a user error is one stderr line, whatever the message holds
 
+
+def _serve(args: argparse.Namespace) -> int:
+    """Run the picker: one ``error: ...`` line and exit 2 on a bad config or a busy port; 0 after a drain."""
+    from picker.runtime.lifecycle import StartupError  # imported late: serve pulls in grpc and aiohttp
+    from picker.runtime.wiring import build_server
+
+    source = args.config or "<environment>"
     try:
         settings = load_settings(args.config)
     except ConfigError as exc:
-        for path, msg in exc.problems:
-            print(f"error: {path}: {msg}", file=sys.stderr)
+        problems = "; ".join(f"{path}: {msg}" for path, msg in exc.problems)
+        print(f"error: {_one_line(problems)}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # e.g. an undecodable file or a malformed KV_EPP_* value: still one line
+        print(f"error: {source}: {_one_line(exc)}", file=sys.stderr)
         return 2
 
-    async def main() -> None:
+    async def main() -> int:
         server = build_server(settings, args.config)
-        await server.start()
+        try:
+            await server.start()
+        except StartupError as exc:
+            print(f"error: {_one_line(exc)}", file=sys.stderr)
+            return 2
         server.install_signal_handlers()
+        print(server.ready_line(), flush=True)  # stdout: the one line a supervisor waits for; logs go to stderr
         await server.wait()
+        return 0
 
     try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
-    return 0
+        return asyncio.run(main())
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed
+        return 130
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -1,9 +1,25 @@
 """Picker lifecycle: start -> serve -> drain -> stop.
 
-Starts the ext_proc gRPC server (with gRPC health: liveness, readiness and the ext_proc service
-name), the optional separate health port, the admin HTTP server and the config watcher. SIGTERM and
-SIGINT drain: readiness goes NOT_SERVING, open streams get ``drain_seconds`` to finish, then stop.
-SIGHUP (or a changed config file) reloads the hot-reloadable sections.
+Start binds the ext_proc gRPC server (with gRPC health: liveness, readiness and the ext_proc service
+name), the optional separate health port and the admin HTTP server, then starts the supervised
+background tasks (config watcher, Tier 4). A port that cannot be bound is a ``StartupError``: one
+line for the user, nothing left running.
+
+SIGTERM or SIGINT drains, in this order:
+
+1. readiness NOT_SERVING (gRPC health and /readyz);
+2. ``extproc.drain_propagation_seconds`` pass, still admitting streams, so load balancers and health
+   checks stop sending here first;
+3. new ext_proc streams are refused with UNAVAILABLE (see ``ExternalProcessor.Process``);
+4. open streams get ``extproc.drain_seconds`` to finish; the ext_proc server then stops, cancelling any
+   stream still open, so nothing below is in use by a request;
+5. background tasks are cancelled (bounded), clients are closed (``on_stop`` hooks: the tokenizer
+   session, ...; each bounded);
+6. the separate health server and the admin server stop.
+
+A second signal skips the remaining waits. SIGHUP (or a changed config file) reloads the
+hot-reloadable sections. A crashed background task makes the picker not ready for good (see
+``picker.shared.supervisor``).
 """
 
 from __future__ import annotations
@@ -11,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -23,68 +41,169 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from picker.extproc.service import ExternalProcessor
 from picker.ops.admin import AdminRoutes, build_admin_app
 from picker.runtime.app import PickerApp
+from picker.shared.supervisor import TaskFailure, TaskSupervisor
 
 log = logging.getLogger("kv_epp.server")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+READINESS_SERVICES = ("", "readiness", EXT_PROC_SERVICE)  # liveness stays SERVING until the process exits
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.so_reuseport", 0),
 ]
 CONFIG_POLL_SECONDS = 1.0
+TASK_STOP_SECONDS = 5.0  # background tasks only wait on their own sockets: a few seconds is plenty
+HOOK_STOP_SECONDS = 5.0  # one on_stop hook (closing a client session)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class StartupError(Exception):
+    """The picker cannot start (a port in use, ...): one line for the user, exit code 2."""
+
+
+def _os_reason(exc: OSError) -> str:
+    """``Address already in use`` rather than aiohttp's long ``[Errno 98] error while attempting ...``."""
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_bindable(what: str, host: str, port: int) -> None:
+    """Raise StartupError when ``host:port`` is taken.
+
+    gRPC reports a busy port only after its C core has logged its own error line on stderr, so the
+    port is tried here first (same SO_REUSEADDR semantics as gRPC's listener).
+    """
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise StartupError(f"{what} {_hostport(host, port)}: cannot resolve host: {exc}") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                raise StartupError(f"{what} {_hostport(host, port)}: {_os_reason(exc)}") from None
+
+
+def _grpc_port(server: grpc.aio.Server, what: str, host: str, port: int) -> int:
+    _check_bindable(what, host, port)
+    try:
+        return int(server.add_insecure_port(_hostport(host, port)))
+    except RuntimeError as exc:  # grpcio raises RuntimeError("Failed to bind ...") on a busy port
+        raise StartupError(f"{what} {_hostport(host, port)}: cannot bind ({exc})") from None
 
 
 class PickerServer:
-    """Owns the servers and background tasks of one picker process."""
+    """Owns the servers and background tasks of one picker process, from start to a bounded stop."""
 
     def __init__(self, app: PickerApp, admin_extra: list[AdminRoutes] | None = None) -> None:
         self.app = app
         self.health = health.aio.HealthServicer()
+        self.servicer = ExternalProcessor(app)
+        self.supervisor = TaskSupervisor(on_failure=self._task_failed, logger=log)
         self._grpc: grpc.aio.Server | None = None
         self._health_grpc: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
         self._admin_extra = admin_extra or []
-        self._tasks: list[asyncio.Task[None]] = []
-        self._stopped = asyncio.Event()  # stop() has begun
+        self._stopping = False  # stop() has begun
+        self._draining = False  # drain_and_stop() has begun
+        self._hurry = asyncio.Event()  # a second stop signal: skip the remaining waits
         self._done = asyncio.Event()  # stop() has finished: servers closed, tasks ended
+        self._drain_task: asyncio.Task[None] | None = None
         self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []  # extra long-running coroutines
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
+        # Why the picker is not ready besides draining (a crashed task). Kept here, not on PickerApp;
+        # /readyz reads it through the middleware added in _start_admin.
+        self.not_ready_reason: str | None = None
         self.extproc_port = 0
+        self.health_port = 0
         self.admin_port = 0
 
+    # -- start ------------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Bind every port and start serving; on failure close what started and raise."""
+        try:
+            await self._start_servers()
+        except BaseException:
+            await self._close_servers()
+            raise
+        if self.app.config_path is not None:
+            self.supervisor.spawn("config-watcher", self._watch_config)
+        for coro in self.background:
+            self.supervisor.spawn(self._task_name(coro), coro)
+        await self.health.set("liveness", SERVING)
+        self.app.ready = self.supervisor.healthy  # a task may already have crashed while we awaited
+        await self._publish_readiness()
+        s = self.app.settings
+        log.info(
+            "event=picker_started extproc_port=%d health_port=%d admin_port=%d strategy=%s backends=%d",
+            self.extproc_port, self.health_port, self.admin_port, s.selection_strategy, len(s.pool.backends),
+        )  # fmt: skip
+
+    async def _start_servers(self) -> None:
         s = self.app.settings
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.app), self._grpc)
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        self.extproc_port = self._grpc.add_insecure_port(f"{s.extproc.host}:{s.extproc.port}")
-        await self._grpc.start()
+        self.extproc_port = _grpc_port(self._grpc, "ext_proc port", s.extproc.host, s.extproc.port)
+        self.health_port = self.extproc_port
         if s.extproc.health_port is not None and s.extproc.health_port != s.extproc.port:
             self._health_grpc = grpc.aio.server(options=GRPC_OPTIONS)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_grpc)
-            self._health_grpc.add_insecure_port(f"{s.extproc.host}:{s.extproc.health_port}")
-            await self._health_grpc.start()
+            self.health_port = _grpc_port(self._health_grpc, "health port", s.extproc.host, s.extproc.health_port)
         if s.admin.enabled:
-            self._admin = web.AppRunner(build_admin_app(self.app, self._admin_extra), access_log=None)
-            await self._admin.setup()
-            site = web.TCPSite(self._admin, s.admin.host, s.admin.port)
+            await self._start_admin()
+        await self._grpc.start()
+        if self._health_grpc is not None:
+            await self._health_grpc.start()
+
+    async def _start_admin(self) -> None:
+        s = self.app.settings.admin
+        admin_app = build_admin_app(self.app, self._admin_extra)
+
+        @web.middleware
+        async def readiness_reason(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.path == "/readyz" and self.not_ready_reason is not None and not self.app.draining:
+                return web.json_response({"status": "not_ready", "reason": self.not_ready_reason}, status=503)
+            result: web.StreamResponse = await handler(request)
+            return result
+
+        admin_app.middlewares.append(readiness_reason)
+        self._admin = web.AppRunner(admin_app, access_log=None)
+        await self._admin.setup()
+        site = web.TCPSite(self._admin, s.host, s.port)
+        try:
             await site.start()
-            server = getattr(site, "_server", None)
-            sockets = getattr(server, "sockets", None) or []
-            self.admin_port = sockets[0].getsockname()[1] if sockets else s.admin.port
-        if self.app.config_path is not None:
-            self._tasks.append(asyncio.create_task(self._watch_config()))
-        for coro in self.background:
-            self._tasks.append(asyncio.create_task(coro()))
-        for svc in HEALTH_SERVICES:
-            await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
-        self.app.ready = True
-        log.info(
-            "event=picker_started extproc_port=%d admin_port=%d strategy=%s backends=%d",
-            self.extproc_port, self.admin_port, s.selection_strategy, len(s.pool.backends),
-        )  # fmt: skip
+        except OSError as exc:  # aiohttp: "[Errno 98] error while attempting to bind ..."
+            raise StartupError(f"admin port {_hostport(s.host, s.port)}: {_os_reason(exc)}") from None
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        self.admin_port = sockets[0].getsockname()[1] if sockets else s.port
+
+    @staticmethod
+    def _task_name(fn: Callable[..., Any]) -> str:
+        """``Tier4.run`` for a bound method, the function's name otherwise: a short, fixed metric label."""
+        name = str(getattr(fn, "__name__", "task"))
+        owner = getattr(fn, "__self__", None)
+        return f"{type(owner).__name__}.{name}" if owner is not None else name
+
+    def ready_line(self) -> str:
+        """The one line printed on stdout once every port listens: what a supervisor or a test waits for."""
+        s = self.app.settings
+        admin = _hostport(s.admin.host, self.admin_port) if self._admin is not None else "off"
+        return (
+            f"kv-epp ready extproc={_hostport(s.extproc.host, self.extproc_port)} "
+            f"health={_hostport(s.extproc.host, self.health_port)} admin={admin}"
+        )
 
     async def _watch_config(self) -> None:
         path = self.app.config_path
@@ -100,47 +219,108 @@ class PickerServer:
                 last = mtime
                 self.app.reload()
 
+    # -- readiness --------------------------------------------------------------------------------
+    async def _task_failed(self, failure: TaskFailure) -> None:
+        self.app.metrics.background_task_failures.labels(failure.task).inc()
+        if self.not_ready_reason is None:
+            self.not_ready_reason = failure.reason
+        self.app.ready = False
+        await self._publish_readiness()
+
+    async def _publish_readiness(self) -> None:
+        """Readiness services SERVING only while started, not draining and no task has crashed."""
+        ready = self.app.ready and not self.app.draining and self.supervisor.healthy
+        for svc in READINESS_SERVICES:
+            await self.health.set(svc, SERVING if ready else NOT_SERVING)
+
+    # -- drain and stop ---------------------------------------------------------------------------
+    async def _pause(self, seconds: float, until: Coroutine[Any, Any, None] | None = None) -> None:
+        """Wait ``seconds``, or less when ``until`` completes or a second signal hurries."""
+        waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._hurry.wait())]
+        if until is not None:
+            waits.append(asyncio.ensure_future(until))
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, seconds), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
     async def drain_and_stop(self) -> None:
-        """Stop taking new work, let open streams finish (bounded), then stop everything."""
-        if self._stopped.is_set():
+        """Not ready, wait for propagation, refuse new streams, let open ones finish (bounded), stop."""
+        if self._draining or self._stopping:
             return
-        self.app.draining = True
-        for svc in ("readiness", EXT_PROC_SERVICE, ""):
-            await self.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
-        grace = self.app.settings.extproc.drain_seconds
-        log.info("event=picker_draining open_streams=%d grace_s=%.1f", self.app.open_streams, grace)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        while self.app.open_streams > 0 and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        await self.stop()
+        self._draining = True
+        try:
+            s = self.app.settings.extproc
+            self.app.draining = True
+            await self._publish_readiness()
+            log.info(
+                "event=picker_draining phase=not_ready propagation_s=%.1f open_streams=%d",
+                s.drain_propagation_seconds, self.servicer.open_streams,
+            )  # fmt: skip
+            await self._pause(s.drain_propagation_seconds)
+            self.servicer.admitting = False
+            log.info(
+                "event=picker_draining phase=refusing open_streams=%d grace_s=%.1f",
+                self.servicer.open_streams, s.drain_seconds,
+            )  # fmt: skip
+            if self.servicer.open_streams:
+                await self._pause(s.drain_seconds, self.servicer.wait_idle())
+            if self.servicer.open_streams:
+                log.warning("event=picker_drain_deadline open_streams=%d", self.servicer.open_streams)
+        except Exception as exc:  # a bug here must not keep the process from stopping
+            log.error("event=picker_drain_failed error=%r", exc)
+        finally:
+            await self.stop()
 
     async def stop(self) -> None:
-        if self._stopped.is_set():
+        """Stop now: refuse streams, stop ext_proc (cancelling open streams), tasks, clients, servers."""
+        if self._stopping:
+            await self._done.wait()
             return
-        self._stopped.set()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        for hook in self.on_stop:
-            with contextlib.suppress(Exception):
-                await hook()
-        if self._grpc is not None:
-            await self._grpc.stop(grace=0.5)
-        if self._health_grpc is not None:
-            await self._health_grpc.stop(grace=0.1)
+        self._stopping = True
+        self.app.draining = True
+        self.servicer.admitting = False
+        try:
+            if self._grpc is not None:
+                await self._grpc.stop(grace=0)  # streams had their drain; none may outlive the clients below
+                self._grpc = None
+            stuck = await self.supervisor.stop(TASK_STOP_SECONDS)
+            for hook in self.on_stop:
+                try:
+                    await asyncio.wait_for(hook(), HOOK_STOP_SECONDS)
+                except Exception as exc:  # TimeoutError included: one bad client must not block the rest
+                    log.warning("event=stop_hook_failed hook=%s error=%r", self._task_name(hook), exc)
+            await self._close_servers()
+            log.info("event=picker_stopped refused_streams=%d stuck_tasks=%d", self.servicer.refused, len(stuck))
+        finally:
+            self._done.set()
+
+    async def _close_servers(self) -> None:
+        for server in (self._grpc, self._health_grpc):
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    await server.stop(grace=0)
+        self._grpc = self._health_grpc = None
         if self._admin is not None:
-            await self._admin.cleanup()
-        log.info("event=picker_stopped")
-        self._done.set()
+            with contextlib.suppress(Exception):
+                await self._admin.cleanup()
+            self._admin = None
 
     async def wait(self) -> None:
+        """Return once stop() has finished."""
         await self._done.wait()
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain_and_stop()))
+            loop.add_signal_handler(sig, self._on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self.app.reload)
+
+    def _on_stop_signal(self, sig: signal.Signals) -> None:
+        if self._drain_task is None:
+            log.info("event=signal signal=%s action=drain", sig.name)
+            self._drain_task = asyncio.get_running_loop().create_task(self.drain_and_stop(), name="drain")
+        else:
+            log.info("event=signal signal=%s action=hurry", sig.name)
+            self._hurry.set()
