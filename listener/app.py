@@ -1,10 +1,19 @@
-"""The listener process: sources → block-chain trackers → per-backend feeds → HTTP server."""
+"""The listener process: sources → block-chain trackers → per-backend feeds → HTTP server.
+
+Lifecycle: ``start()`` binds the HTTP port and any ZMQ bind endpoints (a busy one is a
+``StartupError``: one line, nothing left open) and starts the supervised tasks. ``drain_and_stop()``
+(SIGTERM) makes /readyz answer 503, waits ``drain_propagation_seconds``, then ``stop()``: refuse new
+feed subscriptions, send ``close: draining`` to every consumer and give them
+``drain_deadline_seconds`` to go, cancel the source and gauge tasks (bounded), close the sources and
+the HTTP server. A crashed task makes the listener not ready for good (see
+``picker.shared.supervisor``).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import os
 
 import zmq.asyncio
 from aiohttp import web
@@ -15,9 +24,15 @@ from listener.feed import BackendFeed
 from listener.feed_server import build_app
 from listener.metrics import ListenerMetrics
 from listener.trtllm_source import TrtllmHttpSource
-from listener.zmq_source import ZmqEventSource
+from listener.zmq_source import Z, ZmqEventSource
+from picker.shared.supervisor import TaskFailure, TaskSupervisor
 
 log = logging.getLogger("kv_listener.app")
+TASK_STOP_SECONDS = 5.0  # sources wait only on their own sockets and polls
+
+
+class StartupError(Exception):
+    """The listener cannot start (a port in use, ...): one line for the user, exit code 2."""
 
 
 class _CountingSink:
@@ -41,7 +56,7 @@ class _CountingSink:
 
 
 class ListenerApp:
-    """Lifecycle: ``start()`` → serve → ``stop()`` (drain: tell consumers, close, stop sources)."""
+    """Lifecycle: ``start()`` → serve → ``drain_and_stop()`` or ``stop()`` (see the module docstring)."""
 
     def __init__(self, cfg: ListenerConfig, metrics: ListenerMetrics | None = None) -> None:
         self.cfg = cfg
@@ -49,10 +64,13 @@ class ListenerApp:
         self.feeds: dict[str, BackendFeed] = {}
         self.trackers: dict[str, BlockChainTracker] = {}
         self.sources: dict[str, ZmqEventSource | TrtllmHttpSource] = {}
-        self.draining = False
+        self.started = False
+        self.draining = False  # not ready: /readyz 503 (set first)
+        self.refusing = False  # new feed subscriptions refused, /healthz 503 (set after propagation)
+        self.supervisor = TaskSupervisor(on_failure=self._task_failed, logger=log)
         self._ctx: zmq.asyncio.Context | None = None
-        self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
+        self._stopped = False
         self.port: int | None = None
         for s in cfg.sources:
             self._add_source(s)
@@ -78,9 +96,25 @@ class ListenerApp:
                 self._ctx = zmq.asyncio.Context()
             self.sources[name] = ZmqEventSource(s, self.cfg.limits, tracker, m, self._ctx)
 
+    def _task_failed(self, failure: TaskFailure) -> None:
+        self.metrics.background_task_failures.labels(failure.task).inc()
+
+    @property
+    def ready(self) -> bool:
+        return self.started and not self.draining and self.supervisor.healthy
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why not): what /readyz answers."""
+        if self.draining:
+            return False, "draining"
+        if not self.started:
+            return False, "starting"
+        return self.supervisor.healthy, self.supervisor.reason or "ready"
+
     def health(self) -> dict[str, object]:
         return {
-            "status": "draining" if self.draining else "ok",
+            "status": "draining" if self.draining else "ok" if self.supervisor.healthy else "task_failed",
+            "failed_tasks": {f.task: repr(f.error) for f in self.supervisor.failures},
             "sources": {
                 name: {
                     "connected": src.connected,
@@ -104,41 +138,90 @@ class ListenerApp:
             await asyncio.sleep(1.0)
 
     async def start(self) -> None:
-        """Open sources (binding sockets synchronously), start their tasks and the HTTP server."""
+        """Bind the ZMQ endpoints and the HTTP port, start the supervised tasks; on failure close and raise."""
+        try:
+            await self._open()
+        except BaseException:
+            await self._close()
+            raise
+        for name, src in self.sources.items():
+            self.supervisor.spawn(f"source-{name}", src.run)
+        self.supervisor.spawn("gauges", self._gauge_loop)
+        self.started = True
+        log.info("event=listener_started listen=%s sources=%d", self.listen_address, len(self.sources))
+
+    async def _open(self) -> None:
         for name, src in self.sources.items():
             if isinstance(src, ZmqEventSource):
-                src.open()
-            self._tasks.append(asyncio.create_task(src.run(), name=f"source-{name}"))
-        self._tasks.append(asyncio.create_task(self._gauge_loop(), name="gauges"))
-        app = build_app(self.feeds, self.cfg.feed, self.metrics, self.health, lambda: self.draining)
+                try:
+                    src.open()
+                except Z.ZMQError as exc:  # e.g. a bind endpoint already in use
+                    raise StartupError(f"source {name}: {src.cfg.zmq_endpoint}: {exc}") from None
+        app = build_app(self.feeds, self.cfg.feed, self.metrics, self.health, lambda: self.refusing)
+
+        async def readyz(_: web.Request) -> web.Response:
+            ready, reason = self.readiness()
+            return web.json_response(
+                {"status": "ready" if ready else "not_ready", "reason": reason}, status=200 if ready else 503
+            )
+
+        app.router.add_get("/readyz", readyz)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=self.cfg.drain_deadline_seconds)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.listen_host, self.cfg.listen_port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # aiohttp: "[Errno 98] error while attempting to bind ..."
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise StartupError(f"listen {self.cfg.listen}: {reason}") from None
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         self.port = sockets[0].getsockname()[1] if sockets else self.cfg.listen_port
-        log.info(
-            "event=listener_started listen=%s:%s sources=%d",
-            self.cfg.listen_host,
-            self.port,
-            len(self.sources),
-        )
 
-    async def stop(self) -> None:
-        """Drain: tell every consumer ``close: draining``, stop sources, close the server."""
+    @property
+    def listen_address(self) -> str:
+        host = self.cfg.listen_host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def ready_line(self) -> str:
+        """The one stdout line printed once the listener listens."""
+        return f"kv-listener ready listen={self.listen_address}"
+
+    async def drain_and_stop(self, hurry: asyncio.Event | None = None) -> None:
+        """SIGTERM: not ready, wait ``drain_propagation_seconds`` (less if ``hurry`` is set), then stop()."""
+        if self.draining:
+            return
         self.draining = True
+        delay = self.cfg.drain_propagation_seconds
+        log.info("event=listener_draining phase=not_ready propagation_s=%.1f", delay)
+        if hurry is None:
+            await asyncio.sleep(delay)
+        else:
+            try:
+                await asyncio.wait_for(hurry.wait(), delay)
+            except TimeoutError:
+                pass
+        await self.stop(hurry)
+
+    async def stop(self, hurry: asyncio.Event | None = None) -> None:
+        """Refuse subscriptions, tell consumers ``close: draining`` (bounded wait), stop tasks, close."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.draining = self.refusing = True
         for feed in self.feeds.values():
             feed.close_all("draining")
-        deadline = asyncio.get_running_loop().time() + self.cfg.drain_deadline_seconds
-        while any(f.subscribers for f in self.feeds.values()) and asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.drain_deadline_seconds
+        while any(f.subscribers for f in self.feeds.values()) and loop.time() < deadline:
+            if hurry is not None and hurry.is_set():
+                break
             await asyncio.sleep(0.02)
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._tasks.clear()
+        stuck = await self.supervisor.stop(TASK_STOP_SECONDS)
+        await self._close()
+        log.info("event=listener_stopped stuck_tasks=%d", len(stuck))
+
+    async def _close(self) -> None:
         for src in self.sources.values():
             if isinstance(src, ZmqEventSource):
                 src.close()
@@ -146,6 +229,5 @@ class ListenerApp:
             await self._runner.cleanup()
             self._runner = None
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # also closes a socket whose bind failed (term() would wait for it)
             self._ctx = None
-        log.info("event=listener_stopped")

@@ -8,20 +8,34 @@ import logging
 import signal
 import sys
 
-from listener.app import ListenerApp
+from listener.app import ListenerApp, StartupError
 from listener.config import ListenerConfig, ListenerConfigError, load_listener_config
 
 
-async def _run(cfg: ListenerConfig) -> None:
+async def _run(cfg: ListenerConfig) -> int:
+    """Serve until SIGTERM/SIGINT, then drain; a second signal skips the remaining waits."""
     app = ListenerApp(cfg)
     stop = asyncio.Event()
+    hurry = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        logging.getLogger("kv_listener").info(
+            "event=signal signal=%s action=%s", sig.name, "hurry" if stop.is_set() else "drain"
+        )
+        (hurry if stop.is_set() else stop).set()
+
+    try:
+        await app.start()
+    except StartupError as exc:
+        sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")
+        return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await app.start()
+        loop.add_signal_handler(sig, on_signal, sig)
+    print(app.ready_line(), flush=True)  # stdout: the one line a supervisor waits for; logs go to stderr
     await stop.wait()
-    logging.getLogger("kv_listener").info("event=signal action=drain")
-    await app.stop()
+    await app.drain_and_stop(hurry)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
     )
-    asyncio.run(_run(cfg))
-    return 0
+    return asyncio.run(_run(cfg))
 
 
 if __name__ == "__main__":

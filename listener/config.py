@@ -77,6 +77,8 @@ class ListenerConfig(_Model):
     """Top level of the listener's YAML file."""
 
     listen: str = "127.0.0.1:7817"  # SSE feed, /metrics, /healthz
+    # SIGTERM: /readyz answers 503 this long before new feed subscriptions are refused.
+    drain_propagation_seconds: float = Field(1.0, ge=0, le=60)
     drain_deadline_seconds: float = Field(5.0, ge=0, le=600)
     limits: LimitsConfig = LimitsConfig()
     feed: FeedConfig = FeedConfig()

@@ -64,3 +64,9 @@ class ListenerMetrics:
         self.feed_records = Counter(
             "kv_listener_feed_records", "Index delta records published", ["backend"], registry=r
         )
+        self.background_task_failures = Counter(
+            "kv_listener_background_task_failures",
+            "Background tasks that crashed, by task name (sources and gauges); the listener is not ready after one",
+            ["task"],
+            registry=r,
+        )
