@@ -159,7 +159,8 @@ class KvFeedConsumer:
             self.stats.closes[reason] = self.stats.closes.get(reason, 0) + 1
             if self._delivered:
                 delay = base
-            log.info("event=feed_disconnected backend=%s reason=%s retry_in_s=%.1f", self.backend, reason, delay)
+            # reason may come from the listener's close record: %r escapes what could forge a log line
+            log.info("event=feed_disconnected backend=%s reason=%r retry_in_s=%.1f", self.backend, reason, delay)
             await asyncio.sleep(delay)
             delay = min(max(delay * 2, base), max(self.max_backoff_s, base))
             self.stats.reconnect_count += 1
@@ -197,7 +198,7 @@ class KvFeedConsumer:
             self._apply(event, payload)
         except (ValueError, TypeError, KeyError) as exc:
             self._dropped()
-            log.warning("event=feed_record_dropped backend=%s record=%s error=%s", self.backend, event, exc)
+            log.warning("event=feed_record_dropped backend=%s record=%r error=%r", self.backend, event, str(exc))
             return
         if rec_id is not None:
             try:
@@ -220,7 +221,7 @@ class KvFeedConsumer:
             self.index.remove(self.backend, decode_keys(payload.get("keys")))
         elif event == "clear":
             self.index.drop_backend(self.backend)
-            log.info("event=backend_cleared backend=%s reason=%s", self.backend, payload.get("reason"))
+            log.info("event=backend_cleared backend=%s reason=%r", self.backend, str(payload.get("reason"))[:64])
         elif event == "snapshot_begin":
             self._staged, self._staged_count = [], 0
         elif event == "snapshot_end":

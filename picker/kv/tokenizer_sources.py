@@ -124,7 +124,7 @@ class EngineTokenizer:
         except (aiohttp.ClientError, OSError, ValueError):
             self._fail("error")
         except Exception:  # never fail a request because of the tokenizer
-            log.exception("event=tokenize_failed model=%s", model)
+            log.exception("event=tokenize_failed model=%r", model)  # the client's model name: escaped
             self._fail("error")
         return None
 
