@@ -5,7 +5,9 @@ the deferred headers response with a fixed destination and Content-Length, echo 
 62,000-byte chunks, echo response chunks; buffered: answer headers, then the body with the header),
 but no parsing, no keys, no decision: the destination rotates over a fixed list.
 
-Run: python -m benchmarks.noop_extproc --port P --dest 127.0.0.1:8001[,127.0.0.2:8001...]
+Run: python -m benchmarks.noop_extproc [--port P] --dest 127.0.0.1:8001[,127.0.0.2:8001...]
+
+Once it listens it prints ``noop-extproc ready extproc=127.0.0.1:PORT`` on stdout.
 """
 
 from __future__ import annotations
@@ -79,17 +81,22 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md)
 
 
+READY_PREFIX = "noop-extproc ready"
+
+
 async def serve(port: int, destinations: list[str]) -> None:
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(destinations), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    # The harness waits for this line (with the bound port, so --port 0 works) before sending traffic.
+    print(f"{READY_PREFIX} extproc=127.0.0.1:{bound}", flush=True)
     await server.wait_for_termination()
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, default=0, help="0 (the default): any free port, reported on the ready line")
     p.add_argument("--dest", required=True, help="comma-separated ip:port list")
     a = p.parse_args()
     asyncio.run(serve(a.port, a.dest.split(",")))

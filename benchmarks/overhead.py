@@ -24,7 +24,16 @@ from typing import Any
 import yaml
 
 from benchmarks.httpload import LoadResult, run_load
-from benchmarks.stack import ManagedProcess, free_port, make_workdir, spawn, start_envoy, start_picker, wait_http
+from benchmarks.stack import (
+    ManagedProcess,
+    free_port,
+    make_workdir,
+    spawn,
+    spawn_ready_line,
+    start_envoy,
+    start_picker,
+    wait_http,
+)
 from picker.api import EnvoyOptions, Exchange, Inbound, PickerApp, parse_settings
 
 BODY_SIZES = (4096, 220 * 1024)
@@ -189,11 +198,12 @@ def measure_row(
     bodies = chat_bodies(size)
     row: dict[str, Any] = {"body_bytes": size, "backends": len(addrs), "index_entries": 0, "body_mode": body_mode}
     row["envoy_only"] = _through_envoy(workdir, _envoy_options(body_mode, None, addrs), bodies, seconds, conc)
-    noop_port = free_port()
-    argv = [sys.executable, "-m", "benchmarks.noop_extproc", "--port", str(noop_port), "--dest", ",".join(addrs)]
-    noop = spawn("noop-extproc", argv, workdir)
+    # Port 0 and wait for the ready line: traffic must not reach Envoy before the floor listens (Envoy
+    # answers 500 while its ext_proc cluster refuses connections), and no port is picked then released.
+    argv = [sys.executable, "-m", "benchmarks.noop_extproc", "--port", "0", "--dest", ",".join(addrs)]
+    noop, ready = spawn_ready_line("noop-extproc", argv, workdir, "noop-extproc ready")
     try:
-        opts = _envoy_options(body_mode, f"127.0.0.1:{noop_port}")
+        opts = _envoy_options(body_mode, ready.rpartition("extproc=")[2])
         row["floor"] = _through_envoy(workdir, opts, bodies, seconds, conc)
     finally:
         noop.stop()

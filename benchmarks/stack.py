@@ -109,6 +109,37 @@ def spawn_ready(name: str, argv: Sequence[str], workdir: Path, ready_url: str) -
     return mp
 
 
+def wait_line(mp: ManagedProcess, prefix: str, timeout: float = 30.0) -> str:
+    """Wait until the process's log has a line starting with ``prefix``; return that line.
+
+    For servers that say they are ready (and on which ports) on stdout once they listen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        # Read the file before checking the exit, so a line written just before exiting is seen.
+        for line in mp.log_path.read_text(errors="replace").splitlines():
+            if line.startswith(prefix):
+                return line
+        if mp.proc.poll() is not None:
+            raise RuntimeError(f"{mp.name} exited with {mp.proc.returncode} before printing {prefix!r}")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{mp.name} did not print {prefix!r} within {timeout}s")
+        time.sleep(0.02)
+
+
+def spawn_ready_line(
+    name: str, argv: Sequence[str], workdir: Path, prefix: str, timeout: float = 30.0
+) -> tuple[ManagedProcess, str]:
+    """Spawn a process and wait for its ready line (see ``wait_line``); stop it and raise with its log if
+    it does not come."""
+    mp = spawn(name, argv, workdir)
+    try:
+        line = wait_line(mp, prefix, timeout)
+    except Exception:
+        mp.stop()
+        raise RuntimeError(f"{name} did not start:\n{mp.log_tail()}") from None
+    return mp, line
+
+
 @dataclass
 class EnvoyProcess:
     opts: EnvoyOptions

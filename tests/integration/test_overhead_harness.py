@@ -9,9 +9,8 @@ import pytest
 from benchmarks.overhead import backend_addresses, decision_cpu_us, measure_row, start_upstream
 from benchmarks.stack import make_workdir
 
-pytestmark = pytest.mark.envoy
 
-
+@pytest.mark.envoy
 @pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
 def test_every_configuration_serves_every_request(body_mode: str) -> None:
     workdir = make_workdir("kv-epp-ovh-test-")
@@ -26,5 +25,7 @@ def test_every_configuration_serves_every_request(body_mode: str) -> None:
     assert row["throughput_ratio"] == pytest.approx(row["picker"]["rps"] / row["floor"]["rps"], abs=1e-3)
 
 
-def test_decision_cpu_measures_something() -> None:
-    assert decision_cpu_us(4096, 2, iterations=50) > 0
+def test_decision_cpu_routes_every_request() -> None:
+    """``decision_cpu_us`` raises when the request path does not route a request, so this fails on a broken
+    path; the figure itself is not asserted (a duration is always > 0, and bounds would be timing-sensitive)."""
+    decision_cpu_us(4096, 2, iterations=50)
