@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_listener_config(args.config)
     except ListenerConfigError as exc:
-        for path, msg in exc.problems:
-            sys.stderr.write(f"error: {path}: {msg}\n")
+        problems = "; ".join(f"{path}: {msg}" for path, msg in exc.problems)
+        sys.stderr.write(f"error: {' '.join(problems.split())}\n")  # one line, however many problems
         return 2
     if args.command == "check":
         sys.stdout.write(f"ok: {len(cfg.sources)} source(s)\n")

@@ -135,6 +135,7 @@ class PickerServer:
             await self._start_servers()
         except BaseException:
             await self._close_servers()
+            await self._close_clients()  # built with the app (e.g. Tier 4's tokenizer): closed even if unused
             raise
         if self.app.config_path is not None:
             self.supervisor.spawn("config-watcher", self._watch_config)
@@ -286,15 +287,18 @@ class PickerServer:
                 await self._grpc.stop(grace=0)  # streams had their drain; none may outlive the clients below
                 self._grpc = None
             stuck = await self.supervisor.stop(TASK_STOP_SECONDS)
-            for hook in self.on_stop:
-                try:
-                    await asyncio.wait_for(hook(), HOOK_STOP_SECONDS)
-                except Exception as exc:  # TimeoutError included: one bad client must not block the rest
-                    log.warning("event=stop_hook_failed hook=%s error=%r", self._task_name(hook), exc)
+            await self._close_clients()
             await self._close_servers()
             log.info("event=picker_stopped refused_streams=%d stuck_tasks=%d", self.servicer.refused, len(stuck))
         finally:
             self._done.set()
+
+    async def _close_clients(self) -> None:
+        for hook in self.on_stop:
+            try:
+                await asyncio.wait_for(hook(), HOOK_STOP_SECONDS)
+            except Exception as exc:  # TimeoutError included: one bad client must not block the rest
+                log.warning("event=stop_hook_failed hook=%s error=%r", self._task_name(hook), exc)
 
     async def _close_servers(self) -> None:
         for server in (self._grpc, self._health_grpc):

@@ -90,11 +90,13 @@ def test_port_in_use_is_one_error_line_and_exit_2(where: str, busy_port: int, wo
 
 
 def test_bad_config_file_is_one_error_line_and_exit_2(workdir: Path) -> None:
-    for path in (workdir / "missing.yaml", write_yaml(workdir / "bad.yaml", {"listen": "nowhere"})):
+    two_bad = write_yaml(workdir / "bad.yaml", {"listen": "nowhere", "drain_propagation_seconds": 1000})
+    for path in (workdir / "missing.yaml", two_bad):
         out = run_cli(["-m", "listener.cli", "run", "--config", str(path)])
         assert out.returncode == 2 and out.stdout == ""
         lines = out.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert "listen" in lines[0] and "drain_propagation_seconds" in lines[0]  # both problems, one line
 
 
 async def test_crashed_source_flips_readiness_and_is_counted() -> None:
