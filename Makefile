@@ -20,10 +20,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy picker listener benchmarks
 
+# Unit tests only (in-process, under a minute): integration and e2e tests are marked by directory
+# in tests/conftest.py.
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -m "not integration and not e2e" tests
 
-test: lint typecheck unit
+# Everything: lint, types, then every test (unit, integration with the real Envoy, e2e).
+test: lint typecheck
+	$(VENV)/bin/pytest -q tests
 
 demo: $(STAMP)
 	$(PY) -m benchmarks.demo

@@ -14,6 +14,8 @@ from benchmarks.policies import POLICIES, parse_policies
 from benchmarks.routing import run
 from benchmarks.scenarios import tiny
 
+pytestmark = pytest.mark.envoy  # benchmarks.routing.run starts the real Envoy
+
 
 def test_tiny_scenario_three_policies(tmp_path: Path) -> None:
     scenario = tiny(time_scale=0.5)
