@@ -46,8 +46,9 @@ from picker.shared.supervisor import TaskFailure, TaskSupervisor
 log = logging.getLogger("kv_epp.server")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
-READINESS_SERVICES = ("", "readiness", EXT_PROC_SERVICE)  # liveness stays SERVING until the process exits
+# Readiness under every name a gateway probes ("inference-extension": the GIE conformance manifests and
+# the llm-d chart); liveness stays SERVING until the process exits.
+READINESS_SERVICES = ("", "readiness", EXT_PROC_SERVICE, "inference-extension")
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),

@@ -69,7 +69,7 @@ def test_grpc_health_services(workdir: Path) -> None:
     picker = start_picker({"extproc": {"health_port": health_port}}, workdir, name="picker-health")
     try:
         for port in (picker.extproc_port, health_port):
-            for svc in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            for svc in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor", "inference-extension"):
                 assert health_status(port, svc) == health_pb2.HealthCheckResponse.SERVING
     finally:
         assert picker.stop() == 0
