@@ -4,8 +4,7 @@ evicts the prefix, the picker stops preferring it."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ from benchmarks.engine_sim.process import SimulatorProcess
 from benchmarks.stack import free_port, make_workdir, start_envoy, start_listener, start_picker
 from picker.runtime.envoy_config import EnvoyOptions
 from tests.integration.conftest import http
+from tests.support.poll import wait_until
 
 pytestmark = pytest.mark.envoy
 PIN = "x-test-subset"
@@ -49,13 +49,6 @@ class KvStack:
 
     def decisions(self) -> dict[str, int]:
         return self.admin("/admin/kv-index/stats")["routing_decisions"]
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +100,10 @@ def kv_stack() -> Iterator[KvStack]:
         )  # fmt: skip
         procs.append(envoy)
         stack = KvStack(sims, picker, envoy)
-        wait_for(
+        wait_until(
             lambda: all(b["connection"]["connected"] for b in stack.admin("/admin/kv-index/backends")["backends"]),
-            "feed consumers to connect",
+            timeout=15.0,
+            what="feed consumers to connect",
         )
         yield stack
     finally:
@@ -124,14 +118,16 @@ def test_request_follows_the_replica_that_holds_its_prefix_until_it_restarts(kv_
     system = prompt("restart")
     _, holder = s.chat(system, "warm up", pin=1)
     assert holder == "sim-1"
-    wait_for(lambda: s.entries().get("sim-1", 0) >= 20, "sim-1's blocks in the picker's index")
+    wait_until(lambda: s.entries().get("sim-1", 0) >= 20, timeout=15.0, what="sim-1's blocks in the picker's index")
     before = s.decisions()
     served = [s.chat(system, f"follow-up {i}")[1] for i in range(6)]
     assert served == ["sim-1"] * 6  # round robin alone would alternate
     assert s.decisions()["kv_aware"] - before["kv_aware"] == 6
 
     s.sims[1].restart()  # cache cleared, AllBlocksCleared, sequence reset
-    wait_for(lambda: s.entries().get("sim-1", 0) == 0, "sim-1's entries to be dropped after its restart")
+    wait_until(
+        lambda: s.entries().get("sim-1", 0) == 0, timeout=15.0, what="sim-1's entries to be dropped after its restart"
+    )
     before = s.decisions()
     s.chat(system, "after restart")
     after = s.decisions()
@@ -142,7 +138,7 @@ def test_picker_stops_preferring_a_replica_that_evicted_the_prefix(kv_stack: KvS
     s = kv_stack
     system = prompt("evict")
     s.chat(system, "warm up", pin=0)
-    wait_for(lambda: s.entries().get("sim-0", 0) >= 20, "sim-0's blocks in the picker's index")
+    wait_until(lambda: s.entries().get("sim-0", 0) >= 20, timeout=15.0, what="sim-0's blocks in the picker's index")
     assert s.chat(system, "still there")[1] == "sim-0"
     created_before = s.admin("/admin/kv-index/backends")
     evicted0 = next(b for b in created_before["backends"] if b["backend_name"] == "sim-0")["events"]["index_evicted"]
@@ -153,7 +149,7 @@ def test_picker_stops_preferring_a_replica_that_evicted_the_prefix(kv_stack: KvS
         b = next(b for b in s.admin("/admin/kv-index/backends")["backends"] if b["backend_name"] == "sim-0")
         return bool(b["events"]["index_evicted"] > evicted0)
 
-    wait_for(evicted, "BlockRemoved events to reach the index")
+    wait_until(evicted, timeout=15.0, what="BlockRemoved events to reach the index")
     before = s.decisions()
     s.chat(system, "after eviction")
     after = s.decisions()

@@ -4,7 +4,7 @@ the last id, snapshot when the id is too old, buffer_overflow on a slow consumer
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -18,15 +18,10 @@ from picker.kv.index import InMemoryKvIndex
 from picker.ops.metrics import PickerMetrics
 from picker.shared.block_keys import request_block_keys
 from tests.support.http_server import serve
+from tests.support.poll import async_wait_until
 
 BS = 4
 MODEL = "m"
-
-
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.005)
 
 
 @pytest.fixture
@@ -79,12 +74,12 @@ async def test_two_consumers_same_index_resume_and_snapshot(app: ListenerApp) ->
     c1.start()
     c2.start()
     try:
-        await until(lambda: holds(i1, first) == 8 and holds(i2, first) == 8)
+        await async_wait_until(lambda: holds(i1, first) == 8 and holds(i2, first) == 8)
         assert c1.stats.snapshots == 1  # no id yet: started from a snapshot
         assert metrics.registry.get_sample_value("continuum_kv_consumer_connected", {"backend": "e1"}) == 1
         second = chains.store()
         app.trackers["e1"].apply(BlockRemoved((100 + 7,)))  # chain 1 loses its last block
-        await until(lambda: holds(i1, second) == 7 and holds(i2, second) == 7)
+        await async_wait_until(lambda: holds(i1, second) == 7 and holds(i2, second) == 7)
         assert i1.entry_count == i2.entry_count == len(app.feeds["e1"].state) == 15
 
         # resume: disconnect, miss a few records (inside the 16-record history), reconnect
@@ -92,7 +87,7 @@ async def test_two_consumers_same_index_resume_and_snapshot(app: ListenerApp) ->
         last = c1.last_event_id
         third = chains.store()  # 3 records (8 keys, 3 per record)
         c1.start()
-        await until(lambda: holds(i1, third) == 8)
+        await async_wait_until(lambda: holds(i1, third) == 8)
         assert c1.stats.snapshots == 1 and c1.last_event_id == app.feeds["e1"].last_id
         assert last is not None and c1.last_event_id > last
 
@@ -103,8 +98,8 @@ async def test_two_consumers_same_index_resume_and_snapshot(app: ListenerApp) ->
         app.trackers["e1"].reset("restart")
         newest = chains.store()
         c1.start()
-        await until(lambda: c1.stats.snapshots == 2 and holds(i1, newest) == 8)
-        await until(lambda: holds(i2, newest) == 8 and holds(i2, first) == 0)
+        await async_wait_until(lambda: c1.stats.snapshots == 2 and holds(i1, newest) == 8)
+        await async_wait_until(lambda: holds(i2, newest) == 8 and holds(i2, first) == 0)
         assert holds(i1, first) == 0
         assert i1.entry_count == i2.entry_count == 8
     finally:
@@ -116,7 +111,7 @@ async def test_slow_consumer_gets_buffer_overflow(app: ListenerApp) -> None:
     chains = Chains(app)
     feed = app.feeds["e1"]
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{app.port}/events/e1") as resp:
-        await until(lambda: len(feed.subscribers) == 1)
+        await async_wait_until(lambda: len(feed.subscribers) == 1)
         for _ in range(10):  # 30 records at once: more than the 8-record subscriber queue
             chains.store()
         body = await resp.text()
@@ -151,7 +146,7 @@ async def test_oversize_record_drops_connection_and_resumes() -> None:
         )
         c.start()
         try:
-            await until(lambda: c.last_event_id == 8)
+            await async_wait_until(lambda: c.last_event_id == 8)
             assert served == [None, "7"]
             assert c.stats.events_dropped == 1 and c.stats.reconnect_count >= 1
             assert idx.lookup([0xAA]) and idx.lookup([0xBB])
@@ -166,9 +161,9 @@ async def test_drain_tells_consumers(app: ListenerApp) -> None:
     c = consumer(app, idx)
     c.start()
     try:
-        await until(lambda: idx.entry_count == 8)
+        await async_wait_until(lambda: idx.entry_count == 8)
         await app.stop()
-        await until(lambda: c.stats.closes.get("draining", 0) == 1)
+        await async_wait_until(lambda: c.stats.closes.get("draining", 0) == 1)
     finally:
         await c.stop()
 
@@ -204,7 +199,7 @@ async def test_hostile_records_are_dropped_and_a_silent_peer_is_left() -> None:
         c = KvFeedConsumer(src, idx)
         c.start()
         try:
-            await until(lambda: c.last_event_id == 4)  # reconnected after the silent peer's read timeout
+            await async_wait_until(lambda: c.last_event_id == 4)  # reconnected after the silent peer's read timeout
             assert served == [None, "3"]
             assert c.stats.events_dropped == 2
             assert idx.lookup([0xAA]) and idx.lookup([0xBB]) and idx.prefix_count == 2

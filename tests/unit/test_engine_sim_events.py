@@ -19,8 +19,10 @@ from benchmarks.engine_sim import EngineSimulator, KvEventsSettings, SimConfig
 from benchmarks.engine_sim.kv_events import END_SEQ
 from benchmarks.engine_sim.prefix_cache import hash_as_int64, hash_as_uint64
 from benchmarks.engine_sim.tokenizer import encode
+from tests.support.poll import async_wait_until
 
 BS = 16
+PROBE = b"test-probe"  # topic of the messages EventTap.joined sends to detect the subscription
 FIELDS = {
     "BlockStored": [
         "block_hashes",
@@ -56,8 +58,28 @@ class EventTap:
         self.sub.connect(sim.kv_events_endpoint)
         self.replay_endpoint = sim.replay_endpoint
 
+    async def joined(self, sim: EngineSimulator, timeout: float = 10.0) -> None:
+        """Wait until this SUB receives what the simulator's PUB sends (ZMQ's slow joiner: a PUB drops
+        messages until the subscription has reached it). Polls with probe messages on the simulator's PUB
+        socket; ``next`` skips them, and they never enter the replay buffer or the sequence."""
+        assert sim.publisher is not None and sim.publisher._pub is not None
+        pub = sim.publisher._pub
+
+        async def probe_seen() -> bool:
+            await pub.send_multipart([PROBE, b"", b""])
+            try:
+                frames = await asyncio.wait_for(self.sub.recv_multipart(), 0.05)
+            except TimeoutError:
+                return False
+            return frames[0] == PROBE
+
+        await async_wait_until(probe_seen, timeout, interval=0, what="the SUB socket to join the simulator's PUB")
+
     async def next(self) -> tuple[bytes, int, list[Any]]:
-        topic, seq, payload = await asyncio.wait_for(self.sub.recv_multipart(), 10)
+        frames = await asyncio.wait_for(self.sub.recv_multipart(), 10)
+        while frames[0] == PROBE:  # a late answer to a probe sent by joined()
+            frames = await asyncio.wait_for(self.sub.recv_multipart(), 10)
+        topic, seq, payload = frames
         ts, events, dp_rank = msgpack.unpackb(payload, raw=False)
         assert isinstance(ts, float) and dp_rank == 0
         return topic, int.from_bytes(seq, "big"), events
@@ -87,7 +109,7 @@ async def started(config: SimConfig, settings: KvEventsSettings) -> tuple[Engine
     sim = EngineSimulator(config, settings)
     await sim.start()
     tap = EventTap(sim)
-    await asyncio.sleep(0.3)  # let the subscription reach the PUB socket (slow joiner)
+    await tap.joined(sim)
     return sim, tap
 
 

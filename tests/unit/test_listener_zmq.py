@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
@@ -18,6 +18,7 @@ from aiohttp import ClientSession
 from listener.app import ListenerApp
 from listener.config import LimitsConfig, ListenerConfig, SourceConfig
 from picker.shared.block_keys import request_block_keys
+from tests.support.poll import async_wait_until
 
 BS = 4
 MODEL = "m"
@@ -41,12 +42,6 @@ def batch(*events: Any) -> bytes:
 
 def keys(n_blocks: int) -> list[int]:
     return request_block_keys(TOKENS[: n_blocks * BS], BS, MODEL)
-
-
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.005)
 
 
 class Pub:
@@ -138,10 +133,10 @@ async def test_both_encodings_multiblock_and_removal(ctx: zmq.asyncio.Context) -
         feed = app.feeds["e1"]
         await pub.send(0, batch(stored([1, 2, 3], None, TOKENS[:12])))
         await pub.send(1, batch(stored([4, 5], 3, TOKENS[12:20], as_map=True)))
-        await until(lambda: len(feed.state) == 5)
+        await async_wait_until(lambda: len(feed.state) == 5)
         assert set(feed.state) == set(keys(5))
         await pub.send(2, msgpack.packb({"ts": 1, "events": [{"type": "BlockRemoved", "block_hashes": [5, 4]}]}))
-        await until(lambda: len(feed.state) == 3)
+        await async_wait_until(lambda: len(feed.state) == 3)
         assert set(feed.state) == set(keys(3))
         assert sample(app, "kv_listener_events_processed_total") == 3
 
@@ -164,7 +159,7 @@ async def test_gap_is_replayed(ctx: zmq.asyncio.Context, layout: str) -> None:
             feed = app.feeds["e1"]
             await pub.send(0, msgs[0])
             await pub.send(3, msgs[3])  # 1 and 2 are lost on the SUB path
-            await until(lambda: len(feed.state) == 5)
+            await async_wait_until(lambda: len(feed.state) == 5)
             assert set(feed.state) == set(keys(5))
             assert replay.requests == [1]
             assert sample(app, "kv_listener_sequence_gaps_total") == 1
@@ -179,10 +174,10 @@ async def test_gap_without_replay_clears_the_backend(ctx: zmq.asyncio.Context) -
     async with running(pub) as app:
         feed = app.feeds["e1"]
         await pub.send(0, batch(stored([1, 2], None, TOKENS[:8])))
-        await until(lambda: len(feed.state) == 2)
+        await async_wait_until(lambda: len(feed.state) == 2)
         await pub.send(5, batch(stored([9], None, TOKENS[:4])))
-        await until(lambda: sample(app, "kv_listener_backend_clears_total", reason="gap") == 1)
-        await until(lambda: len(feed.state) == 1)
+        await async_wait_until(lambda: sample(app, "kv_listener_backend_clears_total", reason="gap") == 1)
+        await async_wait_until(lambda: len(feed.state) == 1)
         assert set(feed.state) == set(keys(1))
 
 
@@ -192,13 +187,15 @@ async def test_restart_and_all_blocks_cleared(ctx: zmq.asyncio.Context) -> None:
         feed = app.feeds["e1"]
         for s in range(3):
             await pub.send(s, batch(stored([10 + s], None if s == 0 else 9 + s, TOKENS[s * 4 : s * 4 + 4])))
-        await until(lambda: len(feed.state) == 3)
+        await async_wait_until(lambda: len(feed.state) == 3)
         await pub.send(0, batch(stored([77], None, TOKENS[:4])))  # sequence reset: engine restarted
-        await until(lambda: sample(app, "kv_listener_engine_restarts_total") == 1)
-        await until(lambda: set(feed.state) == set(keys(1)))
+        await async_wait_until(lambda: sample(app, "kv_listener_engine_restarts_total") == 1)
+        await async_wait_until(lambda: set(feed.state) == set(keys(1)))
         assert app.trackers["e1"].tracked_blocks == 1
         await pub.send(1, batch(["AllBlocksCleared"]))
-        await until(lambda: sample(app, "kv_listener_backend_clears_total", reason="all_blocks_cleared") == 1)
+        await async_wait_until(
+            lambda: sample(app, "kv_listener_backend_clears_total", reason="all_blocks_cleared") == 1
+        )
         assert feed.state == {} and app.trackers["e1"].tracked_blocks == 0
 
 
@@ -206,12 +203,14 @@ async def test_allowed_publishers_by_peer_address(ctx: zmq.asyncio.Context) -> N
     pub = Pub(ctx)
     async with running(pub, allowed_publishers=("10.9.9.9",)) as app:
         await pub.send(0, batch(stored([1], None, TOKENS[:4])))
-        await until(lambda: sample(app, "kv_listener_events_dropped_total", reason="publisher_not_allowed") == 1)
+        await async_wait_until(
+            lambda: sample(app, "kv_listener_events_dropped_total", reason="publisher_not_allowed") == 1
+        )
         assert app.feeds["e1"].state == {}
     pub2 = Pub(ctx)
     async with running(pub2, allowed_publishers=("127.0.0.1",)) as app:
         await pub2.send(0, batch(stored([1], None, TOKENS[:4])))
-        await until(lambda: len(app.feeds["e1"].state) == 1)
+        await async_wait_until(lambda: len(app.feeds["e1"].state) == 1)
 
 
 async def test_topic_filter(ctx: zmq.asyncio.Context) -> None:
@@ -219,7 +218,7 @@ async def test_topic_filter(ctx: zmq.asyncio.Context) -> None:
     async with running(pub, topic="kv@10.0.0.1@m") as app:
         await pub.send(0, batch(stored([1], None, TOKENS[:4])), topic=b"kv@10.0.0.2@m")
         await pub.send(0, batch(stored([2], None, TOKENS[4:8])), topic=b"kv@10.0.0.1@m")
-        await until(lambda: len(app.feeds["e1"].state) == 1)
+        await async_wait_until(lambda: len(app.feeds["e1"].state) == 1)
         assert sample(app, "kv_listener_messages_received_total") == 1
 
 
@@ -242,7 +241,7 @@ async def test_hostile_payloads_are_counted_and_skipped(ctx: zmq.asyncio.Context
         await pub.sock.send_multipart([b"", b"\x01\x02", b"x"])  # bad sequence frame
         await pub.sock.send_multipart([b"", seq8(99)])  # two frames
         await pub.send(len(hostile), batch(stored([7], None, TOKENS[:4])))
-        await until(lambda: len(app.feeds["e1"].state) == 1)
+        await async_wait_until(lambda: len(app.feeds["e1"].state) == 1)
         dropped = {r: sample(app, "kv_listener_events_dropped_total", reason=r) for r in ("malformed", "too_large")}
         assert dropped["malformed"] >= 5 and dropped["too_large"] >= 1
         tracker = app.trackers["e1"]
@@ -260,11 +259,11 @@ async def test_restart_after_only_seq_zero_is_not_a_duplicate(ctx: zmq.asyncio.C
     async with running(pub) as app:
         feed = app.feeds["e1"]
         await pub.send(0, batch(stored([1, 2], None, TOKENS[:8])))
-        await until(lambda: len(feed.state) == 2)
+        await async_wait_until(lambda: len(feed.state) == 2)
         cleared = batch(["AllBlocksCleared"])
         await pub.send(0, cleared)
-        await until(lambda: sample(app, "kv_listener_engine_restarts_total") == 1)
-        await until(lambda: feed.state == {})
+        await async_wait_until(lambda: sample(app, "kv_listener_engine_restarts_total") == 1)
+        await async_wait_until(lambda: feed.state == {})
         await pub.send(0, cleared)
-        await until(lambda: sample(app, "kv_listener_events_dropped_total", reason="duplicate") == 1)
+        await async_wait_until(lambda: sample(app, "kv_listener_events_dropped_total", reason="duplicate") == 1)
         assert sample(app, "kv_listener_engine_restarts_total") == 1
