@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import socket
-import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import SUBSET_TEST_HEADER, Stack, build_stack, http
+from tests.support.poll import wait_until
 
 pytestmark = pytest.mark.envoy
 
@@ -35,17 +35,16 @@ def _reset(stack: Stack) -> None:
     wait_idle(stack)
 
 
-def wait_idle(stack: Stack, timeout: float = 10.0) -> dict[str, int]:
-    """Wait until the picker reports no request in flight; return the last reading."""
-    deadline = time.monotonic() + timeout
-    while True:
-        dist = {
-            d["backend"]: d["in_flight_requests"]
-            for d in stack.admin("/admin/prefix-routing/stats")["backend_distribution"]
-        }
-        if not any(dist.values()) or time.monotonic() > deadline:
-            return dist
-        time.sleep(0.05)
+def in_flight(stack: Stack) -> dict[str, int]:
+    return {
+        d["backend"]: d["in_flight_requests"]
+        for d in stack.admin("/admin/prefix-routing/stats")["backend_distribution"]
+    }
+
+
+def wait_idle(stack: Stack, timeout: float = 10.0) -> None:
+    """Wait until the picker reports no request in flight (fails the test after ``timeout``)."""
+    wait_until(lambda: not any(in_flight(stack).values()), timeout, interval=0.05, what="no request in flight")
 
 
 def test_same_prefix_same_backend(stack: Stack) -> None:
@@ -112,12 +111,21 @@ def test_large_body_is_forwarded_intact(stack: Stack) -> None:
 
 
 def test_client_destination_header_is_not_honoured(stack: Stack) -> None:
-    forged = stack.backends.address(0)
-    r = stack.chat("forgery test", headers={"x-gateway-destination-endpoint": "10.0.0.1:1"})
+    # A prefix the picker sends to some backend other than be-0 ...
+    owner, prefix = next(
+        (o, p) for p in (f"forgery test {i}" for i in range(100)) if (o := stack.chat(p).headers["x-backend"]) != "be-0"
+    )
+    stack.backends.reset()
+    # ... sent with a forged destination naming be-0, a real backend that would answer if it were honoured.
+    r = stack.chat(prefix, headers={"x-gateway-destination-endpoint": stack.backends.address(0)})
     assert r.status == 200
-    assert r.headers["x-seen-destination"] != "10.0.0.1:1"
-    assert r.headers["x-seen-destination"] == stack.backends.address(stack.backends.names.index(r.headers["x-backend"]))
-    assert forged  # the picker, not the client, chose
+    assert r.headers["x-backend"] == owner  # the picker's choice, not the client's
+    assert r.headers["x-seen-destination"] == stack.backends.address(stack.backends.names.index(owner))
+    assert stack.backends.stats(0)["seen"] == 0  # the forged destination got nothing
+    # A forged destination where nothing listens: honoured, it would fail; ignored, it is served.
+    r = stack.chat("forgery test", headers={"x-gateway-destination-endpoint": "192.0.2.1:9"})
+    assert r.status == 200
+    assert r.headers["x-seen-destination"] != "192.0.2.1:9"
 
 
 def test_subset_hint_is_honoured(stack: Stack) -> None:
@@ -195,13 +203,9 @@ def test_aborted_client_releases_in_flight_slot(stack: Stack) -> None:
         + f"content-length: {len(body)}\r\n\r\n".encode()
         + body
     )
-    deadline = time.monotonic() + 10
-    while sum(d["in_flight_requests"] for d in stack.admin("/admin/prefix-routing/stats")["backend_distribution"]) == 0:
-        assert time.monotonic() < deadline, "request never became in-flight"
-        time.sleep(0.02)
+    wait_until(lambda: any(in_flight(stack).values()), what="the request to become in flight")
     sock.close()  # the client goes away mid-request
-    dist = wait_idle(stack)
-    assert not any(dist.values()), dist
+    wait_idle(stack)
 
 
 def test_failing_backend_is_avoided(stack: Stack) -> None:
