@@ -127,11 +127,16 @@ def wait_line(mp: ManagedProcess, prefix: str, timeout: float = 30.0) -> str:
 
 
 def spawn_ready_line(
-    name: str, argv: Sequence[str], workdir: Path, prefix: str, timeout: float = 30.0
+    name: str,
+    argv: Sequence[str],
+    workdir: Path,
+    prefix: str,
+    timeout: float = 30.0,
+    env: dict[str, str] | None = None,
 ) -> tuple[ManagedProcess, str]:
     """Spawn a process and wait for its ready line (see ``wait_line``); stop it and raise with its log if
     it does not come."""
-    mp = spawn(name, argv, workdir)
+    mp = spawn(name, argv, workdir, env)
     try:
         line = wait_line(mp, prefix, timeout)
     except Exception:

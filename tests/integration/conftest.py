@@ -19,12 +19,12 @@ from benchmarks.stack import (
     PickerProcess,
     free_port,
     make_workdir,
-    spawn,
+    spawn_ready_line,
     start_envoy,
     start_picker,
-    wait_http,
 )
 from picker.runtime.envoy_config import EnvoyOptions
+from tests.support.echo_backend import READY_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET_TEST_HEADER = "x-test-subset"
@@ -79,20 +79,12 @@ class Backends:
 
 
 def start_backends(n: int, workdir: Path) -> Backends:
-    ports = [free_port() for _ in range(n)]
+    """``n`` echo backends on ports they bind themselves (reported on their ready line: no port is picked
+    and then released)."""
     names = [f"be-{i}" for i in range(n)]
-    argv = [
-        sys.executable,
-        "-m",
-        "tests.support.echo_backend",
-        "--ports",
-        ",".join(map(str, ports)),
-        "--names",
-        ",".join(names),
-    ]
-    proc = spawn("backends", argv, workdir, env={"PYTHONPATH": str(ROOT)})
-    for p in ports:
-        wait_http(f"http://127.0.0.1:{p}/stats", proc=proc.proc)
+    argv = [sys.executable, "-m", "tests.support.echo_backend", "--count", str(n), "--names", ",".join(names)]
+    proc, line = spawn_ready_line("backends", argv, workdir, READY_PREFIX, env={"PYTHONPATH": str(ROOT)})
+    ports = [int(p) for p in line.rpartition("ports=")[2].split(",")]
     return Backends(ports, names, proc)
 
 

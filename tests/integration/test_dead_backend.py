@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from benchmarks.stack import free_port
 from tests.integration.conftest import Stack, build_stack
 
 pytestmark = pytest.mark.envoy
@@ -21,8 +21,12 @@ CONFIG = {
 
 @pytest.fixture(scope="module", params=["FULL_DUPLEX_STREAMED", "BUFFERED"])
 def stack(request: pytest.FixtureRequest, workdir: Path) -> Iterator[Stack]:
-    dead = [{"name": "dead", "address": f"127.0.0.1:{free_port()}"}]
-    yield from build_stack(workdir, request.param, 1, CONFIG, extra_pool=dead)
+    # Bound and never listening: connections are refused, and no later process can take the port (a port
+    # picked and released could be handed to the next process started, which would then answer).
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as reserved:
+        reserved.bind(("127.0.0.1", 0))
+        dead = [{"name": "dead", "address": f"127.0.0.1:{reserved.getsockname()[1]}"}]
+        yield from build_stack(workdir, request.param, 1, CONFIG, extra_pool=dead)
 
 
 def test_refusing_backend_is_ejected(stack: Stack) -> None:

@@ -1,6 +1,7 @@
 """A tiny OpenAI-shaped upstream for picker tests: answers with its own name, can stream, fail or stall.
 
-Run: python -m tests.support.echo_backend --ports 8001,8002 [--names a,b]
+Run: python -m tests.support.echo_backend --ports 8001,8002 | --count N [--names a,b]
+Once every port listens it prints ``echo-backend ready ports=P1,P2,...`` on stdout.
 Control (per port): POST /control {"fail": true|false, "delay_ms": N}
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 
 from aiohttp import web
 
@@ -72,22 +74,34 @@ def make_app(name: str) -> web.Application:
     return app
 
 
+READY_PREFIX = "echo-backend ready"
+
+
 async def serve(ports: list[int], names: list[str]) -> None:
     runners = []
+    bound = []
     for port, name in zip(ports, names, strict=True):
         runner = web.AppRunner(make_app(name), access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))  # port 0: any free port, reported on the ready line
+        bound.append(sock.getsockname()[1])
+        await web.SockSite(runner, sock).start()
         runners.append(runner)
+    print(f"{READY_PREFIX} ports={','.join(map(str, bound))}", flush=True)
     await asyncio.Event().wait()
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--ports", required=True)
+    p.add_argument("--ports", help="comma-separated ports (0: any free port)")
+    p.add_argument("--count", type=int, help="this many backends on free ports (instead of --ports)")
     p.add_argument("--names")
     a = p.parse_args()
-    ports = [int(x) for x in a.ports.split(",")]
+    if (a.ports is None) == (a.count is None):
+        p.error("give exactly one of --ports and --count")
+    ports = [int(x) for x in a.ports.split(",")] if a.ports else [0] * a.count
     names = a.names.split(",") if a.names else [f"be-{i}" for i in range(len(ports))]
     asyncio.run(serve(ports, names))
 
