@@ -49,6 +49,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[pb.ProcessingResponse]:
         if not self.admitting:
             self.refused += 1
+            self.app.recorder.refused("draining")
             # UNAVAILABLE, not an ImmediateResponse 503: a 503 is a final answer Envoy relays to the client,
             # while UNAVAILABLE is a processor failure Envoy can fail over on (failure_mode_allow continues
             # without the picker, outlier detection ejects this host, status_on_error picks the client status).
@@ -62,7 +63,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 try:
                     responses = await stream.handle(req)
                 except Exception:  # a bug must cost one request, never the process
-                    log.exception("event=extproc_error path=%s", stream.path)
+                    log.exception("event=extproc_error path=%r", stream.path)  # client text: escaped
                     self.app.metrics.requests.labels("error").inc()
                     yield immediate(
                         500, error_body("internal picker error", "picker_error", "api_error"), "kv_epp_error"

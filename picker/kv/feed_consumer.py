@@ -249,13 +249,19 @@ class KvFeedConsumers:
         self.metrics = metrics
         self.consumers = {s.backend_name: KvFeedConsumer(s, index, metrics) for s in sources}
         self.sweep_interval_s = sweep_interval_s
-        self._sweeper: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        for c in self.consumers.values():
-            c.start()
-        if self._sweeper is None:
-            self._sweeper = asyncio.create_task(self._sweep_loop(), name="kv-index-sweep")
+    async def run(self) -> None:
+        """Run every consumer and the index sweep until cancelled. They run in one task group: if one
+        of them dies (a bug: consumers retry every expected failure themselves), the others are
+        cancelled and the error propagates to the process's supervisor, which flips readiness."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                for c in self.consumers.values():
+                    group.create_task(c.run(), name=f"kv-feed-{c.backend}")
+                group.create_task(self._sweep_loop(), name="kv-index-sweep")
+        finally:
+            for c in self.consumers.values():
+                await c.stop()  # closes each consumer's HTTP session
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -267,15 +273,6 @@ class KvFeedConsumers:
                 await asyncio.sleep(0)
             if self.metrics is not None:
                 self.metrics.kv_index_entries.set(self.index.entry_count)
-
-    async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
-        for c in self.consumers.values():
-            await c.stop()
 
     def stats(self) -> list[ConsumerStats]:
         return [c.stats for c in self.consumers.values()]

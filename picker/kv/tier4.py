@@ -80,12 +80,8 @@ class Tier4:
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Background: start the feed consumers and keep them until cancelled."""
-        self.consumers.start()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await self.consumers.stop()
+        """Background (supervised): the feed consumers and the index sweep, until cancelled."""
+        await self.consumers.run()
 
     async def close(self) -> None:
         await self.tokenizer.close()

@@ -110,7 +110,7 @@ class PickerMetrics:
         # Request path
         self.requests = Counter(
             "continuum_picker_requests",
-            "Requests seen by the picker, by outcome (routed, bad_request, no_backend, error)",
+            "Requests seen by the picker, by outcome (routed, bad_request, no_backend, error, draining)",
             ["outcome"],
             registry=r,
         )

@@ -6,7 +6,7 @@ algorithms and PYTHONHASHSEED do not matter.
 
 key(block i) = blake2b-64(parent_key as 8 bytes BE ++ extra ++ block tokens as uint32 LE)
 root parent  = blake2b-64("kv-epp/root" ++ 0x00 ++ model)
-extra        = lora_name ++ 0x00 ++ cache_salt  (empty strings when absent)
+extra        = len(lora) ++ lora_name ++ len(salt) ++ cache_salt  (4-byte BE lengths; empty when both absent)
 Only full blocks get a key: a partial trailing block is never cached by an engine.
 """
 
@@ -29,10 +29,13 @@ def root_key(model: str) -> int:
 
 
 def extra_bytes(lora_name: str | None = None, cache_salt: str | None = None) -> bytes:
-    """Bytes folded into every block key so LoRA adapters and salted caches never collide."""
+    """Bytes folded into every block key so LoRA adapters and salted caches never collide. Each part is
+    length-prefixed, so no choice of characters (a NUL included) makes two different pairs equal."""
     if not lora_name and not cache_salt:
         return b""
-    return (lora_name or "").encode("utf-8") + b"\x00" + (cache_salt or "").encode("utf-8")
+    lora = (lora_name or "").encode("utf-8", "surrogatepass")
+    salt = (cache_salt or "").encode("utf-8", "surrogatepass")
+    return len(lora).to_bytes(4, "big") + lora + len(salt).to_bytes(4, "big") + salt
 
 
 def block_key(parent: int, tokens: Sequence[int], extra: bytes = b"") -> int:

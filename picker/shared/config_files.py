@@ -15,6 +15,7 @@ import yaml
 from pydantic import AfterValidator, ValidationError, WithJsonSchema
 
 BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_YAML_ALIASES = 100  # a config file reuses a block a few times (`<<: *defaults`), never thousands
 MAX_YAML_DEPTH = 64  # a config is ~5 levels deep; the bound keeps PyYAML's recursive composer far from RecursionError
 
 
@@ -57,15 +58,23 @@ def validation_problems(exc: ValidationError) -> list[tuple[str, str]]:
 
 class _ConfigLoader(yaml.SafeLoader):
     """SafeLoader that refuses what a config file never needs: duplicate keys (YAML says they are an
-    error, PyYAML keeps the last), keys that are not strings, and nesting deeper than MAX_YAML_DEPTH."""
+    error, PyYAML keeps the last), keys that are not strings, nesting deeper than MAX_YAML_DEPTH, and
+    more than MAX_YAML_ALIASES aliases (each alias may stand for a whole subtree: a "billion laughs"
+    document is small on disk and exponential for whatever walks the loaded data)."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
+        self._aliases = 0
 
     def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         self._depth += 1
         try:
+            if self.check_event(yaml.AliasEvent):
+                self._aliases += 1
+                if self._aliases > MAX_YAML_ALIASES:
+                    mark = self.peek_event().start_mark
+                    raise yaml.composer.ComposerError(None, None, f"more than {MAX_YAML_ALIASES} aliases", mark)
             if self._depth > MAX_YAML_DEPTH:
                 mark = self.peek_event().start_mark
                 raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", mark)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -289,6 +290,10 @@ def test_drain_refuses_new_streams_while_an_open_one_finishes(workdir: Path) -> 
 
         assert "draining" in poll(new_stream_refused, "a new stream to be refused")
         assert picker.proc.poll() is None  # still draining: stream A is open
+        metrics_url = f"http://127.0.0.1:{cfg['admin']['port']}/metrics"
+        with urllib.request.urlopen(metrics_url, timeout=10) as r:
+            refused = re.search(r'continuum_picker_requests_total\{outcome="draining"\} (\S+)', r.read().decode())
+        assert refused is not None and float(refused.group(1)) >= 1  # the refusal is counted, not only logged
 
         requests.put(pb.ProcessingRequest(response_headers=headers_msg("", eos=True, status="200")))
         requests.put(None)

@@ -120,3 +120,16 @@ def test_real_entry_point_prints_no_traceback(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and "duplicate key 'enabled'" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_alias_bomb_is_refused(tmp_path: Path) -> None:
+    """A "billion laughs" file: twelve lines, 10**11 leaves for anything that walks the loaded data."""
+    lines = ['a0: &a0 ["lol"]'] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 12)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError) as info:
+        read_yaml_mapping(bomb)
+    assert "more than 100 aliases" in str(info.value)
+    few = tmp_path / "few.yaml"
+    few.write_text("d: &d {enabled: true}\nprefix_routing:\n  <<: *d\n")
+    assert read_yaml_mapping(few)["prefix_routing"] == {"enabled": True}
