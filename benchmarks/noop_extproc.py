@@ -23,7 +23,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from picker.api import DEST_HEADER, GRPC_OPTIONS, destination_metadata, header_option, streamed_chunks
+from picker.api import GRPC_OPTIONS, pick_response, streamed_chunks
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
@@ -70,15 +70,8 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
     def _route(self, body_len: int, *, at_headers: bool, buffered: bool) -> pb.ProcessingResponse:
-        dest = next(self._dest)
-        sets = [header_option(DEST_HEADER, dest)]
-        if not buffered and body_len:
-            sets.append(header_option("content-length", str(body_len)))
-        md = destination_metadata(dest)
-        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets), clear_route_cache=True)
-        if buffered and not at_headers:
-            return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
-        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md)
+        content_length = body_len if not buffered and body_len else None
+        return pick_response(next(self._dest), content_length, on_body=buffered and not at_headers)
 
 
 READY_PREFIX = "noop-extproc ready"

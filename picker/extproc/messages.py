@@ -15,6 +15,7 @@ DEST_HEADER = "x-gateway-destination-endpoint"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 MAX_STREAMED_CHUNK = 62_000  # Envoy's limit for one streamed body mutation in full-duplex mode
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
@@ -31,6 +32,14 @@ def header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
     )
+
+
+def set_header(mutation: pb.HeaderMutation, key: str, value: str) -> None:
+    """Add an overwriting header to ``mutation``, built in place (nested constructors copy each level)."""
+    opt = mutation.set_headers.add()
+    opt.header.key = key
+    opt.header.raw_value = value.encode()
+    opt.append_action = _OVERWRITE
 
 
 def immediate(
@@ -72,17 +81,38 @@ def destination_metadata(dest: str) -> struct_pb2.Struct:
     return metadata
 
 
+def pick_response(dest: str, content_length: int | None, *, on_body: bool) -> pb.ProcessingResponse:
+    """The pick: the destination header (overwriting any client value), ``clear_route_cache``, the
+    ``envoy.lb`` metadata, and ``content-length`` when the body is re-sent (full duplex). Answers the
+    request-headers phase, or the request-body phase (``on_body``, BUFFERED mode)."""
+    r = pb.ProcessingResponse()
+    common = r.request_body.response if on_body else r.request_headers.response
+    set_header(common.header_mutation, DEST_HEADER, dest)
+    if content_length is not None:
+        set_header(common.header_mutation, "content-length", str(content_length))
+    common.clear_route_cache = True
+    r.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DEST_HEADER].string_value = dest
+    return r
+
+
 def streamed_chunks(body: bytes, eos: bool, *, request: bool) -> list[pb.ProcessingResponse]:
-    """``body`` as full-duplex streamed body mutations of at most MAX_STREAMED_CHUNK bytes."""
-    out: list[pb.ProcessingResponse] = []
+    """``body`` as full-duplex streamed body mutations of at most MAX_STREAMED_CHUNK bytes (built in
+    place: about four times cheaper than nested constructors, and this runs for every response chunk)."""
     n = len(body)
-    offsets = range(0, n, MAX_STREAMED_CHUNK) if n else range(1)
-    last = offsets[-1]
-    for off in offsets:
-        chunk = body[off : off + MAX_STREAMED_CHUNK]
-        mutation = pb.BodyMutation(
-            streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=eos and off == last)
-        )
-        resp = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-        out.append(pb.ProcessingResponse(request_body=resp) if request else pb.ProcessingResponse(response_body=resp))
-    return out
+    if n <= MAX_STREAMED_CHUNK:
+        return [_streamed(body, eos, request)]
+    last = (n - 1) // MAX_STREAMED_CHUNK * MAX_STREAMED_CHUNK
+    return [
+        _streamed(body[off : off + MAX_STREAMED_CHUNK], eos and off == last, request)
+        for off in range(0, n, MAX_STREAMED_CHUNK)
+    ]
+
+
+def _streamed(chunk: bytes, eos: bool, request: bool) -> pb.ProcessingResponse:
+    r = pb.ProcessingResponse()
+    phase = r.request_body if request else r.response_body
+    sr = phase.response.body_mutation.streamed_response
+    sr.body = chunk
+    if eos:
+        sr.end_of_stream = True
+    return r

@@ -15,7 +15,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from picker.extproc.stream import RequestStream, error_body, immediate
+from picker.extproc.stream import RESPONSE_PHASES, RequestStream, error_body, immediate
 
 if TYPE_CHECKING:
     from picker.runtime.app import PickerApp
@@ -61,17 +61,21 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         try:
             async for req in request_iterator:
                 try:
-                    responses = await stream.handle(req)
+                    phase = req.WhichOneof("request")
+                    if phase in RESPONSE_PHASES:
+                        responses = stream.respond(req, phase)
+                    else:
+                        responses = await stream.request(req, phase)
                 except Exception:  # a bug must cost one request, never the process
                     log.exception("event=extproc_error path=%r", stream.path)  # client text: escaped
-                    self.app.metrics.requests.labels("error").inc()
+                    self.app.recorder.refused("error")
                     yield immediate(
                         500, error_body("internal picker error", "picker_error", "api_error"), "kv_epp_error"
                     )
                     return
                 for r in responses:
                     yield r
-                if stream.done and stream.decision is None:
+                if stream.answered_itself:
                     return  # immediate response sent: nothing more to process
         finally:
             stream.close()

@@ -34,10 +34,9 @@ from picker.extproc.messages import (
     FULL_DUPLEX,
     MAX_STREAMED_CHUNK,
     STREAMED,
-    destination_metadata,
-    header_option,
     header_value,
     immediate,
+    pick_response,
     streamed_chunks,
     subset_hint,
 )
@@ -48,8 +47,9 @@ from picker.routing.endpoints import Decision
 if TYPE_CHECKING:
     from picker.runtime.app import PickerApp
 
-__all__ = ["MAX_STREAMED_CHUNK", "Phase", "RequestStream", "error_body", "immediate"]
+__all__ = ["MAX_STREAMED_CHUNK", "RESPONSE_PHASES", "Phase", "RequestStream", "error_body", "immediate"]
 
+RESPONSE_PHASES = frozenset({"response_headers", "response_body", "response_trailers"})
 ROUTE_AT_HEADERS_MODES = frozenset({processing_mode_pb2.ProcessingMode.NONE, STREAMED, BUFFERED_PARTIAL})
 _NOTHING: tuple[pb.ProcessingResponse, ...] = ()
 _HEADERS_OK = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
@@ -104,33 +104,43 @@ class RequestStream:
 
     # -- dispatch ---------------------------------------------------------------------------------
     async def handle(self, req: pb.ProcessingRequest) -> Sequence[pb.ProcessingResponse]:
-        if req.HasField("protocol_config"):
+        """Any message. The servicer calls ``respond`` directly for response phases (no coroutine)."""
+        phase = req.WhichOneof("request")
+        if phase in RESPONSE_PHASES:
+            return self.respond(req, phase)
+        return await self.request(req, phase)
+
+    async def request(self, req: pb.ProcessingRequest, phase: str | None) -> Sequence[pb.ProcessingResponse]:
+        """A request-phase message (headers, body, trailers): the only ones that may wait on routing."""
+        if req.HasField("protocol_config"):  # Envoy announces its modes on the stream's first message
             self.mode = req.protocol_config.request_body_mode
             self.resp_mode = req.protocol_config.response_body_mode
-        hint = subset_hint(req)
-        if hint is not None:
-            self.subset = hint
-        phase = req.WhichOneof("request")
+        if req.HasField("metadata_context"):
+            hint = subset_hint(req)
+            if hint is not None:
+                self.subset = hint
         if phase == "request_headers":
             return await self._request_headers(req.request_headers)
         if phase == "request_body":
             return await self._request_body(req.request_body)
         if phase == "request_trailers":
             return await self._request_trailers()
-        if phase == "response_headers":
-            return self._response_headers(req.response_headers)
+        return _NOTHING
+
+    def respond(self, req: pb.ProcessingRequest, phase: str | None) -> Sequence[pb.ProcessingResponse]:
+        """A response-phase message: synchronous, it runs for every response chunk."""
         if phase == "response_body":
             return self._response_body(req.response_body)
-        if phase == "response_trailers":
-            self._end_response()
-            return (_RESPONSE_TRAILERS_OK,)
-        return _NOTHING
+        if phase == "response_headers":
+            return self._response_headers(req.response_headers)
+        self._end_response()  # response_trailers
+        return (_RESPONSE_TRAILERS_OK,)
 
     # -- request phases ---------------------------------------------------------------------------
     async def _request_headers(self, msg: pb.HttpHeaders) -> Sequence[pb.ProcessingResponse]:
         wanted = self.app.path.wanted_headers
         for h in msg.headers.headers:
-            key = h.key.lower()
+            key = h.key  # Envoy hands header names lower-cased (HTTP/2 requires it; HTTP/1 is normalised)
             if key in wanted:  # decode only what routing reads
                 self.headers[key] = header_value(h)
         self.path = self.headers.get(":path", "/")
@@ -189,21 +199,12 @@ class RequestStream:
         return immediate(a.status, a.body, a.details, a.headers)
 
     def _pick(self, dest: str, body: bytes, at_headers: bool, body_eos: bool) -> Sequence[pb.ProcessingResponse]:
-        sets = [header_option(DEST_HEADER, dest)]  # overwrite = a client-sent value never routes
-        full_duplex = self.mode == FULL_DUPLEX and not at_headers
-        if full_duplex:
-            sets.append(header_option("content-length", str(len(body))))
-        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets), clear_route_cache=True)
-        metadata = destination_metadata(dest)
         if at_headers:
-            return (
-                pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata),
-            )
-        if not full_duplex:
-            return (pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata),)
-        out = [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)]
-        out.extend(streamed_chunks(body, body_eos, request=True))
-        return out
+            return (pick_response(dest, None, on_body=False),)
+        if self.mode != FULL_DUPLEX:  # BUFFERED: the pick rides on the body answer
+            return (pick_response(dest, None, on_body=True),)
+        # full duplex: the deferred headers answer, then the whole body back as streamed mutations
+        return [pick_response(dest, len(body), on_body=False), *streamed_chunks(body, body_eos, request=True)]
 
     # -- response phases --------------------------------------------------------------------------
     def _response_headers(self, msg: pb.HttpHeaders) -> Sequence[pb.ProcessingResponse]:

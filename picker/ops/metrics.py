@@ -10,9 +10,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-DECISION_BUCKETS = (
-    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1,
-)  # fmt: skip
 SCORE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
@@ -61,12 +58,6 @@ class PickerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         # Tier 1
-        self.prefix_routing_requests = Counter(
-            "continuum_prefix_routing_requests",
-            "PrefixAwareHash selections by outcome (prefix_hash, overflow, fallback)",
-            ["strategy"],
-            registry=r,
-        )
         self.prefix_routing_backend_distribution = Gauge(
             "continuum_prefix_routing_backend_distribution",
             "In-flight requests per backend",
@@ -107,31 +98,8 @@ class PickerMetrics:
             ["reason"],
             registry=r,
         )
-        # Request path
-        self.requests = Counter(
-            "continuum_picker_requests",
-            "Requests seen by the picker, by outcome (routed, bad_request, no_backend, error, draining)",
-            ["outcome"],
-            registry=r,
-        )
-        self.decisions = Counter(
-            "continuum_picker_decisions",
-            "Routing decisions by strategy and backend",
-            ["strategy", "backend"],
-            registry=r,
-        )
-        self.decision_seconds = Histogram(
-            "continuum_picker_decision_seconds",
-            "CPU time of one decision: parse + keys + pick",
-            buckets=DECISION_BUCKETS,
-            registry=r,
-        )
-        self.backend_responses = Counter(
-            "continuum_picker_backend_responses",
-            "Upstream responses by backend and status class",
-            ["backend", "status_class"],
-            registry=r,
-        )
+        # Request path: continuum_picker_requests/decisions/backend_responses/decision_seconds and
+        # continuum_prefix_routing_requests are exported by picker.ops.recorder (plain counters, read at scrape)
         self.backend_healthy = Gauge(
             "continuum_picker_backend_healthy", "1 when the backend is eligible", ["backend"], registry=r
         )

@@ -77,6 +77,7 @@ class PickerApp:
         gone = set(self.pool.names()) - {b.name for b in hot.pool.backends}
         self.pool.update(hot.pool)
         self.metrics.forget_backends(gone, keep_feed=[s.backend_name for s in hot.kv_cache_index.event_sources])
+        self.recorder.forget_backends(gone)
         self.router.reconfigure(hot)
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now, not on a request
         self.path.configure(hot)

@@ -7,6 +7,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from picker.config import parse_settings
 from picker.ops.admin import build_admin_app
 from picker.ops.metrics import PickerMetrics
+from picker.ops.recorder import DecisionRecorder
+from picker.routing.endpoints import Decision, Endpoint
 from picker.runtime.app import PickerApp
 
 A = {"name": "a", "address": "10.0.0.1:80"}
@@ -21,10 +23,11 @@ def settings(*backends: dict, **extra: object):
     return parse_settings({"pool": {"backends": list(backends)}, "kv_cache_index": {"event_sources": SOURCES}, **extra})
 
 
-def exercise(m: PickerMetrics, name: str) -> None:
+def exercise(m: PickerMetrics, name: str, recorder: DecisionRecorder | None = None) -> None:
     """Create every per-backend series the picker exports for ``name``, through the same calls it makes."""
-    m.child(m.decisions, "RoundRobin", name).inc()
-    m.child(m.backend_responses, name, "2xx").inc()
+    recorder = recorder or DecisionRecorder(m)
+    recorder.decided(Decision(Endpoint(name, f"{name}:1"), "RoundRobin", "round_robin"), None)
+    recorder.response(name, 200)
     m.kv_event_dropped.labels(name).inc()
     m.kv_consumer_connected.labels(name).set(1)
 
@@ -41,7 +44,7 @@ async def metrics_text(app: PickerApp) -> str:
 async def test_reload_removing_a_backend_removes_its_series() -> None:
     app = PickerApp(settings(A, B))
     for name in ("a", "b"):
-        exercise(app.metrics, name)
+        exercise(app.metrics, name, app.recorder)
     before = await metrics_text(app)
     for series in (
         'continuum_picker_backend_healthy{backend="b"}',
@@ -69,18 +72,20 @@ async def test_reload_removing_a_backend_removes_its_series() -> None:
 async def test_a_new_decision_after_forgetting_recreates_the_series() -> None:
     """The child() cache is cleared too: a cached child of a removed series would count into nothing."""
     app = PickerApp(settings(A, B))
-    exercise(app.metrics, "b")
+    exercise(app.metrics, "b", app.recorder)
     app.apply(settings(A))
     app.apply(settings(A, B))
-    app.metrics.child(app.metrics.decisions, "RoundRobin", "b").inc()
+    app.recorder.decided(Decision(Endpoint("b", "b:1"), "RoundRobin", "round_robin"), None)
     assert 'continuum_picker_decisions_total{backend="b",strategy="RoundRobin"} 1.0' in await metrics_text(app)
 
 
 def test_forget_backends_removes_feed_series_without_a_running_consumer() -> None:
     m = PickerMetrics()
-    exercise(m, "b")
-    exercise(m, "a")
+    recorder = DecisionRecorder(m)
+    exercise(m, "b", recorder)
+    exercise(m, "a", recorder)
     m.forget_backends(["b"])
+    recorder.forget_backends(["b"])
     samples = [s for fam in m.registry.collect() for s in fam.samples]
     assert not [s for s in samples if s.labels.get("backend") == "b"]
     assert {s.name for s in samples if s.labels.get("backend") == "a"} >= {
