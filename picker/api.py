@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from picker.config import Settings, load_settings, parse_settings
 from picker.extproc.messages import DEST_HEADER, destination_metadata, header_option, pick_response, streamed_chunks
+from picker.extproc.service import ExternalProcessor
 from picker.kv.index import InMemoryKvIndex
 from picker.request.path import Answer, Exchange, Inbound, RequestPath
 from picker.routing.endpoints import BackendHold, Endpoint, EndpointState, PoolView
@@ -25,6 +26,7 @@ __all__ = [
     "EndpointState",
     "EnvoyOptions",
     "Exchange",
+    "ExternalProcessor",
     "InMemoryKvIndex",
     "Inbound",
     "KvOverlapScorer",
