@@ -7,13 +7,15 @@ Hot-reloadable sections are listed in ``HOT_RELOADABLE``; a change elsewhere is 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import Annotated, Any, Literal, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from picker.shared.config_files import BackendName, ConfigError, read_yaml_mapping, validation_problems
@@ -30,10 +32,18 @@ STRATEGIES = (
 StrategyName = Literal[
     "RoundRobin", "WeightedRoundRobin", "LeastLatency", "LeastRequest", "Random", "ConsistentHash", "PrefixAwareHash"
 ]
-HOT_RELOADABLE = frozenset({"prefix_routing", "selection_strategy", "pool", "session_affinity"})
+HOT_RELOADABLE = frozenset({"prefix_routing", "selection_strategy", "pool", "session_affinity", "admission"})
 ENV_PREFIX = "KV_EPP_"
 ENV_NESTED_DELIMITER = "__"
 NOT_IMPLEMENTED = "accepted, not implemented yet"
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token
+
+
+def _header_name(v: str) -> str:
+    if not HEADER_NAME_RE.fullmatch(v):
+        raise ValueError("must be an HTTP header name (letters, digits and !#$%&'*+-.^_`|~)")
+    return v
 
 
 class _Section(BaseModel):
@@ -125,10 +135,28 @@ class BackendConfig(_Section):
     @field_validator("address")
     @classmethod
     def _valid_address(cls, v: str) -> str:
-        host, sep, port = v.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError("address must be host:port (ip:port for Envoy's ORIGINAL_DST)")
-        return v
+        return _ip_port(v)
+
+
+def _ip_port(v: str) -> str:
+    """``ip:port`` (IPv6 in brackets). A DNS name is refused, not resolved: the generated Envoy routes
+    ORIGINAL_DST on this value, which must be an IP; an address resolved once at load time goes stale
+    when the name moves (a rescheduled pod), and every request to it would then fail."""
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("address must be ip:port with a port in 1..65535 (IPv6 as [ip]:port)")
+    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ip = ipaddress.ip_address(literal)
+    except ValueError:
+        raise ValueError(
+            f"address host {host!r} is not an IP address: Envoy routes to the picker's pick as ip:port "
+            "(ORIGINAL_DST), so a DNS name would fail every request with 503; list the replica's IP "
+            "(names are not resolved, because an address resolved once goes stale when the name moves)"
+        ) from None
+    if ip.version == 6 and literal == host:
+        raise ValueError("an IPv6 address must be in brackets: [ip]:port")
+    return v
 
 
 class HealthConfig(_Section):
@@ -162,7 +190,7 @@ class SessionAffinityConfig(_Section):
     """Sticky sessions by header; bounded map, LRU + TTL."""
 
     enabled: bool = False
-    header: str = "x-session-id"
+    header: Annotated[str, AfterValidator(_header_name)] = "x-session-id"
     ttl_seconds: float = Field(1800.0, gt=0.0)
     max_sessions: int = Field(100_000, ge=1, le=10_000_000)
 
@@ -176,9 +204,23 @@ class ExtProcConfig(_Section):
     # SIGTERM: readiness is NOT_SERVING this long before new streams are refused, so load balancers and
     # health checks stop sending first (raise it to the probe period in Kubernetes).
     drain_propagation_seconds: float = Field(1.0, ge=0.0, le=60.0)
-    tenant_header: str = "x-tenant-id"
+    tenant_header: Annotated[str, AfterValidator(_header_name)] = "x-tenant-id"
     # Used only when Envoy does not announce its processing mode (protocol_config) on the stream.
     default_body_mode: Literal["FULL_DUPLEX_STREAMED", "BUFFERED"] = "FULL_DUPLEX_STREAMED"
+
+
+class AdmissionConfig(_Section):
+    """Admission control over all streams (hot-reloadable): past any bound a request is answered 429 with
+    ``Retry-After`` and a JSON error, never queued. Defaults sized for a 2-core picker (README, Bounds)."""
+
+    # Request bodies buffered by all streams together (each stream is also bound by extproc.max_body_bytes);
+    # a stream's declared Content-Length is reserved at its headers, chunks beyond it as they come.
+    max_buffered_body_bytes: int = Field(64 << 20, ge=1024, le=4 << 30)
+    max_open_streams: int = Field(1024, ge=1, le=1_000_000)  # ext_proc streams (= requests) open at once
+    # Saturation: every eligible endpoint has at least this many requests in flight (0: no bound).
+    max_in_flight_per_endpoint: int = Field(512, ge=0, le=1_000_000)
+    max_in_flight_total: int = Field(0, ge=0, le=10_000_000)  # across the pool (0: no bound)
+    retry_after_seconds: int = Field(1, ge=1, le=3600)  # the Retry-After header of a 429
 
 
 class AdminConfig(_Section):
@@ -201,6 +243,7 @@ class Settings(BaseSettings):
     session_affinity: SessionAffinityConfig = SessionAffinityConfig()
     pool: PoolConfig = PoolConfig()
     extproc: ExtProcConfig = ExtProcConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     admin: AdminConfig = AdminConfig()
 
     @classmethod
@@ -219,7 +262,7 @@ def parse_settings(data: dict[str, Any]) -> Settings:
     """Validate a config mapping (plus the ``KV_EPP_*`` environment); raise ConfigError naming the
     path of every bad key, or the environment variable whose value is not JSON."""
     try:
-        return Settings(**data)
+        settings = Settings(**data)
     except ValidationError as exc:
         raise ConfigError(validation_problems(exc)) from None
     except SettingsError as exc:
@@ -229,6 +272,40 @@ def parse_settings(data: dict[str, Any]) -> Settings:
         raise ConfigError([("<root>", f"section names must be strings ({exc})")]) from None
     except RecursionError:  # an environment value (JSON) nested thousands of levels deep
         raise ConfigError(_environment_problems("a value is nested too deeply")) from None
+    problems = [*_control_characters(settings.model_dump(), ""), *_cross_section_problems(settings)]
+    if problems:
+        raise ConfigError(problems)
+    return settings
+
+
+def _control_characters(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """Every string of the config (addresses, names, header names, paths, tokens) with a control
+    character (CR/LF would split a header or a log line; none belongs in a config value)."""
+    if isinstance(value, str):
+        m = CONTROL_CHARS.search(value)
+        if m:  # the value itself is not echoed: it may be a secret (admin.bearer_token)
+            yield (
+                path or "<root>",
+                f"control character {m.group()!r} at position {m.start()}: not allowed in a config value",
+            )
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _control_characters(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            yield from _control_characters(v, f"{path}[{i}]")
+
+
+def _cross_section_problems(s: Settings) -> list[tuple[str, str]]:
+    if s.admission.max_buffered_body_bytes < s.extproc.max_body_bytes:
+        return [
+            (
+                "admission.max_buffered_body_bytes",
+                f"{s.admission.max_buffered_body_bytes} is below extproc.max_body_bytes "
+                f"({s.extproc.max_body_bytes}): a body of the allowed size could never be admitted",
+            )
+        ]
+    return []
 
 
 def _environment_problems(otherwise: str) -> list[tuple[str, str]]:

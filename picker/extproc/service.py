@@ -54,6 +54,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             # while UNAVAILABLE is a processor failure Envoy can fail over on (failure_mode_allow continues
             # without the picker, outlier detection ejects this host, status_on_error picks the client status).
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kv-epp is draining: stream refused")
+        admission = self.app.path.admission
+        if not admission.open_stream():  # over admission.max_open_streams: 429 at the first message
+            answer = self.app.path.overloaded(f"{admission.cfg.max_open_streams} requests are open")
+            async for _ in request_iterator:  # an ImmediateResponse must answer a message of Envoy's
+                yield immediate(answer.status, answer.body, answer.details, answer.headers)
+                return
+            return
         stream = RequestStream(self.app)
         self.app.open_streams += 1
         self._open += 1
@@ -79,6 +86,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     return  # immediate response sent: nothing more to process
         finally:
             stream.close()
+            admission.close_stream()
             self.app.open_streams -= 1
             self._open -= 1
             if self._open == 0:

@@ -75,7 +75,9 @@ class Phase(Enum):
 class RequestStream:
     """State of one ext_proc stream (one HTTP request)."""
 
-    __slots__ = ("app", "body", "body_len", "exchange", "headers", "mode", "path", "phase", "resp_mode", "subset")
+    __slots__ = (
+        "app", "body", "body_len", "exchange", "headers", "mode", "path", "phase", "reserved", "resp_mode", "subset",
+    )  # fmt: skip
 
     def __init__(self, app: PickerApp) -> None:
         self.app = app
@@ -84,6 +86,7 @@ class RequestStream:
         self.path = "/"
         self.body: list[bytes] = []
         self.body_len = 0
+        self.reserved = 0  # body bytes this stream holds of admission's shared budget (released once)
         self.mode = FULL_DUPLEX if app.settings.extproc.default_body_mode == "FULL_DUPLEX_STREAMED" else BUFFERED
         self.resp_mode = self.mode
         self.subset: list[str] | None = None
@@ -149,6 +152,9 @@ class RequestStream:
         if self.mode in ROUTE_AT_HEADERS_MODES:
             return await self._route(None, at_headers=True)
         self.phase = Phase.BODY
+        refused = self._reserve_declared_body()
+        if refused is not None:
+            return (refused,)
         if self.mode == FULL_DUPLEX:
             return _NOTHING  # deferred until the body is complete
         return (_STRIP_DEST,)
@@ -163,9 +169,13 @@ class RequestStream:
             limit = self.app.path.max_body_bytes
             if self.body_len > limit:
                 self.body.clear()
-                exc = BadRequest(f"request body exceeds the limit of {limit} bytes", "body_too_large")
-                self.app.path.recorder.refused("bad_request")
-                return (self._answer_itself(Answer(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}")),)
+                return (self._too_large(limit),)
+            if self.body_len > self.reserved:  # beyond the declared length (or none declared): reserve it
+                need = self.body_len - self.reserved
+                if not self.app.path.admission.reserve(need):
+                    self.body.clear()
+                    return (self._answer_itself(self.app.path.overloaded("the request-body buffer is full")),)
+                self.reserved += need
             self.body.append(msg.body)
         if not msg.end_of_stream and self.mode == FULL_DUPLEX:
             return _NOTHING
@@ -179,6 +189,33 @@ class RequestStream:
             out.append(_TRAILERS_OK)
         return out
 
+    def _reserve_declared_body(self) -> pb.ProcessingResponse | None:
+        """Admission at the headers phase: a declared ``Content-Length`` over the per-stream limit is a 400,
+        one that does not fit in the shared body budget a 429, before a byte of the body is buffered."""
+        declared = self.headers.get("content-length")
+        if declared is None or not declared.isdigit():
+            return None  # chunked (or malformed: Envoy rejects it): reserved chunk by chunk
+        n = int(declared)
+        limit = self.app.path.max_body_bytes
+        if n > limit:
+            return self._too_large(limit)
+        if not self.app.path.admission.reserve(n):
+            return self._answer_itself(self.app.path.overloaded("the request-body buffer is full"))
+        self.reserved = n
+        return None
+
+    def _too_large(self, limit: int) -> pb.ProcessingResponse:
+        exc = BadRequest(f"request body exceeds the limit of {limit} bytes", "body_too_large")
+        self.app.path.recorder.refused("bad_request")
+        return self._answer_itself(Answer(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}"))
+
+    def _release_body(self) -> None:
+        """Give the stream's body reservation back (idempotent: the body went on, was refused, or the
+        stream closed)."""
+        if self.reserved:
+            self.app.path.admission.release(self.reserved)
+            self.reserved = 0
+
     def _take_body(self) -> bytes:
         body = b"".join(self.body)
         self.body.clear()
@@ -187,7 +224,10 @@ class RequestStream:
     async def _route(
         self, body: bytes | None, *, at_headers: bool, body_eos: bool = True
     ) -> Sequence[pb.ProcessingResponse]:
-        result = await self.app.path.route(Inbound(self.path, self.headers, body, self.subset))
+        try:
+            result = await self.app.path.route(Inbound(self.path, self.headers, body, self.subset))
+        finally:
+            self._release_body()  # the body is out of the stream's buffer (echoed or refused)
         if isinstance(result, Answer):
             return (self._answer_itself(result),)
         self.exchange = result
@@ -195,6 +235,7 @@ class RequestStream:
         return self._pick(result.decision.endpoint.address, body or b"", at_headers, body_eos)
 
     def _answer_itself(self, a: Answer) -> pb.ProcessingResponse:
+        self._release_body()
         self.phase = Phase.DONE
         return immediate(a.status, a.body, a.details, a.headers)
 
@@ -239,6 +280,8 @@ class RequestStream:
         self.phase = Phase.DONE
 
     def close(self) -> None:
-        """Stream ended (normally or by abort): the in-flight slot is always released."""
+        """Stream ended (normally or by abort): the in-flight slot and the body reservation are always
+        released."""
+        self._release_body()
         if self.exchange is not None:
             self.exchange.end(completed=False)

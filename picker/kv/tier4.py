@@ -1,7 +1,8 @@
 """Tier 4's inputs, assembled: the KV index, its feed consumers and the tokenizer source.
 
-``Tier4.holds_for`` is the request path's Tier 4 step in the prepare stage: it awaits the request's
-token ids with a bounded timeout (``kv_cache_index.tokenizer.timeout_ms``), turns them into block keys
+``Tier4.holds_for`` is the request path's Tier 4 step in the prepare stage: it takes a completions
+prompt's token ids as sent (``RequestFacts.prompt_token_ids``), else awaits the request's token ids
+from the tokenizer source with a bounded timeout (``kv_cache_index.tokenizer.timeout_ms``), turns them into block keys
 (``picker.shared.block_keys``, the listener's function) and looks them up in the index (the one round
 trip an I/O-backed index makes). Any failure gives an empty mapping: the core then falls back to the
 strategy; a request is never failed because of Tier 4. The feed consumers and the TTL sweep run as
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from picker.config import KvCacheIndexConfig
 from picker.kv.feed_consumer import KvFeedConsumers
@@ -54,15 +55,19 @@ class Tier4:
 
     async def holds_for(self, facts: RequestFacts) -> Mapping[str, BackendHold]:
         """Backend → the part of the request's prefix it holds; empty when token ids are unavailable."""
-        if facts.model is None or (facts.messages is None and facts.prompt is None):
+        if facts.model is None:
+            return NOTHING_HELD
+        ids: Sequence[int] | None = facts.prompt_token_ids  # token ids given: no tokenizer round trip
+        if ids is None and facts.messages is None and facts.prompt is None:
             return NOTHING_HELD
         timeout = self.cfg.tokenizer.timeout_ms / 1000
         try:
-            async with asyncio.timeout(timeout):
-                ids = await self.tokenizer.token_ids(facts.model, messages=facts.messages, prompt=facts.prompt)
             if ids is None:
-                self._failed("unavailable")
-                return NOTHING_HELD
+                async with asyncio.timeout(timeout):
+                    ids = await self.tokenizer.token_ids(facts.model, messages=facts.messages, prompt=facts.prompt)
+                if ids is None:
+                    self._failed("unavailable")
+                    return NOTHING_HELD
             tok = self.cfg.tokenizer
             keys = request_block_keys(
                 ids, tok.block_size, facts.model, facts.lora_name, facts.cache_salt, self.max_blocks

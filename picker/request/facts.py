@@ -1,8 +1,11 @@
 """Parse an inference request body once into a small typed ``RequestFacts``.
 
-Shapes: OpenAI chat completions (``messages``), OpenAI completions (``prompt``) and Anthropic messages
-(``system`` as a string or content blocks). Anything a client can send wrong raises ``BadRequest``
-with a message naming the field; the caller answers 400 with a JSON body.
+Shapes: OpenAI chat completions (``messages``), OpenAI completions (``prompt``: a string, a list of
+token ids, or a batch of either, as vLLM's ``CompletionRequest`` accepts), OpenAI Responses (``input``,
+``instructions``, a stored ``prompt`` object) and Anthropic messages (``system`` as a string or content
+blocks). A batch is routed on its first element: one replica serves the whole batch, so the first
+prompt's prefix is the one the request can share with others. Anything a client can send wrong raises
+``BadRequest`` with a message naming the field; the caller answers 400 with a JSON body.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from typing import Any, Literal
 
 import orjson
 
-Api = Literal["chat", "completions", "anthropic", "other"]
+Api = Literal["chat", "completions", "anthropic", "responses", "other"]
 
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 COMPLETIONS_PATHS = ("/v1/completions", "/completions")
 ANTHROPIC_PATHS = ("/v1/messages", "/anthropic/v1/messages")
+RESPONSES_PATHS = ("/v1/responses", "/responses")
+MAX_TOKEN_ID = 1 << 32
 
 
 class BadRequest(Exception):
@@ -45,6 +50,7 @@ class RequestFacts:
     first_message: str | None = None  # first non-system message text (or the completions prompt)
     messages: tuple[dict[str, Any], ...] | None = None  # as sent, for tokenizer sources
     prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # a completions prompt given as token ids (Tier 4 keys)
     stream: bool = False
     include_usage: bool = False
     temperature: float | None = None
@@ -66,6 +72,8 @@ def api_for_path(path: str) -> Api:
         return "completions"
     if p.endswith(ANTHROPIC_PATHS):
         return "anthropic"
+    if p.endswith(RESPONSES_PATHS):
+        return "responses"
     return "other"
 
 
@@ -102,12 +110,87 @@ def _opt_number(body: dict[str, Any], key: str) -> float | None:
 
 
 def _opt_int(body: dict[str, Any], key: str) -> int | None:
+    """An integer field; a float with an integral value (``4.0``) counts, as in vLLM's (pydantic) models."""
     v = body.get(key)
     if v is None:
         return None
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise BadRequest(f"'{key}' must be an integer", "invalid_type")
     return v
+
+
+def _token_ids(ids: list[Any], where: str) -> tuple[int, ...]:
+    """A non-empty list of token ids (integers in 0..2**32-1: no vocabulary is larger)."""
+    if not ids:
+        raise BadRequest(f"{where} must not be empty", "invalid_value")
+    for i, t in enumerate(ids):
+        if type(t) is not int or not 0 <= t < MAX_TOKEN_ID:  # bool is not a token id
+            raise BadRequest(f"{where}[{i}] must be an integer token id in 0..{MAX_TOKEN_ID - 1}", "invalid_type")
+    return tuple(ids)
+
+
+def _completions_prompt(p: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    """(text, token ids) of a completions ``prompt``: a string, token ids, or a batch of either (its first
+    element; the others are checked for their type only)."""
+    if isinstance(p, str):
+        return p, None
+    if not isinstance(p, list):
+        raise BadRequest(
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",
+            "invalid_type",
+        )
+    if not p:
+        raise BadRequest("'prompt' must not be empty", "invalid_value")
+    first = p[0]
+    if isinstance(first, str):
+        for i, x in enumerate(p):
+            if not isinstance(x, str):
+                raise BadRequest(f"prompt[{i}] must be a string (a batch of strings)", "invalid_type")
+        return first, None
+    if isinstance(first, list):
+        for i, x in enumerate(p):
+            if not isinstance(x, list):
+                raise BadRequest(f"prompt[{i}] must be a list of token ids (a batch of token-id lists)", "invalid_type")
+        return None, _token_ids(first, "prompt[0]")
+    return None, _token_ids(p, "prompt")
+
+
+def _responses_fields(data: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(system, first message) of a Responses request. The system part is ``instructions``, else a stored
+    ``prompt`` object's id and version (every request rendering that stored prompt starts with it), else a
+    system/developer input item; the first message is ``input`` (a string) or its first other item."""
+    system = _opt_str(data, "instructions")
+    stored = data.get("prompt")
+    if stored is not None:
+        if not isinstance(stored, dict) or not isinstance(stored.get("id"), str) or not stored["id"]:
+            raise BadRequest("'prompt' must be an object with a non-empty string 'id'", "invalid_type")
+        version = stored.get("version")
+        if version is not None and not isinstance(version, str):
+            raise BadRequest("prompt.version must be a string", "invalid_type")
+        if system is None:
+            system = f"stored prompt {stored['id']} version {version or 'latest'}"
+    raw = data.get("input")
+    if raw is None and stored is None:
+        raise BadRequest("missing required field 'input' (or a stored 'prompt')", "missing_input")
+    if raw is None or isinstance(raw, str):
+        return system, raw
+    if not isinstance(raw, list):
+        raise BadRequest("'input' must be a string or a list of input items", "invalid_type")
+    first: str | None = None
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise BadRequest(f"input[{i}] must be an object", "invalid_type")
+        if "content" not in item:
+            continue  # a function call output, a reasoning item: no prompt text
+        text = _content_text(item["content"], f"input[{i}].content")
+        if item.get("role") in ("system", "developer"):
+            if system is None:
+                system = text
+        elif first is None:
+            first = text
+    return system, first
 
 
 def _opt_str(body: dict[str, Any], key: str) -> str | None:
@@ -146,7 +229,7 @@ def parse_request(
             return RequestFacts(api="other", session_id=session_id, tenant_id=tenant_id, body_bytes=len(body))
         raise BadRequest("request body must be a JSON object", "invalid_type")
     model = data.get("model")
-    if api != "other" and model is None:
+    if api not in ("other", "responses") and model is None:  # a stored Responses prompt may name the model
         raise BadRequest("missing required field 'model'", "missing_model")
     if model is not None and (not isinstance(model, str) or not model):
         raise BadRequest("'model' must be a non-empty string", "invalid_type")
@@ -162,7 +245,10 @@ def parse_request(
     first: str | None = None
     messages: tuple[dict[str, Any], ...] | None = None
     prompt: str | None = None
-    if api in ("chat", "anthropic") or (api == "other" and "messages" in data):
+    token_ids: tuple[int, ...] | None = None
+    if api == "responses":
+        system, first = _responses_fields(data)
+    elif api in ("chat", "anthropic") or (api == "other" and "messages" in data):
         raw = data.get("messages")
         if raw is None and api != "other":
             raise BadRequest("missing required field 'messages'", "missing_messages")
@@ -184,16 +270,18 @@ def parse_request(
             messages = tuple(raw)
         if api == "anthropic" and "system" in data:
             system = _content_text(data["system"], "system") or None
-    elif api == "completions" or "prompt" in data:
+    elif api == "completions":
         p = data.get("prompt")
-        if api == "completions" and p is None:
+        if p is None:
             raise BadRequest("missing required field 'prompt'", "missing_prompt")
-        if isinstance(p, list) and all(isinstance(x, str) for x in p) and len(p) == 1:
-            p = p[0]
-        if p is not None and not isinstance(p, str):
-            raise BadRequest("'prompt' must be a string (token-id and batch prompts are not routed)", "invalid_type")
-        prompt = p
-        first = p
+        prompt, token_ids = _completions_prompt(p)
+        first = prompt
+    elif "prompt" in data:  # another path with a prompt: keyed on it when it is one, never judged
+        try:
+            prompt, token_ids = _completions_prompt(data["prompt"])
+        except BadRequest:
+            prompt, token_ids = None, None
+        first = prompt
 
     extra = data.get("extra_body") if isinstance(data.get("extra_body"), dict) else None
     lora = None
@@ -201,6 +289,8 @@ def parse_request(
     max_tokens = _opt_int(data, "max_tokens")
     if max_tokens is None:
         max_tokens = _opt_int(data, "max_completion_tokens")
+    if max_tokens is None and api == "responses":
+        max_tokens = _opt_int(data, "max_output_tokens")
     return RequestFacts(
         api=api,
         model=model,
@@ -208,6 +298,7 @@ def parse_request(
         first_message=first or None,
         messages=messages,
         prompt=prompt,
+        prompt_token_ids=token_ids,
         stream=stream,
         include_usage=include_usage,
         temperature=_opt_number(data, "temperature"),

@@ -23,6 +23,7 @@ from typing import Protocol
 from picker.config import Settings
 from picker.ops.recorder import DecisionRecorder
 from picker.pool.pool import Lease, Pool
+from picker.request.admission import Admission, overloaded_body
 from picker.request.facts import BadRequest, RequestFacts, api_for_path, error_body, parse_request
 from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key
@@ -45,7 +46,8 @@ class Inbound:
 
 @dataclass(slots=True, frozen=True)
 class Answer:
-    """A response the picker gives itself (400 bad request, 503 no backend, a response-cache hit)."""
+    """A response the picker gives itself (400 bad request, 429 overloaded, 503 no backend, a response-cache
+    hit)."""
 
     status: int
     body: bytes
@@ -177,6 +179,7 @@ class RequestPath:
         self.observers: tuple[ResponseObserver, ...] = (HealthObserver(pool, recorder), *observers)
         self.body_observers = tuple(o for o in self.observers if o.wants_body)
         self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
+        self.admission = Admission(settings.admission)
         self.configure(settings)
 
     def configure(self, settings: Settings) -> None:
@@ -188,9 +191,12 @@ class RequestPath:
         self.affinity = sa.enabled
         self.tenant_header = settings.extproc.tenant_header.lower()
         self.max_body_bytes = settings.extproc.max_body_bytes
+        self.admission.configure(settings.admission)
         self.tier4 = self.holds is not None and self.router.tier4_active()
         # request headers the stages read: the protocol layer decodes only these
-        self.wanted_headers = frozenset({":path", ":method", self.session_header, self.tenant_header, "x-request-id"})
+        self.wanted_headers = frozenset(
+            {":path", ":method", "content-length", self.session_header, self.tenant_header, "x-request-id"}
+        )
 
     # -- the stages -------------------------------------------------------------------------------
     def parse(self, req: Inbound) -> RequestFacts:
@@ -198,9 +204,12 @@ class RequestPath:
         h = req.headers
         session = h.get(self.session_header)
         tenant = h.get(self.tenant_header)
-        if req.body is None:  # the body is not available before the pick: route on the path alone
+        method = h.get(":method", "POST")
+        # the body is not available before the pick, or the method carries no inference request (a CORS
+        # preflight OPTIONS, a GET): route on the path alone, without judging a body
+        if req.body is None or method != "POST":
             return RequestFacts(api=api_for_path(req.path), session_id=session, tenant_id=tenant)
-        if not req.body and api_for_path(req.path) != "other" and h.get(":method", "POST") == "POST":
+        if not req.body and api_for_path(req.path) != "other":
             raise BadRequest(NO_BODY_REQUIRED, "empty_body")
         return parse_request(
             req.body, req.path, max_body_bytes=self.max_body_bytes, session_id=session, tenant_id=tenant
@@ -227,6 +236,11 @@ class RequestPath:
         self.recorder.decided(decision, prepared.key)
         return Exchange(facts, decision, lease, self.observers, self.body_observers)
 
+    def overloaded(self, why: str) -> Answer:
+        """The 429 of admission control (counted as outcome ``overloaded``)."""
+        self.recorder.refused("overloaded")
+        return Answer(429, overloaded_body(why), "kv_epp_overloaded", self.admission.headers())
+
     # -- all of them ------------------------------------------------------------------------------
     async def route(self, req: Inbound) -> Exchange | Answer:
         """Run the stages; an ``Answer`` when the picker answers the request itself."""
@@ -241,6 +255,9 @@ class RequestPath:
             hit = await self.cache.lookup(facts)
             if hit is not None:
                 return hit
+        why = self.admission.saturation(self.pool.view(req.subset), self.pool.view())
+        if why is not None:  # shed before prepare: a saturated pool gets no tokenizer call either
+            return self.overloaded(why)
         prepared = await self.prepare(facts)
         t1 = _perf()
         decision = self.decide(facts, prepared, req.subset)

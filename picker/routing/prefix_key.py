@@ -2,12 +2,17 @@
 
 SHA256(model ++ 0x00 ++ "S" ++ system[:max_prefix_length])           when there is a system prompt
 SHA256(model ++ 0x00 ++ "M" ++ first_message[:max_prefix_length])    otherwise
-Truncation is in bytes, backed off to a UTF-8 character boundary. No key when prefix routing is off,
-there is no model, or there is no text. A completions ``prompt`` counts as the first message.
+SHA256(model ++ 0x00 ++ "T" ++ ids[:max_prefix_length // 4] as uint32 little-endian)
+                                                                     a completions prompt of token ids
+Truncation is in bytes, backed off to a UTF-8 character boundary; a token prompt keeps as many ids as
+fit in ``max_prefix_length`` bytes at 4 bytes an id (about as much text as the byte budget, at ~4
+characters a token; at least one id). No key when prefix routing is off, there is no model, or there
+is no text. A completions ``prompt`` counts as the first message; a batch is keyed on its first element.
 """
 
 from __future__ import annotations
 
+import struct
 from hashlib import sha256
 
 from picker.request.facts import RequestFacts
@@ -32,6 +37,12 @@ def prefix_key(facts: RequestFacts, *, enabled: bool, max_prefix_length: int) ->
         tag, text = b"S", facts.system
     elif facts.first_message:
         tag, text = b"M", facts.first_message
+    elif facts.prompt_token_ids:
+        ids = facts.prompt_token_ids[: max(1, max_prefix_length // 4)]
+        h = sha256(facts.model.encode("utf-8"))
+        h.update(b"\x00T")
+        h.update(struct.pack(f"<{len(ids)}I", *ids))  # ids are < 2**32 (checked by the parser)
+        return h.digest()
     else:
         return None
     h = sha256(facts.model.encode("utf-8"))

@@ -20,7 +20,7 @@ MAX_YAML_DEPTH = 64  # a config is ~5 levels deep; the bound keeps PyYAML's recu
 
 
 def _check_backend_name(v: str) -> str:
-    if not BACKEND_NAME_RE.match(v):
+    if not BACKEND_NAME_RE.fullmatch(v):  # match() would let a trailing newline through ($)
         raise ValueError("must match [A-Za-z0-9_-]{1,64}")
     return v
 

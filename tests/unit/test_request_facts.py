@@ -66,7 +66,22 @@ def test_completions_facts() -> None:
         (b'{"model":"m","messages":[],"max_tokens":1.5}', "/v1/chat/completions", "invalid_type"),
         (b'{"model":"m","messages":[],"stream_options":3}', "/v1/chat/completions", "invalid_type"),
         (b'{"model":"m"}', "/v1/completions", "missing_prompt"),
-        (b'{"model":"m","prompt":[1,2,3]}', "/v1/completions", "invalid_type"),
+        (b'{"model":"m","prompt":[1,"a"]}', "/v1/completions", "invalid_type"),
+        (b'{"model":"m","prompt":[1,-2]}', "/v1/completions", "invalid_type"),
+        (b'{"model":"m","prompt":[1,true]}', "/v1/completions", "invalid_type"),
+        (b'{"model":"m","prompt":[4294967296]}', "/v1/completions", "invalid_type"),
+        (b'{"model":"m","prompt":["a",[1]]}', "/v1/completions", "invalid_type"),
+        (b'{"model":"m","prompt":[[1],"a"]}', "/v1/completions", "invalid_type"),
+        (b'{"model":"m","prompt":[[]]}', "/v1/completions", "invalid_value"),
+        (b'{"model":"m","prompt":[]}', "/v1/completions", "invalid_value"),
+        (b'{"model":"m","prompt":{"id":"p"}}', "/v1/completions", "invalid_type"),
+        (b'{"model":"m","prompt":"p","max_tokens":4.5}', "/v1/completions", "invalid_type"),
+        (b'{"model":"m","input":"x","prompt":{"id":3}}', "/v1/responses", "invalid_type"),
+        (b'{"model":"m","input":5}', "/v1/responses", "invalid_type"),
+        (b'{"model":"m","input":[3]}', "/v1/responses", "invalid_type"),
+        (b'{"model":"m","input":[{"role":"user","content":7}]}', "/v1/responses", "invalid_type"),
+        (b'{"model":"m","instructions":1,"input":"x"}', "/v1/responses", "invalid_type"),
+        (b'{"model":"m"}', "/v1/responses", "missing_input"),
         (b'{"model":"m","system":5,"messages":[]}', "/v1/messages", "invalid_type"),
     ],
 )
@@ -97,3 +112,61 @@ def test_other_paths_with_non_json_bodies_are_routed() -> None:
 def test_deeply_nested_json_is_a_clean_error() -> None:
     with pytest.raises(BadRequest):
         parse(b"[" * 100_000 + b"]" * 100_000)
+
+
+def test_bad_requests_name_the_field() -> None:
+    with pytest.raises(BadRequest, match=r"prompt\[1\]"):
+        parse(b'{"model":"m","prompt":[1,"a"]}', "/v1/completions")
+    with pytest.raises(BadRequest, match=r"prompt\[1\]"):
+        parse(b'{"model":"m","prompt":[[1],"a"]}', "/v1/completions")
+    with pytest.raises(BadRequest, match=r"input\[0\]\.content"):
+        parse(b'{"model":"m","input":[{"role":"user","content":7}]}', "/v1/responses")
+
+
+def test_token_id_prompt() -> None:
+    f = parse(b'{"model":"m","prompt":[1,2,3]}', "/v1/completions")
+    assert (f.api, f.prompt, f.first_message, f.prompt_token_ids) == ("completions", None, None, (1, 2, 3))
+
+
+def test_batch_of_token_lists_is_keyed_on_the_first() -> None:
+    f = parse(b'{"model":"m","prompt":[[5,6],[7]]}', "/v1/completions")
+    assert (f.prompt, f.prompt_token_ids) == (None, (5, 6))
+
+
+def test_batch_of_strings_is_keyed_on_the_first() -> None:
+    f = parse(b'{"model":"m","prompt":["first","second"]}', "/v1/completions")
+    assert (f.prompt, f.first_message, f.prompt_token_ids) == ("first", "first", None)
+    assert parse(b'{"model":"m","prompt":["only"]}', "/v1/completions").prompt == "only"
+
+
+def test_integral_float_max_tokens_is_an_integer() -> None:
+    f = parse(b'{"model":"m","prompt":"p","max_tokens":4.0}', "/v1/completions")
+    assert f.max_tokens == 4 and isinstance(f.max_tokens, int)
+    assert parse(b'{"model":"m","messages":[],"max_completion_tokens":2.0}').max_tokens == 2
+
+
+def test_responses_input_and_instructions() -> None:
+    f = parse(b'{"model":"m","instructions":"I","input":"hello","max_output_tokens":3.0}', "/v1/responses")
+    assert (f.api, f.system, f.first_message, f.max_tokens) == ("responses", "I", "hello", 3)
+    f = parse(
+        b'{"model":"m","input":[{"role":"developer","content":"D"},'
+        b'{"type":"message","role":"user","content":[{"type":"input_text","text":"U"}]},'
+        b'{"type":"function_call_output","call_id":"c","output":"o"}]}',
+        "/v1/responses",
+    )
+    assert (f.system, f.first_message) == ("D", "U")
+
+
+def test_responses_stored_prompt_is_keyed_on_its_id_and_version() -> None:
+    f = parse(b'{"prompt":{"id":"pmpt_1","version":"2","variables":{"city":"Paris"}}}', "/v1/responses")
+    assert f.api == "responses" and f.model is None  # the stored prompt may name the model
+    g = parse(b'{"model":"m","prompt":{"id":"pmpt_1","version":"2","variables":{"city":"Rome"}},"input":"q"}',
+              "/v1/responses")  # fmt: skip
+    assert f.system == g.system == "stored prompt pmpt_1 version 2"
+    assert parse(b'{"model":"m","prompt":{"id":"pmpt_1"},"input":"q"}', "/v1/responses").system != g.system
+
+
+def test_other_paths_with_odd_prompts_are_routed() -> None:
+    f = parse(b'{"model":"m","prompt":{"x":1}}', "/v1/something")
+    assert f.api == "other" and f.prompt is None
+    assert parse(b'{"model":"m","prompt":[9,8]}', "/v1/something").prompt_token_ids == (9, 8)
