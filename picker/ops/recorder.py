@@ -72,7 +72,7 @@ class DecisionRecorder:
         self.counts: dict[str, int] = {"prefix_hash": 0, "overflow": 0, "fallback": 0}  # PrefixAwareHash outcomes
         self.prefixes_seen: OrderedDict[bytes, None] = OrderedDict()  # bound: MAX_PREFIXES_TRACKED, LRU
         self.kv = KvDecisionCounters()
-        self.outcomes: dict[str, int] = {}  # routed, bad_request, no_backend, error, draining
+        self.outcomes: dict[str, int] = {}  # routed, bad_request, no_backend, error, draining, overloaded
         self.decisions: dict[tuple[str, str], int] = {}  # (strategy, backend)
         self.responses: dict[tuple[str, str], int] = {}  # (backend, status class)
         self.decision_seconds = _Histogram(DECISION_BUCKETS)
@@ -93,7 +93,7 @@ class DecisionRecorder:
             self._note_prefix(key)
 
     def refused(self, outcome: str) -> None:
-        """A request answered by the picker itself: bad_request, no_backend, error, draining."""
+        """A request answered by the picker itself: bad_request, no_backend, error, draining, overloaded."""
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
     def response(self, backend: str, status: int | None) -> None:
@@ -152,7 +152,7 @@ class RecorderCollector(Collector):
         yield prefix
         outcomes = CounterMetricFamily(
             "continuum_picker_requests",
-            "Requests seen by the picker, by outcome (routed, bad_request, no_backend, error, draining)",
+            "Requests seen by the picker, by outcome (routed, bad_request, no_backend, error, draining, overloaded)",
             labels=["outcome"],
         )
         for outcome, n in list(r.outcomes.items()):
