@@ -176,10 +176,13 @@ def decision_cpu_us(body_bytes: int, backends: int, iterations: int = 2000) -> f
     return round(statistics.median(asyncio.run(run())) * 1e6, 2)
 
 
-def _envoy_options(body_mode: str, picker_address: str | None, backends: list[str] | None = None) -> EnvoyOptions:
+def _envoy_options(
+    body_mode: str, picker_address: str | None, backends: list[str] | None = None, picker_tls: bool = True
+) -> EnvoyOptions:
     return EnvoyOptions(
         listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
         picker_address=picker_address, body_mode=body_mode, backends=tuple(backends or ()),  # type: ignore[arg-type]
+        picker_tls=picker_tls,
     )  # fmt: skip
 
 
@@ -192,7 +195,13 @@ def _through_envoy(workdir: Path, opts: EnvoyOptions, bodies: list[bytes], secon
 
 
 def measure_row(
-    workdir: Path, addrs: list[str], size: int, body_mode: str, seconds: float, conc: int
+    workdir: Path,
+    addrs: list[str],
+    size: int,
+    body_mode: str,
+    seconds: float,
+    conc: int,
+    picker_plaintext: bool = False,
 ) -> dict[str, Any]:
     """Envoy alone, the no-op floor and the picker on the same bodies and backends."""
     bodies = chat_bodies(size)
@@ -201,9 +210,11 @@ def measure_row(
     # Port 0 and wait for the ready line: traffic must not reach Envoy before the floor listens (Envoy
     # answers 500 while its ext_proc cluster refuses connections), and no port is picked then released.
     argv = [sys.executable, "-m", "benchmarks.noop_extproc", "--port", "0", "--dest", ",".join(addrs)]
+    # The floor stays plaintext, the picker speaks TLS (its default, what users run): picker vs floor then
+    # includes TLS's cost instead of hiding it (--picker-plaintext measures the picker without it).
     noop, ready = spawn_ready_line("noop-extproc", argv, workdir, "noop-extproc ready")
     try:
-        opts = _envoy_options(body_mode, ready.rpartition("extproc=")[2])
+        opts = _envoy_options(body_mode, ready.rpartition("extproc=")[2], picker_tls=False)
         row["floor"] = _through_envoy(workdir, opts, bodies, seconds, conc)
     finally:
         noop.stop()
@@ -212,12 +223,15 @@ def measure_row(
         "prefix_routing": {"enabled": True},
         "pool": {"backends": [{"name": f"b{i}", "address": a} for i, a in enumerate(addrs)]},
     }
+    if picker_plaintext:
+        cfg["extproc"] = {"tls": {"mode": "plaintext"}}
     picker = start_picker(cfg, workdir, name="picker")
     try:
-        opts = _envoy_options(body_mode, f"127.0.0.1:{picker.extproc_port}")
+        opts = _envoy_options(body_mode, f"127.0.0.1:{picker.extproc_port}", picker_tls=picker.tls)
         row["picker"] = _through_envoy(workdir, opts, bodies, seconds, conc)
     finally:
         picker.stop()
+    row["picker_tls"] = not picker_plaintext
     floor, pick = row["floor"], row["picker"]
     row["throughput_ratio"] = round(pick["rps"] / floor["rps"], 3) if floor["rps"] else None
     row["p50_delta_ms"] = round(pick["p50_ms"] - floor["p50_ms"], 3)
@@ -225,7 +239,9 @@ def measure_row(
     return row
 
 
-def run(out: Path, quick: bool, body_mode: str, seconds: float, concurrency: int) -> dict[str, Any]:
+def run(
+    out: Path, quick: bool, body_mode: str, seconds: float, concurrency: int, picker_plaintext: bool = False
+) -> dict[str, Any]:
     workdir = make_workdir("kv-epp-overhead-")
     upstream, up_port = start_upstream(workdir)
     counts = (2, 128) if quick else BACKEND_COUNTS
@@ -233,13 +249,21 @@ def run(out: Path, quick: bool, body_mode: str, seconds: float, concurrency: int
     try:
         for n in counts:
             for size in BODY_SIZES:
-                row = measure_row(workdir, backend_addresses(n, up_port), size, body_mode, seconds, concurrency)
+                row = measure_row(
+                    workdir, backend_addresses(n, up_port), size, body_mode, seconds, concurrency, picker_plaintext
+                )
                 runs.append(row)
                 print(format_row(row), flush=True)
     finally:
         upstream.stop()
     results = {
-        "params": {"seconds": seconds, "concurrency": concurrency, "body_mode": body_mode, "prompts": N_PROMPTS},
+        "params": {
+            "seconds": seconds,
+            "concurrency": concurrency,
+            "body_mode": body_mode,
+            "prompts": N_PROMPTS,
+            "picker_tls": not picker_plaintext,
+        },
         "runs": runs,
         "decision_cpu_us": {
             "body_4k_backends_2": decision_cpu_us(4096, 2),
@@ -259,6 +283,7 @@ def format_row(r: dict[str, Any]) -> str:
         if r[n]["non_200"] + r[n]["errors"]
     }
     warn = f" | FAILED REQUESTS {bad}: figures invalid" if bad else ""
+    warn += "" if r.get("picker_tls", True) else " | picker plaintext"
     return (
         f"body={r['body_bytes']:>6} backends={r['backends']:>3} | rps envoy={e['rps']:>7.0f} floor={f['rps']:>7.0f} "
         f"picker={p['rps']:>7.0f} ratio={r['throughput_ratio']} | p50 envoy={e['p50_ms']:.2f} floor={f['p50_ms']:.2f} "
@@ -274,9 +299,10 @@ def main() -> None:
     ap.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED")
     ap.add_argument("--seconds", type=float, default=None, help="measured seconds per phase")
     ap.add_argument("--concurrency", type=int, default=16, help="connections in the throughput phase")
+    ap.add_argument("--picker-plaintext", action="store_true", help="picker without TLS (default: TLS, as deployed)")
     a = ap.parse_args()
     seconds = a.seconds if a.seconds is not None else (2.0 if a.quick else 4.0)
-    res = run(a.out, a.quick, a.body_mode, seconds, a.concurrency)
+    res = run(a.out, a.quick, a.body_mode, seconds, a.concurrency, a.picker_plaintext)
     print("decision CPU (parse + key + pick), median:", json.dumps(res["decision_cpu_us"]))
     print(f"wrote {a.out / 'results.json'}")
 

@@ -183,12 +183,29 @@ class PickerProcess:
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
+    @property
+    def tls(self) -> bool:
+        """TLS on the ext_proc port: the picker's default unless ``extproc.tls.mode`` is plaintext."""
+        return bool(self.config["extproc"].get("tls", {}).get("mode", "tls") != "plaintext")
+
+    def envoy_picker_options(self) -> dict[str, Any]:
+        """The EnvoyOptions fields that reach this picker: address, TLS on or off, the token if one is set.
+
+        ``EnvoyOptions(**picker.envoy_picker_options(), ...)``; EnvoyOptions' own default (TLS, no token)
+        already matches a picker started with the default config."""
+        token_file = self.config["extproc"].get("auth", {}).get("token_file")
+        token = Path(token_file).read_text().strip() if token_file else None
+        return {"picker_address": f"127.0.0.1:{self.extproc_port}", "picker_tls": self.tls, "picker_token": token}
+
     def stop(self) -> int:
         return self.process.stop()
 
 
 def start_picker(config: dict[str, Any], workdir: Path, name: str = "picker") -> PickerProcess:
-    """Run ``kv-epp serve`` with ``config`` (extproc/admin ports filled in when missing)."""
+    """Run ``kv-epp serve`` with ``config`` (extproc/admin ports filled in when missing).
+
+    TLS stays the picker's default (a self-signed certificate generated at start) unless ``config`` says
+    ``extproc: {tls: {mode: plaintext}}``; ``PickerProcess.envoy_picker_options`` gives Envoy the match."""
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
     extproc = dict(cfg.get("extproc", {}))
     extproc.setdefault("host", "127.0.0.1")

@@ -195,6 +195,33 @@ class SessionAffinityConfig(_Section):
     max_sessions: int = Field(100_000, ge=1, le=10_000_000)
 
 
+class ExtProcTlsConfig(_Section):
+    """TLS on the ext_proc port: on by default (gateways and reference EPPs speak TLS to the picker).
+
+    ``cert_file`` + ``key_file`` (PEM): re-read on rotation (checked at each new connection), no restart.
+    Neither: a self-signed certificate is generated at start, in memory only. The separate
+    ``extproc.health_port`` stays plaintext (kubelet gRPC probes do not speak TLS)."""
+
+    mode: Literal["tls", "plaintext"] = "tls"  # plaintext only when asked for
+    cert_file: str | None = None  # certificate chain, PEM
+    key_file: str | None = None  # its private key, PEM (unencrypted)
+    client_ca_file: str | None = None  # PEM bundle: when set, clients must present a certificate it signs
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ExtProcTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (neither: a self-signed certificate is generated)")
+        if self.mode == "plaintext" and (self.cert_file or self.client_ca_file):
+            raise ValueError("mode plaintext takes no cert_file, key_file or client_ca_file")
+        return self
+
+
+class ExtProcAuthConfig(_Section):
+    """A shared token Envoy sends in gRPC initial metadata (``authorization: Bearer <token>``)."""
+
+    token_file: str | None = None  # file holding the token (read at start); None: no token required
+
+
 class ExtProcConfig(_Section):
     host: str = "0.0.0.0"
     port: int = Field(9002, ge=0, le=65535)
@@ -207,6 +234,8 @@ class ExtProcConfig(_Section):
     tenant_header: Annotated[str, AfterValidator(_header_name)] = "x-tenant-id"
     # Used only when Envoy does not announce its processing mode (protocol_config) on the stream.
     default_body_mode: Literal["FULL_DUPLEX_STREAMED", "BUFFERED"] = "FULL_DUPLEX_STREAMED"
+    tls: ExtProcTlsConfig = ExtProcTlsConfig()
+    auth: ExtProcAuthConfig = ExtProcAuthConfig()
 
 
 class AdmissionConfig(_Section):

@@ -8,6 +8,8 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from picker.config import ConfigError, config_warnings, load_settings, settings_json_schema
 from picker.runtime.envoy_config import EnvoyOptions, bootstrap_yaml
@@ -73,6 +75,30 @@ def _schema(_: argparse.Namespace) -> int:
     return 0
 
 
+def _picker_tls_options(args: argparse.Namespace) -> dict[str, Any] | str:
+    """EnvoyOptions' picker TLS and token fields from the flags, or an error message (the token is never echoed)."""
+    if args.picker_plaintext and (args.picker_ca or args.picker_sni or args.picker_client_cert):
+        return "--picker-plaintext takes no --picker-ca, --picker-sni or --picker-client-cert"
+    if (args.picker_client_cert is None) != (args.picker_client_key is None):
+        return "--picker-client-cert and --picker-client-key go together"
+    token = None
+    if args.picker_token_file is not None:
+        try:
+            token = Path(args.picker_token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"--picker-token-file {args.picker_token_file}: {_one_line(exc)}"
+        if not token or any(not 0x21 <= ord(c) <= 0x7E for c in token):
+            return f"--picker-token-file {args.picker_token_file}: the token must be printable ASCII without spaces"
+    return {
+        "picker_tls": not args.picker_plaintext,
+        "picker_ca": args.picker_ca,
+        "picker_sni": args.picker_sni,
+        "picker_client_cert": args.picker_client_cert,
+        "picker_client_key": args.picker_client_key,
+        "picker_token": token,
+    }
+
+
 def _envoy_config(args: argparse.Namespace) -> int:
     picker = args.picker
     if args.mode == "sidecar" and picker is None:
@@ -83,7 +109,12 @@ def _envoy_config(args: argparse.Namespace) -> int:
     if args.mode == "no-picker" and not args.backend:
         print("error: --backend IP:PORT (repeatable) is required with --mode no-picker", file=sys.stderr)
         return 2
+    picker_tls = _picker_tls_options(args)
+    if isinstance(picker_tls, str):
+        print(f"error: {picker_tls}", file=sys.stderr)
+        return 2
     opts = EnvoyOptions(
+        **picker_tls,
         listen_port=args.listen_port,
         listen_address=args.listen_address,
         admin_port=args.admin_port,
@@ -124,6 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--fail-open", action="store_true", help="failure_mode_allow (works in BUFFERED mode only)")
     e.add_argument("--message-timeout-ms", type=int, default=5000)
     e.add_argument("--backend", action="append", help="ip:port of a backend (no-picker mode)")
+    t = e.add_argument_group(
+        "picker TLS",
+        "Envoy speaks TLS to the picker by default (the picker's default). Without --picker-ca the picker's "
+        "certificate is NOT verified (like Envoy AI Gateway; the picker's self-signed one is accepted).",
+    )
+    t.add_argument("--picker-plaintext", action="store_true", help="plaintext (extproc.tls.mode: plaintext)")
+    t.add_argument("--picker-ca", metavar="FILE", help="verify the picker's certificate against this PEM CA bundle")
+    t.add_argument("--picker-sni", metavar="NAME", help="SNI, name to verify (default: a DNS --picker host)")
+    t.add_argument("--picker-client-cert", metavar="FILE", help="Envoy's client certificate, PEM (mTLS)")
+    t.add_argument("--picker-client-key", metavar="FILE", help="its private key, PEM")
+    t.add_argument(
+        "--picker-token-file",
+        metavar="FILE",
+        help="send the token in FILE as 'authorization: Bearer' (extproc.auth.token_file); the output then holds it",
+    )
     e.set_defaults(func=_envoy_config)
     return p
 

@@ -38,6 +38,15 @@ class EnvoyOptions:
     # Tests only: a Lua filter copies this request header into the subset-hint metadata, as a GIE
     # gateway would, so the picker's subset handling can be exercised through a real Envoy.
     subset_hint_from_header: str | None = None
+    # The picker speaks TLS by default: Envoy's cluster for it does too. Without picker_ca the picker's
+    # certificate is not verified (like Envoy AI Gateway: a self-signed one is accepted); with it, the
+    # certificate must chain to picker_ca and name picker_sni (or the picker's IP when no SNI is set).
+    picker_tls: bool = True
+    picker_ca: str | None = None  # PEM file
+    picker_sni: str | None = None  # default: the host of picker_address when it is a DNS name
+    picker_client_cert: str | None = None  # PEM files: Envoy's client certificate (extproc.tls.client_ca_file)
+    picker_client_key: str | None = None
+    picker_token: str | None = None  # sent as "authorization: Bearer <token>"; the bootstrap then holds a secret
 
 
 def _addr(host_port: str) -> dict[str, Any]:
@@ -54,6 +63,48 @@ def _is_ip(host_port: str) -> bool:
     return True
 
 
+def _picker_grpc_service(o: EnvoyOptions) -> dict[str, Any]:
+    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "kv_epp_picker"}, "timeout": "10s"}
+    if o.picker_token is not None:
+        service["initial_metadata"] = [{"key": "authorization", "value": f"Bearer {o.picker_token}"}]
+    return service
+
+
+def _picker_sni(o: EnvoyOptions) -> str | None:
+    if o.picker_sni is not None:
+        return o.picker_sni
+    if o.picker_address is None or _is_ip(o.picker_address):
+        return None
+    return o.picker_address.rpartition(":")[0]
+
+
+def _picker_transport_socket(o: EnvoyOptions) -> dict[str, Any]:
+    """Upstream TLS to the picker: HTTP/2 by ALPN; verified only when ``picker_ca`` is given."""
+    common: dict[str, Any] = {"alpn_protocols": ["h2"]}
+    sni = _picker_sni(o)
+    if o.picker_ca is not None:
+        assert o.picker_address is not None
+        if sni is not None:
+            san = {"san_type": "DNS", "matcher": {"exact": sni}}
+        else:
+            san = {"san_type": "IP_ADDRESS", "matcher": {"exact": o.picker_address.rpartition(":")[0].strip("[]")}}
+        common["validation_context"] = {
+            "trusted_ca": {"filename": o.picker_ca},
+            "match_typed_subject_alt_names": [san],
+        }
+    if o.picker_client_cert is not None and o.picker_client_key is not None:
+        common["tls_certificates"] = [
+            {"certificate_chain": {"filename": o.picker_client_cert}, "private_key": {"filename": o.picker_client_key}}
+        ]
+    context: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": common,
+    }
+    if sni is not None:
+        context["sni"] = sni
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
+
+
 def _ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
     full_duplex = o.body_mode == "FULL_DUPLEX_STREAMED"
     mode = {
@@ -68,7 +119,7 @@ def _ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "kv_epp_picker"}, "timeout": "10s"},
+            "grpc_service": _picker_grpc_service(o),
             "failure_mode_allow": o.fail_open,
             "message_timeout": f"{o.message_timeout_ms / 1000:.3f}s",
             "processing_mode": mode,
@@ -153,6 +204,8 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                 },
             }
         )
+        if o.picker_tls:
+            clusters[-1]["transport_socket"] = _picker_transport_socket(o)
     else:
         clusters.append(
             {

@@ -41,6 +41,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from picker.extproc.service import ExternalProcessor
 from picker.ops.admin import AdminRoutes, build_admin_app
 from picker.runtime.app import PickerApp
+from picker.runtime.tls import BearerTokenInterceptor, ServerTls, TlsSetupError, read_token, server_tls
 from picker.shared.supervisor import TaskFailure, TaskSupervisor
 
 log = logging.getLogger("kv_epp.server")
@@ -95,9 +96,13 @@ def _check_bindable(what: str, host: str, port: int) -> None:
                 raise StartupError(f"{what} {_hostport(host, port)}: {_os_reason(exc)}") from None
 
 
-def _grpc_port(server: grpc.aio.Server, what: str, host: str, port: int) -> int:
+def _grpc_port(
+    server: grpc.aio.Server, what: str, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> int:
     _check_bindable(what, host, port)
     try:
+        if credentials is not None:
+            return int(server.add_secure_port(_hostport(host, port), credentials))
         return int(server.add_insecure_port(_hostport(host, port)))
     except RuntimeError as exc:  # grpcio raises RuntimeError("Failed to bind ...") on a busy port
         raise StartupError(f"{what} {_hostport(host, port)}: cannot bind ({exc})") from None
@@ -113,6 +118,8 @@ class PickerServer:
         self.supervisor = TaskSupervisor(on_failure=self._task_failed, logger=log)
         self._grpc: grpc.aio.Server | None = None
         self._health_grpc: grpc.aio.Server | None = None
+        self.tls = ServerTls(None, "off")  # the ext_proc port's credentials, set at start
+        self.auth: BearerTokenInterceptor | None = None
         self._admin: web.AppRunner | None = None
         self._admin_extra = admin_extra or []
         self._stopping = False  # stop() has begun
@@ -147,17 +154,38 @@ class PickerServer:
         await self._publish_readiness()
         s = self.app.settings
         log.info(
-            "event=picker_started extproc_port=%d health_port=%d admin_port=%d strategy=%s backends=%d",
+            "event=picker_started extproc_port=%d health_port=%d admin_port=%d strategy=%s backends=%d %s",
             self.extproc_port, self.health_port, self.admin_port, s.selection_strategy, len(s.pool.backends),
+            self._tls_fields(),
         )  # fmt: skip
+
+    def _tls_fields(self) -> str:
+        """``tls=on cert=files serial=.. sha256=.. client_cert=required token=off``: never a secret."""
+        if not self.tls.on:
+            return f"tls=off token={'on' if self.auth else 'off'}"
+        info = self.tls.info
+        cert = f" serial={info.serial} sha256={info.sha256} not_after={info.not_after}" if info else ""
+        return (
+            f"tls=on cert={self.tls.source}{cert} client_cert={'required' if self.tls.client_auth else 'off'} "
+            f"token={'on' if self.auth else 'off'}"
+        )
 
     async def _start_servers(self) -> None:
         s = self.app.settings
-        self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
+        try:
+            self.tls = server_tls(s.extproc)
+            if s.extproc.auth.token_file is not None:
+                self.auth = BearerTokenInterceptor(read_token(s.extproc.auth.token_file))
+        except TlsSetupError as exc:
+            raise StartupError(f"ext_proc tls: {exc}") from None
+        interceptors = [self.auth] if self.auth is not None else []
+        self._grpc = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        self.extproc_port = _grpc_port(self._grpc, "ext_proc port", s.extproc.host, s.extproc.port)
+        creds = self.tls.credentials
+        self.extproc_port = _grpc_port(self._grpc, "ext_proc port", s.extproc.host, s.extproc.port, creds)
         self.health_port = self.extproc_port
+        # The separate health port is plaintext and serves only gRPC health: kubelet gRPC probes do not do TLS.
         if s.extproc.health_port is not None and s.extproc.health_port != s.extproc.port:
             self._health_grpc = grpc.aio.server(options=GRPC_OPTIONS)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_grpc)
@@ -204,7 +232,7 @@ class PickerServer:
         admin = _hostport(s.admin.host, self.admin_port) if self._admin is not None else "off"
         return (
             f"kv-epp ready extproc={_hostport(s.extproc.host, self.extproc_port)} "
-            f"health={_hostport(s.extproc.host, self.health_port)} admin={admin}"
+            f"health={_hostport(s.extproc.host, self.health_port)} admin={admin} tls={'on' if self.tls.on else 'off'}"
         )
 
     async def _watch_config(self) -> None:
@@ -290,7 +318,10 @@ class PickerServer:
             stuck = await self.supervisor.stop(TASK_STOP_SECONDS)
             await self._close_clients()
             await self._close_servers()
-            log.info("event=picker_stopped refused_streams=%d stuck_tasks=%d", self.servicer.refused, len(stuck))
+            log.info(
+                "event=picker_stopped refused_streams=%d unauthenticated=%d stuck_tasks=%d",
+                self.servicer.refused, self.auth.refused if self.auth else 0, len(stuck),
+            )  # fmt: skip
         finally:
             self._done.set()
 

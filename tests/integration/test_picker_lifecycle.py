@@ -9,6 +9,7 @@ import queue
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -41,8 +42,15 @@ BACKEND = {"name": "be-0", "address": "127.0.0.1:9"}  # never contacted: the pic
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-def health_status(port: int, service: str) -> int:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+def health_status(port: int, service: str, tls: bool = False) -> int:
+    """gRPC health on ``port``; ``tls``: over TLS, trusting the certificate the port shows (the ext_proc
+    port speaks TLS by default; the separate health port is plaintext)."""
+    if tls:
+        roots = ssl.get_server_certificate(("127.0.0.1", port), timeout=10).encode()
+        ch = grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(roots))
+    else:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    with ch:
         stub = health_pb2_grpc.HealthStub(ch)
         return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status)
 
@@ -69,9 +77,9 @@ def test_grpc_health_services(workdir: Path) -> None:
     health_port = free_port()
     picker = start_picker({"extproc": {"health_port": health_port}}, workdir, name="picker-health")
     try:
-        for port in (picker.extproc_port, health_port):
+        for port, tls in ((picker.extproc_port, True), (health_port, False)):
             for svc in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor", "inference-extension"):
-                assert health_status(port, svc) == health_pb2.HealthCheckResponse.SERVING
+                assert health_status(port, svc, tls) == health_pb2.HealthCheckResponse.SERVING
     finally:
         assert picker.stop() == 0
 
@@ -198,9 +206,9 @@ def test_ready_line_names_the_bound_ports(workdir: Path) -> None:
     picker = serve(cfg, workdir, "picker-ready")
     try:
         line = picker.read_line()
-        assert line == f"kv-epp ready extproc=127.0.0.1:{ext} health=127.0.0.1:{hp} admin=127.0.0.1:{ap}"
+        assert line == f"kv-epp ready extproc=127.0.0.1:{ext} health=127.0.0.1:{hp} admin=127.0.0.1:{ap} tls=on"
         # printed once everything listens: each port answers at once, no retry needed
-        assert health_status(ext, "readiness") == SERVING and health_status(hp, "readiness") == SERVING
+        assert health_status(ext, "readiness", tls=True) == SERVING and health_status(hp, "readiness") == SERVING
         assert http("GET", f"http://127.0.0.1:{ap}/readyz").status == 200
         assert "kv-epp ready" not in picker.stderr()  # stdout only; logs stay on stderr
     finally:
@@ -208,10 +216,12 @@ def test_ready_line_names_the_bound_ports(workdir: Path) -> None:
 
 
 def test_ready_line_reports_ports_chosen_by_the_system(workdir: Path) -> None:
-    picker = serve(picker_config(extproc={"port": 0, "health_port": None}, admin={"port": 0}), workdir, "picker-p0")
+    cfg = picker_config(extproc={"port": 0, "health_port": None, "tls": {"mode": "plaintext"}}, admin={"port": 0})
+    picker = serve(cfg, workdir, "picker-p0")
     try:
         m = re.fullmatch(
-            r"kv-epp ready extproc=127\.0\.0\.1:(\d+) health=127\.0\.0\.1:(\d+) admin=(\S+)", picker.read_line()
+            r"kv-epp ready extproc=127\.0\.0\.1:(\d+) health=127\.0\.0\.1:(\d+) admin=(\S+) tls=off",
+            picker.read_line(),
         )
         assert m is not None and m.group(1) == m.group(2) and int(m.group(1)) > 0
         assert health_status(int(m.group(1)), "readiness") == SERVING
@@ -260,7 +270,9 @@ def test_bad_config_file_is_one_error_line_and_exit_2(kind: str, workdir: Path) 
 def test_drain_refuses_new_streams_while_an_open_one_finishes(workdir: Path) -> None:
     """SIGTERM: readiness NOT_SERVING, then new streams get UNAVAILABLE while an open stream still
     completes its response phases; the process exits 0 once it has."""
-    cfg = picker_config(extproc={"drain_propagation_seconds": 0.2, "drain_seconds": 120})
+    cfg = picker_config(
+        extproc={"drain_propagation_seconds": 0.2, "drain_seconds": 120, "tls": {"mode": "plaintext"}}
+    )  # a plaintext client: plaintext configured
     picker = serve(cfg, workdir, "picker-drain-order")
     channel = None
     try:
@@ -310,7 +322,7 @@ def test_drain_refuses_new_streams_while_an_open_one_finishes(workdir: Path) -> 
 async def test_crashed_background_task_flips_readiness_and_is_counted() -> None:
     """A background task that raises: gRPC readiness NOT_SERVING (liveness stays SERVING), /readyz 503
     naming the task, the failure counted; the process keeps serving and stops cleanly."""
-    settings = parse_settings(picker_config(extproc={"health_port": None}))
+    settings = parse_settings(picker_config(extproc={"health_port": None, "tls": {"mode": "plaintext"}}))
     server = PickerServer(PickerApp(settings))
     release = asyncio.Event()
 
