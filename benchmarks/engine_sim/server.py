@@ -2,8 +2,19 @@
 
 Endpoints (vLLM's shapes): ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming SSE and
 not; ``usage.prompt_tokens_details.cached_tokens`` always in non-streaming responses, and in a final
-``choices: []`` chunk when ``stream_options.include_usage`` is set), ``POST /tokenize``,
-``POST /detokenize``, ``GET /health``, ``GET /v1/models``, ``GET /metrics``.
+``choices: []`` chunk when ``stream_options.include_usage`` is set), ``POST /v1/responses`` (non-streaming
+only: ``instructions`` + ``input`` as a string or message items; a ``prompt`` template is refused with
+400, as vLLM refuses it), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /v1/models``,
+``GET /metrics``.
+
+Request forms follow vLLM's CompletionRequest: ``prompt`` is a string, token ids (used as the prompt's
+tokens, cached and published as given), a batch of strings or a batch of token-id lists (one engine
+request per prompt, one choice per prompt with ``index`` 0..n-1 in prompt order, usage summed; streamed
+chunks of the prompts interleave and each carries its choice's index). ``max_tokens`` is read as
+pydantic's lax ``int`` reads it (``4.0`` → 4, ``4.5`` → 400). CORS as vLLM's defaults: a preflight
+(``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``) on any path gets 200 ``OK`` with
+``Access-Control-Allow-Origin: *``, every method, ``Access-Control-Max-Age: 600`` and the requested
+headers mirrored; any answer to a request with ``Origin`` carries ``Access-Control-Allow-Origin``.
 
 Admin (simulator only): ``POST /sim/faults`` with any of ``{"error_rate": 0..1, "stall_ms": N,
 "drop_event_batches": N, "event_drop_rate": 0..1}`` (returns the current fault settings),
@@ -45,13 +56,18 @@ from benchmarks.engine_sim.tokenizer import (
     Detokenizer,
     TemplateError,
     chat_token_ids,
+    completion_prompts,
+    lax_int,
     prompt_token_ids,
-    request_token_ids,
+    responses_token_ids,
 )
 
 log = logging.getLogger(__name__)
 
 NAME_HEADER = "x-kv-sim-name"
+# Starlette's CORSMiddleware with vLLM's defaults: "*" methods stand for these; preflights cached 600 s.
+CORS_ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+CORS_MAX_AGE = "600"
 
 
 def error_response(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
@@ -163,9 +179,13 @@ class EngineSimulator:
     # -- HTTP --------------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
         """The aiohttp application (routes only; ``start`` runs it)."""
-        app = web.Application(middlewares=[self._name_header_middleware], client_max_size=64 * 1024**2)
+        app = web.Application(
+            middlewares=[self._name_header_middleware, self._cors_middleware], client_max_size=64 * 1024**2
+        )
+        app.on_response_prepare.append(_cors_simple_headers)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
@@ -184,6 +204,19 @@ class EngineSimulator:
         self.http_status_counts[response.status] = self.http_status_counts.get(response.status, 0) + 1
         return response
 
+    @web.middleware
+    async def _cors_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """A preflight (OPTIONS with ``Origin`` and ``Access-Control-Request-Method``) on any path is
+        answered here, before routing, as vLLM's CORS middleware answers it."""
+        if (
+            request.method == "OPTIONS"
+            and "Origin" in request.headers
+            and "Access-Control-Request-Method" in request.headers
+        ):
+            return cors_preflight(request)
+        response: web.StreamResponse = await handler(request)
+        return response
+
     async def _json_body(self, request: web.Request) -> dict[str, Any] | web.Response:
         try:
             body = await request.json(loads=json.loads)
@@ -197,88 +230,172 @@ class EngineSimulator:
         return body
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, "chat")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, "completions")
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "responses")
+
+    def _parse_generation(self, body: Mapping[str, Any], api: str) -> tuple[list[list[int]], int]:
+        """The prompts (token ids, one list per prompt) and ``max_tokens`` of a request; TemplateError."""
+        if api == "chat":
+            if not isinstance(body.get("messages"), list):
+                raise TemplateError("'messages' must be a list")
+            prompts = [chat_token_ids(body["messages"], add_generation_prompt=True)]
+            max_tokens = lax_int(body.get("max_tokens"), "max_tokens")
+            if max_tokens is None:
+                max_tokens = lax_int(body.get("max_completion_tokens"), "max_completion_tokens")
+        elif api == "responses":
+            prompts = [responses_token_ids(body)]
+            max_tokens = lax_int(body.get("max_output_tokens"), "max_output_tokens")
+        else:
+            if body.get("prompt") is None:
+                raise TemplateError("At least one of `prompt` or `prompt_embeds` must be set.")
+            prompts = completion_prompts(body["prompt"])
+            max_tokens = lax_int(body.get("max_tokens"), "max_tokens")
+        if any(not ids for ids in prompts):
+            raise TemplateError("the prompt is empty")
+        if max_tokens is None:
+            max_tokens = self.config.default_max_tokens
+        if max_tokens < 1:
+            raise TemplateError(f"max_tokens must be at least 1, got {max_tokens}")
+        return prompts, max_tokens
+
+    async def _generate(self, request: web.Request, api: str) -> web.StreamResponse:
         body = await self._json_body(request)
         if isinstance(body, web.Response):
             return body
         try:
-            if chat and not isinstance(body.get("messages"), list):
-                raise TemplateError("'messages' must be a list")
-            prompt_ids = request_token_ids(request.path, body)
+            prompts, max_tokens = self._parse_generation(body, api)
         except TemplateError as exc:
             return error_response(400, str(exc))
-        if not prompt_ids:
-            return error_response(400, "the prompt is empty")
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-        if max_tokens is None:
-            max_tokens = self.config.default_max_tokens
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            return error_response(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         stream = bool(body.get("stream", False))
+        if stream and api == "responses":
+            return error_response(400, "the simulator's /v1/responses does not stream (set stream: false)")
         stream_options = body.get("stream_options") or {}
         include_usage = isinstance(stream_options, Mapping) and bool(stream_options.get("include_usage"))
         scheduler = self.scheduler
         assert scheduler is not None
         try:
-            scheduler.check(len(prompt_ids), max_tokens)
+            for ids in prompts:
+                scheduler.check(len(ids), max_tokens)
         except RequestRejected as exc:
             return error_response(400, str(exc))
         if self.error_rate > 0 and self._error_rng.random() < self.error_rate:
             return error_response(500, "injected fault: internal server error", "InternalServerError")
-        prefix = "chatcmpl" if chat else "cmpl"
-        sim_request = SimRequest(f"{prefix}-{self.config.name}-{next(self._ids)}", prompt_ids, max_tokens)
-        scheduler.submit(sim_request)
+        prefix = {"chat": "chatcmpl", "completions": "cmpl", "responses": "resp"}[api]
+        base_id = f"{prefix}-{self.config.name}-{next(self._ids)}"
+        # One engine request per prompt (vLLM: ``{request_id}-{i}``), each cached and published on its own.
+        batch = [
+            SimRequest(base_id if len(prompts) == 1 else f"{base_id}-{i}", ids, max_tokens)
+            for i, ids in enumerate(prompts)
+        ]
+        for sim_request in batch:
+            scheduler.submit(sim_request)
         try:
             if stream:
-                return await self._stream(request, sim_request, chat, include_usage)
-            return await self._collect(sim_request, chat)
+                return await self._stream(request, base_id, batch, api == "chat", include_usage)
+            return await self._collect(base_id, batch, api)
         finally:
-            scheduler.abort(sim_request)  # no-op when it finished
+            for sim_request in batch:
+                scheduler.abort(sim_request)  # no-op when it finished
 
-    def _usage(self, r: SimRequest) -> dict[str, Any]:
+    def _usage(self, batch: list[SimRequest]) -> dict[str, Any]:
+        """Usage summed over the prompts of a request (vLLM sums prompt and completion tokens; the
+        simulator sums ``cached_tokens`` too, where vLLM reports a single prompt's)."""
+        prompt = sum(r.prompt_tokens for r in batch)
+        completion = sum(r.generated for r in batch)
         return {
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.generated,
-            "total_tokens": r.prompt_tokens + r.generated,
-            "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in batch)},
         }
 
-    async def _collect(self, r: SimRequest, chat: bool) -> web.Response:
-        words: list[str] = []
-        while True:
-            item = await r.outputs.get()
-            if item.kind == "token":
-                words.append(item.text)
-            elif item.kind == "error":
-                return error_response(503, item.text, "ServiceUnavailableError")
+    async def _collect(self, base_id: str, batch: list[SimRequest], api: str) -> web.Response:
+        texts: list[str] = []
+        for r in batch:  # the scheduler runs them together; each queue is read to its end in turn
+            words: list[str] = []
+            while True:
+                item = await r.outputs.get()
+                if item.kind == "token":
+                    words.append(item.text)
+                elif item.kind == "error":
+                    return error_response(503, item.text, "ServiceUnavailableError")
+                else:
+                    break
+            texts.append(" ".join(words))
+        created = int(time.time())
+        if api == "responses":
+            return web.json_response(self._responses_body(base_id, batch[0], texts[0], created))
+        choices: list[dict[str, Any]] = []
+        for index, text in enumerate(texts):
+            choice: dict[str, Any] = {"index": index, "finish_reason": "length", "logprobs": None}
+            if api == "chat":
+                choice["message"] = {"role": "assistant", "content": text}
             else:
-                break
-        text = " ".join(words)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+                choice["text"] = text
+            choices.append(choice)
         return web.json_response(
             {
-                "id": r.request_id,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
+                "id": base_id,
+                "object": "chat.completion" if api == "chat" else "text_completion",
+                "created": created,
                 "model": self.config.model,
-                "choices": [choice],
-                "usage": self._usage(r),
+                "choices": choices,
+                "usage": self._usage(batch),
             }
         )
 
-    async def _stream(self, request: web.Request, r: SimRequest, chat: bool, include_usage: bool) -> web.StreamResponse:
-        first = await r.outputs.get()  # wait for the first token so errors can still be a status code
-        if first.kind == "error":
-            return error_response(503, first.text, "ServiceUnavailableError")
+    def _responses_body(self, base_id: str, r: SimRequest, text: str, created: int) -> dict[str, Any]:
+        """vLLM's Responses API answer (``object: response``) for one finished request."""
+        return {
+            "id": base_id,
+            "object": "response",
+            "created_at": created,
+            "model": self.config.model,
+            "status": "completed",
+            "output": [
+                {
+                    "id": f"msg_{base_id}",
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }
+            ],
+            "usage": {
+                "input_tokens": r.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": r.cached_tokens},
+                "output_tokens": r.generated,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": r.prompt_tokens + r.generated,
+            },
+        }
+
+    async def _stream(
+        self, request: web.Request, base_id: str, batch: list[SimRequest], chat: bool, include_usage: bool
+    ) -> web.StreamResponse:
+        merged = _MergedOutputs(batch)
+        try:
+            return await self._write_stream(request, base_id, batch, merged, chat, include_usage)
+        finally:
+            merged.close()
+
+    async def _write_stream(
+        self,
+        request: web.Request,
+        base_id: str,
+        batch: list[SimRequest],
+        merged: _MergedOutputs,
+        chat: bool,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        index, item = await merged.get()  # wait for the first token so errors can still be a status code
+        if item.kind == "error":
+            return error_response(503, item.text, "ServiceUnavailableError")
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -292,7 +409,7 @@ class EngineSimulator:
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             data: dict[str, Any] = {
-                "id": r.request_id,
+                "id": base_id,
                 "object": obj,
                 "created": created,
                 "model": self.config.model,
@@ -302,10 +419,10 @@ class EngineSimulator:
                 data["usage"] = usage
             return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
-        def piece(text: str, finish: str | None) -> dict[str, Any]:
+        def piece(i: int, text: str, finish: str | None) -> dict[str, Any]:
             if chat:
-                return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                return {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
 
         if chat:
             role = {
@@ -315,21 +432,25 @@ class EngineSimulator:
                 "finish_reason": None,
             }
             await response.write(chunk([role]))
-        item: StepOutput = first
-        index = 0
+        emitted = [0] * len(batch)  # tokens written per choice (a space precedes every word but the first)
+        finished = 0
         while True:
             if item.kind == "error":
                 break  # engine restarted/stopped: end the stream without [DONE]
             if item.kind == "done":
-                last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
-                await response.write(chunk([last] if chat else [piece("", "length")]))
-                if include_usage:
-                    await response.write(chunk([], self._usage(r)))
-                await response.write(b"data: [DONE]\n\n")
-                break
-            await response.write(chunk([piece(item.text if index == 0 else " " + item.text, None)]))
-            index += 1
-            item = await r.outputs.get()
+                last = {"index": index, "delta": {}, "logprobs": None, "finish_reason": "length"}
+                await response.write(chunk([last] if chat else [piece(index, "", "length")]))
+                finished += 1
+                if finished == len(batch):
+                    if include_usage:
+                        await response.write(chunk([], self._usage(batch)))
+                    await response.write(b"data: [DONE]\n\n")
+                    break
+            else:
+                text = item.text if emitted[index] == 0 else " " + item.text
+                await response.write(chunk([piece(index, text, None)]))
+                emitted[index] += 1
+            index, item = await merged.get()
         await response.write_eof()
         return response
 
@@ -470,6 +591,67 @@ class EngineSimulator:
                 "event_batches_dropped": self.publisher.batches_dropped if self.publisher else 0,
             }
         )
+
+
+class _MergedOutputs:
+    """The outputs of a request's prompts as ``(prompt index, item)`` in the order the scheduler makes
+    them (vLLM merges its per-prompt generators the same way). One prompt is read directly; a batch
+    gets one forwarding task per prompt, cancelled by ``close``. Bound: each forwarder stops after its
+    request's done/error item, so the merged queue holds at most the batch's total output items."""
+
+    def __init__(self, batch: list[SimRequest]) -> None:
+        self._batch = batch
+        self._queue: asyncio.Queue[tuple[int, StepOutput]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        if len(batch) > 1:
+            self._tasks = [asyncio.create_task(self._forward(i, r)) for i, r in enumerate(batch)]
+
+    async def _forward(self, index: int, r: SimRequest) -> None:
+        while True:
+            item = await r.outputs.get()
+            self._queue.put_nowait((index, item))
+            if item.kind != "token":
+                return
+
+    async def get(self) -> tuple[int, StepOutput]:
+        if not self._tasks:
+            return 0, await self._batch[0].outputs.get()
+        return await self._queue.get()
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+def cors_preflight(request: web.Request) -> web.Response:
+    """A CORS preflight answered as vLLM answers it with its default settings: Starlette's
+    CORSMiddleware with ``allow_origins=["*"]``, ``allow_methods=["*"]``, ``allow_headers=["*"]``,
+    ``allow_credentials=False`` (vllm/entrypoints/openai/cli_args.py, api_server.py)."""
+    headers = {
+        "Access-Control-Allow-Origin": "*",
+        "Access-Control-Allow-Methods": ", ".join(CORS_ALL_METHODS),
+        "Access-Control-Max-Age": CORS_MAX_AGE,
+    }
+    requested_headers = request.headers.get("Access-Control-Request-Headers")
+    if requested_headers is not None:
+        headers["Access-Control-Allow-Headers"] = requested_headers  # every header allowed: mirrored
+    if request.headers["Access-Control-Request-Method"] not in CORS_ALL_METHODS:
+        return web.Response(status=400, text="Disallowed CORS method", headers=headers)
+    return web.Response(status=200, text="OK", headers=headers)
+
+
+async def _cors_simple_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """``Access-Control-Allow-Origin`` on every answer to a request with ``Origin`` (Starlette's simple
+    response: ``*``, or the origin itself with ``Vary: Origin`` when the request carries cookies)."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return
+    if "Cookie" in request.headers:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        vary = response.headers.get("Vary")
+        response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
+    else:
+        response.headers["Access-Control-Allow-Origin"] = "*"
 
 
 def _opt_float(body: Mapping[str, Any], key: str) -> float | None:

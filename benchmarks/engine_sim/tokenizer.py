@@ -26,7 +26,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from hashlib import blake2b
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field, TypeAdapter, ValidationError
 
 VOCAB_SIZE = 32_000
 FIRST_WORD_ID = 256  # ids below this are reserved for template tags
@@ -158,6 +160,93 @@ def prompt_token_ids(prompt: str | Sequence[int]) -> list[int]:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < VOCAB_SIZE:
             raise TemplateError(f"token id {t!r} out of range 0..{VOCAB_SIZE - 1}")
     return ids
+
+
+# vLLM's CompletionRequest field types (vllm/entrypoints/openai/completion/protocol.py): ``prompt`` is
+# ``list[int >= 0] | list[list[int >= 0]] | str | list[str]`` and ``max_tokens`` is ``int | None``,
+# validated by pydantic in lax mode, so ``4.0`` and ``"4"`` are 4 while ``4.5`` is refused. The same
+# adapters here accept and refuse exactly what that model does.
+_PROMPT = TypeAdapter(list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]] | str | list[str])
+_OPTIONAL_INT = TypeAdapter(int | None)
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    return str(err.get("msg", "invalid value"))
+
+
+def lax_int(value: Any, name: str) -> int | None:
+    """``value`` as vLLM's pydantic ``int | None`` field reads it (lax mode). Raises TemplateError."""
+    try:
+        result = _OPTIONAL_INT.validate_python(value)
+    except ValidationError as exc:
+        raise TemplateError(f"'{name}': {_first_error(exc)}, got {value!r}") from None
+    return result if result is None else int(result)
+
+
+def completion_prompts(prompt: Any) -> list[list[int]]:
+    """The prompts of a completions ``prompt`` as token ids, one list per prompt, in order.
+
+    A string or a list of token ids is one prompt; a list of strings or a list of token-id lists is a
+    batch (vLLM answers it with one choice per prompt). Token ids are used as given (they must lie in
+    the vocabulary). Raises TemplateError for anything vLLM's model refuses, and for an empty batch.
+    """
+    try:
+        parsed = _PROMPT.validate_python(prompt)
+    except ValidationError:
+        raise TemplateError(
+            "'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists"
+        ) from None
+    if isinstance(parsed, str):
+        return [encode(parsed)]
+    if not parsed:
+        raise TemplateError("'prompt' is empty")
+    if isinstance(parsed[0], str):
+        return [encode(p) for p in parsed]
+    if isinstance(parsed[0], list):
+        return [prompt_token_ids(p) for p in parsed]
+    return [prompt_token_ids(parsed)]
+
+
+_RESPONSES_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def responses_token_ids(body: Mapping[str, Any]) -> list[int]:
+    """Prompt token ids of a Responses API body: ``instructions`` as a system message, then ``input``
+    (a string is one user message; a list holds message items ``{"role", "content"}`` whose content
+    is a string or text parts), rendered with the chat template and its generation prompt.
+
+    Refused (TemplateError) as vLLM refuses it: a ``prompt`` template. Refused by the simulator only:
+    input items other than messages (tool calls and their outputs, reasoning items)."""
+    if body.get("prompt") is not None:
+        raise TemplateError("prompt template is not supported")
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise TemplateError("'instructions' must be a string")
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        for i, item in enumerate(items):
+            if not isinstance(item, Mapping) or item.get("type", "message") != "message" or "role" not in item:
+                raise TemplateError(f"input[{i}]: the simulator renders message items only")
+            content = item.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if isinstance(part, Mapping) and part.get("type") in _RESPONSES_TEXT_PARTS:
+                        text = part.get("text", "")
+                        if not isinstance(text, str):
+                            raise TemplateError(f"input[{i}]: content part 'text' must be a string")
+                        texts.append(text)
+                content = " ".join(texts)
+            messages.append({"role": item["role"], "content": content})
+    else:
+        raise TemplateError("'input' must be a string or a list of input items")
+    return chat_token_ids(messages, add_generation_prompt=True)
 
 
 def request_token_ids(path: str, body: Mapping[str, Any]) -> list[int]:

@@ -1,4 +1,5 @@
-"""The simulator's HTTP API: usage, metrics, tokenize, errors, faults, subprocess mode."""
+"""The simulator's HTTP API: usage, metrics, tokenize, errors, faults, subprocess mode, the request forms
+vLLM accepts (token ids, batches, integral floats), CORS preflight, the Responses API."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from benchmarks.engine_sim import EngineSimulator, SimConfig
+from benchmarks.engine_sim import EngineSimulator, KvEventsSettings, SimConfig
 from benchmarks.engine_sim.process import SimulatorProcess
-from benchmarks.engine_sim.tokenizer import chat_token_ids, encode
+from benchmarks.engine_sim.tokenizer import chat_token_ids, encode, output_words
+from tests.unit.test_engine_sim_events import decode_event, started
 
 FAST = SimConfig(time_scale=0.001, kv_events_enabled=False)
 
@@ -178,3 +180,162 @@ def test_subprocess_simulator_reports_its_ports() -> None:
         assert proc.set_faults(error_rate=0.5)["error_rate"] == 0.5
         assert proc.restart()["restarted"] is True
     assert proc.pid is None
+
+
+# -- request forms vLLM's CompletionRequest accepts (prompt: str | list[str] | list[int] | list[list[int]];
+# max_tokens: int | None in pydantic's lax mode), CORS as vLLM's defaults, the Responses API ----------------
+
+
+async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async with http.post(url, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_token_id_prompt_is_the_prompt_tokens(sim: EngineSimulator, http: aiohttp.ClientSession) -> None:
+    ids = [300 + i for i in range(40)]  # 2 full blocks of 16 + 8
+    status, data = await post_json(http, sim.base_url + "/v1/completions", {"prompt": ids, "max_tokens": 3})
+    assert status == 200
+    assert data["usage"]["prompt_tokens"] == 40 and data["usage"]["completion_tokens"] == 3
+    assert data["choices"][0]["text"] == " ".join(output_words(ids, 3))
+    assert all(d in sim.cache for d in sim.cache.block_hashes(ids))  # the ids themselves were cached
+    status, data = await post_json(http, sim.base_url + "/v1/completions", {"prompt": [ids], "max_tokens": 1})
+    assert status == 200 and data["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    for bad in ([-1, 2], [1, 32000], [[1], "a"], {"a": 1}, 5, [], [[]]):
+        status, data = await post_json(http, sim.base_url + "/v1/completions", {"prompt": bad})
+        assert status == 400 and data["object"] == "error", bad
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [["alpha beta gamma", "delta epsilon", "zeta"], [[400, 401, 402, 403], [500], [400, 401, 600]]],
+    ids=["strings", "token-lists"],
+)
+async def test_batch_has_one_choice_per_prompt_and_summed_usage(
+    sim: EngineSimulator, http: aiohttp.ClientSession, batch: list[Any]
+) -> None:
+    prompts = [encode(p) if isinstance(p, str) else p for p in batch]
+    before = await scrape(http, sim.base_url)
+    status, data = await post_json(http, sim.base_url + "/v1/completions", {"prompt": batch, "max_tokens": 2})
+    assert status == 200 and data["object"] == "text_completion"
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in data["choices"]] == [" ".join(output_words(p, 2)) for p in prompts]
+    assert all(c["finish_reason"] == "length" for c in data["choices"])
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert usage["completion_tokens"] == 6 and usage["total_tokens"] == usage["prompt_tokens"] + 6
+    after = await scrape(http, sim.base_url)
+    assert after["vllm:request_success_total:length"] - before["vllm:request_success_total:length"] == 3
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == usage["prompt_tokens"]
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 6
+
+
+async def test_streamed_batch_chunks_carry_their_choice_index(
+    sim: EngineSimulator, http: aiohttp.ClientSession
+) -> None:
+    batch = [[700 + i for i in range(20)], [800 + i for i in range(5)]]
+    body = {"prompt": batch, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(sim.base_url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = {0: "", 1: ""}
+    finishes = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+        finishes[choice["index"]] += choice["finish_reason"] == "length"
+    assert texts == {i: " ".join(output_words(p, 4)) for i, p in enumerate(batch)}
+    assert finishes == {0: 1, 1: 1}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 25
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+async def test_batch_prompts_are_each_cached_and_published(http: aiohttp.ClientSession) -> None:
+    sim, tap = await started(SimConfig(time_scale=0.001, block_size=16), KvEventsSettings(encoding="map"))
+    try:
+        batch = [[1000 + i for i in range(32)], [2000 + i for i in range(16)]]
+        status, _ = await post_json(http, sim.base_url + "/v1/completions", {"prompt": batch, "max_tokens": 1})
+        assert status == 200
+        stored: list[int] = []
+        while len(stored) < 48:
+            for raw in (await tap.next())[2]:
+                event = decode_event(raw)
+                if event["type"] == "BlockStored":
+                    stored += event["token_ids"]
+        assert sorted(stored) == sorted(batch[0] + batch[1])
+        assert all(d in sim.cache for p in batch for d in sim.cache.block_hashes(p))
+    finally:
+        tap.close()
+        await sim.stop()
+
+
+async def test_max_tokens_is_read_as_pydantic_lax_int(sim: EngineSimulator, http: aiohttp.ClientSession) -> None:
+    for value, completion in ((4.0, 4), ("3", 3), (2, 2)):
+        status, data = await post_json(http, sim.base_url + "/v1/completions", {"prompt": "a b", "max_tokens": value})
+        assert status == 200 and data["usage"]["completion_tokens"] == completion, value
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2.0}
+    status, data = await post_json(http, sim.base_url + "/v1/chat/completions", chat)
+    assert status == 200 and data["usage"]["completion_tokens"] == 2
+    for bad in (4.5, "four", [4], 0, -1.0):
+        status, data = await post_json(http, sim.base_url + "/v1/completions", {"prompt": "a", "max_tokens": bad})
+        assert status == 400 and data["object"] == "error", bad
+
+
+async def test_cors_preflight_as_vllm_defaults(sim: EngineSimulator, http: aiohttp.ClientSession) -> None:
+    headers = {
+        "Origin": "https://app.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type, authorization",
+    }
+    async with http.options(sim.base_url + "/v1/chat/completions", headers=headers) as resp:
+        assert resp.status == 200 and await resp.text() == "OK"
+        assert resp.headers["Access-Control-Allow-Origin"] == "*"
+        assert resp.headers["Access-Control-Allow-Methods"] == "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+        assert resp.headers["Access-Control-Allow-Headers"] == "content-type, authorization"
+        assert resp.headers["Access-Control-Max-Age"] == "600"
+        assert resp.headers["x-kv-sim-name"] == "sim-0"
+    async with http.options(
+        sim.base_url + "/v1/completions", headers={**headers, "Access-Control-Request-Method": "FOO"}
+    ) as resp:
+        assert resp.status == 400 and await resp.text() == "Disallowed CORS method"
+    async with http.options(sim.base_url + "/v1/chat/completions") as resp:
+        assert resp.status == 405  # not a preflight: routed, and the route takes POST only
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    async with http.post(
+        sim.base_url + "/v1/chat/completions", json=body, headers={"Origin": "https://a.example"}
+    ) as resp:
+        assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "*"
+    stream = {**body, "stream": True}
+    async with http.post(
+        sim.base_url + "/v1/chat/completions", json=stream, headers={"Origin": "https://a.example"}
+    ) as resp:
+        assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "*"
+        await resp.read()
+    async with http.post(sim.base_url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers
+
+
+async def test_responses_api_minimal(sim: EngineSimulator, http: aiohttp.ClientSession) -> None:
+    body = {"model": "sim-model", "instructions": "be brief", "input": "hello there", "max_output_tokens": 3}
+    status, data = await post_json(http, sim.base_url + "/v1/responses", body)
+    expected = chat_token_ids([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}])
+    assert status == 200 and data["object"] == "response" and data["status"] == "completed"
+    (message,) = data["output"]
+    assert message["type"] == "message" and message["role"] == "assistant"
+    assert message["content"][0]["text"] == " ".join(output_words(expected, 3))
+    assert data["usage"]["input_tokens"] == len(expected) and data["usage"]["output_tokens"] == 3
+    items = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hello there"}]}]}
+    status, data = await post_json(http, sim.base_url + "/v1/responses", {**items, "instructions": "be brief"})
+    assert status == 200 and data["usage"]["input_tokens"] == len(expected)
+    assert data["usage"]["input_tokens_details"]["cached_tokens"] >= 0
+    refused = [
+        {"prompt": {"id": "pmpt_1"}, "input": "x"},  # vLLM: "prompt template is not supported"
+        {"input": "x", "max_output_tokens": 1.5},
+        {"input": 5},
+        {"input": "x", "stream": True},  # the simulator's own limit
+    ]
+    for bad in refused:
+        status, data = await post_json(http, sim.base_url + "/v1/responses", bad)
+        assert status == 400 and data["object"] == "error", bad
