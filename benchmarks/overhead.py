@@ -214,7 +214,7 @@ def measure_row(
     # includes TLS's cost instead of hiding it (--picker-plaintext measures the picker without it).
     noop, ready = spawn_ready_line("noop-extproc", argv, workdir, "noop-extproc ready")
     try:
-        opts = _envoy_options(body_mode, ready.rpartition("extproc=")[2], picker_tls=False)
+        opts = _envoy_options(body_mode, ready.rpartition("extproc=")[2], addrs, picker_tls=False)
         row["floor"] = _through_envoy(workdir, opts, bodies, seconds, conc)
     finally:
         noop.stop()
@@ -227,7 +227,7 @@ def measure_row(
         cfg["extproc"] = {"tls": {"mode": "plaintext"}}
     picker = start_picker(cfg, workdir, name="picker")
     try:
-        opts = _envoy_options(body_mode, f"127.0.0.1:{picker.extproc_port}", picker_tls=picker.tls)
+        opts = _envoy_options(body_mode, f"127.0.0.1:{picker.extproc_port}", addrs, picker_tls=picker.tls)
         row["picker"] = _through_envoy(workdir, opts, bodies, seconds, conc)
     finally:
         picker.stop()

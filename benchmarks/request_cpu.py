@@ -132,7 +132,7 @@ def live(seconds: float, body_bytes: int) -> list[str]:
 
             opts = EnvoyOptions(
                 listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
-                picker_address=f"127.0.0.1:{xport}",
+                picker_address=f"127.0.0.1:{xport}", backends=tuple(addrs),
                 picker_tls=kind == "picker",  # the no-op floor is plaintext; the picker speaks TLS by default
             )  # fmt: skip
             envoy = start_envoy(opts, workdir)

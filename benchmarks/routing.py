@@ -94,7 +94,7 @@ class PolicyStack:
             listen_address="127.0.0.1",
             admin_port=free_port(),
             picker_address=picker_address,
-            backends=tuple(b["address"] for b in self.backends) if picker_address is None else (),
+            backends=tuple(b["address"] for b in self.backends),
             max_requests=100_000,
         )
         self.envoy = start_envoy(opts, self.workdir)

@@ -166,12 +166,19 @@ class HealthConfig(_Section):
     min_samples: int = Field(5, ge=1, le=10_000)
     unhealthy_below: float = Field(0.5, ge=0.0, le=1.0)
     cooldown_seconds: float = Field(10.0, ge=0.0, le=3600.0)  # then readmitted on probation
+    # Also ejected after this many failures in a row, whatever the window holds (0: off): bounds how
+    # long a replica that just went dead or hung keeps getting traffic after a long healthy history.
+    consecutive_failures: int = Field(5, ge=0, le=10_000)
 
 
 class PoolConfig(_Section):
     backends: tuple[BackendConfig, ...] = ()
     health: HealthConfig = HealthConfig()
     latency_ewma_alpha: float = Field(0.2, gt=0.0, le=1.0)
+    # Ranked fallbacks sent after the pick (comma-separated destination list): where Envoy retries when
+    # the pick refuses, resets or times out. Keep the Envoy retry count (`kv-epp envoy-config --retries`)
+    # equal to it.
+    fallbacks: int = Field(2, ge=0, le=8)
 
     @model_validator(mode="after")
     def _unique(self) -> PoolConfig:

@@ -12,6 +12,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 DEST_HEADER = "x-gateway-destination-endpoint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"  # envoy.lb: the endpoint Envoy actually used
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
@@ -74,6 +75,20 @@ def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
     return []
 
 
+def served_endpoint(req: pb.ProcessingRequest) -> str | None:
+    """The endpoint the proxy actually sent the request to (``envoy.lb`` / ``-served``, written by Envoy's
+    override_host policy on every attempt, so after a retry it names the last one), or None."""
+    if not req.HasField("metadata_context"):
+        return None
+    fm = req.metadata_context.filter_metadata
+    if LB_NAMESPACE not in fm:
+        return None
+    value = fm[LB_NAMESPACE].fields.get(SERVED_KEY)
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    return value.string_value.strip() or None
+
+
 def destination_metadata(dest: str) -> struct_pb2.Struct:
     """``envoy.lb`` dynamic metadata carrying the pick (the GIE contract, beside the header)."""
     metadata = struct_pb2.Struct()
@@ -83,8 +98,10 @@ def destination_metadata(dest: str) -> struct_pb2.Struct:
 
 def pick_response(dest: str, content_length: int | None, *, on_body: bool) -> pb.ProcessingResponse:
     """The pick: the destination header (overwriting any client value), ``clear_route_cache``, the
-    ``envoy.lb`` metadata, and ``content-length`` when the body is re-sent (full duplex). Answers the
-    request-headers phase, or the request-body phase (``on_body``, BUFFERED mode)."""
+    ``envoy.lb`` metadata (``dest`` is the ranked list ``ip:port[,ip:port...]``, the pick first; Envoy's
+    override_host policy routes on the metadata and retries on the next entry), and ``content-length``
+    when the body is re-sent (full duplex). Answers the request-headers phase, or the request-body phase
+    (``on_body``, BUFFERED mode)."""
     r = pb.ProcessingResponse()
     common = r.request_body.response if on_body else r.request_headers.response
     set_header(common.header_mutation, DEST_HEADER, dest)

@@ -37,6 +37,7 @@ from picker.extproc.messages import (
     header_value,
     immediate,
     pick_response,
+    served_endpoint,
     streamed_chunks,
     subset_hint,
 )
@@ -135,7 +136,7 @@ class RequestStream:
         if phase == "response_body":
             return self._response_body(req.response_body)
         if phase == "response_headers":
-            return self._response_headers(req.response_headers)
+            return self._response_headers(req.response_headers, served_endpoint(req))
         self._end_response()  # response_trailers
         return (_RESPONSE_TRAILERS_OK,)
 
@@ -232,7 +233,7 @@ class RequestStream:
             return (self._answer_itself(result),)
         self.exchange = result
         self.phase = Phase.ROUTED
-        return self._pick(result.decision.endpoint.address, body or b"", at_headers, body_eos)
+        return self._pick(result.decision.destinations(), body or b"", at_headers, body_eos)
 
     def _answer_itself(self, a: Answer) -> pb.ProcessingResponse:
         self._release_body()
@@ -248,7 +249,7 @@ class RequestStream:
         return [pick_response(dest, len(body), on_body=False), *streamed_chunks(body, body_eos, request=True)]
 
     # -- response phases --------------------------------------------------------------------------
-    def _response_headers(self, msg: pb.HttpHeaders) -> Sequence[pb.ProcessingResponse]:
+    def _response_headers(self, msg: pb.HttpHeaders, served: str | None = None) -> Sequence[pb.ProcessingResponse]:
         status: int | None = None
         for h in msg.headers.headers:
             if h.key == ":status":
@@ -259,7 +260,7 @@ class RequestStream:
                 break
         if self.exchange is not None:
             self.phase = Phase.RESPONSE
-            self.exchange.response_headers(status)
+            self.exchange.response_headers(status, served)
         if msg.end_of_stream:
             self._end_response()
         return (_HEADERS_OK,)

@@ -103,6 +103,18 @@ class PickerMetrics:
         self.backend_healthy = Gauge(
             "continuum_picker_backend_healthy", "1 when the backend is eligible", ["backend"], registry=r
         )
+        self.backend_ejections = Counter(
+            "continuum_picker_backend_ejections",
+            "Backends taken out of rotation by passive health, by reason (error_rate, consecutive_failures)",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.backend_readmissions = Counter(
+            "continuum_picker_backend_readmissions",
+            "Ejected backends put back in rotation (on probation) after their cooldown",
+            ["backend"],
+            registry=r,
+        )
         self.config_reloads = Counter(
             "continuum_picker_config_reloads", "Config reloads by result", ["result"], registry=r
         )

@@ -6,6 +6,7 @@ configured endpoint; state for an endpoint removed by a reload is dropped with i
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -14,6 +15,12 @@ from dataclasses import dataclass
 from picker.config import PoolConfig
 from picker.routing.endpoints import Endpoint, EndpointState, PoolView
 
+log = logging.getLogger("kv_epp.pool")
+
+# (event, backend, reason): "ejected" with reason error_rate | consecutive_failures, "readmitted" with
+# reason cooldown_over. Called synchronously where the transition happens (the request path).
+HealthListener = Callable[[str, str, str], None]
+
 
 @dataclass(slots=True)
 class _EndpointStats:
@@ -21,6 +28,7 @@ class _EndpointStats:
     in_flight: int
     window: deque[bool]
     ejected_until: float = 0.0
+    consecutive_failures: int = 0
     latency_ewma_ms: float | None = None
     successes: int = 0
     failures: int = 0
@@ -59,6 +67,7 @@ class Pool:
         self._full_view: PoolView | None = None
         self._next_readmit = 0.0  # earliest ejected_until among ejected endpoints (0: none ejected)
         self.cfg = cfg
+        self.health_listener: HealthListener | None = None  # counts transitions (set by the request path)
         self.update(cfg)
 
     # -- membership -----------------------------------------------------------------------------
@@ -123,18 +132,42 @@ class Pool:
         st.window.append(ok)
         if ok:
             st.successes += 1
+            st.consecutive_failures = 0
         else:
             st.failures += 1
+            st.consecutive_failures += 1
         if latency_ms is not None:
             a = self.cfg.latency_ewma_alpha
             st.latency_ewma_ms = (
                 latency_ms if st.latency_ewma_ms is None else a * latency_ms + (1 - a) * st.latency_ewma_ms
             )
         h = self.cfg.health
-        if len(st.window) >= h.min_samples and self._rate(st) < h.unhealthy_below and st.ejected_until == 0.0:
-            st.ejected_until = self._clock() + h.cooldown_seconds
-            if not self._next_readmit or st.ejected_until < self._next_readmit:
-                self._next_readmit = st.ejected_until
+        if st.ejected_until != 0.0 or ok:
+            return
+        if len(st.window) >= h.min_samples and self._rate(st) < h.unhealthy_below:
+            reason = "error_rate"
+        elif h.consecutive_failures and st.consecutive_failures >= h.consecutive_failures:
+            reason = "consecutive_failures"
+        else:
+            return
+        st.ejected_until = self._clock() + h.cooldown_seconds
+        if not self._next_readmit or st.ejected_until < self._next_readmit:
+            self._next_readmit = st.ejected_until
+        self._transition("ejected", st, reason)
+
+    def _transition(self, event: str, st: _EndpointStats, reason: str) -> None:
+        name = st.endpoint.name
+        if event == "ejected":
+            log.warning(
+                "event=endpoint_ejected backend=%s address=%s reason=%s success_rate=%.2f consecutive_failures=%d"
+                " cooldown_s=%.1f",
+                name, st.endpoint.address, reason, self._rate(st), st.consecutive_failures,
+                self.cfg.health.cooldown_seconds,
+            )  # fmt: skip
+        else:
+            log.info("event=endpoint_readmitted backend=%s address=%s reason=%s", name, st.endpoint.address, reason)
+        if self.health_listener is not None:
+            self.health_listener(event, name, reason)
 
     @staticmethod
     def _rate(st: _EndpointStats) -> float:
@@ -146,7 +179,9 @@ class Pool:
         if now >= st.ejected_until:  # cooldown over: readmit on probation with a fresh window
             st.ejected_until = 0.0
             st.window.clear()
+            st.consecutive_failures = 0
             self._changed(st.endpoint.name)
+            self._transition("readmitted", st, "cooldown_over")
             return True
         return False
 

@@ -85,7 +85,7 @@ class Exchange:
 
     __slots__ = (
         "_body_observers", "_ended", "_observers", "decided_at", "decision", "facts", "first_byte_at", "lease",
-        "status",
+        "served", "status",
     )  # fmt: skip
 
     def __init__(
@@ -101,6 +101,7 @@ class Exchange:
         self.lease = lease
         self.decided_at = _mono()
         self.status: int | None = None
+        self.served: str | None = None  # ip:port the proxy reports it used (after retries), when it does
         self.first_byte_at: float | None = None
         self._observers = observers
         self._body_observers = body_observers
@@ -110,8 +111,11 @@ class Exchange:
     def wants_body(self) -> bool:
         return bool(self._body_observers)
 
-    def response_headers(self, status: int | None) -> None:
+    def response_headers(self, status: int | None, served: str | None = None) -> None:
+        """The response's status (Envoy's own local reply included: a 504 after a timeout, a 503 after
+        connect failures), and the endpoint that produced it when the proxy reports one."""
         self.status = status
+        self.served = served
         self.first_byte_at = _mono()
         for o in self._observers:
             o.on_headers(self, status)
@@ -133,7 +137,15 @@ class Exchange:
 
 
 class HealthObserver:
-    """Response status → the pool's windowed success rate and latency EWMA, and the per-backend metric."""
+    """Response status → the pool's windowed success rate and latency EWMA, and the per-backend metric.
+
+    The status is charged to the endpoint that served it (the proxy's ``-served`` report; the pick when
+    there is none). When Envoy retried, every ranked endpoint tried before it failed (refused, reset or
+    timed out) and is charged a failure: override_host consumes the list in order. A served endpoint
+    outside the ranked list was chosen by Envoy's fallback policy (the list unread, or exhausted when
+    Envoy retries more often than the picker lists fallbacks): only it is charged, as nothing says which
+    listed endpoints were tried. Latency is sampled only when the pick itself served (a failover's
+    latency includes the failed tries)."""
 
     wants_body = False
 
@@ -143,7 +155,20 @@ class HealthObserver:
 
     def on_headers(self, ex: Exchange, status: int | None) -> None:
         ok = status is not None and status < 500
-        name = ex.decision.endpoint.name
+        d = ex.decision
+        served = ex.served
+        if served is not None and served != d.endpoint.address:
+            ranked = (d.endpoint, *d.fallbacks)
+            at = next((i for i, e in enumerate(ranked) if e.address == served), len(ranked))
+            for failed in ranked[:at] if at < len(ranked) else ():
+                self.pool.record_response(failed.name, False)
+                self.recorder.response(failed.name, None)
+            other = ranked[at].name if at < len(ranked) else self.pool.name_for_address(served)
+            if other is not None:
+                self.pool.record_response(other, ok)
+                self.recorder.response(other, status)
+            return
+        name = d.endpoint.name
         latency_ms = ((ex.first_byte_at or _mono()) - ex.decided_at) * 1000.0
         self.pool.record_response(name, ok, latency_ms if ok else None)
         self.recorder.response(name, status)
@@ -153,6 +178,19 @@ class HealthObserver:
 
     def on_end(self, ex: Exchange, completed: bool) -> None:
         return None
+
+
+def count_health_transitions(pool: Pool, recorder: DecisionRecorder) -> None:
+    """Count the pool's ejections and readmissions in the recorder's Prometheus metrics."""
+    m = recorder.metrics
+
+    def listener(event: str, backend: str, reason: str) -> None:
+        if event == "ejected":
+            m.child(m.backend_ejections, backend, reason).inc()
+        else:
+            m.child(m.backend_readmissions, backend).inc()
+
+    pool.health_listener = listener
 
 
 NO_BODY_REQUIRED = "request body is empty: a JSON body is required"
@@ -177,6 +215,7 @@ class RequestPath:
         self.holds = holds
         self.cache = cache
         self.observers: tuple[ResponseObserver, ...] = (HealthObserver(pool, recorder), *observers)
+        count_health_transitions(pool, recorder)
         self.body_observers = tuple(o for o in self.observers if o.wants_body)
         self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
         self.admission = Admission(settings.admission)

@@ -48,12 +48,16 @@ class HashRing:
     def __len__(self) -> int:
         return len(self._points)
 
-    def walk(self, point: int, eligible: Mapping[str, object]) -> list[str]:
-        """Distinct eligible endpoint names in clockwise order from ``point``."""
+    def walk(self, point: int, eligible: Mapping[str, object], limit: int | None = None) -> list[str]:
+        """Distinct eligible endpoint names in clockwise order from ``point`` (at most ``limit`` of them)."""
         n_points = len(self._points)
         if n_points == 0:
             return []
         want = sum(1 for name in self._names if name in eligible)
+        if limit is not None:
+            want = min(want, limit)
+        if want <= 0:
+            return []
         start = bisect_left(self._points, point)
         seen: set[int] = set()
         order: list[str] = []

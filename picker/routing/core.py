@@ -13,14 +13,14 @@ and the ring, rebuilt on ``reconfigure``/``set_pool_names``, never on a request.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from hashlib import blake2b
 from typing import Protocol
 
 from picker.config import Settings
 from picker.request.facts import RequestFacts
 from picker.routing.chwbl_ring import HashRing
-from picker.routing.endpoints import BackendHold, Decision, PoolView
+from picker.routing.endpoints import BackendHold, Decision, Endpoint, PoolView
 from picker.routing.kv_scorer import KvOverlapScorer, KvScoreResult
 from picker.routing.prefix_key import prefix_key
 from picker.routing.strategies import STRATEGY_REGISTRY, RingView, Strategy
@@ -99,20 +99,63 @@ class Router:
 
     # -- the decision -----------------------------------------------------------------------------
     def decide(self, facts: RequestFacts, view: PoolView, prepared: Prepared = NOTHING_PREPARED) -> Decision | None:
-        """Pick an endpoint from ``view``, or None when nothing is eligible."""
+        """Pick an endpoint from ``view``, or None when nothing is eligible; with up to
+        ``pool.fallbacks`` ranked fallbacks (see ``fallbacks``)."""
         if not view.states:
             return None
         fallback_score: float | None = None
+        scores: Mapping[str, float] | None = None
+        d: Decision | None
         if prepared.holds is not None:
             r = self.scorer.score(prepared.holds, view)
             if r.best is not None and r.score > SCORER_THRESHOLD and r.best.name in view.by_name():
-                return Decision(r.best, "KvOverlap", "kv_aware", r.tier, r.score)
-            fallback_score = r.score
+                d = Decision(r.best, "KvOverlap", "kv_aware", r.tier, r.score)
+                scores = r.scores
+            else:
+                fallback_score = r.score
+                d = self._without_kv(facts, view, prepared, fallback_score)
+        else:
+            d = self._without_kv(facts, view, prepared, None)
+        n = self.settings.pool.fallbacks
+        if d is None or n <= 0 or len(view.states) < 2:
+            return d
+        return replace(d, fallbacks=self.fallbacks(d, facts, view, prepared, n, scores))
+
+    def _without_kv(
+        self, facts: RequestFacts, view: PoolView, prepared: Prepared, fallback_score: float | None
+    ) -> Decision | None:
         if prepared.sticky is not None:
             st = view.by_name().get(prepared.sticky)
             if st is not None:
                 return Decision(st.endpoint, "SessionAffinity", "session", kv_fallback_score=fallback_score)
         d = self.strategy.select(facts, prepared.key, view)
         if d is not None and fallback_score is not None:
-            d = Decision(d.endpoint, d.strategy, d.reason, d.tier, d.score, fallback_score)
+            d = replace(d, kv_fallback_score=fallback_score)
         return d
+
+    def fallbacks(
+        self,
+        d: Decision,
+        facts: RequestFacts,
+        view: PoolView,
+        prepared: Prepared,
+        n: int,
+        scores: Mapping[str, float] | None = None,
+    ) -> tuple[Endpoint, ...]:
+        """Up to ``n`` eligible endpoints after the pick, best first: the Tier 4 score order for a kv_aware
+        pick; the ring walk from the request's point for ring strategies (the endpoints that would own
+        the key next, so a retry keeps what locality is left); else fewest in flight."""
+        eligible = view.by_name()
+        chosen = d.endpoint.name
+        if scores is not None:
+            ranked = sorted(
+                (s for s in view.states if s.endpoint.name != chosen),
+                key=lambda s: (-scores.get(s.endpoint.name, 0.0), s.in_flight),
+            )
+            return tuple(s.endpoint for s in ranked[:n])
+        point = None if d.reason == "session" else self.strategy.ring_point(facts, prepared.key)
+        if point is not None:
+            names = self.rings.ring.walk(point, eligible, limit=n + 1)
+            return tuple(eligible[name].endpoint for name in names if name != chosen)[:n]
+        ranked = sorted((s for s in view.states if s.endpoint.name != chosen), key=lambda s: s.in_flight)
+        return tuple(s.endpoint for s in ranked[:n])

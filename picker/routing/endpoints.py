@@ -74,7 +74,9 @@ class Decision:
     """The pick. ``reason`` is the metric label (prefix_hash/overflow/fallback/kv_aware/round_robin/...).
 
     ``tier`` and ``score`` describe a Tier 4 (``kv_aware``) pick. ``kv_fallback_score`` is set when the
-    Tier 4 scorer ran but did not decide (its best composite score, <= the threshold)."""
+    Tier 4 scorer ran but did not decide (its best composite score, <= the threshold). ``fallbacks``: the
+    next best eligible endpoints in rank order (never the pick itself), where Envoy retries when the pick
+    fails to connect, resets or times out."""
 
     endpoint: Endpoint
     strategy: str
@@ -82,3 +84,10 @@ class Decision:
     tier: StorageTier = StorageTier.NONE
     score: float | None = None
     kv_fallback_score: float | None = None
+    fallbacks: tuple[Endpoint, ...] = ()
+
+    def destinations(self) -> str:
+        """The ranked list as the wire carries it: ``ip:port`` of the pick, then of each fallback, comma-separated."""
+        if not self.fallbacks:
+            return self.endpoint.address
+        return ",".join((self.endpoint.address, *(e.address for e in self.fallbacks)))

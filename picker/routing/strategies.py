@@ -32,8 +32,18 @@ class Strategy(Protocol):
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None: ...
 
+    def ring_point(self, facts: RequestFacts, key: bytes | None) -> int | None:
+        """Where a ring strategy looks on the ring for this request (its fallbacks follow the ring walk
+        from there); None for strategies that do not use the ring."""
+        ...
 
-class RoundRobin:
+
+class _NoRing:
+    def ring_point(self, facts: RequestFacts, key: bytes | None) -> int | None:
+        return None
+
+
+class RoundRobin(_NoRing):
     name = "RoundRobin"
 
     def __init__(self, rings: RingView) -> None:
@@ -46,7 +56,7 @@ class RoundRobin:
         return Decision(ep, self.name, "round_robin")
 
 
-class WeightedRoundRobin:
+class WeightedRoundRobin(_NoRing):
     """Smooth weighted round robin: each endpoint's share equals its weight, interleaved."""
 
     name = "WeightedRoundRobin"
@@ -73,7 +83,7 @@ class WeightedRoundRobin:
         return Decision(best, self.name, "weighted_round_robin")
 
 
-class LeastLatency:
+class LeastLatency(_NoRing):
     """Lowest expected wait: latency EWMA x (in-flight + 1). Endpoints with no sample yet are tried
     first. Weighting by in-flight keeps the fastest endpoint from taking every request while its EWMA
     (updated only when responses arrive) is stale."""
@@ -93,7 +103,7 @@ class LeastLatency:
         return Decision(st.endpoint, self.name, "least_latency")
 
 
-class LeastRequest:
+class LeastRequest(_NoRing):
     """Fewest in-flight requests (load only); ties broken in rotation so idle pools spread evenly."""
 
     name = "LeastRequest"
@@ -110,7 +120,7 @@ class LeastRequest:
         return Decision(states[(start + best) % n].endpoint, self.name, "least_request")
 
 
-class Random:
+class Random(_NoRing):
     name = "Random"
 
     def __init__(self, rings: RingView, rng: random.Random | None = None) -> None:
@@ -128,13 +138,16 @@ class ConsistentHash:
     def __init__(self, rings: RingView) -> None:
         self._rings = rings
 
-    def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
+    def ring_point(self, facts: RequestFacts, key: bytes | None) -> int | None:
         if facts.session_id:
-            point = ring_hash(facts.session_id.encode())
-        elif key is not None:
-            point = int.from_bytes(key[:8], "big")
-        else:
-            point = ring_hash((facts.model or "").encode())
+            return ring_hash(facts.session_id.encode())
+        if key is not None:
+            return int.from_bytes(key[:8], "big")
+        return ring_hash((facts.model or "").encode())
+
+    def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
+        point = self.ring_point(facts, key)
+        assert point is not None
         eligible = view.by_name()
         name = self._rings.ring.first(point, eligible)
         if name is None:
@@ -149,6 +162,9 @@ class PrefixAwareHash:
 
     def __init__(self, rings: RingView) -> None:
         self._rings = rings
+
+    def ring_point(self, facts: RequestFacts, key: bytes | None) -> int | None:
+        return ring_hash((facts.model or "").encode()) if key is None else int.from_bytes(key[:8], "big")
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
         eligible = view.by_name()

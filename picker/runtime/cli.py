@@ -106,9 +106,16 @@ def _envoy_config(args: argparse.Namespace) -> int:
     if args.mode == "standalone" and picker is None:
         print("error: --picker HOST:PORT is required in standalone mode", file=sys.stderr)
         return 2
-    if args.mode == "no-picker" and not args.backend:
-        print("error: --backend IP:PORT (repeatable) is required with --mode no-picker", file=sys.stderr)
+    backends = _envoy_backends(args)
+    if isinstance(backends, str):
+        print(f"error: {backends}", file=sys.stderr)
         return 2
+    if args.fail_open and args.body_mode == "FULL_DUPLEX_STREAMED" and args.mode != "no-picker":
+        print(
+            "warning: --fail-open in FULL_DUPLEX_STREAMED mode: Envoy (1.38-1.40) still answers 500 when the"
+            " picker is unreachable; fail-open reaches a replica in BUFFERED mode",
+            file=sys.stderr,
+        )
     picker_tls = _picker_tls_options(args)
     if isinstance(picker_tls, str):
         print(f"error: {picker_tls}", file=sys.stderr)
@@ -122,10 +129,37 @@ def _envoy_config(args: argparse.Namespace) -> int:
         body_mode=args.body_mode,
         fail_open=args.fail_open,
         message_timeout_ms=args.message_timeout_ms,
-        backends=tuple(args.backend or ()),
+        backends=backends,
+        first_byte_timeout_s=args.first_byte_timeout_s,
+        retries=args.retries,
+        route_timeout_s=args.route_timeout_s,
     )
-    sys.stdout.write(bootstrap_yaml(opts))
+    try:
+        text = bootstrap_yaml(opts)
+    except ValueError as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
     return 0
+
+
+def _envoy_backends(args: argparse.Namespace) -> tuple[str, ...] | str:
+    """The pool's endpoints for Envoy's upstream cluster: every --backend, then the backends of
+    --picker-config (the picker's own config file); an error message when there are none."""
+    found: list[str] = list(args.backend or ())
+    if args.picker_config is not None:
+        try:
+            settings = load_settings(args.picker_config)
+        except (ConfigError, OSError, ValueError) as exc:
+            return f"--picker-config {args.picker_config}: {_one_line(exc)}"
+        found.extend(b.address for b in settings.pool.backends if b.address not in found)
+    if not found:
+        return (
+            "no backends: give --backend IP:PORT (repeatable) or --picker-config FILE (its pool.backends); "
+            "Envoy's upstream cluster holds the pool's endpoints: the picker's pick, the retries and fail-open "
+            "route only to them"
+        )
+    return tuple(found)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--admin-port", type=int, default=9901)
     e.add_argument("--fail-open", action="store_true", help="failure_mode_allow (works in BUFFERED mode only)")
     e.add_argument("--message-timeout-ms", type=int, default=5000)
-    e.add_argument("--backend", action="append", help="ip:port of a backend (no-picker mode)")
+    e.add_argument(
+        "--backend", action="append", help="ip:port of a pool endpoint (repeatable; required unless --picker-config)"
+    )
+    e.add_argument("--picker-config", metavar="FILE", help="the picker's config file: its pool.backends are used")
+    e.add_argument(
+        "--first-byte-timeout-s",
+        type=float,
+        default=120.0,
+        help="per-attempt deadline for the response to start (then retried on the next ranked endpoint; 0: none)",
+    )
+    e.add_argument("--retries", type=int, default=2, help="retries on the next ranked endpoint (= pool.fallbacks)")
+    e.add_argument("--route-timeout-s", type=int, default=600, help="bound on the whole exchange (0: none)")
     t = e.add_argument_group(
         "picker TLS",
         "Envoy speaks TLS to the picker by default (the picker's default). Without --picker-ca the picker's "

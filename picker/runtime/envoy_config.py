@@ -1,10 +1,20 @@
 """Ready Envoy bootstraps for kv-epp (sidecar or standalone), used by the CLI, tests, demo and Helm.
 
-The upstream cluster is ORIGINAL_DST reading ``x-gateway-destination-endpoint`` (the GIE contract);
-the ext_proc filter calls the picker over HTTP/2 gRPC in FULL_DUPLEX_STREAMED (GIE-mandated) or
-BUFFERED mode. ``picker_address=None`` gives a plain round-robin Envoy over ``backends`` (the
-benchmarks' no-picker baseline). Fail-open only works in BUFFERED mode (Envoy 1.36-1.40 answer 500 in
-full-duplex mode when the picker is unreachable).
+The ext_proc filter calls the picker over HTTP/2 gRPC in FULL_DUPLEX_STREAMED (GIE-mandated) or
+BUFFERED mode. The upstream cluster holds the pool's endpoints (``backends``) and routes with Envoy's
+``override_host`` load-balancing policy from the picker's dynamic metadata (``envoy.lb`` /
+``x-gateway-destination-endpoint``: the ranked list, the pick first), which a client cannot set; any
+client ``x-gateway-destination-endpoint*`` header is removed before any filter runs (the HCM's early
+header mutation). Retries (connect failure, reset, per-try timeout, 502-504) go to the next listed
+endpoint, then to the fallback policy (least request over the pool), which is also where fail-open
+requests go. Envoy reports the endpoint it used in ``envoy.lb`` / ``x-gateway-destination-endpoint-served``
+and forwards ``envoy.lb`` to the picker's response phases. Envoy's own local replies (503, 504, 413,
+500, 502) get a JSON body in OpenAI's error shape.
+
+``picker_address=None`` gives a plain round-robin Envoy over ``backends`` (the benchmarks' no-picker
+baseline). Fail-open only works in BUFFERED mode (Envoy 1.36-1.40 answer 500 in full-duplex mode when
+the picker is unreachable). Supported Envoy: 1.38 to 1.40 (``benchmarks/envoy_versions.py`` validates every
+variant with the oldest and newest wheel; 1.36 and 1.37 refuse override_host's ``selected_host_key``).
 """
 
 from __future__ import annotations
@@ -29,8 +39,16 @@ class EnvoyOptions:
     body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
     fail_open: bool = False
     message_timeout_ms: int = 5000
-    route_timeout_s: int = 600
-    backends: Sequence[str] = field(default_factory=tuple)  # ip:port, only for the no-picker baseline
+    route_timeout_s: int = 600  # the whole exchange, streamed response included (0: none)
+    # The pool's endpoints (ip:port): the upstream cluster's hosts. Required with a picker too: the picker
+    # names them, override_host only routes to hosts of the cluster, and fail-open goes to them.
+    backends: Sequence[str] = field(default_factory=tuple)
+    # First-byte deadline per attempt (Envoy's per_try_timeout: it stops once the response starts, so a
+    # long stream is not cut): a replica that accepts and never answers costs at most this much, then
+    # the request is retried on the next ranked endpoint. A non-streaming response's first byte comes
+    # when generation ends: keep it above the longest non-streamed generation you serve.
+    first_byte_timeout_s: float = 120.0
+    retries: int = 2  # retries on the next ranked endpoint; keep equal to the picker's pool.fallbacks
     max_requests: int = 10_000
     # BUFFERED mode holds the whole body in Envoy: keep this above the picker's extproc.max_body_bytes
     # so the picker, not Envoy's plain-text 413, answers oversized bodies (with a JSON 400).
@@ -123,7 +141,12 @@ def _ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
             "failure_mode_allow": o.fail_open,
             "message_timeout": f"{o.message_timeout_ms / 1000:.3f}s",
             "processing_mode": mode,
-            "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
+            # envoy.lb: the served endpoint (override_host's selected_host_key) reaches the response phases
+            # envoy.lb is also received: without it Envoy drops the picker's metadata (the pick) silently
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]},
+                "receiving_namespaces": {"untyped": ["envoy.lb"]},
+            },
         },
     }
 
@@ -149,8 +172,130 @@ end
     }
 
 
+DEST_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+RETRY_ON = "connect-failure,refused-stream,reset,gateway-error"  # gateway-error covers per-try timeouts
+
+
+def _typed(name: str, type_url: str, **config: Any) -> dict[str, Any]:
+    return {"name": name, "typed_config": {"@type": f"type.googleapis.com/{type_url}", **config}}
+
+
+def _pool_cluster(o: EnvoyOptions, thresholds: dict[str, Any]) -> dict[str, Any]:
+    """The pool: its endpoints, routed by override_host from the picker's metadata (never a header)."""
+    bad = [b for b in o.backends if not _is_ip(b)]
+    if bad:
+        raise ValueError(f"backends must be ip:port (the picker names endpoints by address): {bad}")
+    if not o.backends:
+        raise ValueError("no backends: the upstream cluster needs the pool's endpoints (ip:port)")
+    override_host = {
+        "override_host_sources": [{"metadata": {"key": LB_NAMESPACE, "path": [{"key": DEST_HEADER}]}}],
+        "selected_host_key": {"key": LB_NAMESPACE, "path": [{"key": SERVED_KEY}]},
+        "fallback_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": _typed(
+                        "envoy.load_balancing_policies.least_request",
+                        "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+                    )
+                }
+            ]
+        },
+    }
+    lb_policy = _typed(
+        "envoy.load_balancing_policies.override_host",
+        "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+        **override_host,
+    )
+    retry_thresholds = {"thresholds": [{**thresholds["thresholds"][0], "max_retries": o.max_requests}]}
+    return {
+        "name": "inference_pool",
+        "type": "STATIC",
+        "connect_timeout": "2s",
+        "load_balancing_policy": {"policies": [{"typed_extension_config": lb_policy}]},
+        "circuit_breakers": retry_thresholds,
+        "load_assignment": {
+            "cluster_name": "inference_pool",
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(b)}} for b in o.backends]}],
+        },
+    }
+
+
+def _retry_policy(o: EnvoyOptions) -> dict[str, Any]:
+    """Retries go to the next host override_host hands out (the next ranked endpoint, then the fallback
+    policy); ``previous_hosts`` keeps a fallback-policy retry off an endpoint already tried."""
+    policy: dict[str, Any] = {
+        "retry_on": RETRY_ON,
+        "num_retries": o.retries,
+        "retry_host_predicate": [
+            _typed(
+                "envoy.retry_host_predicates.previous_hosts",
+                "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate",
+            )
+        ],
+        "host_selection_retry_max_attempts": 5,
+    }
+    if o.first_byte_timeout_s > 0:
+        policy["per_try_timeout"] = f"{o.first_byte_timeout_s:.3f}s"
+    return policy
+
+
+def _strip_destination_headers() -> list[dict[str, Any]]:
+    """Before any filter and before routing: a client's x-gateway-destination-endpoint* headers go."""
+    mutation = {"remove_on_match": {"key_matcher": {"prefix": DEST_HEADER}}}
+    return [
+        _typed(
+            "envoy.http.early_header_mutation.header_mutation",
+            "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            mutations=[mutation],
+        )
+    ]
+
+
+# Envoy's own replies, never the picker's (the picker answers 400, 429 and 503 with JSON already): 503s
+# are matched by an upstream response flag (the picker's 503 carries none), the others by status (the
+# picker never answers them).
+def _status_is(code: int) -> dict[str, Any]:
+    return {
+        "status_code_filter": {
+            "comparison": {"op": "EQ", "value": {"default_value": code, "runtime_key": f"kv_epp.lr{code}"}}
+        }
+    }
+
+
+_BODY = "%LOCAL_REPLY_BODY%"  # Envoy's own text ("upstream request timeout", "no healthy upstream", ...)
+_LOCAL_REPLIES: tuple[tuple[dict[str, Any], str, str, str], ...] = (  # the first match wins
+    (_status_is(504), "timeout", "upstream_timeout", _BODY),
+    (_status_is(413), "invalid_request_error", "body_too_large", _BODY),
+    (_status_is(502), "upstream_error", "bad_gateway", _BODY),
+    # ext_proc's failure (picker unreachable, fail-closed) has an empty body: say what happened
+    (_status_is(500), "server_error", "gateway_error", "gateway error: %RESPONSE_CODE_DETAILS%"),
+    ({"response_flag_filter": {"flags": ["UH", "NR"]}}, "service_unavailable", "no_healthy_upstream", _BODY),
+    ({"response_flag_filter": {"flags": ["UF", "URX", "UO", "UR", "UC", "LR"]}}, "service_unavailable",
+     "upstream_unavailable", _BODY),
+)  # fmt: skip
+
+
+def _local_reply_config() -> dict[str, Any]:
+    """Envoy's local replies as OpenAI-shaped JSON errors; the message is Envoy's own text."""
+
+    def fmt(kind: str, code: str, message: str) -> dict[str, Any]:
+        return {
+            "json_format": {"error": {"message": message, "type": kind, "code": code}},
+            "content_type": "application/json",
+        }
+
+    return {
+        "mappers": [
+            {"filter": f, "body_format_override": fmt(kind, code, message)} for f, kind, code, message in _LOCAL_REPLIES
+        ]
+    }
+
+
 def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
-    """The bootstrap as a dict (dump it as YAML or JSON)."""
+    """The bootstrap as a dict (dump it as YAML or JSON). Raises ValueError when the options cannot work
+    (a picker without backends, a backend that is not ip:port)."""
     http_filters: list[dict[str, Any]] = []
     if o.subset_hint_from_header:
         http_filters.append(_subset_hint_lua(o.subset_hint_from_header))
@@ -173,19 +318,7 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
     }
     clusters: list[dict[str, Any]] = []
     if o.picker_address is not None:
-        clusters.append(
-            {
-                "name": "inference_pool",
-                "type": "ORIGINAL_DST",
-                "lb_policy": "CLUSTER_PROVIDED",
-                "connect_timeout": "2s",
-                "original_dst_lb_config": {
-                    "use_http_header": True,
-                    "http_header_name": "x-gateway-destination-endpoint",
-                },
-                "circuit_breakers": thresholds,
-            }
-        )
+        clusters.append(_pool_cluster(o, thresholds))
         clusters.append(
             {
                 "name": "kv_epp_picker",
@@ -220,12 +353,17 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                 },
             }
         )
+    route: dict[str, Any] = {"cluster": "inference_pool", "timeout": f"{o.route_timeout_s}s"}
+    if o.picker_address is not None:
+        route["retry_policy"] = _retry_policy(o)
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
         ".HttpConnectionManager",
         "stat_prefix": "kv_epp",
         "codec_type": "AUTO",
         "stream_idle_timeout": "600s",
+        "early_header_mutation_extensions": _strip_destination_headers(),
+        "local_reply_config": _local_reply_config(),
         "route_config": {
             "name": "inference",
             "virtual_hosts": [
@@ -235,7 +373,7 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                     "routes": [
                         {
                             "match": {"prefix": "/"},
-                            "route": {"cluster": "inference_pool", "timeout": f"{o.route_timeout_s}s"},
+                            "route": route,
                         }
                     ],
                 }

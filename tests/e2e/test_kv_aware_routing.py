@@ -95,7 +95,8 @@ def kv_stack() -> Iterator[KvStack]:
         procs.append(picker)
         envoy = start_envoy(
             EnvoyOptions(listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
-                         picker_address=f"127.0.0.1:{picker.extproc_port}", subset_hint_from_header=PIN),
+                         picker_address=f"127.0.0.1:{picker.extproc_port}", subset_hint_from_header=PIN,
+                         backends=tuple(s.address for s in sims)),
             workdir,
         )  # fmt: skip
         procs.append(envoy)

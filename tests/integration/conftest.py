@@ -121,6 +121,7 @@ def build_stack(
     n_backends: int,
     config: dict[str, Any],
     extra_pool: list[dict[str, Any]] | None = None,
+    envoy_options: dict[str, Any] | None = None,
 ) -> Iterator[Stack]:
     backends = start_backends(n_backends, workdir)
     picker = None
@@ -132,6 +133,7 @@ def build_stack(
             listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
             picker_address=f"127.0.0.1:{picker.extproc_port}", body_mode=mode,  # type: ignore[arg-type]
             subset_hint_from_header=SUBSET_TEST_HEADER,
+            backends=tuple(b["address"] for b in cfg["pool"]["backends"]), **(envoy_options or {}),
         )  # fmt: skip
         envoy = start_envoy(opts, workdir)
         yield Stack(backends, picker, envoy, mode)

@@ -127,7 +127,8 @@ def test_sigterm_drains_open_requests(workdir: Path) -> None:
     )
     envoy = start_envoy(
         EnvoyOptions(listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
-                     picker_address=f"127.0.0.1:{picker.extproc_port}"),
+                     picker_address=f"127.0.0.1:{picker.extproc_port}",
+                     backends=tuple(b["address"] for b in backends.pool())),
         workdir,
     )  # fmt: skip
     try:
@@ -167,9 +168,9 @@ def test_sigterm_drains_open_requests(workdir: Path) -> None:
 @pytest.mark.parametrize(
     "args",
     [
-        [],
-        ["--body-mode", "BUFFERED", "--fail-open"],
-        ["--mode", "standalone", "--picker", "kv-epp.default.svc:9002"],
+        ["--backend", "10.0.0.1:8000"],
+        ["--body-mode", "BUFFERED", "--fail-open", "--backend", "10.0.0.1:8000", "--backend", "10.0.0.2:8000"],
+        ["--mode", "standalone", "--picker", "kv-epp.default.svc:9002", "--backend", "10.0.0.1:8000"],
         ["--mode", "no-picker", "--backend", "10.0.0.1:8000", "--backend", "10.0.0.2:8000"],
     ],
 )
