@@ -105,6 +105,10 @@ class Pool:
     def name_for_address(self, address: str) -> str | None:
         return self._by_address.get(address)
 
+    def endpoint(self, name: str) -> Endpoint | None:
+        st = self._stats.get(name)
+        return st.endpoint if st is not None else None
+
     # -- load -----------------------------------------------------------------------------------
     def acquire(self, endpoint: Endpoint) -> Lease:
         st = self._stats.get(endpoint.name)

@@ -145,7 +145,8 @@ class HealthObserver:
     outside the ranked list was chosen by Envoy's fallback policy (the list unread, or exhausted when
     Envoy retries more often than the picker lists fallbacks): only it is charged, as nothing says which
     listed endpoints were tried. Latency is sampled only when the pick itself served (a failover's
-    latency includes the failed tries)."""
+    latency includes the failed tries). After a failover the in-flight slot moves to the endpoint that
+    serves the response."""
 
     wants_body = False
 
@@ -167,6 +168,10 @@ class HealthObserver:
             if other is not None:
                 self.pool.record_response(other, ok)
                 self.recorder.response(other, status)
+                moved = self.pool.endpoint(other)
+                if moved is not None:  # the response streams from there: its in-flight slot, not the pick's
+                    ex.lease.release()
+                    ex.lease = self.pool.acquire(moved)
             return
         name = d.endpoint.name
         latency_ms = ((ex.first_byte_at or _mono()) - ex.decided_at) * 1000.0

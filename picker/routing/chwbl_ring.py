@@ -26,7 +26,9 @@ def ring_hash(data: bytes) -> int:
 class HashRing:
     """An immutable ring over endpoint names; rebuild to change membership or virtual_nodes."""
 
-    __slots__ = ("_names", "_owners", "_points", "virtual_nodes")
+    __slots__ = ("_names", "_owners", "_points", "_succ", "virtual_nodes")
+
+    WALK_MEMO = 9  # distinct owners memoised per ring position: the pick + up to pool.fallbacks (<= 8)
 
     def __init__(self, names: Sequence[str], virtual_nodes: int) -> None:
         if virtual_nodes < 1:
@@ -40,6 +42,9 @@ class HashRing:
         )
         self._points = [p for p, _ in pairs]
         self._owners = [idx for _, idx in pairs]
+        # ring position -> the first WALK_MEMO distinct owners clockwise from it, filled on first use
+        # (bounded by the ring's size): a walk for fallbacks is then a few lookups, not a ring scan.
+        self._succ: dict[int, tuple[int, ...]] = {}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -48,30 +53,58 @@ class HashRing:
     def __len__(self) -> int:
         return len(self._points)
 
-    def walk(self, point: int, eligible: Mapping[str, object], limit: int | None = None) -> list[str]:
-        """Distinct eligible endpoint names in clockwise order from ``point`` (at most ``limit`` of them)."""
+    def walk(self, point: int, eligible: Mapping[str, object], limit: int | None = None, skip: str = "") -> list[str]:
+        """Distinct eligible endpoint names in clockwise order from ``point`` (at most ``limit`` of them,
+        ``skip`` left out and not counted)."""
         n_points = len(self._points)
-        if n_points == 0:
+        names = self._names
+        total = len(names)
+        want = total if limit is None else min(limit, total)
+        if n_points == 0 or want <= 0:
             return []
-        want = sum(1 for name in self._names if name in eligible)
-        if limit is not None:
-            want = min(want, limit)
-        if want <= 0:
-            return []
-        start = bisect_left(self._points, point)
-        seen: set[int] = set()
+        start = bisect_left(self._points, point) % n_points
         order: list[str] = []
+        if want < self.WALK_MEMO:
+            succ = self._succ.get(start)
+            if succ is None:
+                succ = self._succ[start] = self._distinct(start, self.WALK_MEMO)
+            for idx in succ:
+                name = names[idx]
+                if name in eligible and name != skip:
+                    order.append(name)
+                    if len(order) == want:
+                        return order
+            if len(succ) == total:  # every endpoint was in the memo
+                return order
+            order.clear()  # too many ineligible among the memoised ones: walk the ring
+        seen: set[int] = set()
+        owners = self._owners
         for step in range(n_points):
-            idx = self._owners[(start + step) % n_points]
+            idx = owners[(start + step) % n_points]
             if idx in seen:
                 continue
             seen.add(idx)
-            name = self._names[idx]
-            if name in eligible:
+            name = names[idx]
+            if name in eligible and name != skip:
                 order.append(name)
                 if len(order) == want:
                     break
+            if len(seen) == total:  # every endpoint met: the rest of the ring repeats them
+                break
         return order
+
+    def _distinct(self, start: int, k: int) -> tuple[int, ...]:
+        """The first ``k`` distinct owners clockwise from position ``start`` (fewer when the ring has fewer)."""
+        owners, n_points = self._owners, len(self._owners)
+        k = min(k, len(self._names))
+        out: list[int] = []
+        for step in range(n_points):
+            idx = owners[(start + step) % n_points]
+            if idx not in out:
+                out.append(idx)
+                if len(out) == k:
+                    break
+        return tuple(out)
 
     def first(self, point: int, eligible: Mapping[str, object]) -> str | None:
         """The first eligible endpoint clockwise from ``point`` (plain consistent hashing)."""

@@ -119,7 +119,8 @@ class Router:
         n = self.settings.pool.fallbacks
         if d is None or n <= 0 or len(view.states) < 2:
             return d
-        return replace(d, fallbacks=self.fallbacks(d, facts, view, prepared, n, scores))
+        fallbacks = self.fallbacks(d, facts, view, prepared, n, scores)
+        return Decision(d.endpoint, d.strategy, d.reason, d.tier, d.score, d.kv_fallback_score, fallbacks)
 
     def _without_kv(
         self, facts: RequestFacts, view: PoolView, prepared: Prepared, fallback_score: float | None
@@ -155,7 +156,7 @@ class Router:
             return tuple(s.endpoint for s in ranked[:n])
         point = None if d.reason == "session" else self.strategy.ring_point(facts, prepared.key)
         if point is not None:
-            names = self.rings.ring.walk(point, eligible, limit=n + 1)
-            return tuple(eligible[name].endpoint for name in names if name != chosen)[:n]
+            names = self.rings.ring.walk(point, eligible, limit=n, skip=chosen)
+            return tuple([eligible[name].endpoint for name in names])
         ranked = sorted((s for s in view.states if s.endpoint.name != chosen), key=lambda s: s.in_flight)
         return tuple(s.endpoint for s in ranked[:n])

@@ -157,7 +157,9 @@ async def test_a_failover_charges_the_pick_and_credits_the_endpoint_that_served(
     ex = await route(app)
     pick, second = ex.decision.endpoint, ex.decision.fallbacks[0]
     ex.response_headers(200, second.address)  # the pick refused or timed out; Envoy retried on the next
+    assert app.pool.in_flight()[pick.name] == 0 and app.pool.in_flight()[second.name] == 1  # the slot moved
     ex.end(completed=True)
+    assert not any(app.pool.in_flight().values())
     s = stats(app)
     assert s[pick.name]["failures"] == 1 and s[pick.name]["successes"] == 0
     assert s[second.name]["successes"] == 1 and s[second.name]["failures"] == 0
@@ -228,3 +230,20 @@ def test_consecutive_failures_eject_after_a_long_healthy_history() -> None:
     assert stats(app)["a"]["healthy"] is False
     labels = {"backend": "a", "reason": "consecutive_failures"}
     assert app.metrics.registry.get_sample_value("continuum_picker_backend_ejections_total", labels) == 1
+
+
+def test_memoised_ring_walk_matches_the_full_walk() -> None:
+    import random
+
+    from picker.routing.chwbl_ring import HashRing
+
+    rng = random.Random(7)
+    names = [f"e{i}" for i in range(12)]
+    ring = HashRing(names, 20)
+    for _ in range(500):
+        eligible = {n: 1 for n in names if rng.random() < 0.6}
+        point = rng.getrandbits(64)
+        skip = rng.choice(names)
+        limit = rng.randint(0, 9)
+        full = [n for n in ring.walk(point, eligible) if n != skip][:limit]
+        assert ring.walk(point, eligible, limit=limit, skip=skip) == full
