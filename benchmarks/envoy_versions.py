@@ -34,13 +34,18 @@ def scratch_binary(version: str, scratch: Path = SCRATCH) -> Path:
 
 def variants() -> dict[str, EnvoyOptions]:
     """Every shape the generator has: sidecar (IP picker) and standalone (DNS picker), both body modes,
-    fail-open on and off, retries and the first-byte deadline off, and the no-picker baseline."""
+    fail-open on and off, TLS to the picker on (the default) and off, retries and the first-byte deadline
+    off, and the no-picker baseline."""
     out: dict[str, EnvoyOptions] = {}
     pickers = {"sidecar": "127.0.0.1:9002", "standalone": "kv-epp.default.svc:9002"}
     modes: tuple[Literal["FULL_DUPLEX_STREAMED", "BUFFERED"], ...] = ("FULL_DUPLEX_STREAMED", "BUFFERED")
-    for (where, picker), mode, fail_open in itertools.product(pickers.items(), modes, (False, True)):
-        name = f"{where}-{mode.lower()}{'-fail-open' if fail_open else ''}"
-        out[name] = EnvoyOptions(picker_address=picker, body_mode=mode, fail_open=fail_open, backends=BACKENDS)
+    for (where, picker), mode, fail_open, tls in itertools.product(
+        pickers.items(), modes, (False, True), (True, False)
+    ):
+        name = f"{where}-{mode.lower()}{'-fail-open' if fail_open else ''}{'' if tls else '-plaintext'}"
+        out[name] = EnvoyOptions(
+            picker_address=picker, body_mode=mode, fail_open=fail_open, backends=BACKENDS, picker_tls=tls
+        )
     out["sidecar-no-retries"] = replace(out["sidecar-full_duplex_streamed"], retries=0, first_byte_timeout_s=0)
     out["no-picker"] = EnvoyOptions(picker_address=None, backends=BACKENDS)
     return out
