@@ -429,6 +429,15 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
     out.extend(not_implemented_warnings(s))
     if s.admin.enabled and s.admin.host not in ("127.0.0.1", "::1", "localhost") and not s.admin.bearer_token:
         out.append(("admin.bearer_token", "admin listens beyond loopback without a bearer token"))
+    x = s.extproc
+    if x.tls.mode == "plaintext" and x.host not in ("127.0.0.1", "::1", "localhost") and not x.auth.token_file:
+        out.append(
+            (
+                "extproc.tls.mode",
+                "plaintext ext_proc beyond loopback without extproc.auth.token_file: anyone who reaches the port "
+                "can open streams and steer routing",
+            )
+        )
     return out
 
 
