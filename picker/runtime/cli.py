@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,9 @@ def _one_line(text: object) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     """Run the picker: one ``error: ...`` line and exit 2 on a bad config or a busy port; 0 after a drain."""
+    # gRPC core logs each failed TLS handshake (a plaintext client, a scanner) at INFO, outside our
+    # key=value format: keep its errors only unless the operator asks for more.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from picker.runtime.lifecycle import StartupError  # imported late: serve pulls in grpc and aiohttp
     from picker.runtime.wiring import build_server
 

@@ -89,6 +89,7 @@ def test_tls_by_default_refuses_plaintext_and_serves_a_client_trusting_the_gener
             with pytest.raises(grpc.RpcError):  # the health port serves only health
                 ext_proc_stream(ch)
         assert "BEGIN" not in picker.stderr()  # no key or certificate in the logs
+        assert "Handshake failed" not in picker.stderr()  # gRPC core's INFO line per refused plaintext client
     finally:
         assert picker.stop() == 0
 
