@@ -114,10 +114,10 @@ def _envoy_config(args: argparse.Namespace) -> int:
     if isinstance(backends, str):
         print(f"error: {backends}", file=sys.stderr)
         return 2
-    if args.fail_open and args.body_mode == "FULL_DUPLEX_STREAMED" and args.mode != "no-picker":
+    if args.fail_open and args.body_mode == "FULL_DUPLEX_STREAMED" and args.picker_health_interval_s <= 0:
         print(
-            "warning: --fail-open in FULL_DUPLEX_STREAMED mode: Envoy (1.38-1.40) still answers 500 when the"
-            " picker is unreachable; fail-open reaches a replica in BUFFERED mode",
+            "warning: --fail-open in FULL_DUPLEX_STREAMED mode without picker health checks: Envoy answers 500"
+            " while the picker is unreachable (it fails open only when no picker is healthy at stream start)",
             file=sys.stderr,
         )
     picker_tls = _picker_tls_options(args)
@@ -132,6 +132,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
         picker_address=None if args.mode == "no-picker" else picker,
         body_mode=args.body_mode,
         fail_open=args.fail_open,
+        picker_health_interval_s=args.picker_health_interval_s,
         message_timeout_ms=args.message_timeout_ms,
         backends=backends,
         first_byte_timeout_s=args.first_byte_timeout_s,
@@ -190,7 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--listen-port", type=int, default=8080)
     e.add_argument("--listen-address", default="0.0.0.0")
     e.add_argument("--admin-port", type=int, default=9901)
-    e.add_argument("--fail-open", action="store_true", help="failure_mode_allow (works in BUFFERED mode only)")
+    e.add_argument(
+        "--fail-open", action="store_true", help="failure_mode_allow: without a healthy picker, route on the pool"
+    )
+    e.add_argument(
+        "--picker-health-interval-s", type=float, default=1.0,
+        help="active gRPC health checks of the picker's readiness (0: off; full-duplex fail-open needs them)",
+    )  # fmt: skip
     e.add_argument("--message-timeout-ms", type=int, default=5000)
     e.add_argument(
         "--backend", action="append", help="ip:port of a pool endpoint (repeatable; required unless --picker-config)"

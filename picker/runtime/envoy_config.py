@@ -12,8 +12,11 @@ and forwards ``envoy.lb`` to the picker's response phases. Envoy's own local rep
 500, 502) get a JSON body in OpenAI's error shape.
 
 ``picker_address=None`` gives a plain round-robin Envoy over ``backends`` (the benchmarks' no-picker
-baseline). Fail-open only works in BUFFERED mode (Envoy 1.36-1.40 answer 500 in full-duplex mode when
-the picker is unreachable). Supported Envoy: 1.38 to 1.40 (``benchmarks/envoy_versions.py`` validates every
+baseline). The picker cluster is health-checked (gRPC ``readiness``, no panic routing): a draining or dead
+picker leaves it, and with fail-open and no healthy picker Envoy continues without it in both body modes
+(in full-duplex mode Envoy 1.38-1.40 fail open only when the ext_proc stream fails at its start, so a
+picker that dies mid-request still costs that request a JSON 500).
+Supported Envoy: 1.38 to 1.40 (``benchmarks/envoy_versions.py`` validates every
 variant with the oldest and newest wheel; 1.36 and 1.37 refuse override_host's ``selected_host_key``).
 """
 
@@ -65,11 +68,34 @@ class EnvoyOptions:
     picker_client_cert: str | None = None  # PEM files: Envoy's client certificate (extproc.tls.client_ca_file)
     picker_client_key: str | None = None
     picker_token: str | None = None  # sent as "authorization: Bearer <token>"; the bootstrap then holds a secret
+    # Active gRPC health checks of the picker (its `readiness` service): a draining or dead picker leaves
+    # the cluster, so new streams go to another picker, and with fail-open and no healthy picker the
+    # ext_proc stream fails at its start, which Envoy fails open on in full-duplex mode too (a listed but
+    # dead host is only found out after the body has started, too late to continue without it).
+    picker_health_interval_s: float = 1.0  # 0: no health checks
 
 
 def _addr(host_port: str) -> dict[str, Any]:
     host, _, port = host_port.rpartition(":")
     return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
+
+
+def _picker_health_checks(o: EnvoyOptions) -> dict[str, Any]:
+    """Health-check the picker's gRPC `readiness` service; no panic routing to an unhealthy picker."""
+    interval = f"{o.picker_health_interval_s:.3f}s"
+    return {
+        "health_checks": [
+            {
+                "timeout": f"{max(1.0, 2 * o.picker_health_interval_s):.3f}s",
+                "interval": interval,
+                "no_traffic_interval": interval,  # the default (60 s) would leave an idle gateway blind
+                "unhealthy_threshold": 2,  # one slow answer on a busy node is not a dead picker
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": "readiness"},
+            }
+        ],
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0.0}},
+    }
 
 
 def _is_ip(host_port: str) -> bool:
@@ -339,6 +365,8 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
         )
         if o.picker_tls:
             clusters[-1]["transport_socket"] = _picker_transport_socket(o)
+        if o.picker_health_interval_s > 0:
+            clusters[-1].update(_picker_health_checks(o))
     else:
         clusters.append(
             {

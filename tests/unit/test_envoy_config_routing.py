@@ -108,6 +108,10 @@ def test_cli_reads_backends_from_the_picker_config(tmp_path: Path) -> None:
     assert ports == ["10.1.0.2", "10.1.0.1"]
 
 
-def test_cli_warns_that_full_duplex_fail_open_does_not_work() -> None:
+def test_cli_warns_that_full_duplex_fail_open_needs_the_picker_health_checks() -> None:
     out = run_cli("--backend", "10.0.0.1:8000", "--fail-open")
-    assert out.returncode == 0 and "warning: --fail-open in FULL_DUPLEX_STREAMED" in out.stderr
+    assert out.returncode == 0 and out.stderr == ""  # health-checked by default: fail-open works
+    assert "grpc_health_check" in out.stdout and "healthy_panic_threshold" in out.stdout
+    off = run_cli("--backend", "10.0.0.1:8000", "--fail-open", "--picker-health-interval-s", "0")
+    assert off.returncode == 0 and "warning: --fail-open in FULL_DUPLEX_STREAMED" in off.stderr
+    assert "grpc_health_check" not in off.stdout
