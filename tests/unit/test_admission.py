@@ -122,10 +122,14 @@ async def test_chunked_body_is_reserved_chunk_by_chunk_and_refused_past_the_budg
     assert adm.body_bytes == 0
 
 
-async def test_declared_length_over_the_per_stream_limit_is_a_400_before_the_body() -> None:
+async def test_declared_length_over_the_per_stream_limit_reserves_only_the_limit_then_is_a_400() -> None:
+    """No 400 at the headers (Envoy would close the connection under the client's upload, a reset instead
+    of the JSON answer): the limit is reserved, and the body phase answers 400 once it passes the limit."""
     app = make_app()
     s = RequestStream(app)
-    out = await send(s, headers(9000))
+    assert await send(s, headers(9000)) == []
+    assert app.path.admission.body_bytes == 8192  # never more than the per-stream limit
+    out = await send(s, body(b"x" * 9000, False))
     assert status_of(out) == 400
     assert json.loads(out[0].immediate_response.body)["error"]["code"] == "body_too_large"
     assert app.path.admission.body_bytes == 0
