@@ -81,11 +81,11 @@ READY_PREFIX = "noop-extproc ready"
 async def serve(port: int, destinations: list[str]) -> None:
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(destinations), server)
-    health_servicer = health.aio.HealthServicer()  # Envoy health-checks `readiness`, as for the picker
+    health_servicer = health.aio.HealthServicer()  # Envoy health-checks it, as it does the picker
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    await health_servicer.set("readiness", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("kv-epp.accepting", health_pb2.HealthCheckResponse.SERVING)
     # The harness waits for this line (with the bound port, so --port 0 works) before sending traffic.
     print(f"{READY_PREFIX} extproc=127.0.0.1:{bound}", flush=True)
     await server.wait_for_termination()

@@ -139,8 +139,8 @@ class BackendConfig(_Section):
 
 
 def _ip_port(v: str) -> str:
-    """``ip:port`` (IPv6 in brackets). A DNS name is refused, not resolved: the generated Envoy routes
-    ORIGINAL_DST on this value, which must be an IP; an address resolved once at load time goes stale
+    """``ip:port`` (IPv6 in brackets), returned in canonical form. A DNS name is refused, not resolved: the
+    generated Envoy's cluster holds these addresses as IPs; an address resolved once at load time goes stale
     when the name moves (a rescheduled pod), and every request to it would then fail."""
     host, sep, port = v.rpartition(":")
     if not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
@@ -151,12 +151,13 @@ def _ip_port(v: str) -> str:
     except ValueError:
         raise ValueError(
             f"address host {host!r} is not an IP address: Envoy routes to the picker's pick as ip:port "
-            "(ORIGINAL_DST), so a DNS name would fail every request with 503; list the replica's IP "
+            "(override_host), so a DNS name would fail every request with 503; list the replica's IP "
             "(names are not resolved, because an address resolved once goes stale when the name moves)"
         ) from None
     if ip.version == 6 and literal == host:
         raise ValueError("an IPv6 address must be in brackets: [ip]:port")
-    return v
+    # canonical form: Envoy reports the endpoint that served as [::1]:8000, never [0:0:0:0:0:0:0:1]:8000
+    return f"[{ip.compressed}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
 
 
 class HealthConfig(_Section):

@@ -197,7 +197,7 @@ class RequestStream:
         uploading megabytes makes Envoy close the connection under the upload, and the client sees a reset
         instead of the JSON 400 (seen under load)."""
         declared = self.headers.get("content-length")
-        if declared is None or not declared.isdigit():
+        if declared is None or not (declared.isascii() and declared.isdigit() and len(declared) <= 19):
             return None  # chunked (or malformed: Envoy rejects it): reserved chunk by chunk
         n = min(int(declared), self.app.path.max_body_bytes)  # never buffered beyond the limit
         if not self.app.path.admission.reserve(n):

@@ -27,6 +27,7 @@ class HashRing:
     """An immutable ring over endpoint names; rebuild to change membership or virtual_nodes."""
 
     __slots__ = ("_names", "_owners", "_points", "_succ", "virtual_nodes")
+    MEMO_MAX = 65_536  # memoised ring positions (~180 B each, ~12 MB at most); cleared when full
 
     WALK_MEMO = 9  # distinct owners memoised per ring position: the pick + up to pool.fallbacks (<= 8)
 
@@ -67,6 +68,8 @@ class HashRing:
         if want < self.WALK_MEMO:
             succ = self._succ.get(start)
             if succ is None:
+                if len(self._succ) >= self.MEMO_MAX:  # a huge ring (names x virtual_nodes): stay bounded
+                    self._succ.clear()
                 succ = self._succ[start] = self._distinct(start, self.WALK_MEMO)
             for idx in succ:
                 name = names[idx]

@@ -12,7 +12,7 @@ and forwards ``envoy.lb`` to the picker's response phases. Envoy's own local rep
 500, 502) get a JSON body in OpenAI's error shape.
 
 ``picker_address=None`` gives a plain round-robin Envoy over ``backends`` (the benchmarks' no-picker
-baseline). The picker cluster is health-checked (gRPC ``readiness``, no panic routing): a draining or dead
+baseline). The picker cluster is health-checked (gRPC ``kv-epp.accepting``, no panic routing): a draining or dead
 picker leaves it, and with fail-open and no healthy picker Envoy continues without it in both body modes
 (in full-duplex mode Envoy 1.38-1.40 fail open only when the ext_proc stream fails at its start, so a
 picker that dies mid-request still costs that request a JSON 500).
@@ -68,11 +68,12 @@ class EnvoyOptions:
     picker_client_cert: str | None = None  # PEM files: Envoy's client certificate (extproc.tls.client_ca_file)
     picker_client_key: str | None = None
     picker_token: str | None = None  # sent as "authorization: Bearer <token>"; the bootstrap then holds a secret
-    # Active gRPC health checks of the picker (its `readiness` service): a draining or dead picker leaves
+    # Active gRPC health checks of the picker (its `kv-epp.accepting` service): a draining or dead picker leaves
     # the cluster, so new streams go to another picker, and with fail-open and no healthy picker the
     # ext_proc stream fails at its start, which Envoy fails open on in full-duplex mode too (a listed but
     # dead host is only found out after the body has started, too late to continue without it).
     picker_health_interval_s: float = 1.0  # 0: no health checks
+    request_timeout_s: int = 60  # the whole request (headers and body) from the client
 
 
 def _addr(host_port: str) -> dict[str, Any]:
@@ -81,7 +82,9 @@ def _addr(host_port: str) -> dict[str, Any]:
 
 
 def _picker_health_checks(o: EnvoyOptions) -> dict[str, Any]:
-    """Health-check the picker's gRPC `readiness` service; no panic routing to an unhealthy picker."""
+    """Health-check the picker's gRPC ``kv-epp.accepting`` service (SERVING from start until the drain, not
+    turned off by a crashed background task, which only makes the picker not ready for kubelet); no panic
+    routing to an unhealthy picker."""
     interval = f"{o.picker_health_interval_s:.3f}s"
     return {
         "health_checks": [
@@ -91,7 +94,7 @@ def _picker_health_checks(o: EnvoyOptions) -> dict[str, Any]:
                 "no_traffic_interval": interval,  # the default (60 s) would leave an idle gateway blind
                 "unhealthy_threshold": 2,  # one slow answer on a busy node is not a dead picker
                 "healthy_threshold": 1,
-                "grpc_health_check": {"service_name": "readiness"},
+                "grpc_health_check": {"service_name": "kv-epp.accepting"},  # serving until the drain
             }
         ],
         "common_lb_config": {"healthy_panic_threshold": {"value": 0.0}},
@@ -390,6 +393,10 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
         "stat_prefix": "kv_epp",
         "codec_type": "AUTO",
         "stream_idle_timeout": "600s",
+        # The whole request must arrive within this (disarmed once it has gone upstream): a client that
+        # sends headers declaring a large body and then nothing cannot hold the picker's body budget.
+        "request_timeout": f"{o.request_timeout_s}s",
+        "request_headers_timeout": "10s",
         "early_header_mutation_extensions": _strip_destination_headers(),
         "local_reply_config": _local_reply_config(),
         "route_config": {

@@ -50,6 +50,10 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Readiness under every name a gateway probes ("inference-extension": the GIE conformance manifests and
 # the llm-d chart); liveness stays SERVING until the process exits.
 READINESS_SERVICES = ("", "readiness", EXT_PROC_SERVICE, "inference-extension")
+# What Envoy's active health check reads: SERVING from start until the drain, whatever else happens. A crashed
+# background task turns readiness off (/readyz, kubelet) but the picker still routes (Tier 1 at worst), and
+# Envoy must keep sending it streams: with no healthy picker Envoy answers 500 or fails open around it.
+ACCEPTING_SERVICE = "kv-epp.accepting"
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
@@ -118,6 +122,7 @@ class PickerServer:
     def __init__(self, app: PickerApp, admin_extra: list[AdminRoutes] | None = None) -> None:
         self.app = app
         self.health = health.aio.HealthServicer()
+        self._started = False  # every port listens (ACCEPTING_SERVICE turns SERVING)
         self.servicer = ExternalProcessor(app)
         self.supervisor = TaskSupervisor(on_failure=self._task_failed, logger=log)
         self._grpc: grpc.aio.Server | None = None
@@ -155,6 +160,7 @@ class PickerServer:
             self.supervisor.spawn(self._task_name(coro), coro)
         await self.health.set("liveness", SERVING)
         self.app.ready = self.supervisor.healthy  # a task may already have crashed while we awaited
+        self._started = True
         await self._publish_readiness()
         s = self.app.settings
         log.info(
@@ -266,6 +272,8 @@ class PickerServer:
         ready = self.app.ready and not self.app.draining and self.supervisor.healthy
         for svc in READINESS_SERVICES:
             await self.health.set(svc, SERVING if ready else NOT_SERVING)
+        accepting = self._started and not self.app.draining
+        await self.health.set(ACCEPTING_SERVICE, SERVING if accepting else NOT_SERVING)
 
     # -- drain and stop ---------------------------------------------------------------------------
     async def _pause(self, seconds: float, until: Coroutine[Any, Any, None] | None = None) -> None:

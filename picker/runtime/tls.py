@@ -41,7 +41,7 @@ from picker.config import ExtProcConfig
 log = logging.getLogger("kv_epp.tls")
 
 GENERATED_VALIDITY = datetime.timedelta(days=365)
-HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"  # unary probes only: no token-free long-lived Watch streams
 
 
 class TlsSetupError(Exception):
@@ -295,7 +295,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method or ""
-        if method.startswith(HEALTH_METHOD_PREFIX) or self.authorized(handler_call_details.invocation_metadata):
+        if method == HEALTH_CHECK_METHOD or self.authorized(handler_call_details.invocation_metadata):
             return await continuation(handler_call_details)
         self.refused += 1
         return self._refuse  # any method, any cardinality: aborted before a message is read

@@ -350,6 +350,8 @@ async def test_crashed_background_task_flips_readiness_and_is_counted() -> None:
                 while await status("readiness") != NOT_SERVING:
                     await asyncio.sleep(0.02)
             assert await status("liveness") == SERVING
+            # what Envoy health-checks stays SERVING: the picker still routes, Envoy keeps sending it streams
+            assert await status("kv-epp.accepting") == SERVING
             async with session.get(admin + "/readyz") as r:
                 body = await r.json()
                 assert r.status == 503 and "exploding_task" in body["reason"] and "disk on fire" in body["reason"]

@@ -33,7 +33,7 @@ def test_ip_addresses_validate(address: str) -> None:
 def test_dns_names_are_refused_with_the_reason(address: str) -> None:
     [(path, msg)] = problems(pool(address))
     assert path == "pool.backends[0].address"
-    assert "not an IP address" in msg and "503" in msg and "ORIGINAL_DST" in msg
+    assert "not an IP address" in msg and "503" in msg and "override_host" in msg
 
 
 @pytest.mark.parametrize(
