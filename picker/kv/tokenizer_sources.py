@@ -59,6 +59,20 @@ def _valid_tokens(v: object) -> list[int] | None:
     return v
 
 
+async def _read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole body, or None past ``limit`` bytes. ``StreamReader.read(n)`` returns only what has arrived
+    so far: an answer written in two pieces (any long prompt on a real network) was read half, failed to
+    parse, and Tier 4 fell back."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class EngineTokenizer:
     """POST ``{base_url}/tokenize`` on an engine chosen by ``base_url_for(model)``."""
 
@@ -110,8 +124,8 @@ class EngineTokenizer:
                         if resp.status != 200:
                             self._fail("http_status")
                             return None
-                        raw = await resp.content.read(MAX_TOKENIZE_RESPONSE_BYTES + 1)
-            if len(raw) > MAX_TOKENIZE_RESPONSE_BYTES:
+                        raw = await _read_bounded(resp.content, MAX_TOKENIZE_RESPONSE_BYTES)
+            if raw is None:
                 self._fail("too_large")
                 return None
             data = json.loads(raw)

@@ -101,3 +101,43 @@ async def test_local_tokenizer_encodes_prompt_and_chat_template(tmp_path) -> Non
     )
     assert await factory.token_ids("m", prompt="hi brief") == [6, 5]
     await t.close()
+
+
+async def test_engine_tokenizer_reads_an_answer_written_in_pieces() -> None:
+    """Regression (issue 8, item 3): the /tokenize answer arriving in two writes was read half and dropped."""
+    answer = b'{"count": 3, "max_model_len": 100, "tokens": [11, 22, 33]}'
+
+    async def tokenize(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"content-type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(answer[:20])
+        await asyncio.sleep(0.05)  # part of the scenario: the second piece comes later, as on a real network
+        await resp.write(answer[20:])
+        await resp.write_eof()
+        return resp
+
+    async with serve([web.post("/tokenize", tokenize)]) as url:
+        tok = EngineTokenizer(lambda model: url, timeout_ms=5_000)
+        try:
+            assert await tok.token_ids("m", prompt="abc") == [11, 22, 33]
+            assert tok.failures == {}
+        finally:
+            await tok.close()
+
+
+async def test_engine_tokenizer_refuses_an_oversized_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import picker.kv.tokenizer_sources as ts
+
+    monkeypatch.setattr(ts, "MAX_TOKENIZE_RESPONSE_BYTES", 64)
+
+    async def tokenize(request: web.Request) -> web.Response:
+        return web.json_response({"tokens": list(range(100))})
+
+    async with serve([web.post("/tokenize", tokenize)]) as url:
+        tok = EngineTokenizer(lambda model: url, timeout_ms=5_000)
+        try:
+            assert await tok.token_ids("m", prompt="abc") is None
+            assert tok.failures == {"too_large": 1}
+        finally:
+            await tok.close()
