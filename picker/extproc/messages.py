@@ -9,7 +9,6 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 
 DEST_HEADER = "x-gateway-destination-endpoint"
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # envoy.lb: the endpoint Envoy actually used
@@ -87,13 +86,6 @@ def served_endpoint(req: pb.ProcessingRequest) -> str | None:
     if value is None or value.WhichOneof("kind") != "string_value":
         return None
     return value.string_value.strip() or None
-
-
-def destination_metadata(dest: str) -> struct_pb2.Struct:
-    """``envoy.lb`` dynamic metadata carrying the pick (the GIE contract, beside the header)."""
-    metadata = struct_pb2.Struct()
-    metadata.fields[LB_NAMESPACE].struct_value.fields[DEST_HEADER].string_value = dest
-    return metadata
 
 
 def pick_response(dest: str, content_length: int | None, *, on_body: bool) -> pb.ProcessingResponse:
