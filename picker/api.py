@@ -7,7 +7,7 @@ benchmarks on this module and on ``picker.shared``.
 from __future__ import annotations
 
 from picker.config import Settings, load_settings, parse_settings
-from picker.extproc.messages import DEST_HEADER, header_option, pick_response, streamed_chunks
+from picker.extproc.messages import DEST_HEADER, pick_response, streamed_chunks
 from picker.extproc.service import ExternalProcessor
 from picker.kv.index import InMemoryKvIndex
 from picker.request.path import Answer, Exchange, Inbound, RequestPath
@@ -35,7 +35,6 @@ __all__ = [
     "RequestPath",
     "Settings",
     "bootstrap_yaml",
-    "header_option",
     "load_settings",
     "parse_settings",
     "pick_response",

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
 
 DEST_HEADER = "x-gateway-destination-endpoint"
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # envoy.lb: the endpoint Envoy actually used
@@ -27,13 +27,6 @@ def header_value(h: base_pb2.HeaderValue) -> str:
     return h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
 
 
-def header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-    )
-
-
 def set_header(mutation: pb.HeaderMutation, key: str, value: str) -> None:
     """Add an overwriting header to ``mutation``, built in place (nested constructors copy each level)."""
     opt = mutation.set_headers.add()
@@ -46,24 +39,29 @@ def immediate(
     status: int, body: bytes, details: str, headers: Iterable[tuple[str, str]] = (("content-type", "application/json"),)
 ) -> pb.ProcessingResponse:
     """An ImmediateResponse: the picker answers the client itself (400, 503, a cached response)."""
-    return pb.ProcessingResponse(
-        immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
-            headers=pb.HeaderMutation(set_headers=[header_option(k, v) for k, v in headers]),
-            body=body,
-            details=details,
-        )
-    )
+    r = pb.ProcessingResponse()
+    answer = r.immediate_response
+    answer.status.code = status
+    for k, v in headers:
+        set_header(answer.headers, k, v)
+    answer.body = body
+    answer.details = details
+    return r
+
+
+def _metadata_value(req: pb.ProcessingRequest, namespace: str, key: str) -> struct_pb2.Value | None:
+    """``metadata_context.filter_metadata[namespace][key]`` of a message, or None when absent."""
+    if not req.HasField("metadata_context"):
+        return None
+    fm = req.metadata_context.filter_metadata
+    if namespace not in fm:
+        return None
+    return fm[namespace].fields.get(key)
 
 
 def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
     """The proxy's subset hint (list of ip:port), or None when absent."""
-    if not req.HasField("metadata_context"):
-        return None
-    fm = req.metadata_context.filter_metadata
-    if SUBSET_NAMESPACE not in fm:
-        return None
-    value = fm[SUBSET_NAMESPACE].fields.get(SUBSET_KEY)
+    value = _metadata_value(req, SUBSET_NAMESPACE, SUBSET_KEY)
     if value is None:
         return None
     kind = value.WhichOneof("kind")
@@ -77,12 +75,7 @@ def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
 def served_endpoint(req: pb.ProcessingRequest) -> str | None:
     """The endpoint the proxy actually sent the request to (``envoy.lb`` / ``-served``, written by Envoy's
     override_host policy on every attempt, so after a retry it names the last one), or None."""
-    if not req.HasField("metadata_context"):
-        return None
-    fm = req.metadata_context.filter_metadata
-    if LB_NAMESPACE not in fm:
-        return None
-    value = fm[LB_NAMESPACE].fields.get(SERVED_KEY)
+    value = _metadata_value(req, LB_NAMESPACE, SERVED_KEY)
     if value is None or value.WhichOneof("kind") != "string_value":
         return None
     return value.string_value.strip() or None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -143,3 +144,12 @@ def build_stack(
         if picker is not None:
             picker.stop()
         backends.process.stop()
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port held by a listening socket for the duration of the test."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])

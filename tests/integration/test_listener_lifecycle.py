@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +64,6 @@ def test_ready_line_then_drain_in_order(workdir: Path) -> None:
         assert "event=listener_stopped" in listener.stderr()
     finally:
         listener.stop()
-
-
-@pytest.fixture
-def busy_port() -> Iterator[int]:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("where", ["listen", "zmq_bind"])

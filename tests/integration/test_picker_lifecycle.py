@@ -8,14 +8,12 @@ import json
 import queue
 import re
 import signal
-import socket
 import ssl
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,15 +227,6 @@ def test_ready_line_reports_ports_chosen_by_the_system(workdir: Path) -> None:
         assert http("GET", f"http://{m.group(3)}/readyz").status == 200
     finally:
         assert picker.stop() == 0
-
-
-@pytest.fixture
-def busy_port() -> Iterator[int]:
-    """A loopback port held by a listening socket for the duration of the test."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("which", ["ext_proc", "health", "admin"])
