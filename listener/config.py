@@ -30,6 +30,9 @@ class LimitsConfig(_Model):
     max_event_tokens: int = Field(1 << 20, ge=1, le=1 << 26)
     # ZMQ_MAXMSGSIZE: a larger message makes libzmq drop the peer connection.
     max_message_bytes: int = Field(32 << 20, ge=1024, le=1 << 31)
+    # Engine messages received but not yet applied, in bytes; past it new messages are dropped (a sequence
+    # gap, repaired by replay) so a flood cannot grow memory.
+    max_backlog_bytes: int = Field(64 << 20, ge=1 << 16, le=1 << 34)
 
 
 class SourceConfig(_Model):
@@ -77,6 +80,9 @@ class ListenerConfig(_Model):
     """Top level of the listener's YAML file."""
 
     listen: str = "127.0.0.1:7817"  # SSE feed, /metrics, /healthz
+    # The block size of the keys in the feed: the listener regroups each engine's pages (any size, 1
+    # included) into blocks of this many tokens. Must equal the picker's kv_cache_index.tokenizer.block_size.
+    key_block_size: int = Field(16, ge=1, le=4096)
     # SIGTERM: /readyz answers 503 this long before new feed subscriptions are refused.
     drain_propagation_seconds: float = Field(1.0, ge=0, le=60)
     drain_deadline_seconds: float = Field(5.0, ge=0, le=600)
