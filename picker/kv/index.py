@@ -1,22 +1,28 @@
 """The precise KV index (Tier 4): block key → {backend → storage tier}, in memory.
 
 Layout: backends get a small integer id; each block key maps to one int bitmask holding two bits per
-backend id (bit 2*id = GpuHot, bit 2*id+1 = StorageWarm), plus the monotonic second it was last
-written. Lookup walks the request's block keys from block 0 with a few big-int operations per block
-(no I/O, no per-block allocation) and yields, per backend, the length of its leading run and its tier.
+backend id (bit 2*id = GpuHot, bit 2*id+1 = StorageWarm). Each backend also keeps its own keys in write
+order (a dict used as an ordered set). Lookup walks the request's block keys from block 0 with a few
+big-int operations per block (no I/O, no per-block allocation) and yields, per backend, the length of
+its leading run and its tier.
 
 Bounds and eviction:
-- ``max_entries`` block keys; when full, the oldest 10% by last write (LRU on writes: engine events
-  refresh an entry, lookups do not) are dropped at once.
-- ``ttl_seconds`` since the last write: checked lazily on lookup and by ``sweep_expired`` (periodic).
+- ``max_entries`` (block key, backend) entries in all. When an insert finds the index full, the backend
+  holding the most entries loses its oldest writes (10% of ``max_entries`` at once, the seed's
+  fraction, never more than it holds). So the budget is shared fairly: a busy backend evicts its own
+  old blocks, never a quiet backend's (a backend under its fair share is never chosen while another
+  holds more).
+- Expiry is a safety net for a feed that went silent, not a clock on blocks that stay cached: engines
+  do not re-announce blocks they keep, and the listener feed is an ordered, resumable stream of every
+  store and removal (a gap yields a snapshot), so while a backend's feed is live its entries are the
+  listener's exact state. ``confirm(backend)`` (every record or keepalive the consumer receives) and
+  every write refresh the backend's contact time; a backend whose last contact is older than
+  ``ttl_seconds`` is expired as a whole (its entries are ignored at once and dropped by the sweep) and
+  ``expirations(backend)`` changes, which tells its consumer to ask for a snapshot when it reconnects.
 - ``drop_backend`` retires the backend's id in O(1): its bits become dead and are ignored at once,
-  scrubbed by the next sweep, after which the id is reused.
+  scrubbed in bounded steps over that backend's own keys, after which the id is reused.
 
-Measured memory (``python -m benchmarks.kv_index_scale``, CPython 3.11, 8 backends, chains of 64
-blocks, a quarter held by two backends): 1,000,000 block keys (1.25M entries) take 136 MB by
-tracemalloc, i.e. ~136 bytes per block key / ~109 bytes per (block, backend) entry (the 64-bit key
-int, two dict slots, the shared per-batch timestamp). Lookup of a 64-block request held by two
-backends at that size: ~11 µs; a miss: ~0.14 µs (2-core dev box).
+Measured memory and lookup time: ``python -m benchmarks.kv_index_scale`` (figures in the README).
 """
 
 from __future__ import annotations
@@ -35,9 +41,8 @@ EVICT_FRACTION = 0.10  # the seed: drop the oldest 10% when max_entries is reach
 
 @dataclass(slots=True)
 class _BackendCounters:
-    entries: int = 0
     puts: int = 0  # "index_created"
-    removals: int = 0  # "index_evicted" (event removals, TTL and LRU drops)
+    removals: int = 0  # "index_evicted" (event removals, expiry and budget drops)
 
 
 class KvIndex(Protocol):
@@ -52,6 +57,8 @@ class KvIndex(Protocol):
 
     def remove(self, backend: str, keys: Iterable[int]) -> None: ...
 
+    def confirm(self, backend: str, now: float | None = None) -> None: ...
+
     def drop_backend(self, backend: str) -> int: ...
 
     def clear(self) -> int: ...
@@ -62,17 +69,21 @@ class InMemoryKvIndex:
 
     def __init__(self, max_entries: int = 100_000, ttl_seconds: float = 600.0) -> None:
         self.max_entries = max_entries
-        self.ttl = int(ttl_seconds)
-        # block key → bitmask of (backend id, tier) bits; insertion order = write recency (oldest first)
+        self.ttl = float(ttl_seconds)
+        # block key → bitmask of (backend id, tier) bits; bound: one key per entry (≤ max_entries)
         self._masks: dict[int, int] = {}
-        # block key → int(monotonic) second of the last write (one shared int object per write batch)
-        self._written: dict[int, int] = {}
+        # backend id → its keys in write order (oldest first); bound: max_entries in all
+        self._keys: dict[int, dict[int, None]] = {}
+        self._entries = 0
         self._ids: dict[str, int] = {}  # live backend name → id
         self._names: dict[int, str] = {}  # live id → name
         self._counters: dict[int, _BackendCounters] = {}
-        self._dead_ids: list[int] = []  # retired ids whose bits may still linger until a sweep
-        # a scrub pass in progress: (keys to check, next position, dead ids it covers); bound: one pass
-        self._scrub: tuple[list[int], int, int] | None = None
+        self._contact: dict[int, float] = {}  # live id → monotonic time of the last write or confirm
+        self._next_expiry = float("inf")  # the earliest contact + ttl of any live backend
+        self._expirations: dict[str, int] = {}  # backend name → expiries and clears (a resume is void)
+        # retired ids and their keys, scrubbed in bounded steps; bound: the keys they held
+        self._dead: list[tuple[int, list[int]]] = []
+        self._scrub_pos = 0
         self._free_ids: list[int] = []  # scrubbed ids ready for reuse
         self._next_id = 0
         self._live_mask = 0  # both bits of every live id
@@ -82,7 +93,7 @@ class InMemoryKvIndex:
         self.total_hits = 0
 
     # -- backend ids ---------------------------------------------------------------------------
-    def _id(self, backend: str) -> int:
+    def _id(self, backend: str, now: float) -> int:
         bid = self._ids.get(backend)
         if bid is None:
             bid = self._free_ids.pop() if self._free_ids else self._next_id
@@ -91,9 +102,16 @@ class InMemoryKvIndex:
             self._ids[backend] = bid
             self._names[bid] = backend
             self._counters[bid] = _BackendCounters()
+            self._keys[bid] = {}
             self._live_mask |= 3 << (2 * bid)
             self._gpu_bits |= 1 << (2 * bid)
+        self._touch(bid, now)
         return bid
+
+    def _touch(self, bid: int, now: float) -> None:
+        self._contact[bid] = now
+        if now + self.ttl < self._next_expiry:
+            self._next_expiry = now + self.ttl
 
     def _live_ids(self, mask: int) -> Iterable[int]:
         mask &= self._gpu_bits | (self._gpu_bits << 1)
@@ -106,62 +124,60 @@ class InMemoryKvIndex:
     # -- writes --------------------------------------------------------------------------------
     def put(self, backend: str, keys: Sequence[int], tier: StorageTier, now: float | None = None) -> None:
         """The backend holds ``keys`` in ``tier`` (replacing its previous tier for those keys)."""
-        bid = self._id(backend)
+        bid = self._id(backend, time.monotonic() if now is None else now)
         shift = 2 * bid
         both = 3 << shift
         bit = (1 if tier is StorageTier.GPU_HOT else 2) << shift
-        stamp = int(time.monotonic() if now is None else now)
-        c = self._counters[bid]
-        masks, written = self._masks, self._written
+        masks, own = self._masks, self._keys[bid]
         for k in keys:
-            old = masks.pop(k, None)
-            if old is None:
-                if len(masks) >= self.max_entries:
-                    self._evict_oldest()
-                old = 0
+            if k in own:
+                del own[k]  # re-inserted below: now the newest write
             else:
-                old &= self._live_mask
-            if not old & both:
-                c.entries += 1
-            masks[k] = (old & ~both) | bit
-            written.pop(k, None)
-            written[k] = stamp
-        c.puts += len(keys)
+                if self._entries >= self.max_entries:
+                    self._evict(bid)
+                self._entries += 1
+            own[k] = None
+            masks[k] = (masks.get(k, 0) & self._live_mask & ~both) | bit
+        self._counters[bid].puts += len(keys)
 
     def remove(self, backend: str, keys: Iterable[int]) -> None:
         """The backend no longer holds ``keys``."""
         bid = self._ids.get(backend)
         if bid is None:
             return
-        both = 3 << (2 * bid)
-        c = self._counters[bid]
-        masks = self._masks
+        own = self._keys[bid]
+        n = 0
         for k in keys:
-            m = masks.get(k)
-            if m is None or not m & both:
-                continue
-            m &= ~both & self._live_mask
-            c.entries -= 1
-            c.removals += 1
-            if m:
-                masks[k] = m
-            else:
-                del masks[k]
-                self._written.pop(k, None)
+            if k in own:
+                self._unlink(bid, k)
+                n += 1
+        self._counters[bid].removals += n
 
-    def _drop_key(self, k: int) -> None:
-        m = self._masks.pop(k, 0)
-        self._written.pop(k, None)
-        for bid in self._live_ids(m):
-            c = self._counters[bid]
-            c.entries -= 1
-            c.removals += 1
+    def _unlink(self, bid: int, k: int) -> None:
+        """Drop the (k, bid) entry (the caller counts it)."""
+        del self._keys[bid][k]
+        self._entries -= 1
+        m = self._masks[k] & ~(3 << (2 * bid)) & self._live_mask
+        if m:
+            self._masks[k] = m
+        else:
+            del self._masks[k]
 
-    def _evict_oldest(self) -> None:
-        n = max(1, int(self.max_entries * EVICT_FRACTION))
-        for k in list(itertools.islice(self._written, n)):
-            self._drop_key(k)
+    def _evict(self, writer: int) -> None:
+        """The index is full: the backend holding the most entries loses its oldest writes."""
+        victim = max(self._keys, key=lambda b: (len(self._keys[b]), b != writer))
+        own = self._keys[victim]
+        n = min(len(own), max(1, int(self.max_entries * EVICT_FRACTION)))
+        for k in list(itertools.islice(own, n)):
+            self._unlink(victim, k)
+        self._counters[victim].removals += n
         self.total_evictions += n
+
+    def confirm(self, backend: str, now: float | None = None) -> None:
+        """The backend's feed is live (a record or keepalive arrived): its entries stay authoritative."""
+        bid = self._ids.get(backend)
+        if bid is not None:
+            self._touch(bid, time.monotonic() if now is None else now)
 
     def drop_backend(self, backend: str) -> int:
         """Forget every entry of ``backend`` in O(1) (restart, AllBlocksCleared, snapshot). Returns
@@ -170,70 +186,85 @@ class InMemoryKvIndex:
         if bid is None:
             return 0
         del self._names[bid]
-        held = self._counters.pop(bid).entries
+        del self._counters[bid]
+        del self._contact[bid]
+        own = self._keys.pop(bid)
+        self._entries -= len(own)
         self._live_mask &= ~(3 << (2 * bid))
         self._gpu_bits &= ~(1 << (2 * bid))
-        self._dead_ids.append(bid)
-        return held
+        self._dead.append((bid, list(own)))
+        return len(own)
 
     def clear(self) -> int:
-        """Drop everything; returns the number of (block, backend) entries dropped."""
-        n = self.entry_count
+        """Drop everything; returns the number of (block, backend) entries dropped. Every backend's
+        feed position is void afterwards (``expirations`` changes)."""
+        n = self._entries
         self._masks.clear()
-        self._written.clear()
-        for c in self._counters.values():
-            c.entries = 0
-        self._free_ids.extend(self._dead_ids)
-        self._dead_ids.clear()
-        self._scrub = None
+        for own in self._keys.values():
+            own.clear()
+        self._entries = 0
+        self._free_ids.extend(bid for bid, _ in self._dead)
+        self._dead.clear()
+        self._scrub_pos = 0
+        for name in self._ids:
+            self._expirations[name] = self._expirations.get(name, 0) + 1
         return n
 
-    def sweep_expired(self, now: float | None = None, budget: int | None = None) -> int:
-        """Drop TTL-expired keys (oldest first, stops at the first fresh one) and scrub dead backend
-        bits. ``budget`` bounds the keys examined per call. Returns the number of keys dropped."""
-        t = int(time.monotonic() if now is None else now)
+    def expirations(self, backend: str) -> int:
+        """How many times ``backend``'s entries were dropped without its feed saying so (expiry, an admin
+        clear). A consumer that saw this change resubscribes for a snapshot instead of resuming."""
+        return self._expirations.get(backend, 0)
+
+    def _expire(self, now: float) -> int:
+        """Drop every backend whose last contact is older than the ttl; returns entries dropped."""
+        if now < self._next_expiry:
+            return 0
         dropped = 0
-        for k, stamp in list(itertools.islice(self._written.items(), budget)):
-            if t - stamp <= self.ttl:
-                break
-            self._drop_key(k)
-            dropped += 1
-        if self._dead_ids and budget is None:
+        stale = [name for name, bid in self._ids.items() if now - self._contact[bid] > self.ttl]
+        for name in stale:
+            n = self.drop_backend(name)
+            dropped += n
+            self.total_evictions += n
+            self._expirations[name] = self._expirations.get(name, 0) + 1
+        self._next_expiry = min((t + self.ttl for t in self._contact.values()), default=float("inf"))
+        return dropped
+
+    def sweep_expired(self, now: float | None = None, budget: int | None = None) -> int:
+        """Expire silent backends and scrub dead backend bits (``budget`` bounds the keys scrubbed per
+        call; None = all). Returns the number of entries dropped by expiry."""
+        dropped = self._expire(time.monotonic() if now is None else now)
+        if budget is None:
             while self.scrub_step(None):
                 pass
-        self.total_evictions += dropped
         return dropped
 
     def scrub_step(self, budget: int | None = 10_000) -> bool:
-        """Clear dead backends' bits from at most ``budget`` keys; True while more work remains.
+        """Clear dead backends' bits from at most ``budget`` of their keys; True while more work remains.
 
-        Dead bits are already invisible (masked by the live mask); this only reclaims memory and, when
-        a pass completes, frees the dead ids for reuse. Keys written after the pass began never carry
-        dead bits (a dead id is not reused before its pass completes)."""
-        if not self._dead_ids and self._scrub is None:
+        Dead bits are already invisible (masked by the live mask); this only reclaims memory and frees
+        the id for reuse once all of its keys are scrubbed."""
+        if not self._dead:
             return False
-        if self._scrub is None:
-            self._scrub = (list(self._masks), 0, len(self._dead_ids))
-        keys, pos, n_dead = self._scrub
+        bid, keys = self._dead[0]
+        pos = self._scrub_pos
         end = len(keys) if budget is None else min(len(keys), pos + budget)
-        live = self._live_mask
+        gone = ~(3 << (2 * bid))
         masks = self._masks
         for k in keys[pos:end]:
             m = masks.get(k)
-            if m is not None and m & ~live:
-                m &= live
+            if m is not None:
+                m &= gone
                 if m:
                     masks[k] = m
                 else:
                     del masks[k]
-                    self._written.pop(k, None)
         if end < len(keys):
-            self._scrub = (keys, end, n_dead)
+            self._scrub_pos = end
             return True
-        self._scrub = None
-        self._free_ids.extend(self._dead_ids[:n_dead])  # ids dropped during this pass wait for the next
-        del self._dead_ids[:n_dead]
-        return bool(self._dead_ids)
+        self._dead.pop(0)
+        self._scrub_pos = 0
+        self._free_ids.append(bid)
+        return bool(self._dead)
 
     # -- reads ---------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], now: float | None = None) -> dict[str, BackendHold]:
@@ -241,25 +272,22 @@ class InMemoryKvIndex:
 
         Backends holding block 0 only appear. No I/O; an empty dict when nothing matches."""
         self.total_lookups += 1
-        masks = self._masks
-        live = self._live_mask
         if not keys:
             return {}
+        t = time.monotonic() if now is None else now
+        if t >= self._next_expiry:
+            self._expire(t)
+        masks = self._masks
+        live = self._live_mask
         first = masks.get(keys[0], 0) & live
         if not first:
             return {}
-        t = int(time.monotonic() if now is None else now)
-        ttl = self.ttl
-        written = self._written
         alive = (first | (first >> 1)) & self._gpu_bits  # one (even) bit per holder
         all_gpu = alive  # holders whose run so far is GpuHot only
         ended: dict[int, int] = {}  # even bit → run length, for holders whose run ended
         n = 0
         for k in keys:
             m = masks.get(k, 0) & live
-            if m and t - written[k] > ttl:
-                self._drop_key(k)  # lazily expired
-                m = 0
             held = (m | (m >> 1)) & alive
             lost = alive & ~held
             if lost:
@@ -290,16 +318,24 @@ class InMemoryKvIndex:
     # -- stats ---------------------------------------------------------------------------------
     @property
     def prefix_count(self) -> int:
-        """Block keys held (may include keys of dropped backends until the next sweep)."""
+        """Block keys held (may include keys of dropped backends until their scrub completes)."""
         return len(self._masks)
 
     @property
     def entry_count(self) -> int:
         """(block key, live backend) entries."""
-        return sum(c.entries for c in self._counters.values())
+        return self._entries
 
     def backend_entries(self) -> dict[str, int]:
-        return {name: self._counters[bid].entries for name, bid in self._ids.items()}
+        return {name: len(self._keys[bid]) for name, bid in self._ids.items()}
+
+    def backend_keys(self, backend: str) -> dict[int, StorageTier]:
+        """Every key ``backend`` holds with its tier (admin and tests; O(entries of the backend))."""
+        bid = self._ids.get(backend)
+        if bid is None:
+            return {}
+        gpu = 1 << (2 * bid)
+        return {k: StorageTier.GPU_HOT if self._masks[k] & gpu else StorageTier.STORAGE_WARM for k in self._keys[bid]}
 
     def backend_counters(self, backend: str) -> tuple[int, int, int]:
         """(entries, index_created, index_evicted) of one backend; zeros when unknown."""
@@ -307,7 +343,7 @@ class InMemoryKvIndex:
         if bid is None:
             return (0, 0, 0)
         c = self._counters[bid]
-        return (c.entries, c.puts, c.removals)
+        return (len(self._keys[bid]), c.puts, c.removals)
 
 
 def _bits(mask: int) -> Iterable[int]:

@@ -1,4 +1,4 @@
-"""InMemoryKvIndex: leading-run lookup, tiers, LRU 10% drop, TTL, drop_backend, measured figures."""
+"""InMemoryKvIndex: leading-run lookup, tiers, fair 10% drop, expiry of silent feeds, drop_backend, figures."""
 
 from __future__ import annotations
 
@@ -44,14 +44,49 @@ def test_lru_drops_oldest_ten_percent() -> None:
     assert idx.total_evictions == 10 and idx.entry_count == 91
 
 
-def test_ttl_lazy_and_sweep() -> None:
+def test_entries_of_a_live_feed_never_expire() -> None:
+    """Issue 8: engines do not re-announce blocks they keep, so an entry written once must stay while its
+    backend's feed is live (confirmed), however old the write is. Before: dropped 10 s after the write."""
     idx = InMemoryKvIndex(ttl_seconds=10)
     idx.put("a", [1, 2], G, now=100)
-    idx.put("a", [3], G, now=105)
-    assert idx.lookup([1, 2], now=109)["a"].blocks == 2
-    assert idx.lookup([1, 2], now=111) == {}  # lazily expired
-    assert idx.sweep_expired(now=116) == 2  # key 2 and 3 ... 1 was dropped by the lookup
-    assert idx.prefix_count == 0 and idx.entry_count == 0
+    for t in range(105, 200, 5):
+        idx.confirm("a", now=t)  # keepalives / other records of a's feed
+        assert idx.lookup([1, 2], now=t + 1)["a"].blocks == 2
+    assert idx.sweep_expired(now=200) == 0 and idx.entry_count == 2
+
+
+def test_a_silent_feed_expires_its_backend_as_a_whole() -> None:
+    idx = InMemoryKvIndex(ttl_seconds=10)
+    idx.put("a", [1, 2], G, now=100)
+    idx.put("b", [1], G, now=100)
+    idx.confirm("b", now=108)
+    assert idx.lookup([1, 2], now=110)["a"].blocks == 2
+    assert idx.expirations("a") == 0
+    assert idx.lookup([1, 2], now=111) == {"b": BackendHold(1, G)}  # a's contact is 11 s old: expired at once
+    assert idx.expirations("a") == 1 and idx.expirations("b") == 0
+    assert idx.entry_count == 1
+    assert idx.sweep_expired(now=119) == 1 and idx.entry_count == 0  # b too, by the sweep
+    assert idx.prefix_count == 0
+
+
+def test_a_busy_backend_never_evicts_a_quiet_one() -> None:
+    """Issue 8: one LRU shared by all backends let a busy backend evict every entry of a quiet one."""
+    idx = InMemoryKvIndex(max_entries=1000)
+    idx.put("quiet", list(range(100)), G, now=0)
+    for i in range(50):
+        idx.put("busy", list(range(10_000 + i * 100, 10_100 + i * 100)), G, now=i)
+    assert idx.backend_entries()["quiet"] == 100
+    assert idx.entry_count <= 1000
+    assert idx.lookup(list(range(100)), now=60) == {"quiet": BackendHold(100, G)}
+    newest = list(range(10_000 + 49 * 100, 10_100 + 49 * 100))
+    assert idx.lookup(newest, now=60) == {"busy": BackendHold(100, G)}
+
+
+def test_admin_clear_voids_every_resume_position() -> None:
+    idx = InMemoryKvIndex()
+    idx.put("a", [1], G, now=0)
+    assert idx.clear() == 1
+    assert idx.expirations("a") == 1
 
 
 def test_drop_backend_and_clear() -> None:
