@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test lint typecheck unit demo bench-overhead bench-routing envoy-versions clean
+.PHONY: test lint typecheck unit demo bench-overhead bench-routing envoy-versions protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ bench-overhead: $(STAMP)
 
 bench-routing: $(STAMP)
 	$(PY) -m benchmarks.routing --scenario seed003 --out out/seed003
+
+# The listener→picker feed's messages (protos/kvfeed/v1/feed.proto) → picker/shared/kvfeed_pb/ (committed;
+# tests/unit/test_feed_protos.py fails when they are stale).
+protos: $(STAMP)
+	$(PY) protos/generate.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
