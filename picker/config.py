@@ -112,6 +112,17 @@ class TokenizerConfig(_Section):
     max_prefix_tokens: int = Field(16_384, ge=1, le=1 << 20)  # block keys computed for this many tokens at most
 
 
+class FeedChecksConfig(_Section):
+    """Tier 4's truth checks: a feed that stops while its backend serves traffic, and a start-up probe
+    that compares the picker's block keys with what the listener derived for the same prompt."""
+
+    stale_after_seconds: float = Field(60.0, gt=0, le=86_400)  # no feed record for this long ...
+    stale_after_requests: int = Field(20, ge=1, le=1_000_000)  # ... while this many responses were served
+    self_check: bool = True  # probe every backend with a feed once its feed is connected
+    self_check_model: str | None = None  # the probe's model; default: the model the listener keys with
+    self_check_timeout_seconds: float = Field(15.0, gt=0, le=600)
+
+
 class KvCacheIndexConfig(_Section):
     """Tier 4: the precise KV index (restart-required section)."""
 
@@ -123,6 +134,12 @@ class KvCacheIndexConfig(_Section):
     storage_offloading: StorageOffloadingConfig = StorageOffloadingConfig()
     event_sources: tuple[EventSourceConfig, ...] = ()
     tokenizer: TokenizerConfig = TokenizerConfig()
+    # A request's model → the (base model, LoRA adapter) the engine keys its blocks with. ``lora_adapters``:
+    # adapter name (what a request sends as ``model``) → its base model; ``model_aliases``: another name a
+    # request may use (vLLM --served-model-name) → the model the listener's source is configured with.
+    lora_adapters: dict[str, str] = Field(default_factory=dict, max_length=10_000)
+    model_aliases: dict[str, str] = Field(default_factory=dict, max_length=10_000)
+    checks: FeedChecksConfig = FeedChecksConfig()
 
 
 class BackendConfig(_Section):

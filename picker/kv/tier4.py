@@ -16,7 +16,10 @@ import itertools
 import logging
 from collections.abc import Mapping, Sequence
 
+import aiohttp
+
 from picker.config import KvCacheIndexConfig
+from picker.kv.checks import FeedChecks, FeedWatch, probe_keys, run_self_check
 from picker.kv.feed_consumer import KvFeedConsumers
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.tokenizer_sources import TokenizerSource, make_tokenizer_source
@@ -43,6 +46,23 @@ class Tier4:
         self._rotation = itertools.count()
         self.tokenizer: TokenizerSource = make_tokenizer_source(cfg.tokenizer, self._tokenizer_url)
         self.max_blocks = max(1, cfg.tokenizer.max_prefix_tokens // cfg.tokenizer.block_size)
+        self.watch = FeedWatch()  # a response observer of the request path: responses served per backend
+        self.checks = FeedChecks(
+            cfg.checks,
+            [s.backend_name for s in cfg.event_sources],
+            self.watch,
+            metrics.kv_feed_state,
+            metrics.kv_self_check,
+        )
+        self.check_interval_s = 1.0
+
+    def resolve_model(self, model: str, lora_name: str | None) -> tuple[str, str | None]:
+        """A request's model → (the model the listener keys with, LoRA adapter): an adapter named as the
+        model resolves to its base (``lora_adapters``), then an alias to its model (``model_aliases``)."""
+        base = self.cfg.lora_adapters.get(model) if lora_name is None else None
+        if base is not None:
+            model, lora_name = base, model
+        return self.cfg.model_aliases.get(model, model), lora_name
 
     def _tokenizer_url(self, model: str) -> str | None:
         """The configured tokenizer endpoint, else a healthy backend (rotating)."""
@@ -69,9 +89,8 @@ class Tier4:
                     self._failed("unavailable")
                     return NOTHING_HELD
             tok = self.cfg.tokenizer
-            keys = request_block_keys(
-                ids, tok.block_size, facts.model, facts.lora_name, facts.cache_salt, self.max_blocks
-            )
+            model, lora = self.resolve_model(facts.model, facts.lora_name)
+            keys = request_block_keys(ids, tok.block_size, model, lora, facts.cache_salt, self.max_blocks)
             return await self.index.holds(keys) if keys else NOTHING_HELD
         except TimeoutError:
             self._failed("timeout")
@@ -85,8 +104,56 @@ class Tier4:
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Background (supervised): the feed consumers and the index sweep, until cancelled."""
-        await self.consumers.run()
+        """Background (supervised): the feed consumers, the index sweep and the truth checks."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self.consumers.run(), name="kv-feeds")
+            group.create_task(self._check_loop(), name="kv-checks")
+
+    async def _check_loop(self) -> None:
+        """Every second: judge each feed (stale while traffic flows?); once a feed is connected, probe
+        its backend once (the self-check). Errors are logged, never raised: checks only report."""
+        probed: set[str] = set()
+        probes: set[asyncio.Task[str]] = set()
+        timeout = aiohttp.ClientTimeout(total=self.cfg.checks.self_check_timeout_seconds)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                for name, consumer in self.consumers.consumers.items():
+                    st = consumer.stats
+                    self.checks.judge(name, st.connected, st.events_received)
+                    if self.cfg.checks.self_check and st.connected and name not in probed:
+                        probed.add(name)
+                        task = asyncio.create_task(self._self_check(name, session), name=f"kv-self-check-{name}")
+                        probes.add(task)
+                        task.add_done_callback(probes.discard)
+                await asyncio.sleep(self.check_interval_s)
+
+    async def _self_check(self, backend: str, session: aiohttp.ClientSession) -> str:
+        consumer = self.consumers.consumers[backend]
+        endpoint = self.pool.endpoint(backend)
+        if endpoint is None:
+            self.checks.set_self_check(backend, "skipped", "the backend is not in the pool")
+            return "skipped"
+        model = self.cfg.checks.self_check_model or getattr(consumer.stats, "source_model", None)
+
+        async def tokenize(m: str, messages: list[dict[str, str]]) -> Sequence[int] | None:
+            return await self.tokenizer.token_ids(m, messages=messages, prompt=None)
+
+        try:
+            return await run_self_check(
+                self.checks,
+                backend,
+                endpoint.address,
+                model,
+                tokenize,
+                probe_keys(self.cfg.tokenizer.block_size, self.max_blocks),
+                self.index.lookup,
+                lambda: consumer.stats.events_received,
+                session,
+            )
+        except Exception as exc:  # a check never takes Tier 4 down
+            log.warning("event=kv_self_check_error backend=%s error=%r", backend, exc)
+            self.checks.set_self_check(backend, "probe_failed", f"internal error: {type(exc).__name__}")
+            return "probe_failed"
 
     async def close(self) -> None:
         await self.tokenizer.close()

@@ -169,9 +169,13 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
         return web.json_response({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
+        body: dict[str, object] = {"status": "ready"}
+        if app.tier4 is not None:  # detail only: a wrong feed costs Tier 4, never the picker's routing
+            body["kv_feeds"] = app.tier4.checks.report()
         if app.ready and not app.draining:
-            return web.json_response({"status": "ready"})
-        return web.json_response({"status": "draining" if app.draining else "starting"}, status=503)
+            return web.json_response(body)
+        body["status"] = "draining" if app.draining else "starting"
+        return web.json_response(body, status=503)
 
     async def prefix_stats(_: web.Request) -> web.Response:
         return web.json_response(prefix_routing_stats(app))

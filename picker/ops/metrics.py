@@ -36,7 +36,8 @@ class PickerMetrics:
         if not gone:
             return
         kept = set(keep_feed)
-        feed = {id(self.kv_event_dropped), id(self.kv_consumer_connected)}
+        feed_metrics = (self.kv_event_dropped, self.kv_consumer_connected, self.kv_feed_state, self.kv_self_check)
+        feed = {id(m) for m in feed_metrics}
         for metric in self._per_backend():
             drop = gone - kept if id(metric) in feed else gone
             at = metric._labelnames.index("backend")
@@ -87,6 +88,26 @@ class PickerMetrics:
             "continuum_kv_consumer_connected",
             "1 while the picker's feed consumer for a backend is connected",
             ["backend"],
+            registry=r,
+        )
+        self.kv_feed_state = Gauge(
+            "continuum_kv_feed_state",
+            "1 for the current state of a backend's KV feed (connecting, live, stale: no record while the "
+            "backend served traffic, disconnected)",
+            ["backend", "state"],
+            registry=r,
+        )
+        self.kv_self_check = Gauge(
+            "continuum_kv_self_check",
+            "1 for the result of the start-up probe comparing the picker's block keys with the listener's "
+            "(pending, ok, keys_differ, no_events, probe_failed, skipped)",
+            ["backend", "result"],
+            registry=r,
+        )
+        self.kv_model_unmatched = Counter(
+            "continuum_kv_model_unmatched",
+            "Tier 4 lookups for a model no listener source keys with (an alias or adapter missing from "
+            "kv_cache_index.model_aliases / lora_adapters): these requests can never match",
             registry=r,
         )
         self.kv_index_entries = Gauge(

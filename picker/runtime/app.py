@@ -33,7 +33,8 @@ class PickerApp:
         self.tier4 = (
             Tier4(settings.kv_cache_index, self.pool, self.metrics) if settings.kv_cache_index.enabled else None
         )
-        self.path = RequestPath(settings, self.pool, self.router, self.recorder, holds=self.tier4)
+        observers = (self.tier4.watch,) if self.tier4 is not None else ()
+        self.path = RequestPath(settings, self.pool, self.router, self.recorder, holds=self.tier4, observers=observers)
         self.open_streams = 0
         self.ready = False
         self.draining = False

@@ -1,0 +1,225 @@
+"""Tier 4's truth checks: is each backend's feed telling the truth about its engine?
+
+Two silent failures make Tier 4 fall back forever while every component says "ok":
+
+- **A feed that stops while its backend serves traffic** (the engine publishes where nobody listens, a
+  listener source misconfigured): ``FeedWatch`` is a response observer that counts the responses each
+  backend serves; a backend whose feed delivered no record for ``checks.stale_after_seconds`` while it
+  served ``checks.stale_after_requests`` responses is ``stale``. An idle backend is never stale (an idle
+  engine publishes nothing).
+- **Keys that never match** (the listener keyed with another model name or block size, a chat template
+  that differs): the start-up self-check sends each backend one probe chat request (a fresh nonce, so it
+  is never cached already, ``max_tokens: 1``) straight to the engine, computes the picker's block keys
+  for the same messages as a request would, and waits until the index says that backend holds them.
+  Results: ``ok``; ``keys_differ`` (the feed delivered records after the probe but not these keys: model
+  name, block size, chat template or key scheme differ); ``no_events`` (nothing arrived: the engine's
+  events do not reach the listener); ``probe_failed`` (the engine refused the probe or the tokenizer
+  failed); ``skipped`` (no model known, or Tier 4 has no tokenizer).
+
+Each backend's state is in ``/readyz`` detail (``kv_feeds``), in the gauge ``kv_epp_kv_feed_state``
+(backend, state) and ``kv_epp_kv_self_check`` (backend, result), and logged once per change. Neither
+check changes routing: a wrong feed already costs only the fallback to the strategy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from picker.config import FeedChecksConfig
+from picker.shared.block_keys import request_block_keys
+
+if TYPE_CHECKING:
+    from picker.request.path import Exchange
+
+log = logging.getLogger("kv_epp.kv_checks")
+
+FEED_STATES = ("connecting", "live", "stale", "disconnected")
+SELF_CHECK_RESULTS = ("pending", "ok", "keys_differ", "no_events", "probe_failed", "skipped")
+PROBE_WORDS = 96  # ~ several blocks of 16 tokens with any tokenizer
+PROBE_BODY_LIMIT = 1 << 20
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Per backend: the feed's record count and the served count when that count last moved."""
+
+    records: int = -1
+    served_then: int = 0
+    since: float = 0.0
+
+
+class FeedWatch:
+    """Response observer: counts the responses each backend served (status < 500), nothing per chunk."""
+
+    wants_body = False
+
+    def __init__(self) -> None:
+        self.served: dict[str, int] = {}  # bound: pool backends (names from decisions)
+
+    def on_headers(self, ex: Exchange, status: int | None) -> None:
+        if status is not None and status < 500:
+            name = ex.decision.endpoint.name
+            self.served[name] = self.served.get(name, 0) + 1
+
+    def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:
+        return None
+
+    def on_end(self, ex: Exchange, completed: bool) -> None:
+        return None
+
+
+def probe_messages(nonce: str) -> list[dict[str, str]]:
+    """The self-check's chat messages: a fresh nonce first, so no engine holds the prefix already."""
+    words = " ".join(f"w{i}" for i in range(PROBE_WORDS))
+    return [{"role": "user", "content": f"kv-epp self-check {nonce}: {words}"}]
+
+
+class FeedChecks:
+    """The stale-feed judgement and the self-check results of every backend with a feed."""
+
+    def __init__(
+        self,
+        cfg: FeedChecksConfig,
+        backends: Sequence[str],
+        watch: FeedWatch,
+        metrics_state: Any | None = None,
+        metrics_check: Any | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.watch = watch
+        self.state: dict[str, str] = {b: "connecting" for b in backends}
+        self.self_check: dict[str, str] = {b: "pending" if cfg.self_check else "skipped" for b in backends}
+        self.detail: dict[str, str] = {}
+        self._progress: dict[str, _Progress] = {b: _Progress() for b in backends}
+        self._g_state = metrics_state
+        self._g_check = metrics_check
+        for b in backends:
+            self._export(b)
+
+    def _export(self, backend: str) -> None:
+        if self._g_state is not None:
+            for s in FEED_STATES:
+                self._g_state.labels(backend, s).set(1 if self.state[backend] == s else 0)
+        if self._g_check is not None:
+            for r in SELF_CHECK_RESULTS:
+                self._g_check.labels(backend, r).set(1 if self.self_check[backend] == r else 0)
+
+    def judge(self, backend: str, connected: bool, records: int, now: float | None = None) -> str:
+        """Update and return ``backend``'s feed state from its consumer's connection and record count."""
+        t = time.monotonic() if now is None else now
+        p = self._progress[backend]
+        served = self.watch.served.get(backend, 0)
+        if records != p.records:  # the feed moved (or first look): traffic is measured from here
+            p.records, p.served_then, p.since = records, served, t
+        if not connected:
+            state = "disconnected" if self.state[backend] != "connecting" else "connecting"
+        elif served - p.served_then >= self.cfg.stale_after_requests and t - p.since >= self.cfg.stale_after_seconds:
+            state = "stale"
+        else:
+            state = "live"
+        if state != self.state[backend]:
+            level = logging.WARNING if state in ("stale", "disconnected") else logging.INFO
+            log.log(
+                level,
+                "event=kv_feed_state backend=%s state=%s served_since_last_record=%d",
+                backend,
+                state,
+                served - p.served_then,
+            )
+            self.state[backend] = state
+            self._export(backend)
+        return state
+
+    def set_self_check(self, backend: str, result: str, detail: str = "") -> None:
+        self.self_check[backend] = result
+        self.detail[backend] = detail
+        level = logging.INFO if result in ("ok", "skipped") else logging.WARNING
+        log.log(level, "event=kv_self_check backend=%s result=%s detail=%r", backend, result, detail)
+        self._export(backend)
+
+    def report(self) -> dict[str, dict[str, str]]:
+        """``/readyz`` detail: per backend, the feed state and the self-check result (with why)."""
+        out = {}
+        for b, state in self.state.items():
+            entry = {"feed": state, "self_check": self.self_check[b]}
+            if self.detail.get(b):
+                entry["detail"] = self.detail[b]
+            out[b] = entry
+        return out
+
+
+async def run_self_check(
+    checks: FeedChecks,
+    backend: str,
+    address: str,
+    model: str | None,
+    tokenize: Callable[[str, list[dict[str, str]]], Any],
+    keys_for: Callable[[Sequence[int], str], list[int]],
+    holds: Callable[[Sequence[int]], Mapping[str, Any]],
+    records: Callable[[], int],
+    session: aiohttp.ClientSession,
+) -> str:
+    """Probe ``backend`` once (see the module docstring); record and return the result."""
+    if model is None:
+        checks.set_self_check(backend, "skipped", "no model: set kv_cache_index.checks.self_check_model")
+        return "skipped"
+    messages = probe_messages(secrets.token_hex(8))
+    try:
+        ids = await tokenize(model, messages)
+    except Exception as exc:  # a tokenizer failure is a probe failure, never a crash
+        ids = None
+        log.debug("event=kv_self_check_tokenize_failed error=%r", exc)
+    if not ids:
+        checks.set_self_check(backend, "probe_failed", "the tokenizer gave no token ids for the probe")
+        return "probe_failed"
+    keys = keys_for(ids, model)
+    if not keys:
+        checks.set_self_check(backend, "skipped", "the probe is shorter than one block")
+        return "skipped"
+    before = records()
+    body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0}
+    try:
+        async with session.post(f"http://{address}/v1/chat/completions", json=body) as resp:
+            await resp.content.read(PROBE_BODY_LIMIT)
+            if resp.status >= 400:
+                checks.set_self_check(backend, "probe_failed", f"the engine answered {resp.status} to the probe")
+                return "probe_failed"
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        checks.set_self_check(backend, "probe_failed", f"probe request failed: {type(exc).__name__}")
+        return "probe_failed"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + checks.cfg.self_check_timeout_seconds
+    while loop.time() < deadline:
+        if backend in holds(keys):
+            checks.set_self_check(backend, "ok")
+            return "ok"
+        await asyncio.sleep(0.05)
+    if records() != before:
+        checks.set_self_check(
+            backend,
+            "keys_differ",
+            f"the feed delivered records after the probe but not its {len(keys)} block keys for model "
+            f"{model!r}: the listener's model name, key block size or the chat template differ from the picker's",
+        )
+        return "keys_differ"
+    checks.set_self_check(
+        backend, "no_events", "no feed record arrived after the probe: the engine's KV events do not reach the listener"
+    )
+    return "no_events"
+
+
+def probe_keys(block_size: int, max_blocks: int) -> Callable[[Sequence[int], str], list[int]]:
+    """The picker's block keys for the probe's token ids (no adapter, no salt)."""
+
+    def keys(ids: Sequence[int], model: str) -> list[int]:
+        return request_block_keys(ids, block_size, model, max_blocks=max_blocks)
+
+    return keys
