@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from picker.config import KvCacheIndexConfig
@@ -65,6 +66,9 @@ def kv_index_backends(
             {
                 "backend_name": c.backend_name,
                 "entries": entries.get(c.backend_name, 0),  # blocks this backend holds now (not in the seed)
+                # not in the seed: a digest of the (key, tier) pairs it holds, so two pickers on one feed can
+                # be compared (equal digests = identical entries for this backend)
+                "entries_digest": entries_digest(index, c.backend_name) if index else None,
                 "connection": {
                     "connected": c.connected,
                     "reconnect_count": c.reconnect_count,
@@ -79,6 +83,14 @@ def kv_index_backends(
             }
         )
     return {"enabled": enabled, "backends": out}
+
+
+def entries_digest(index: InMemoryKvIndex, backend: str) -> str:
+    """SHA-256 over the backend's (key, tier) pairs in key order (O(n log n): an admin call, not a request)."""
+    h = hashlib.sha256()
+    for key, tier in sorted(index.backend_keys(backend).items()):
+        h.update(key.to_bytes(8, "big") + (b"g" if tier == "gpu_hot" else b"w"))
+    return h.hexdigest()[:32]
 
 
 def kv_index_clear(index: InMemoryKvIndex) -> dict[str, object]:

@@ -100,3 +100,17 @@ async def test_salted_requests_match_only_their_salt() -> None:
     plain = RequestFacts(api="completions", model="m", prompt_token_ids=IDS)
     assert (await t4.holds_for(salted))["a"].blocks == 8
     assert await t4.holds_for(other) == {} and await t4.holds_for(plain) == {}
+
+
+def test_entries_digest_compares_two_indexes_regardless_of_write_order() -> None:
+    from picker.kv.admin import entries_digest
+    from picker.kv.index import InMemoryKvIndex
+
+    a, b, c = InMemoryKvIndex(), InMemoryKvIndex(), InMemoryKvIndex()
+    a.put("x", [1, 2, 3], StorageTier.GPU_HOT)
+    b.put("x", [3], StorageTier.GPU_HOT)
+    b.put("x", [2, 1], StorageTier.GPU_HOT)
+    c.put("x", [1, 2], StorageTier.GPU_HOT)
+    c.put("x", [3], StorageTier.STORAGE_WARM)
+    assert entries_digest(a, "x") == entries_digest(b, "x") != entries_digest(c, "x")
+    assert entries_digest(a, "nobody") == entries_digest(InMemoryKvIndex(), "nobody")
