@@ -22,6 +22,7 @@ from listener.block_chains import BlockChainTracker
 from listener.config import ListenerConfig, SourceConfig
 from listener.feed import BackendFeed
 from listener.feed_server import build_app
+from listener.grpc_feed import GrpcFeedServer, GrpcFeedSetupError
 from listener.metrics import ListenerMetrics
 from listener.trtllm_source import TrtllmHttpSource
 from listener.zmq_source import Z, ZmqEventSource
@@ -72,6 +73,7 @@ class ListenerApp:
         self._runner: web.AppRunner | None = None
         self._stopped = False
         self.port: int | None = None
+        self.grpc: GrpcFeedServer | None = None  # the gRPC feed (grpc.listen set)
         for s in cfg.sources:
             self._add_source(s)
 
@@ -85,7 +87,14 @@ class ListenerApp:
         def count(reason: str, n: int) -> None:
             m.block_notes.labels(name, reason).inc(n)
 
-        feed = BackendFeed(name, self.cfg.feed, on_overflow=on_overflow)
+        feed = BackendFeed(
+            name,
+            self.cfg.feed,
+            on_overflow=on_overflow,
+            model=s.model,
+            engine=s.engine,
+            key_block_size=self.cfg.key_block_size,
+        )
         tracker = BlockChainTracker(s, self.cfg.limits, _CountingSink(feed, m, name), count)
         self.feeds[name] = feed
         self.trackers[name] = tracker
@@ -177,6 +186,12 @@ class ListenerApp:
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         self.port = sockets[0].getsockname()[1] if sockets else self.cfg.listen_port
+        if self.cfg.grpc.listen is not None:
+            self.grpc = GrpcFeedServer(self.feeds, self.cfg.grpc, self.cfg.feed, self.metrics, lambda: self.refusing)
+            try:
+                await self.grpc.start()
+            except GrpcFeedSetupError as exc:
+                raise StartupError(str(exc)) from None
 
     @property
     def listen_address(self) -> str:
@@ -228,6 +243,9 @@ class ListenerApp:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.grpc is not None:
+            await self.grpc.stop(grace=0.5)
+            self.grpc = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # also closes a socket whose bind failed (term() would wait for it)
             self._ctx = None

@@ -74,6 +74,30 @@ class FeedConfig(_Model):
     max_keys_per_record: int = Field(2_048, ge=1, le=20_000)  # keeps every record far below 1 MiB
     keepalive_seconds: float = Field(15.0, gt=0, le=3600)
     write_timeout_seconds: float = Field(10.0, gt=0, le=600)
+    # Bytes of live records queued per subscriber (8 per key + 48 per record); past it: buffer_overflow.
+    subscriber_queue_bytes: int = Field(16 << 20, ge=1 << 12, le=1 << 34)
+    # Subscribers (SSE and gRPC together) per backend and in all; one more is refused (503 / RESOURCE_EXHAUSTED).
+    max_subscribers_per_backend: int = Field(64, ge=1, le=100_000)
+    max_subscribers: int = Field(256, ge=1, le=1_000_000)
+
+
+class GrpcFeedConfig(_Model):
+    """The feed as the gRPC service kvfeed.v1.KvFeed on its own port (off unless ``listen`` is set)."""
+
+    listen: str | None = None  # host:port, e.g. "0.0.0.0:7818"
+    tls_cert_file: str | None = None  # PEM; with tls_key_file: TLS (grpcs://), else plaintext
+    tls_key_file: str | None = None
+    token_file: str | None = None  # every call must carry "authorization: Bearer <file content>"
+
+    @model_validator(mode="after")
+    def _valid(self) -> GrpcFeedConfig:
+        if self.listen is not None:
+            host, sep, port = self.listen.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65_535:
+                raise ValueError("grpc.listen must be host:port")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("grpc.tls_cert_file and grpc.tls_key_file go together")
+        return self
 
 
 class ListenerConfig(_Model):
@@ -88,6 +112,7 @@ class ListenerConfig(_Model):
     drain_deadline_seconds: float = Field(5.0, ge=0, le=600)
     limits: LimitsConfig = LimitsConfig()
     feed: FeedConfig = FeedConfig()
+    grpc: GrpcFeedConfig = GrpcFeedConfig()
     sources: tuple[SourceConfig, ...] = ()
 
     @field_validator("listen")

@@ -1,49 +1,186 @@
-"""The listener→picker feed: an ordered, resumable per-backend stream of index deltas (SSE records).
+"""The listener→picker feed: an ordered, resumable per-backend stream of index deltas, served over SSE
+(``listener.feed_server``) and gRPC (``listener.grpc_feed``) from the same records.
 
-The record format lives in ``picker.shared.feed_records`` (written here, read by the picker). A put/del
-record carries at most ``feed.max_keys_per_record`` keys (about 19 bytes per key), far below the
-consumer's 1 MiB bound.
+The record formats live in ``picker.shared.feed_records`` (written here, read by the picker). A put/del
+record carries at most ``feed.max_keys_per_record`` keys. Each :class:`Record` keeps its keys as a
+64-bit array and encodes itself once per transport (shared by every subscriber).
 
 Event ids increase by one per record within a backend and start at the listener's start time in
 microseconds, so ids of an earlier listener process are always "too old" and yield a snapshot.
-A subscriber resumes from ``Last-Event-ID`` when the history still holds every later record; else it
-gets a snapshot (the backend's full current state, then live records).
+A subscriber resumes from its last id when the history still holds every later record; else it gets
+a snapshot, then the records after it, then live records.
+
+Bounds against careless or hostile subscribers:
+
+- at most ``feed.max_subscribers_per_backend`` per backend and ``feed.max_subscribers`` in all
+  (:func:`open_subscription` raises :class:`SubscriberLimit`: HTTP 503 / gRPC RESOURCE_EXHAUSTED);
+- a snapshot copies the state once (two flat lists, C speed) and is shared by every subscriber that
+  joins while the history still bridges it to the present (they get it, then the records after it);
+  its records are built chunk by chunk while being written, yielding to the loop between chunks;
+- a subscriber's pending live records are bounded in count (``subscriber_queue_size``) and in bytes
+  (``subscriber_queue_bytes``); past either it is closed with ``buffer_overflow``;
+- every write has a deadline (``write_timeout_seconds``; the transports enforce it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import time
+from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from listener.config import FeedConfig
-from picker.shared.feed_records import encode_keys, encode_record
+from picker.shared.feed_records import (
+    CLEAR,
+    CLOSE,
+    DEL,
+    PUT,
+    SNAPSHOT_BEGIN,
+    SNAPSHOT_END,
+    encode_record,
+    pb_record,
+    sse_data,
+)
 
 log = logging.getLogger("kv_listener.feed")
 
+MAX_BATCH = 256  # records handed to a transport at once (joined into one socket write by SSE)
+RECORD_OVERHEAD = 48  # bytes counted per pending record besides its keys
+
+
+class SubscriberLimit(Exception):
+    """Too many subscribers (per backend or in all): refuse with 503 / RESOURCE_EXHAUSTED."""
+
+
+class Record:
+    """One feed record, transport-neutral; each transport's encoding is made once and cached."""
+
+    __slots__ = ("_pb", "_sse", "id", "keys", "kind", "last", "num", "text")
+
+    def __init__(
+        self,
+        kind: str,
+        rec_id: int | None = None,
+        keys: array | None = None,
+        text: str = "",
+        num: int = 0,
+        last: int = 0,
+    ) -> None:
+        self.kind = kind
+        self.id = rec_id
+        self.keys = keys  # put/del: block keys ('Q' array)
+        self.text = text  # put: tier; clear/close: reason
+        self.num = num  # snapshot_begin: entries
+        self.last = last  # snapshot_begin: the snapshot's last id
+        self._sse: bytes | None = None
+        self._pb: bytes | None = None
+
+    @property
+    def size(self) -> int:
+        """Bytes counted against a subscriber's pending bound."""
+        return RECORD_OVERHEAD + (8 * len(self.keys) if self.keys is not None else 0)
+
+    def sse(self) -> bytes:
+        if self._sse is None:
+            self._sse = encode_record(
+                self.kind, sse_data(self.kind, self.keys, self.text, self.num, self.last), self.id
+            )
+        return self._sse
+
+    def pb(self) -> bytes:
+        if self._pb is None:
+            self._pb = pb_record(self.kind, self.id, self.keys, self.text, self.num, self.last)
+        return self._pb
+
+
+def _keys(keys: list[int]) -> array:
+    return array("Q", keys)
+
+
+class Snapshot:
+    """A backend's state as of record ``last_id``: two flat copies made at once, turned into put
+    records chunk by chunk (lazily, cached, so every subscriber sharing it shares the records)."""
+
+    def __init__(self, last_id: int, state: dict[int, str], step: int) -> None:
+        self.last_id = last_id
+        self._keys: list[int] | None = list(state)  # C-speed copies sharing the int/str objects
+        self._tiers: list[str] | None = list(state.values())
+        self.entries = len(self._keys)
+        self.step = step
+        self.chunks = (self.entries + step - 1) // step
+        self._built: list[list[Record] | None] = [None] * self.chunks
+        self._left = self.chunks
+
+    def chunk(self, i: int) -> list[Record]:
+        built = self._built[i]
+        if built is not None:
+            return built
+        assert self._keys is not None and self._tiers is not None
+        lo, hi = i * self.step, (i + 1) * self.step
+        by_tier: dict[str, list[int]] = {}
+        for k, t in zip(self._keys[lo:hi], self._tiers[lo:hi], strict=True):
+            by_tier.setdefault(t, []).append(k)
+        built = [Record(PUT, None, _keys(keys), tier) for tier, keys in by_tier.items()]
+        self._built[i] = built
+        self._left -= 1
+        if self._left == 0:
+            self._keys = self._tiers = None  # every chunk built: the flat copies are no longer needed
+        return built
+
 
 class Subscriber:
-    """One connected consumer: initial records (replay or snapshot), then a bounded live queue."""
+    """One connected consumer: its start (a snapshot and/or history records), then a bounded live queue.
 
-    __slots__ = ("close_reason", "initial", "max_pending", "pending", "wake")
+    ``batches()`` yields what to write next; the transport writes each batch (with its deadline) before
+    asking for the next one."""
 
-    def __init__(self, initial: list[bytes], max_pending: int) -> None:
-        self.initial = initial
-        # live records not yet written; bound: feed.subscriber_queue_size, overflow → disconnect
-        self.pending: deque[bytes] = deque()
+    __slots__ = (
+        "close_reason",
+        "max_pending",
+        "max_pending_bytes",
+        "pending",
+        "pending_bytes",
+        "replay",
+        "resumed",
+        "snapshot",
+        "wake",
+    )
+
+    def __init__(
+        self, snapshot: Snapshot | None, replay: list[Record], max_pending: int, max_pending_bytes: int
+    ) -> None:
+        self.snapshot = snapshot
+        self.replay = replay  # records after the snapshot / the resume id (refs into the history)
+        self.resumed = snapshot is None
+        # live records not yet written; bound: feed.subscriber_queue_size and _bytes, overflow → disconnect
+        self.pending: deque[Record] = deque()
+        self.pending_bytes = 0
         self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
         self.close_reason: str | None = None
         self.wake = asyncio.Event()
 
-    def push(self, record: bytes) -> bool:
+    @property
+    def initial_records(self) -> int:
+        """Records this subscriber starts with (snapshot chunks count as their put records' count)."""
+        n = len(self.replay)
+        if self.snapshot is not None:
+            n += 2 + self.snapshot.chunks
+        return n
+
+    def push(self, record: Record) -> bool:
         if self.close_reason is not None:
             return False
-        if len(self.pending) >= self.max_pending:
+        size = record.size
+        if len(self.pending) >= self.max_pending or self.pending_bytes + size > self.max_pending_bytes:
             self.close("buffer_overflow")
             return False
         self.pending.append(record)
+        self.pending_bytes += size
         self.wake.set()
         return True
 
@@ -51,7 +188,40 @@ class Subscriber:
         if self.close_reason is None:
             self.close_reason = reason
             self.pending.clear()
+            self.pending_bytes = 0
+            self.replay = []
+            self.snapshot = None
         self.wake.set()
+
+    async def batches(self, keepalive_seconds: float) -> AsyncIterator[list[Record]]:
+        """What to write, in order, until closed: snapshot, replay, live records; ``[]`` = a keepalive is due.
+        Yields to the event loop between snapshot chunks even when writes never block."""
+        snap = self.snapshot
+        if snap is not None:
+            self.snapshot = None
+            yield [Record(SNAPSHOT_BEGIN, num=snap.entries, last=snap.last_id)]
+            for i in range(snap.chunks):
+                if self.close_reason is not None:
+                    return
+                yield snap.chunk(i)
+                await asyncio.sleep(0)
+            yield [Record(SNAPSHOT_END, snap.last_id)]
+            del snap
+        while self.replay and self.close_reason is None:
+            batch, self.replay = self.replay[:MAX_BATCH], self.replay[MAX_BATCH:]
+            yield batch
+        while self.close_reason is None:
+            if self.pending:
+                n = min(len(self.pending), MAX_BATCH)
+                batch = [self.pending.popleft() for _ in range(n)]
+                self.pending_bytes -= sum(r.size for r in batch)
+                yield batch
+                continue
+            self.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), keepalive_seconds)
+            if self.close_reason is None and not self.pending:
+                yield []
 
 
 class BackendFeed:
@@ -63,17 +233,26 @@ class BackendFeed:
         cfg: FeedConfig,
         base_id: int | None = None,
         on_overflow: Callable[[str], None] | None = None,
+        *,
+        model: str = "",
+        engine: str = "",
+        key_block_size: int = 0,
     ) -> None:
         self.backend = backend
         self.cfg = cfg
+        self.model = model
+        self.engine = engine
+        self.key_block_size = key_block_size
         self.last_id = base_id if base_id is not None else time.time_ns() // 1000
         # key → tier, what a consumer holds after applying every record; bounded by the source's
         # max_tracked_blocks because each put corresponds to a tracked engine block
         self.state: dict[int, str] = {}
-        # (id, encoded record); bound: feed.history_size records, oldest dropped first
-        self.history: deque[tuple[int, bytes]] = deque(maxlen=cfg.history_size)
+        # records with ids, consecutive; bound: feed.history_size records, oldest dropped first
+        self.history: deque[Record] = deque(maxlen=cfg.history_size)
         self.subscribers: set[Subscriber] = set()
         self.records_published = 0
+        self.snapshots_built = 0
+        self._snapshot: Snapshot | None = None  # the newest snapshot, shared while the history bridges it
         self._on_overflow = on_overflow or (lambda backend: None)
 
     # -- DeltaSink -----------------------------------------------------------------------------
@@ -81,25 +260,25 @@ class BackendFeed:
         step = self.cfg.max_keys_per_record
         for i in range(0, len(keys), step):
             chunk = keys[i : i + step]
-            if op == "put":
+            if op == PUT:
+                t = tier or "gpu_hot"
                 for k in chunk:
-                    self.state[k] = tier or "gpu_hot"
-                data: dict[str, object] = {"keys": encode_keys(chunk), "tier": tier}
+                    self.state[k] = t
+                self._publish(Record(PUT, keys=_keys(chunk), text=t))
             else:
                 for k in chunk:
                     self.state.pop(k, None)
-                data = {"keys": encode_keys(chunk)}
-            self._publish(op, data)
+                self._publish(Record(DEL, keys=_keys(chunk)))
 
     def clear(self, reason: str) -> None:
         self.state.clear()
-        self._publish("clear", {"reason": reason})
+        self._publish(Record(CLEAR, text=reason))
 
     # -- subscribers ---------------------------------------------------------------------------
-    def _publish(self, event: str, data: dict[str, object]) -> None:
+    def _publish(self, rec: Record) -> None:
         self.last_id += 1
-        rec = encode_record(event, data, self.last_id)
-        self.history.append((self.last_id, rec))
+        rec.id = self.last_id
+        self.history.append(rec)
         self.records_published += 1
         for sub in list(self.subscribers):
             if not sub.push(rec) and sub.close_reason == "buffer_overflow":
@@ -107,36 +286,59 @@ class BackendFeed:
                 self._on_overflow(self.backend)
                 log.warning("event=subscriber_overflow backend=%s action=disconnect", self.backend)
 
-    def snapshot_records(self) -> list[bytes]:
-        """The backend's full current state as records, ending with snapshot_end at ``last_id``."""
-        out = [encode_record("snapshot_begin", {"last_id": self.last_id, "entries": len(self.state)})]
-        by_tier: dict[str, list[int]] = {}
-        for k, t in self.state.items():
-            by_tier.setdefault(t, []).append(k)
-        step = self.cfg.max_keys_per_record
-        for tier, keys in by_tier.items():
-            for i in range(0, len(keys), step):
-                hexes = encode_keys(keys[i : i + step])
-                out.append(encode_record("put", {"keys": hexes, "tier": tier}))
-        out.append(encode_record("snapshot_end", {}, self.last_id))
-        return out
+    def _history_after(self, rec_id: int) -> list[Record] | None:
+        """The records after ``rec_id`` when the history holds all of them, else None."""
+        if rec_id == self.last_id:
+            return []
+        if not self.history or rec_id > self.last_id or self.history[0].id is None:
+            return None
+        first = self.history[0].id
+        if first > rec_id + 1:
+            return None
+        return list(itertools.islice(self.history, rec_id + 1 - first, None))
 
-    def subscribe(self, last_event_id: int | None) -> tuple[Subscriber, bool]:
-        """Register a consumer; returns (subscriber, resumed) — resumed False means a snapshot."""
-        initial: list[bytes] | None = None
-        if last_event_id is not None:
-            if last_event_id == self.last_id:
-                initial = []
-            elif self.history and self.history[0][0] <= last_event_id + 1 and last_event_id < self.last_id:
-                initial = [rec for i, rec in self.history if i > last_event_id]
-        resumed = initial is not None
-        sub = Subscriber(initial if initial is not None else self.snapshot_records(), self.cfg.subscriber_queue_size)
+    def _shared_snapshot(self) -> tuple[Snapshot, list[Record]]:
+        snap = self._snapshot
+        if snap is not None and self.last_id - snap.last_id <= self.cfg.history_size // 2:
+            after = self._history_after(snap.last_id)
+            if after is not None:
+                return snap, after
+        snap = self._snapshot = Snapshot(self.last_id, self.state, self.cfg.max_keys_per_record)
+        self.snapshots_built += 1
+        return snap, []
+
+    def subscribe(self, last_event_id: int | None) -> Subscriber:
+        """Register a consumer: a resume when the history bridges ``last_event_id``, else a snapshot."""
+        replay = self._history_after(last_event_id) if last_event_id is not None else None
+        snap: Snapshot | None = None
+        if replay is None:
+            snap, replay = self._shared_snapshot()
+        sub = Subscriber(snap, replay, self.cfg.subscriber_queue_size, self.cfg.subscriber_queue_bytes)
         self.subscribers.add(sub)
-        return sub, resumed
+        return sub
 
     def unsubscribe(self, sub: Subscriber) -> None:
         self.subscribers.discard(sub)
+        if not self.subscribers:
+            self._snapshot = None  # nobody shares it: free it
 
     def close_all(self, reason: str) -> None:
         for sub in list(self.subscribers):
             sub.close(reason)
+
+
+def open_subscription(feeds: Mapping[str, BackendFeed], backend: str, last_event_id: int | None) -> Subscriber:
+    """Subscribe to ``backend``'s feed within the subscriber caps. KeyError: unknown backend;
+    SubscriberLimit: a cap is reached."""
+    feed = feeds[backend]
+    cfg = feed.cfg
+    if len(feed.subscribers) >= cfg.max_subscribers_per_backend:
+        raise SubscriberLimit(f"backend {backend} has {len(feed.subscribers)} subscribers (the cap)")
+    total = sum(len(f.subscribers) for f in feeds.values())
+    if total >= cfg.max_subscribers:
+        raise SubscriberLimit(f"{total} feed subscribers (the cap)")
+    return feed.subscribe(last_event_id)
+
+
+def close_record(reason: str) -> Record:
+    return Record(CLOSE, text=reason)

@@ -11,13 +11,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from listener.config import FeedConfig
-from listener.feed import BackendFeed, Subscriber
+from listener.feed import BackendFeed, Subscriber, SubscriberLimit, close_record, open_subscription
 from listener.metrics import ListenerMetrics
-from picker.shared.feed_records import KEEPALIVE, encode_record
+from picker.shared.feed_records import HELLO, KEEPALIVE, encode_record, hello_data
 
 log = logging.getLogger("kv_listener.feed_server")
-
-MAX_WRITE_BATCH = 256  # live records joined into one socket write
 
 
 def _parse_last_id(request: web.Request) -> int | None:
@@ -46,10 +44,19 @@ def build_app(
             raise web.HTTPNotFound(text=f"unknown backend {backend!r}\n")
         if is_draining():
             raise web.HTTPServiceUnavailable(text="draining\n")
-        sub, resumed = feed.subscribe(_parse_last_id(request))
+        try:
+            sub = open_subscription(feeds, backend, _parse_last_id(request))
+        except SubscriberLimit as exc:
+            log.warning("event=subscribe_refused backend=%s transport=sse reason=%r", backend, str(exc))
+            raise web.HTTPServiceUnavailable(text="too many feed subscribers\n", headers={"Retry-After": "5"}) from None
         gauge = metrics.subscribers.labels(backend)
         gauge.inc()
-        log.info("event=subscribe backend=%s resumed=%s initial_records=%d", backend, resumed, len(sub.initial))
+        log.info(
+            "event=subscribe backend=%s transport=sse resumed=%s initial_records=%d",
+            backend,
+            sub.resumed,
+            sub.initial_records,
+        )
         resp = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -59,14 +66,16 @@ def build_app(
         )
         try:
             await resp.prepare(request)
-            await _serve(resp, sub, cfg)
-        except (ConnectionResetError, asyncio.CancelledError, TimeoutError, OSError):
+            await _serve(resp, feed, sub, cfg)
+        except TimeoutError:
+            sub.close("write_timeout")
+        except (ConnectionResetError, asyncio.CancelledError, OSError):
             pass
         finally:
             feed.unsubscribe(sub)
+            sub.close("disconnected")
             gauge.dec()
-            if sub.close_reason:
-                log.info("event=unsubscribe backend=%s reason=%s", backend, sub.close_reason)
+            log.info("event=unsubscribe backend=%s transport=sse reason=%s", backend, sub.close_reason)
         return resp
 
     async def metrics_handler(request: web.Request) -> web.Response:
@@ -87,24 +96,11 @@ async def _write(resp: web.StreamResponse, data: bytes, cfg: FeedConfig) -> None
     await asyncio.wait_for(resp.write(data), cfg.write_timeout_seconds)
 
 
-async def _serve(resp: web.StreamResponse, sub: Subscriber, cfg: FeedConfig) -> None:
-    initial, sub.initial = sub.initial, []
-    for i in range(0, len(initial), MAX_WRITE_BATCH):
-        if sub.close_reason is not None:
-            break
-        await _write(resp, b"".join(initial[i : i + MAX_WRITE_BATCH]), cfg)
-    del initial
-    while sub.close_reason is None:
-        if sub.pending:
-            n = min(len(sub.pending), MAX_WRITE_BATCH)
-            batch = [sub.pending.popleft() for _ in range(n)]
-            await _write(resp, b"".join(batch), cfg)
-            continue
-        sub.wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(sub.wake.wait(), cfg.keepalive_seconds)
-        if sub.close_reason is None and not sub.pending:
-            await _write(resp, KEEPALIVE, cfg)
-    await _write(resp, encode_record("close", {"reason": sub.close_reason}), cfg)
+async def _serve(resp: web.StreamResponse, feed: BackendFeed, sub: Subscriber, cfg: FeedConfig) -> None:
+    hello = hello_data(feed.backend, feed.model, feed.engine, feed.key_block_size, feed.last_id, sub.resumed)
+    await _write(resp, encode_record(HELLO, hello), cfg)
+    async for batch in sub.batches(cfg.keepalive_seconds):
+        await _write(resp, b"".join(r.sse() for r in batch) if batch else KEEPALIVE, cfg)
+    await _write(resp, close_record(sub.close_reason or "closed").sse(), cfg)
     with contextlib.suppress(Exception):
         await resp.write_eof()

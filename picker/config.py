@@ -90,13 +90,25 @@ class EventSourceConfig(_Section):
     endpoint: str
     reconnect_interval_ms: int = Field(1000, ge=10, le=600_000)
     read_timeout_ms: int = Field(45_000, ge=100, le=3_600_000)  # > the listener's keepalive (15 s)
+    # gRPC feed (endpoint grpc://host:port or grpcs://host:port; the backend subscribed is backend_name):
+    ca_file: str | None = None  # grpcs: PEM bundle that signs the listener's certificate (default: system roots)
+    token_file: str | None = None  # sent as "authorization: Bearer <file content>", re-read at each connect
 
     @field_validator("endpoint")
     @classmethod
     def _valid_scheme(cls, v: str) -> str:
-        if not re.match(r"^(https?)://", v):
-            raise ValueError("endpoint must be an http:// or https:// URL of the listener")
+        if not re.match(r"^(https?)://", v) and not re.fullmatch(r"grpcs?://[^/\s]+:\d{1,5}/?", v):
+            raise ValueError(
+                "endpoint must be an http:// or https:// URL of the listener's SSE feed, "
+                "or grpc://host:port / grpcs://host:port of its gRPC feed"
+            )
         return v
+
+    @model_validator(mode="after")
+    def _grpc_only_fields(self) -> EventSourceConfig:
+        if not self.endpoint.startswith("grpc") and (self.ca_file or self.token_file):
+            raise ValueError("ca_file and token_file apply to a grpc:// or grpcs:// endpoint only")
+        return self
 
 
 class TokenizerConfig(_Section):

@@ -1,6 +1,8 @@
 """The picker's side of the listener feed: one background task per ``kv_cache_index.event_sources``
-entry, applying the backend's index deltas to the KV index in order (the record format is
-``picker.shared.feed_records``).
+entry, applying the backend's index deltas to the KV index in order (the record formats are
+``picker.shared.feed_records``). Two transports share the apply logic, resume, backoff and stats:
+SSE (``http(s)://.../events/{backend}``, :class:`KvFeedConsumer`) and gRPC (``grpc(s)://host:port``,
+:class:`GrpcFeedConsumer`, the ``kvfeed.v1.KvFeed`` service with TLS and a bearer token).
 
 - Resumes from the last event id it applied (``Last-Event-ID``); a snapshot is staged and swapped in
   at ``snapshot_end`` in one synchronous step, so lookups never see a half-built backend.
@@ -8,6 +10,11 @@ entry, applying the backend's index deltas to the KV index in order (the record 
   an oversize record drops the connection, then the consumer reconnects and resumes.
 - Reconnects with exponential backoff from ``reconnect_interval_ms`` (default 1 s) up to 60 s; the
   delay resets after a connection that delivered records.
+- Every subscription starts with a ``hello`` naming the listener's model, engine and key block size;
+  a key block size other than the picker's (``key_block_size``) closes the stream (reason
+  ``key_block_size_mismatch``) instead of filling the index with keys no request can match.
+- Everything received while connected (records, keepalives) tells the index the feed is live
+  (``index.confirm(backend)``).
 """
 
 from __future__ import annotations
@@ -18,14 +25,25 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 
 import aiohttp
+import grpc
 import orjson
 
 from picker.config import EventSourceConfig
 from picker.kv.index import InMemoryKvIndex
 from picker.ops.metrics import PickerMetrics
-from picker.shared.feed_records import RecordTooLarge, SseParser, decode_keys, decode_tier
+from picker.shared.feed_records import (
+    GRPC_SUBSCRIBE,
+    PB_TIER_NAMES,
+    RecordTooLarge,
+    SseParser,
+    decode_keys,
+    decode_tier,
+)
+from picker.shared.kvfeed_pb import feed_pb2 as pb
 from picker.shared.tiers import StorageTier
 
 log = logging.getLogger("kv_epp.kv_feed_consumer")
@@ -54,6 +72,10 @@ class ConsumerStats:
     snapshots: int = 0
     last_close_reason: str | None = None
     closes: dict[str, int] = field(default_factory=dict)  # disconnects by reason (small fixed set)
+    # what the listener's hello said (model and engine cut to 128 characters)
+    source_model: str | None = None
+    source_engine: str | None = None
+    key_block_size: int | None = None
 
     def as_dict(self) -> dict[str, object]:
         at = None
@@ -79,8 +101,10 @@ class KvFeedConsumer:
         metrics: PickerMetrics | None = None,
         session: aiohttp.ClientSession | None = None,
         max_backoff_s: float = MAX_BACKOFF_S,
+        key_block_size: int | None = None,
     ) -> None:
         self.source = source
+        self.key_block_size = key_block_size  # the picker's; None: not checked
         self.backend = source.backend_name
         self.index = index
         self.metrics = metrics
@@ -108,10 +132,21 @@ class KvFeedConsumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self._teardown()
+        self._set_connected(False)
+
+    async def _setup(self) -> None:
+        if self._session is None:
+            # sock_read: the listener sends a keepalive every 15 s; silence past this means a dead peer
+            read_s = self.source.read_timeout_ms / 1000
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read_s)
+            )
+
+    async def _teardown(self) -> None:
         if self._own_session and self._session is not None:
             await self._session.close()
             self._session = None
-        self._set_connected(False)
 
     def _set_connected(self, value: bool) -> None:
         self.stats.connected = value
@@ -127,12 +162,7 @@ class KvFeedConsumer:
         """Connect, consume, back off, repeat; never raises except on cancellation."""
         base = self.source.reconnect_interval_ms / 1000
         delay = base
-        if self._session is None:
-            # sock_read: the listener sends a keepalive every 15 s; silence past this means a dead peer
-            read_s = self.source.read_timeout_ms / 1000
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read_s)
-            )
+        await self._setup()
         while True:
             self._delivered = False
             try:
@@ -145,6 +175,8 @@ class KvFeedConsumer:
             except RecordTooLarge:
                 self._dropped()
                 reason = "record_too_large"
+            except grpc.aio.AioRpcError as exc:
+                reason = exc.code().name
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                 reason = type(exc).__name__
             except Exception:  # a bug or an input we did not foresee: log, reconnect, never stop consuming
@@ -177,8 +209,20 @@ class KvFeedConsumer:
             self._set_connected(True)
             parser = SseParser()
             async for chunk in resp.content.iter_any():
+                self._confirm()
                 for event, data, rec_id in parser.feed(chunk):
                     self.apply_record(event, data, rec_id)
+
+    def _confirm(self) -> None:
+        """The feed is live now (the index keeps this backend's entries)."""
+        confirm = getattr(self.index, "confirm", None)
+        if confirm is not None:
+            confirm(self.backend)
+
+    def _received(self) -> None:
+        self.stats.events_received += 1
+        self.stats.last_event_at = time.time()
+        self._delivered = True
 
     def apply_record(self, event: str, data: str, rec_id: str | None) -> None:
         """Apply one SSE record to the index (synchronous: no await between parse and apply)."""
@@ -188,9 +232,22 @@ class KvFeedConsumer:
             except (ValueError, AttributeError):
                 reason = "closed"
             raise FeedClosed(reason)
-        self.stats.events_received += 1
-        self.stats.last_event_at = time.time()
-        self._delivered = True
+        if event == "hello":
+            try:
+                hello = orjson.loads(data)
+                if not isinstance(hello, dict):
+                    raise ValueError("hello is not an object")
+                self.on_hello(
+                    str(hello.get("backend", self.backend)),
+                    str(hello.get("model", "")),
+                    str(hello.get("engine", "")),
+                    int(hello.get("key_block_size") or 0),
+                )
+            except (ValueError, TypeError) as exc:
+                self._dropped()
+                log.warning("event=feed_record_dropped backend=%s record='hello' error=%r", self.backend, str(exc))
+            return
+        self._received()
         try:
             payload = orjson.loads(data) if data else {}  # orjson caps nesting depth (no RecursionError)
             if not isinstance(payload, dict):
@@ -208,31 +265,190 @@ class KvFeedConsumer:
 
     def _apply(self, event: str, payload: dict[str, object]) -> None:
         if event == "put":
-            tier = decode_tier(payload.get("tier"))
-            keys = decode_keys(payload.get("keys"))
-            if self._staged is not None:
-                room = self.index.max_entries - self._staged_count
-                if room > 0:
-                    self._staged.append((keys[:room], tier))
-                    self._staged_count += min(room, len(keys))
-            else:
-                self.index.put(self.backend, keys, tier)
+            self.apply_put(decode_keys(payload.get("keys")), decode_tier(payload.get("tier")))
         elif event == "del":
-            self.index.remove(self.backend, decode_keys(payload.get("keys")))
+            self.apply_del(decode_keys(payload.get("keys")))
         elif event == "clear":
-            self.index.drop_backend(self.backend)
-            log.info("event=backend_cleared backend=%s reason=%r", self.backend, str(payload.get("reason"))[:64])
+            self.apply_clear(str(payload.get("reason")))
         elif event == "snapshot_begin":
-            self._staged, self._staged_count = [], 0
+            self.snapshot_begin()
         elif event == "snapshot_end":
-            staged, self._staged = self._staged or [], None
-            self.index.drop_backend(self.backend)
-            for keys, tier in staged:
-                self.index.put(self.backend, keys, tier)
-            self.stats.snapshots += 1
-            log.info("event=snapshot_applied backend=%s entries=%d", self.backend, self._staged_count)
+            self.snapshot_end()
         else:
             raise ValueError(f"unknown record type {event!r}")
+
+    # -- the apply logic both transports share (synchronous: no await between receive and apply) ----------
+    def on_hello(self, backend: str, model: str, engine: str, key_block_size: int) -> None:
+        self.stats.source_model, self.stats.source_engine = model[:128], engine[:128]
+        self.stats.key_block_size = key_block_size or None
+        if backend != self.backend:
+            log.error("event=feed_mismatch backend=%s listener_backend=%r", self.backend, backend[:64])
+            raise FeedClosed("backend_mismatch")
+        if self.key_block_size and key_block_size and key_block_size != self.key_block_size:
+            log.error(
+                "event=feed_mismatch backend=%s listener_key_block_size=%d picker_block_size=%d",
+                self.backend,
+                key_block_size,
+                self.key_block_size,
+            )
+            raise FeedClosed("key_block_size_mismatch")
+
+    def apply_put(self, keys: list[int], tier: StorageTier) -> None:
+        if self._staged is not None:
+            room = self.index.max_entries - self._staged_count
+            if room > 0:
+                self._staged.append((keys[:room], tier))
+                self._staged_count += min(room, len(keys))
+        else:
+            self.index.put(self.backend, keys, tier)
+
+    def apply_del(self, keys: list[int]) -> None:
+        self.index.remove(self.backend, keys)
+
+    def apply_clear(self, reason: str) -> None:
+        self.index.drop_backend(self.backend)
+        log.info("event=backend_cleared backend=%s reason=%r", self.backend, reason[:64])
+
+    def snapshot_begin(self) -> None:
+        self._staged, self._staged_count = [], 0
+
+    def snapshot_end(self) -> None:
+        staged, self._staged = self._staged or [], None
+        self.index.drop_backend(self.backend)
+        for keys, tier in staged:
+            self.index.put(self.backend, keys, tier)
+        self.stats.snapshots += 1
+        log.info("event=snapshot_applied backend=%s entries=%d", self.backend, self._staged_count)
+
+
+def _read_token(path: str) -> bytes:
+    token = Path(path).read_bytes().strip()
+    if not token or b"\n" in token or len(token) > 4096:
+        raise ValueError(f"token_file {path}: not a one-line token")
+    return token
+
+
+class GrpcFeedConsumer(KvFeedConsumer):
+    """The same consumer over the listener's gRPC feed (``grpc://host:port`` or ``grpcs://host:port``).
+
+    The channel is kept across reconnects (gRPC reconnects the connection itself); each subscription
+    sends ``resume_from_id`` when the consumer has applied a record. A stream silent for
+    ``read_timeout_ms`` (no keepalive) is abandoned and re-subscribed. The CA file is read once; the
+    token file at each subscription (a rotated token is picked up)."""
+
+    def __init__(
+        self,
+        source: EventSourceConfig,
+        index: InMemoryKvIndex,
+        metrics: PickerMetrics | None = None,
+        max_backoff_s: float = MAX_BACKOFF_S,
+        key_block_size: int | None = None,
+    ) -> None:
+        super().__init__(source, index, metrics, None, max_backoff_s, key_block_size)
+        scheme, _, rest = source.endpoint.partition("://")
+        self.target = rest.rstrip("/")
+        self.secure = scheme == "grpcs"
+        self._channel: grpc.aio.Channel | None = None
+
+    async def _setup(self) -> None:
+        if self._channel is not None:
+            return
+        options = [("grpc.max_receive_message_length", 4 << 20)]
+        if self.secure:
+            ca = Path(self.source.ca_file).read_bytes() if self.source.ca_file else None
+            creds = grpc.ssl_channel_credentials(root_certificates=ca)
+            self._channel = grpc.aio.secure_channel(self.target, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(self.target, options=options)
+
+    async def _teardown(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def consume_once(self) -> None:
+        """One subscription: read records until the stream ends, a close record, or an error."""
+        if self._channel is None:
+            await self._setup()
+        assert self._channel is not None
+        metadata: list[tuple[str, str]] = []
+        if self.source.token_file:
+            metadata.append(("authorization", "Bearer " + _read_token(self.source.token_file).decode()))
+        req = pb.SubscribeRequest(backend=self.backend)
+        if self.stats.last_event_id is not None:
+            req.resume_from_id = self.stats.last_event_id
+        subscribe = self._channel.unary_stream(
+            GRPC_SUBSCRIBE, request_serializer=pb.SubscribeRequest.SerializeToString, response_deserializer=_raw
+        )
+        call: Any = subscribe(req, metadata=metadata)
+        read_s = self.source.read_timeout_ms / 1000
+        try:
+            while True:
+                raw = await asyncio.wait_for(call.read(), read_s)
+                if raw is grpc.aio.EOF:
+                    return
+                if not self.stats.connected:
+                    self._set_connected(True)
+                self._confirm()
+                self.apply_message(raw)
+        finally:
+            call.cancel()
+
+    def apply_message(self, raw: bytes) -> None:
+        """Apply one serialized ``kvfeed.v1.FeedRecord`` (an undecodable one is counted and skipped)."""
+        try:
+            rec = pb.FeedRecord.FromString(raw)
+        except Exception:  # protobuf's DecodeError
+            self._dropped()
+            return
+        kind = rec.WhichOneof("body")
+        if kind == "keepalive":
+            return
+        if kind == "close":
+            raise FeedClosed(rec.close.reason[:64] or "closed")
+        if kind == "hello":
+            h = rec.hello
+            self.on_hello(h.backend, h.model, h.engine, h.key_block_size)
+            return
+        self._received()
+        try:
+            if kind == "put":
+                tier = PB_TIER_NAMES.get(rec.put.tier)
+                if tier is None:
+                    raise ValueError(f"unknown tier {rec.put.tier}")
+                self.apply_put(list(rec.put.keys), decode_tier(tier))
+            elif kind == "del":
+                self.apply_del(list(getattr(rec, "del").keys))
+            elif kind == "clear":
+                self.apply_clear(rec.clear.reason)
+            elif kind == "snapshot_begin":
+                self.snapshot_begin()
+            elif kind == "snapshot_end":
+                self.snapshot_end()
+            else:
+                raise ValueError(f"unknown record {kind!r}")
+        except ValueError as exc:
+            self._dropped()
+            log.warning("event=feed_record_dropped backend=%s record=%r error=%r", self.backend, kind, str(exc))
+            return
+        if rec.id:
+            self.stats.last_event_id = rec.id
+
+
+def _raw(b: bytes) -> bytes:
+    return b
+
+
+def make_consumer(
+    source: EventSourceConfig,
+    index: InMemoryKvIndex,
+    metrics: PickerMetrics | None = None,
+    key_block_size: int | None = None,
+) -> KvFeedConsumer:
+    """The consumer for the source's endpoint scheme: gRPC for grpc:// and grpcs://, else SSE."""
+    if source.endpoint.startswith(("grpc://", "grpcs://")):
+        return GrpcFeedConsumer(source, index, metrics, key_block_size=key_block_size)
+    return KvFeedConsumer(source, index, metrics, key_block_size=key_block_size)
 
 
 class KvFeedConsumers:
@@ -244,10 +460,11 @@ class KvFeedConsumers:
         index: InMemoryKvIndex,
         metrics: PickerMetrics | None = None,
         sweep_interval_s: float = 30.0,
+        key_block_size: int | None = None,
     ) -> None:
         self.index = index
         self.metrics = metrics
-        self.consumers = {s.backend_name: KvFeedConsumer(s, index, metrics) for s in sources}
+        self.consumers = {s.backend_name: make_consumer(s, index, metrics, key_block_size) for s in sources}
         self.sweep_interval_s = sweep_interval_s
 
     async def run(self) -> None:
@@ -261,7 +478,7 @@ class KvFeedConsumers:
                 group.create_task(self._sweep_loop(), name="kv-index-sweep")
         finally:
             for c in self.consumers.values():
-                await c.stop()  # closes each consumer's HTTP session
+                await c.stop()  # closes each consumer's HTTP session or gRPC channel
 
     async def _sweep_loop(self) -> None:
         while True:

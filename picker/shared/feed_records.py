@@ -1,6 +1,9 @@
-"""The listener→picker feed format: SSE records of index deltas, written by the listener and read by
-the picker through this one module.
+"""The listener→picker feed formats, written by the listener and read by the picker through this one
+module: SSE records (below) and the gRPC ``kvfeed.v1.KvFeed`` service's protobuf records
+(``protos/kvfeed/v1/feed.proto``, generated into ``picker.shared.kvfeed_pb``; same records, same ids).
 
+                event: hello           data: {"backend": B, "model": M, "engine": E, "key_block_size": N,
+                                              "last_id": N, "resumed": bool}   (first, every subscription)
     id: <int>   event: put             data: {"keys": ["<hex>", ...], "tier": "gpu_hot"|"storage_warm"}
     id: <int>   event: del             data: {"keys": ["<hex>", ...]}
     id: <int>   event: clear           data: {"reason": "restart"|"all_blocks_cleared"|"gap"|...}
@@ -17,13 +20,15 @@ record's data is bounded by ``MAX_RECORD_BYTES`` on the reading side.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import orjson
 
+from picker.shared.kvfeed_pb import feed_pb2 as pb
 from picker.shared.tiers import StorageTier
 
 PUT, DEL, CLEAR, SNAPSHOT_BEGIN, SNAPSHOT_END, CLOSE = "put", "del", "clear", "snapshot_begin", "snapshot_end", "close"
+HELLO = "hello"
 KEEPALIVE = b": keepalive\n\n"
 MAX_RECORD_BYTES = 1 << 20  # the seed's MAX_SSE_BUFFER_SIZE: per line and per record
 FEED_TIERS = {t.value: t for t in (StorageTier.GPU_HOT, StorageTier.STORAGE_WARM)}
@@ -34,6 +39,70 @@ def encode_record(event: str, data: dict[str, object], event_id: int | None = No
     """One SSE record; ``event_id`` None for records that do not advance the resume position."""
     head = f"id: {event_id}\n" if event_id is not None else ""
     return f"{head}event: {event}\ndata: ".encode() + orjson.dumps(data) + b"\n\n"
+
+
+def sse_data(kind: str, keys: Sequence[int] | None, text: str, num: int, last: int) -> dict[str, object]:
+    """The ``data`` object of one SSE record (see the module docstring)."""
+    if kind == PUT:
+        return {"keys": encode_keys(keys or ()), "tier": text}
+    if kind == DEL:
+        return {"keys": encode_keys(keys or ())}
+    if kind in (CLEAR, CLOSE):
+        return {"reason": text}
+    if kind == SNAPSHOT_BEGIN:
+        return {"last_id": last, "entries": num}
+    return {}
+
+
+def hello_data(
+    backend: str, model: str, engine: str, key_block_size: int, last_id: int, resumed: bool
+) -> dict[str, object]:
+    return {
+        "backend": backend,
+        "model": model,
+        "engine": engine,
+        "key_block_size": key_block_size,
+        "last_id": last_id,
+        "resumed": resumed,
+    }
+
+
+# -- gRPC (kvfeed.v1) ---------------------------------------------------------------------------------
+GRPC_SERVICE = "kvfeed.v1.KvFeed"
+GRPC_SUBSCRIBE = f"/{GRPC_SERVICE}/Subscribe"
+GRPC_LIST_BACKENDS = f"/{GRPC_SERVICE}/ListBackends"
+PB_TIERS = {"gpu_hot": pb.TIER_GPU_HOT, "storage_warm": pb.TIER_STORAGE_WARM}
+PB_TIER_NAMES = {v: k for k, v in PB_TIERS.items()}
+PB_KEEPALIVE = pb.FeedRecord(keepalive=pb.Keepalive()).SerializeToString()
+
+
+def pb_record(kind: str, rec_id: int | None, keys: Sequence[int] | None, text: str, num: int, last: int) -> bytes:
+    """One serialized ``kvfeed.v1.FeedRecord`` (``rec_id`` None: 0, the record does not advance the resume id)."""
+    rec = pb.FeedRecord(id=rec_id or 0)
+    if kind == PUT:
+        rec.put.keys.extend(keys or ())
+        rec.put.tier = PB_TIERS.get(text, pb.TIER_UNSPECIFIED)
+    elif kind == DEL:
+        getattr(rec, "del").keys.extend(keys or ())  # a Python keyword: the field is reached by name
+    elif kind == CLEAR:
+        rec.clear.reason = text
+    elif kind == CLOSE:
+        rec.close.reason = text
+    elif kind == SNAPSHOT_BEGIN:
+        rec.snapshot_begin.last_id = last
+        rec.snapshot_begin.entries = num
+    elif kind == SNAPSHOT_END:
+        rec.snapshot_end.SetInParent()
+    else:
+        raise ValueError(f"unknown record kind {kind!r}")
+    return rec.SerializeToString()
+
+
+def pb_hello(backend: str, model: str, engine: str, key_block_size: int, last_id: int, resumed: bool) -> bytes:
+    hello = pb.Hello(
+        backend=backend, model=model, engine=engine, key_block_size=key_block_size, last_id=last_id, resumed=resumed
+    )
+    return pb.FeedRecord(hello=hello).SerializeToString()
 
 
 def encode_keys(keys: Iterable[int]) -> list[str]:
