@@ -1,36 +1,77 @@
-"""Engine block chains → the project's block keys, per source, within the seed's memory limits.
+"""Engine pages → the project's block keys, per source, within the seed's memory limits.
 
-For every BlockStored the tracker computes our 64-bit chained keys from the event's ``token_ids``
-(``picker.shared.block_keys``: rooted in the source's model, LoRA name and cache salt folded in) and keeps an
-engine-hash → node map so removals and ``parent_block_hash`` resolve. It emits index deltas (put with a
-tier, delete, clear) to a sink, in event order.
+Engines publish pages of their own size (vLLM ``block_size`` 16, 32, 64...; SGLang page size 1 is common,
+and SGLang's last page of a node may be partial). The feed's keys are always in blocks of
+``key_block_size`` tokens (``ListenerConfig.key_block_size``, equal to the picker's block size), computed
+by ``picker.shared.block_keys`` exactly as the picker computes a request's keys. The tracker regroups:
+
+- Every tracked page (a *node*, one per engine hash) keeps its ``anchor`` (the key of the last full
+  key-block ending at or before the node's end; the chain's root key when there is none) and its
+  ``tail`` (the fewer than ``key_block_size`` tokens after the anchor, packed uint32), so a child page
+  continues the chain without re-reading its ancestors.
+- A node *owns* the keys of the key-blocks that END inside it: storing it puts those keys, removing it
+  deletes exactly those keys. With pages of ``key_block_size`` tokens each node owns one key; with page
+  size 1 one node in ``key_block_size`` owns one; a 64-token page owns four.
+- The chain's root key folds the model, the LoRA adapter name and the cache salt (vLLM: the salt rides in
+  the first block's ``extra_keys``; SGLang: ``cache_salt``); children inherit them through the anchor.
+- Pages whose extras cannot be reproduced from token ids (multimodal hashes) are tracked without keys
+  (reason ``multimodal``), and so is everything chained below them.
+
+Presence (what a node's copies mean): a reference count per (KV-cache group, medium). Two stores of one
+hash on one medium need two removals; each medium (GPU; CPU, STORAGE, CPU_PINNED, DISK, EXTERNAL...) is
+counted on its own. vLLM hybrid models publish the same hashes once per KV-cache group and a removal
+names one group: a node is held while any *full-attention* group holds it. Groups announced as sliding
+window (or another non-full kind) through ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` do
+not keep a block alive once the source has shown a full-attention group (they only count on a source
+that never has); a group without kind information counts as full attention. A store that fails the
+page check (``len(token_ids) != len(block_hashes) * block_size``, a sliding window "null" block) never
+changes a known node; from a secondary group it is ignored (``null_block``), otherwise its unknown pages
+are tracked without keys. The tier of a node's keys is ``gpu_hot`` while any counted GPU copy exists,
+else ``storage_warm`` while any other copy does; with no copy left the node is forgotten. Keys are
+refcounted across nodes (two engine hashes may carry the same tokens), so the tier sent downstream is
+the best over every node owning the key. vLLM's CPU placeholder stores (``block_size`` 0, no tokens)
+add a copy to known hashes; an unknown one is counted (``placeholder_unknown``) and ignored.
+``treat_eviction_as_offload``: a GPU removal that leaves the group without a GPU copy adds a synthetic
+storage copy, dropped by the node's next non-GPU removal.
 
 Bounds (per source):
-- ``max_tracked_blocks`` nodes; beyond it the oldest node is pruned (its key deleted downstream when
-  no other node references it). Never a whole-backend reset.
-- ``max_retained_tokens`` token ids kept as per-block segments (4 bytes each) for chain
-  reconstruction (``chain_token_ids``); oldest segments are dropped first, the node stays keyed.
-- ``max_chain_tokens``: blocks whose chain would exceed it are tracked unattributed (no key).
-So retained token memory is at most min(max_retained_tokens, max_tracked_blocks * max_chain_tokens) * 4.
+- ``max_tracked_blocks`` nodes; beyond it the oldest node is pruned (its keys deleted downstream when no
+  other node owns them). Never a whole-backend reset.
+- Per node: the tail is fewer than ``key_block_size`` tokens (at most 4 * (key_block_size - 1) bytes);
+  the keys owned are at most ceil(page tokens / key_block_size); copies at most ``MAX_COPIES_PER_NODE``.
+- ``max_retained_tokens`` token ids kept as per-page segments (4 bytes each) for chain reconstruction
+  (``chain_token_ids``); oldest segments are dropped first, the node stays keyed.
+- ``max_chain_tokens``: key-blocks ending past it are not keyed and the chain below is unattributed.
+
+Sliced application: :func:`work_units` splits a decoded batch into lists of events of at most N blocks
+each (a large event is split into consecutive sub-events with the same effect), so a source may yield
+to the event loop between calls to :meth:`BlockChainTracker.apply_all`.
 """
 
 from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from listener.config import LimitsConfig, SourceConfig
+from listener.config import LimitsConfig, ListenerConfig, SourceConfig
 from listener.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, SourceReset
-from picker.shared.block_keys import chain_block_keys, extra_bytes, root_key
+from picker.shared.block_keys import chain_packed_keys, root_key
 
 log = logging.getLogger("kv_listener.block_chains")
 
 GPU = "gpu_hot"
 WARM = "storage_warm"
 _GPU_MEDIA = frozenset({"GPU", "gpu", "cuda", "CUDA"})
+_KNOWN_MEDIA = frozenset({"CPU", "STORAGE", "CPU_PINNED", "DISK", "EXTERNAL"})
+_GPU_LABEL = "GPU"
+_OTHER_LABEL = "OTHER"
+_OFFLOAD_LABEL = "~OFFLOAD"  # synthetic copy of treat_eviction_as_offload
+MAX_COPIES_PER_NODE = 64  # distinct (group, medium) pairs a node may hold; more is a hostile stream
+MAX_ROOTS_CACHED = 1024
+DEFAULT_KEY_BLOCK_SIZE: int = ListenerConfig.model_fields["key_block_size"].default
 
 
 class DeltaSink(Protocol):
@@ -43,16 +84,77 @@ class DeltaSink(Protocol):
 
 @dataclass(slots=True)
 class _Node:
-    key: int | None  # None: tracked without attribution (children cannot be keyed)
-    chain_tokens: int
-    parent: int | None  # engine hash of the parent, for chain reconstruction
-    gpu: bool = False
-    storage: bool = False
+    parent: int | None  # engine hash of the parent page, for chain reconstruction
+    chain_tokens: int  # tokens from the chain root to the end of this page
+    anchor: int | None = None  # None: tracked without attribution (children cannot be keyed)
+    tail: bytes = b""  # packed uint32 tokens after the anchor (< key_block_size tokens)
+    keys: tuple[int, ...] = ()  # keys of the key-blocks ending inside this page
+    copies: dict[tuple[int, str], int] = field(default_factory=dict)
+    tier: str | None = None  # the tier this node currently contributes to its keys
 
 
 def is_gpu_medium(medium: str | None) -> bool:
     """WIRE.md §3: ``"GPU"`` or null is GpuHot; every other medium is StorageWarm."""
     return medium is None or medium in _GPU_MEDIA
+
+
+def _medium_label(medium: str | None) -> str:
+    if is_gpu_medium(medium):
+        return _GPU_LABEL
+    assert medium is not None
+    up = medium.upper()
+    return up if up in _KNOWN_MEDIA else _OTHER_LABEL
+
+
+def event_blocks(event: KvEvent) -> int:
+    """The work of one event in blocks (at least 1)."""
+    if isinstance(event, BlockStored | BlockRemoved):
+        return max(1, len(event.block_hashes))
+    return 1
+
+
+def _split(event: KvEvent, max_blocks: int) -> Iterator[KvEvent]:
+    if isinstance(event, BlockRemoved) and len(event.block_hashes) > max_blocks:
+        for s in range(0, len(event.block_hashes), max_blocks):
+            yield replace(event, block_hashes=event.block_hashes[s : s + max_blocks])
+        return
+    if not isinstance(event, BlockStored) or len(event.block_hashes) <= max_blocks:
+        yield event
+        return
+    n, bs, hashes = len(event.block_hashes), event.block_size, event.block_hashes
+    exact = len(event.token_ids) == n * bs
+    first_bad = event.first_unkeyable
+    for s in range(0, n, max_blocks):
+        e = min(n, s + max_blocks)
+        bad = None if first_bad is None or first_bad >= e else max(0, first_bad - s)
+        yield replace(
+            event,
+            block_hashes=hashes[s:e],
+            parent_hash=event.parent_hash if s == 0 else hashes[s - 1],
+            # a store that fails the page check stays failing in every part (no tokens, same block_size)
+            token_ids=event.token_ids[s * bs : e * bs] if exact else [],
+            has_extra_keys=False,
+            unkeyable_from=bad,
+        )
+
+
+def work_units(events: Iterable[KvEvent], max_blocks: int) -> Iterator[list[KvEvent]]:
+    """Consecutive slices of ``events`` of at most ``max_blocks`` blocks each, in order; an event larger
+    than that is split into sub-events whose application has the same effect as the whole event."""
+    if max_blocks < 1:
+        raise ValueError("max_blocks must be >= 1")
+    unit: list[KvEvent] = []
+    size = 0
+    for event in events:
+        for part in _split(event, max_blocks):
+            w = event_blocks(part)
+            if unit and size + w > max_blocks:
+                yield unit
+                unit, size = [], 0
+            unit.append(part)
+            size += w
+    if unit:
+        yield unit
 
 
 class _Emitter:
@@ -87,19 +189,23 @@ class BlockChainTracker:
         limits: LimitsConfig,
         sink: DeltaSink,
         count: Callable[[str, int], None] | None = None,
+        key_block_size: int | None = None,
     ) -> None:
         self.source = source
         self.limits = limits
         self.sink = sink
+        self.key_block_size = key_block_size or DEFAULT_KEY_BLOCK_SIZE
         self._count = count or (lambda reason, n: None)
-        self._root = root_key(source.model)
+        self._roots: dict[tuple[str | None, str | None], int] = {}
         # engine hash → node; insertion order = age (re-stored nodes move to the end)
         self._nodes: dict[int, _Node] = {}
-        # block key → [gpu refs, storage refs]; the tier sent downstream is derived from it
+        # block key → [gpu owners, storage owners]; the tier sent downstream is derived from it
         self._key_refs: dict[int, list[int]] = {}
-        # engine hash → packed uint32 token ids of that block; oldest first, bounded by max_retained_tokens
+        # engine hash → packed uint32 token ids of that page; oldest first, bounded by max_retained_tokens
         self._segments: dict[int, bytes] = {}
         self._retained_tokens = 0
+        self._secondary_groups: set[int] = set()
+        self._full_group_seen = False
         self._warned_mismatch = False
 
     # -- introspection -------------------------------------------------------------------------
@@ -116,11 +222,21 @@ class BlockChainTracker:
         return len(self._key_refs)
 
     def key_of(self, engine_hash: int) -> int | None:
+        """The last key owned by this page (its only one when pages are key blocks), or None."""
         node = self._nodes.get(engine_hash)
-        return None if node is None else node.key
+        return node.keys[-1] if node is not None and node.keys else None
+
+    def keys_of(self, engine_hash: int) -> tuple[int, ...]:
+        """Every key owned by this page (the key-blocks that end inside it)."""
+        node = self._nodes.get(engine_hash)
+        return () if node is None else node.keys
+
+    def tier_of_key(self, key: int) -> str | None:
+        refs = self._key_refs.get(key)
+        return None if refs is None else self._refs_tier(refs)
 
     def chain_token_ids(self, engine_hash: int) -> list[int] | None:
-        """The token ids from the chain root to this block, when every segment is still retained."""
+        """The token ids from the chain root to this page, when every segment is still retained."""
         parts: list[bytes] = []
         h: int | None = engine_hash
         while h is not None:
@@ -147,25 +263,47 @@ class BlockChainTracker:
         elif isinstance(event, SourceReset):
             self.reset("source_reset")
 
+    def apply_all(self, events: Iterable[KvEvent]) -> None:
+        """Apply events in order (one work unit of :func:`work_units`)."""
+        for event in events:
+            self.apply(event)
+
     def reset(self, reason: str) -> None:
         """Forget everything of this source (engine restart, AllBlocksCleared, unrecoverable gap)."""
         self._nodes.clear()
         self._key_refs.clear()
         self._segments.clear()
         self._retained_tokens = 0
+        self._secondary_groups.clear()
+        self._full_group_seen = False
         self.sink.clear(reason)
 
-    def _tier(self, refs: list[int]) -> str | None:
+    # -- tiers and references --------------------------------------------------------------------
+    @staticmethod
+    def _refs_tier(refs: list[int]) -> str | None:
         return GPU if refs[0] > 0 else WARM if refs[1] > 0 else None
 
-    def _ref(self, em: _Emitter, key: int, gpu: int, storage: int) -> None:
+    def _node_tier(self, node: _Node) -> str | None:
+        skip = self._secondary_groups if self._full_group_seen else ()
+        warm = False
+        for (group, medium), n in node.copies.items():
+            if n <= 0 or group in skip:
+                continue
+            if medium == _GPU_LABEL:
+                return GPU
+            warm = True
+        return WARM if warm else None
+
+    def _ref(self, em: _Emitter, key: int, old: str | None, new: str | None) -> None:
         refs = self._key_refs.get(key)
         if refs is None:
             refs = self._key_refs[key] = [0, 0]
-        before = self._tier(refs)
-        refs[0] += gpu
-        refs[1] += storage
-        after = self._tier(refs)
+        before = self._refs_tier(refs)
+        if old is not None:
+            refs[0 if old == GPU else 1] -= 1
+        if new is not None:
+            refs[0 if new == GPU else 1] += 1
+        after = self._refs_tier(refs)
         if after is None:
             del self._key_refs[key]
         if after != before:
@@ -174,91 +312,168 @@ class BlockChainTracker:
             else:
                 em.add("put", key, after)
 
-    def _set_flags(self, em: _Emitter, node: _Node, gpu: bool, storage: bool) -> None:
-        dg = int(gpu) - int(node.gpu)
-        ds = int(storage) - int(node.storage)
-        node.gpu, node.storage = gpu, storage
-        if node.key is not None and (dg or ds):
-            self._ref(em, node.key, dg, ds)
+    def _retier(self, em: _Emitter, node: _Node, new: str | None) -> None:
+        old = node.tier
+        if new == old:
+            return
+        node.tier = new
+        for key in node.keys:
+            self._ref(em, key, old, new)
+
+    def _set_keys(self, em: _Emitter, node: _Node, keys: tuple[int, ...]) -> None:
+        if node.tier is not None:
+            for key in node.keys:
+                self._ref(em, key, node.tier, None)
+            for key in keys:
+                self._ref(em, key, None, node.tier)
+        node.keys = keys
+
+    def _add_copy(self, em: _Emitter, node: _Node, group: int, medium: str) -> None:
+        slot = (group, medium)
+        if slot not in node.copies and len(node.copies) >= MAX_COPIES_PER_NODE:
+            self._count("too_many_copies", 1)
+            return
+        node.copies[slot] = node.copies.get(slot, 0) + 1
+        self._retier(em, node, self._node_tier(node))
 
     def _drop_node(self, em: _Emitter, engine_hash: int) -> None:
         node = self._nodes.pop(engine_hash)
-        self._set_flags(em, node, False, False)
+        self._retier(em, node, None)
         seg = self._segments.pop(engine_hash, None)
         if seg is not None:
             self._retained_tokens -= len(seg) // 4
 
-    def _attribution(self, ev: BlockStored) -> tuple[int | None, int, str | None]:
-        """(parent key or None when unattributed, parent chain tokens, reason when unattributed)."""
-        base = 0
-        parent_key: int | None = self._root
-        if ev.parent_hash is not None:
-            parent = self._nodes.get(ev.parent_hash)
-            if parent is None:
-                return None, 0, "unknown_parent"
-            base = parent.chain_tokens
-            parent_key = parent.key
-            if parent_key is None:
-                return None, base, "unattributed_parent"
-        if ev.lora_id is not None and not ev.lora_name:
-            return None, base, "lora_without_name"
-        if ev.has_extra_keys:
-            return None, base, "extra_keys"
-        return parent_key, base, None
+    # -- stores --------------------------------------------------------------------------------
+    def _root(self, lora_name: str | None, cache_salt: str | None) -> int:
+        k = (lora_name or None, cache_salt or None)
+        root = self._roots.get(k)
+        if root is None:
+            if len(self._roots) >= MAX_ROOTS_CACHED:
+                self._roots.clear()
+            root = self._roots[k] = root_key(self.source.model, k[0], k[1])
+        return root
+
+    def _start(self, ev: BlockStored) -> tuple[int | None, bytes, int, str | None]:
+        """(anchor, tail, chain tokens before the event, reason when unattributed) of the first page."""
+        if ev.parent_hash is None:
+            if ev.lora_id is not None and not ev.lora_name:
+                return None, b"", 0, "lora_without_name"
+            return self._root(ev.lora_name, ev.cache_salt), b"", 0, None
+        parent = self._nodes.get(ev.parent_hash)
+        if parent is None:
+            return None, b"", 0, "unknown_parent"
+        if parent.anchor is None:
+            return None, b"", parent.chain_tokens, "unattributed_parent"
+        return parent.anchor, parent.tail, parent.chain_tokens, None
+
+    def _page_check(self, ev: BlockStored) -> bool:
+        n, ntok, bs = len(ev.block_hashes), len(ev.token_ids), ev.block_size
+        if bs > 0 and ntok == n * bs:
+            return True
+        # SGLang's partial last page, should it keep the page size in block_size
+        return self.source.engine == "sglang" and n == 1 and 0 < ntok < bs
 
     def _stored(self, ev: BlockStored) -> None:
         n = len(ev.block_hashes)
         if n == 0:
             return
-        cfg_bs = self.source.block_size
-        ntok = len(ev.token_ids)
-        parent_key, base, reason = self._attribution(ev)
-        if reason is None:
-            if ev.block_size == cfg_bs and ntok == n * cfg_bs:
-                pass
-            elif self.source.engine == "sglang" and ev.block_size < cfg_bs and ntok == n * ev.block_size:
-                reason = "partial_block"  # SGLang's last page of a node; the picker keys full blocks only
-            else:
-                reason = "block_size_mismatch"
-                if not self._warned_mismatch:
-                    self._warned_mismatch = True
-                    log.warning(
-                        "event=block_size_mismatch source=%s configured_block_size=%d event_block_size=%d "
-                        "tokens=%d hashes=%d action=track_without_tokens",
-                        self.source.backend_name,
-                        cfg_bs,
-                        ev.block_size,
-                        ntok,
-                        n,
-                    )
-        if reason is not None:
-            self._count(reason, n)
-        per_block = cfg_bs if reason is None else max(1, ntok // n if ntok else ev.block_size)
-        keys: list[int] = []
-        if reason is None and parent_key is not None:
-            fit = max(0, (self.limits.max_chain_tokens - base) // cfg_bs)
-            if fit < n:
-                self._count("chain_too_long", n - fit)
-            extra = extra_bytes(ev.lora_name, ev.cache_salt)
-            keys = chain_block_keys(ev.token_ids, cfg_bs, parent_key, extra, max_blocks=min(n, fit))
-        gpu = is_gpu_medium(ev.medium)
+        group = ev.group_idx or 0
+        if ev.secondary_group:
+            self._secondary_groups.add(group)
+        else:
+            self._full_group_seen = True
+        medium = _medium_label(ev.medium)
         em = _Emitter(self.sink)
-        parent_hash = ev.parent_hash
-        keep_segments = self.limits.max_retained_tokens > 0 and reason is None
-        for i, h in enumerate(ev.block_hashes):
-            node = self._nodes.pop(h, None)
-            if node is None:
-                key = keys[i] if i < len(keys) else None
-                node = _Node(key=key, chain_tokens=base + (i + 1) * per_block, parent=parent_hash)
-            self._nodes[h] = node  # (re)insert at the end: most recent
-            self._set_flags(em, node, node.gpu or gpu, node.storage or not gpu)
-            if keep_segments and node.key is not None and h not in self._segments:
-                seg = array("I", ev.token_ids[i * cfg_bs : (i + 1) * cfg_bs]).tobytes()
-                self._segments[h] = seg
-                self._retained_tokens += cfg_bs
-            parent_hash = h
+        if ev.block_size == 0 and not ev.token_ids:
+            self._placeholder(em, ev, group, medium)
+        elif self._page_check(ev):
+            self._stored_pages(em, ev, group, medium)
+        elif ev.secondary_group:
+            self._count("null_block", n)
+        else:
+            self._stored_mismatch(em, ev, group, medium)
         self._enforce_limits(em)
         em.flush()
+
+    def _placeholder(self, em: _Emitter, ev: BlockStored, group: int, medium: str) -> None:
+        unknown = 0
+        for h in ev.block_hashes:
+            node = self._nodes.get(h)
+            if node is None:
+                unknown += 1
+            else:
+                self._add_copy(em, node, group, medium)
+        if unknown:
+            self._count("placeholder_unknown", unknown)
+
+    def _stored_mismatch(self, em: _Emitter, ev: BlockStored, group: int, medium: str) -> None:
+        n = len(ev.block_hashes)
+        self._count("block_size_mismatch", n)
+        if not self._warned_mismatch:
+            self._warned_mismatch = True
+            log.warning(
+                "event=block_size_mismatch source=%s event_block_size=%d tokens=%d hashes=%d action=track_without_keys",
+                self.source.backend_name,
+                ev.block_size,
+                len(ev.token_ids),
+                n,
+            )
+        per_page = max(1, len(ev.token_ids) // n if ev.token_ids else ev.block_size)
+        base = 0
+        if ev.parent_hash is not None and (parent := self._nodes.get(ev.parent_hash)) is not None:
+            base = parent.chain_tokens
+        parent_hash = ev.parent_hash
+        for i, h in enumerate(ev.block_hashes):
+            if h not in self._nodes:  # a known page is never changed by a store that fails the check
+                node = _Node(parent=parent_hash, chain_tokens=base + (i + 1) * per_page)
+                self._nodes[h] = node
+                self._add_copy(em, node, group, medium)
+            parent_hash = h
+
+    def _stored_pages(self, em: _Emitter, ev: BlockStored, group: int, medium: str) -> None:
+        kb = self.key_block_size
+        stride = kb * 4
+        n, bs = len(ev.block_hashes), ev.block_size
+        anchor, tail, chain, reason = self._start(ev)
+        first_bad = ev.first_unkeyable
+        if reason is not None:
+            self._count(reason, n)
+        elif first_bad is not None:
+            self._count("multimodal", n - first_bad)
+        too_long = 0
+        keep_segments = self.limits.max_retained_tokens > 0
+        max_chain = self.limits.max_chain_tokens
+        parent_hash = ev.parent_hash
+        for i, h in enumerate(ev.block_hashes):
+            page = ev.token_ids[i * bs : (i + 1) * bs]
+            node = self._nodes.pop(h, None)
+            if node is None:
+                node = _Node(parent=parent_hash, chain_tokens=chain + len(page))
+            self._nodes[h] = node  # (re)insert at the end: most recent
+            if node.anchor is None and anchor is not None and (first_bad is None or i < first_bad):
+                # a new page, or one first seen unattributed (a "null" store, an unknown parent): key it
+                packed = tail + array("I", page).tobytes()
+                tail_start = chain - len(tail) // 4
+                full = len(packed) // stride
+                fit = max(0, (max_chain - tail_start) // kb)
+                keys = chain_packed_keys(packed[: min(full, fit) * stride], kb, anchor)
+                if full > fit:
+                    too_long += 1
+                    node.anchor, node.tail = None, b""
+                else:
+                    node.anchor = keys[-1] if keys else anchor
+                    node.tail = packed[full * stride :]
+                node.chain_tokens = chain + len(page)
+                node.parent = parent_hash
+                self._set_keys(em, node, tuple(keys))
+                if keep_segments and h not in self._segments:
+                    self._segments[h] = array("I", page).tobytes()
+                    self._retained_tokens += len(page)
+            self._add_copy(em, node, group, medium)
+            anchor, tail, chain = node.anchor, node.tail, node.chain_tokens
+            parent_hash = h
+        if too_long:
+            self._count("chain_too_long", too_long)
 
     def _enforce_limits(self, em: _Emitter) -> None:
         over = len(self._nodes) - self.limits.max_tracked_blocks
@@ -275,8 +490,11 @@ class BlockChainTracker:
                 dropped += 1
             self._count("pruned_token_segments", dropped)
 
+    # -- removals ------------------------------------------------------------------------------
     def _removed(self, ev: BlockRemoved) -> None:
-        gpu_medium = is_gpu_medium(ev.medium)
+        group = ev.group_idx or 0
+        medium = _medium_label(ev.medium)
+        offload = self.source.treat_eviction_as_offload
         em = _Emitter(self.sink)
         unknown = 0
         for h in ev.block_hashes:
@@ -284,12 +502,22 @@ class BlockChainTracker:
             if node is None:
                 unknown += 1
                 continue
-            if gpu_medium:
-                offload = self.source.treat_eviction_as_offload and node.gpu
-                self._set_flags(em, node, False, node.storage or offload)
+            copies = node.copies
+            slot = (group, medium)
+            had = copies.get(slot, 0)
+            if had > 1:
+                copies[slot] = had - 1
+            elif had == 1:
+                del copies[slot]
+            if medium == _GPU_LABEL:
+                if offload and had == 1:
+                    copies[(group, _OFFLOAD_LABEL)] = 1
             else:
-                self._set_flags(em, node, node.gpu, False)
-            if not node.gpu and not node.storage:
+                for s in [s for s in copies if s[1] == _OFFLOAD_LABEL]:
+                    del copies[s]
+            if copies:
+                self._retier(em, node, self._node_tier(node))
+            else:
                 self._drop_node(em, h)
         if unknown:
             self._count("unknown_hash", unknown)

@@ -28,8 +28,19 @@ class LimitsConfig(_Model):
     max_chain_tokens: int = Field(16_384, ge=1, le=1 << 24)
     # One event claiming more token ids than this is dropped as hostile (reason too_large).
     max_event_tokens: int = Field(1 << 20, ge=1, le=1 << 26)
-    # ZMQ_MAXMSGSIZE: a larger message makes libzmq drop the peer connection.
-    max_message_bytes: int = Field(32 << 20, ge=1024, le=1 << 31)
+    # ZMQ_MAXMSGSIZE: a larger message makes libzmq drop the peer connection. 8 MiB: a real batch holds one
+    # scheduler step (at most max_num_batched_tokens tokens, ~5 bytes each, plus 9 bytes per hash), so
+    # typically well under 1 MiB; 8 MiB keeps headroom for huge steps and page-size-1 removals.
+    max_message_bytes: int = Field(8 << 20, ge=1024, le=1 << 31)
+    # Decoding budget per message (hostile peers): arrays/maps built, and their elements in total. Past
+    # either the payload is dropped (reason too_large) before it can take memory or time.
+    max_message_containers: int = Field(1 << 18, ge=16, le=1 << 26)
+    max_message_items: int = Field(1 << 21, ge=1024, le=1 << 28)
+    # One event naming more block hashes than this is dropped as hostile (reason too_large).
+    max_event_hashes: int = Field(1 << 18, ge=1, le=1 << 24)
+    # Work unit of a decoded batch: block_chains.work_units splits it into slices of at most this many
+    # blocks, so a source can yield to the event loop between slices.
+    apply_slice_blocks: int = Field(4096, ge=1, le=1 << 24)
     # Engine messages received but not yet applied, in bytes; past it new messages are dropped (a sequence
     # gap, repaired by replay) so a flood cannot grow memory.
     max_backlog_bytes: int = Field(64 << 20, ge=1 << 16, le=1 << 34)
@@ -41,7 +52,9 @@ class SourceConfig(_Model):
     backend_name: BackendName
     engine: Engine = "vllm"
     model: str
-    block_size: int = Field(16, ge=1, le=65_536)
+    # Informational only: the tracker takes each event's page size from the event itself (vLLM block_size,
+    # SGLang page size, 1 included) and regroups pages into the feed's key blocks (ListenerConfig.key_block_size).
+    block_size: int | None = Field(None, ge=1, le=65_536)
     # ZMQ (vllm, sglang)
     zmq_endpoint: str | None = None
     zmq_mode: Literal["connect", "bind"] = "connect"  # bind when the engine's publisher connects

@@ -9,7 +9,19 @@ U64_MASK = (1 << 64) - 1
 
 @dataclass(slots=True, frozen=True)
 class BlockStored:
-    """Full (or, for SGLang, partial) blocks cached by an engine; the parent links only the first."""
+    """Pages cached by an engine; the parent links only the first.
+
+    ``block_size`` is the engine's page size for this event (vLLM block size, SGLang page size, 1 included);
+    ``len(token_ids) == len(block_hashes) * block_size``, except SGLang's partial last page. A vLLM CPU
+    offloading placeholder has ``block_size == 0`` and no token ids: a new copy of blocks announced before.
+    ``cache_salt`` is the salt of the chain this event starts (SGLang's field, or vLLM's first-block
+    ``extra_keys``); it matters only when ``parent_hash`` is None (the salt is folded into the chain's root).
+    ``unkeyable_from``: index of the first block whose extras (multimodal hashes) cannot be reproduced from
+    token ids; that block and every later one are tracked without a key. ``has_extra_keys`` means 0.
+    ``group_idx``: vLLM's KV-cache group (hybrid models publish the same hashes per group), None = 0.
+    ``secondary_group``: the group is not full attention (sliding window and similar), per
+    ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window``; None when the event does not say.
+    """
 
     block_hashes: tuple[int, ...]
     parent_hash: int | None
@@ -19,15 +31,24 @@ class BlockStored:
     lora_id: int | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
-    has_extra_keys: bool = False  # multimodal/other extras we cannot reproduce from token ids
+    has_extra_keys: bool = False  # extras on every block that we cannot reproduce (TRT-LLM token extras)
+    unkeyable_from: int | None = None
+    group_idx: int | None = None
+    secondary_group: bool | None = None
+
+    @property
+    def first_unkeyable(self) -> int | None:
+        """Index of the first block that cannot be keyed from its token ids, or None."""
+        return 0 if self.has_extra_keys else self.unkeyable_from
 
 
 @dataclass(slots=True, frozen=True)
 class BlockRemoved:
-    """Blocks evicted from ``medium`` (None = GPU / no tier information)."""
+    """Blocks evicted from ``medium`` (None = GPU / no tier information) in KV-cache group ``group_idx``."""
 
     block_hashes: tuple[int, ...]
     medium: str | None = None
+    group_idx: int | None = None
 
 
 @dataclass(slots=True, frozen=True)

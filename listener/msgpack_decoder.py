@@ -4,6 +4,20 @@ Batch: ``[ts, events, dp_rank]`` or a map ``{"ts", "events", "data_parallel_rank
 positional arrays with the tag first (vLLM before mid-2026, older SGLang) or maps with the tag under
 ``"type"`` (newer vLLM and SGLang). Unknown keys and extra trailing elements are ignored; fields left
 at their defaults may be missing. Facts from WIRE.md §3-4; no engine code is used.
+
+Decoding work is bounded before it can explode (hostile peers): besides msgpack's per-container length
+limits, every array and map built while unpacking is counted (``list_hook`` / ``object_hook``) and the
+payload is abandoned (reason ``too_large``) past ``LimitsConfig.max_message_containers`` containers or
+``max_message_items`` elements in total; one event with more than ``max_event_hashes`` block hashes is
+dropped (``too_large``) before any hash is converted.
+
+Fields read from ``BlockStored``: ``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``
+(0 only for vLLM's CPU placeholder stores, which carry no tokens), ``lora_id``, ``lora_name``, ``medium``,
+``cache_salt`` (SGLang), ``extra_keys`` (vLLM, map form only), ``group_idx``, ``kv_cache_spec_kind``,
+``kv_cache_spec_sliding_window``. vLLM's ``extra_keys`` (one entry per block, None or a list): the
+adapter name (equal to ``lora_name``) is dropped from every block; on a chain's first block (no parent) a
+single remaining string is the cache salt; any other remaining extra (multimodal hashes) makes that block
+and the rest of the event unkeyable (``unkeyable_from``).
 """
 
 from __future__ import annotations
@@ -13,6 +27,7 @@ from typing import Any
 
 import msgpack
 
+from listener.config import LimitsConfig
 from listener.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -24,6 +39,8 @@ from listener.events import (
 
 MAX_EVENTS_PER_BATCH = 65_536  # more events in one batch is treated as hostile
 MAX_BLOCK_SIZE = 65_536  # block_size above this is a hostile claim
+MAX_GROUPS = 1024  # group_idx at or above this is a hostile claim (real models have a handful)
+_SECONDARY_KINDS = ("sliding", "window", "chunked", "local", "mamba")
 
 
 @dataclass(slots=True)
@@ -35,7 +52,39 @@ class DecodedBatch:
     ignored: int = 0  # unknown event tags (forward compatibility, not an error)
 
 
-def _unpack(payload: bytes, max_array_len: int) -> Any:
+_DEFAULT_LIMITS = LimitsConfig()
+
+
+class _Budget(Exception):
+    """Raised from a msgpack hook when the payload builds too many containers or elements."""
+
+
+class _WorkBudget:
+    """Counts the containers msgpack builds (``list_hook`` / ``object_hook``); raises past the budget."""
+
+    __slots__ = ("containers", "items")
+
+    def __init__(self, containers: int, items: int) -> None:
+        self.containers = containers
+        self.items = items
+
+    def on_list(self, value: list[Any]) -> list[Any]:
+        self.containers -= 1
+        self.items -= len(value)
+        if self.containers < 0 or self.items < 0:
+            raise _Budget
+        return value
+
+    def on_map(self, value: dict[Any, Any]) -> dict[Any, Any]:
+        self.containers -= 1
+        self.items -= 2 * len(value)
+        if self.containers < 0 or self.items < 0:
+            raise _Budget
+        return value
+
+
+def _unpack(payload: bytes, max_array_len: int, limits: LimitsConfig) -> Any:
+    budget = _WorkBudget(limits.max_message_containers, limits.max_message_items)
     try:
         return msgpack.unpackb(
             payload,
@@ -46,8 +95,12 @@ def _unpack(payload: bytes, max_array_len: int) -> Any:
             max_str_len=1 << 20,
             max_bin_len=1 << 20,
             max_ext_len=0,
+            list_hook=budget.on_list,
+            object_hook=budget.on_map,
         )
-    except (ValueError, msgpack.UnpackException, TypeError) as exc:
+    except _Budget:
+        raise DecodeError("too_large", "decoding budget exceeded") from None
+    except (ValueError, msgpack.UnpackException, TypeError, RecursionError) as exc:
         reason = "too_large" if "exceeds max" in str(exc) else "malformed"
         raise DecodeError(reason, f"msgpack: {type(exc).__name__}") from None
 
@@ -68,10 +121,55 @@ def _opt_str(v: Any, name: str) -> str | None:
     raise DecodeError("malformed", f"{name} is not a string")
 
 
-def _hashes(v: Any) -> tuple[int, ...]:
+def _hashes(v: Any, max_hashes: int) -> tuple[int, ...]:
     if not isinstance(v, list | tuple):
         raise DecodeError("malformed", "block_hashes is not a list")
+    if len(v) > max_hashes:
+        raise DecodeError("too_large", f"{len(v)} block hashes in one event")
     return tuple(normalise_hash(h) for h in v)
+
+
+def _group(f: dict[str, Any]) -> int | None:
+    g = _opt_int(f.get("group_idx"), "group_idx")
+    if g is not None and not 0 <= g < MAX_GROUPS:
+        raise DecodeError("malformed", f"group_idx {g}")
+    return g
+
+
+def _secondary_group(f: dict[str, Any]) -> bool | None:
+    """True for a KV-cache group that is not full attention (sliding window, chunked local, mamba...)."""
+    window = f.get("kv_cache_spec_sliding_window")
+    if type(window) is int and window > 0:
+        return True
+    kind = f.get("kv_cache_spec_kind")
+    if isinstance(kind, bytes):
+        kind = kind.decode("utf-8", "replace")
+    if not isinstance(kind, str) or not kind:
+        return None
+    low = kind.lower()
+    return any(w in low for w in _SECONDARY_KINDS)
+
+
+def _extras(v: Any, n: int, first_is_root: bool, lora_name: str | None) -> tuple[str | None, int | None]:
+    """(cache salt from the first block, index of the first block with unreproducible extras)."""
+    if v is None:
+        return None, None
+    if not isinstance(v, list | tuple):
+        raise DecodeError("malformed", "extra_keys is not a list")
+    salt: str | None = None
+    for i, entry in enumerate(v[:n]):
+        if entry is None:
+            continue
+        if not isinstance(entry, list | tuple):
+            return salt, i
+        rest = [x for x in entry if not (lora_name and x == lora_name)]
+        if not rest:
+            continue
+        if i == 0 and first_is_root and len(rest) == 1 and isinstance(rest[0], str):
+            salt = rest[0]
+            continue
+        return salt, i
+    return salt, None
 
 
 def _tokens(v: Any, max_event_tokens: int) -> list[int]:
@@ -87,24 +185,28 @@ def _tokens(v: Any, max_event_tokens: int) -> list[int]:
     return v
 
 
-def _stored(f: dict[str, Any], max_event_tokens: int) -> BlockStored:
-    hashes = _hashes(f.get("block_hashes"))
+def _stored(f: dict[str, Any], max_event_tokens: int, max_hashes: int) -> BlockStored:
+    hashes = _hashes(f.get("block_hashes"), max_hashes)
     parent = f.get("parent_block_hash")
+    tokens = _tokens(f.get("token_ids"), max_event_tokens)
     block_size = _opt_int(f.get("block_size"), "block_size")
-    if block_size is None or block_size <= 0 or block_size > MAX_BLOCK_SIZE:
+    placeholder = block_size == 0 and not tokens  # vLLM CPU offloading: a new copy of known blocks
+    if block_size is None or (block_size <= 0 and not placeholder) or block_size > MAX_BLOCK_SIZE:
         raise DecodeError("malformed", f"block_size {block_size!r}")
-    extra = f.get("extra_keys")
-    has_extra = isinstance(extra, list | tuple) and any(x is not None and x != [] for x in extra)
+    lora_name = _opt_str(f.get("lora_name"), "lora_name")
+    salt, unkeyable = _extras(f.get("extra_keys"), len(hashes), parent is None, lora_name)
     return BlockStored(
         block_hashes=hashes,
         parent_hash=None if parent is None else normalise_hash(parent),
-        token_ids=_tokens(f.get("token_ids"), max_event_tokens),
+        token_ids=tokens,
         block_size=block_size,
         medium=_opt_str(f.get("medium"), "medium"),
         lora_id=_opt_int(f.get("lora_id"), "lora_id"),
-        lora_name=_opt_str(f.get("lora_name"), "lora_name"),
-        cache_salt=_opt_str(f.get("cache_salt"), "cache_salt"),
-        has_extra_keys=has_extra,
+        lora_name=lora_name,
+        cache_salt=_opt_str(f.get("cache_salt"), "cache_salt") or salt,
+        unkeyable_from=unkeyable,
+        group_idx=_group(f),
+        secondary_group=_secondary_group(f),
     )
 
 
@@ -133,21 +235,33 @@ def _as_fields(raw: Any, engine: str) -> tuple[str, dict[str, Any]]:
     raise DecodeError("malformed", "event is neither a tagged array nor a map")
 
 
-def decode_event(raw: Any, engine: str, max_event_tokens: int) -> KvEvent | None:
+def decode_event(
+    raw: Any, engine: str, max_event_tokens: int, max_event_hashes: int = _DEFAULT_LIMITS.max_event_hashes
+) -> KvEvent | None:
     """One event, or None for an unknown tag. Raises DecodeError when it is unusable."""
     tag, f = _as_fields(raw, engine)
     if tag == "BlockStored":
-        return _stored(f, max_event_tokens)
+        return _stored(f, max_event_tokens, max_event_hashes)
     if tag == "BlockRemoved":
-        return BlockRemoved(block_hashes=_hashes(f.get("block_hashes")), medium=_opt_str(f.get("medium"), "medium"))
+        return BlockRemoved(
+            block_hashes=_hashes(f.get("block_hashes"), max_event_hashes),
+            medium=_opt_str(f.get("medium"), "medium"),
+            group_idx=_group(f),
+        )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None
 
 
-def decode_batch(payload: bytes, engine: str, max_event_tokens: int) -> DecodedBatch:
-    """Decode one ZMQ payload. Raises DecodeError only when the batch itself is unusable."""
-    obj = _unpack(payload, max(max_event_tokens, MAX_EVENTS_PER_BATCH))
+def decode_batch(
+    payload: bytes, engine: str, max_event_tokens: int, limits: LimitsConfig | None = None
+) -> DecodedBatch:
+    """Decode one ZMQ payload. Raises DecodeError only when the batch itself is unusable.
+
+    ``limits`` supplies the decoding budget and the per-event hash cap (the defaults when None).
+    """
+    lim = limits or _DEFAULT_LIMITS
+    obj = _unpack(payload, max(max_event_tokens, MAX_EVENTS_PER_BATCH), lim)
     if isinstance(obj, dict):
         events = obj.get("events")
     elif isinstance(obj, list | tuple) and len(obj) >= 2:
@@ -161,7 +275,7 @@ def decode_batch(payload: bytes, engine: str, max_event_tokens: int) -> DecodedB
     out = DecodedBatch()
     for raw in events:
         try:
-            ev = decode_event(raw, engine, max_event_tokens)
+            ev = decode_event(raw, engine, max_event_tokens, lim.max_event_hashes)
         except DecodeError as exc:
             out.dropped.append(exc.reason)
             continue

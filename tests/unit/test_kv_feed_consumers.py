@@ -8,7 +8,6 @@ import pytest
 
 from picker.kv.feed_consumer import KvFeedConsumers
 from picker.kv.index import InMemoryKvIndex
-from picker.shared.block_keys import extra_bytes
 
 
 class BrokenSweepIndex(InMemoryKvIndex):
@@ -30,9 +29,3 @@ async def test_run_is_cancellable() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-
-
-def test_extra_bytes_cannot_collide_across_the_two_fields() -> None:
-    assert extra_bytes("a\x00", "") != extra_bytes("a", "\x00")
-    assert extra_bytes("ab", "c") != extra_bytes("a", "bc")
-    assert extra_bytes(None, None) == b"" and extra_bytes("x", None) == extra_bytes("x", "")

@@ -42,9 +42,12 @@ async def server() -> AsyncIterator[tuple[str, list[Any]]]:
 def make(url: str, **kw: Any) -> tuple[ListenerApp, TrtllmHttpSource]:
     cfg = ListenerConfig(
         listen="127.0.0.1:0",
+        key_block_size=BS,
         sources=(SourceConfig(backend_name="t1", engine="trtllm", model="m", block_size=BS, http_endpoint=url, **kw),),
     )
     app = ListenerApp(cfg)
+    for tracker in app.trackers.values():  # a no-op once ListenerApp passes cfg.key_block_size itself
+        tracker.key_block_size = cfg.key_block_size
     src = app.sources["t1"]
     assert isinstance(src, TrtllmHttpSource)
     return app, src

@@ -1,13 +1,13 @@
 """Properties of the block-key chain (picker.shared.block_keys.chain_block_keys), which the listener and
 the picker must compute identically: a prefix of tokens gives a prefix of keys, each key depends on every
-earlier block, a partial tail is ignored, and an extra (LoRA name, cache salt) changes every key."""
+earlier block, a partial tail is ignored, and a LoRA name or cache salt (folded into the root) changes every key."""
 
 from __future__ import annotations
 
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from picker.shared.block_keys import MAX_TOKEN_ID, block_key, chain_block_keys, extra_bytes, root_key
+from picker.shared.block_keys import MAX_TOKEN_ID, block_key, chain_block_keys, root_key
 
 PROPS = settings(max_examples=100, deadline=None)
 tokens = st.lists(st.integers(0, MAX_TOKEN_ID), max_size=96)
@@ -61,13 +61,13 @@ def test_changing_a_token_changes_its_block_and_every_later_key_only(
 
 
 @PROPS
-@given(tokens.filter(lambda t: len(t) >= 1), block_sizes, parents, names, names)
-def test_extra_changes_every_key(toks: list[int], bs: int, parent: int, lora: str, salt: str) -> None:
-    extra = extra_bytes(lora, salt)
-    assume(extra)
-    plain, with_extra = chain_block_keys(toks, bs, parent), chain_block_keys(toks, bs, parent, extra)
-    assert len(plain) == len(with_extra)
-    assert all(a != b for a, b in zip(plain, with_extra, strict=True))
+@given(tokens.filter(lambda t: len(t) >= 1), block_sizes, names, names, names)
+def test_lora_and_salt_change_every_key(toks: list[int], bs: int, model: str, lora: str, salt: str) -> None:
+    assume(lora or salt)
+    plain = chain_block_keys(toks, bs, root_key(model))
+    scoped = chain_block_keys(toks, bs, root_key(model, lora, salt))
+    assert len(plain) == len(scoped)
+    assert all(a != b for a, b in zip(plain, scoped, strict=True))
 
 
 @PROPS
