@@ -40,7 +40,7 @@ class LimitsConfig(_Model):
     max_event_hashes: int = Field(1 << 18, ge=1, le=1 << 24)
     # Work unit of a decoded batch: block_chains.work_units splits it into slices of at most this many
     # blocks, so a source can yield to the event loop between slices.
-    apply_slice_blocks: int = Field(4096, ge=1, le=1 << 24)
+    apply_slice_blocks: int = Field(1024, ge=1, le=1 << 24)  # ~2-3 ms of tracker work (page size 1)
     # Engine messages received but not yet applied, in bytes; past it new messages are dropped (a sequence
     # gap, repaired by replay) so a flood cannot grow memory.
     max_backlog_bytes: int = Field(64 << 20, ge=1 << 16, le=1 << 34)
