@@ -1,0 +1,97 @@
+"""The listener feed's bounds and the two transports' parity (listener.feed, picker.kv.feed_consumer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from listener.config import FeedConfig
+from listener.feed import BackendFeed, Record, Subscriber, SubscriberLimit, open_subscription
+from picker.config import EventSourceConfig
+from picker.kv.feed_consumer import GrpcFeedConsumer, KvFeedConsumer
+from picker.kv.index import InMemoryKvIndex
+from picker.shared.feed_records import SseParser
+
+
+def feed(**kw: int) -> BackendFeed:
+    return BackendFeed("e1", FeedConfig(**{"history_size": 64, "max_keys_per_record": 4, **kw}), base_id=1000)
+
+
+async def drain(sub: Subscriber) -> list[Record]:
+    out: list[Record] = []
+    async for batch in sub.batches(keepalive_seconds=3600):
+        out.extend(batch)
+        if not sub.replay and not sub.pending and sub.snapshot is None and out and out[-1].id is not None:
+            break
+    return out
+
+
+def test_pending_records_are_bounded_in_bytes() -> None:
+    f = feed(subscriber_queue_size=1000, subscriber_queue_bytes=4096)
+    sub = f.subscribe(f.last_id)
+    for i in range(20):
+        f.emit("put", list(range(i * 4, i * 4 + 4)), "gpu_hot")  # 80 bytes counted per record
+    assert sub.close_reason is None and sub.pending_bytes <= 4096
+    for i in range(100):
+        f.emit("put", list(range(i * 4, i * 4 + 4)), "gpu_hot")
+    assert sub.close_reason == "buffer_overflow" and sub not in f.subscribers and not sub.pending
+
+
+def test_subscriber_caps_per_backend_and_in_all() -> None:
+    cfg = FeedConfig(max_subscribers_per_backend=2, max_subscribers=3)
+    feeds = {"a": BackendFeed("a", cfg), "b": BackendFeed("b", cfg)}
+    open_subscription(feeds, "a", None)
+    open_subscription(feeds, "a", None)
+    with pytest.raises(SubscriberLimit):
+        open_subscription(feeds, "a", None)
+    open_subscription(feeds, "b", None)
+    with pytest.raises(SubscriberLimit):
+        open_subscription(feeds, "b", None)  # 3 in all
+    with pytest.raises(KeyError):
+        open_subscription(feeds, "c", None)
+
+
+async def test_snapshots_are_shared_while_the_history_bridges_them() -> None:
+    f = feed()
+    f.emit("put", list(range(10)), "gpu_hot")
+    s1 = f.subscribe(None)
+    f.emit("del", [3], None)
+    f.emit("put", [100], "storage_warm")
+    s2 = f.subscribe(None)  # same snapshot + the 2 records after it
+    assert f.snapshots_built == 1 and s2.snapshot is s1.snapshot and len(s2.replay) == 2
+    held: dict[int, str] = {}
+    for rec in await drain(s2):
+        if rec.kind == "put":
+            held.update(dict.fromkeys(rec.keys or (), rec.text))
+        elif rec.kind == "del":
+            for k in rec.keys or ():
+                held.pop(k, None)
+    assert held == f.state
+    for i in range(40):  # past history_size // 2 records since the snapshot: a new one
+        f.emit("put", [1000 + i], "gpu_hot")
+    f.subscribe(None)
+    assert f.snapshots_built == 2
+
+
+async def test_sse_and_grpc_records_build_the_same_index() -> None:
+    f = feed()
+    f.emit("put", list(range(1, 11)), "gpu_hot")
+    sub = f.subscribe(None)
+    f.emit("del", [2, 3], None)
+    f.emit("put", [2**64 - 1, 77], "storage_warm")
+    f.clear("restart")
+    f.emit("put", [5, 6, 7], "gpu_hot")
+    records = await drain(sub)
+    i_sse, i_pb = InMemoryKvIndex(), InMemoryKvIndex()
+    sse = KvFeedConsumer(EventSourceConfig(backend_name="e1", endpoint="http://127.0.0.1:1/events/e1"), i_sse)
+    grpc_c = GrpcFeedConsumer(EventSourceConfig(backend_name="e1", endpoint="grpc://127.0.0.1:1"), i_pb)
+    parser = SseParser()
+    for rec in records:
+        for event, data, rec_id in parser.feed(rec.sse()):
+            sse.apply_record(event, data, rec_id)
+        grpc_c.apply_message(rec.pb())
+    keys = [1, 2, 3, 4, 5, 6, 7, 77, 2**64 - 1]
+    held_sse = {k for k in keys if i_sse.lookup([k]).get("e1")}
+    held_pb = {k for k in keys if i_pb.lookup([k]).get("e1")}
+    assert held_sse == held_pb == {5, 6, 7}
+    assert sse.last_event_id == grpc_c.last_event_id == f.last_id
+    assert sse.stats.snapshots == grpc_c.stats.snapshots == 1
