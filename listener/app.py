@@ -24,6 +24,7 @@ from listener.feed import BackendFeed
 from listener.feed_server import build_app
 from listener.grpc_feed import GrpcFeedServer, GrpcFeedSetupError
 from listener.metrics import ListenerMetrics
+from listener.state_store import StatePersister
 from listener.trtllm_source import TrtllmHttpSource
 from listener.zmq_source import Z, ZmqEventSource
 from picker.shared.supervisor import TaskFailure, TaskSupervisor
@@ -76,6 +77,10 @@ class ListenerApp:
         self.grpc: GrpcFeedServer | None = None  # the gRPC feed (grpc.listen set)
         for s in cfg.sources:
             self._add_source(s)
+        self.persister: StatePersister | None = None  # state.path set: restart-proof state (state_store)
+        if cfg.state.path is not None:
+            zmq_sources = [src for src in self.sources.values() if isinstance(src, ZmqEventSource)]
+            self.persister = StatePersister(cfg.state, list(zmq_sources), self._state_saved)
 
     def _add_source(self, s: SourceConfig) -> None:
         name = s.backend_name
@@ -105,6 +110,11 @@ class ListenerApp:
                 self._ctx = zmq.asyncio.Context()
             self.sources[name] = ZmqEventSource(s, self.cfg.limits, tracker, m, self._ctx)
 
+    def _state_saved(self, result: str, size: int) -> None:
+        self.metrics.state_saves.labels(result).inc()
+        if size:
+            self.metrics.state_bytes.set(size)
+
     def _task_failed(self, failure: TaskFailure) -> None:
         self.metrics.background_task_failures.labels(failure.task).inc()
 
@@ -121,25 +131,40 @@ class ListenerApp:
         return self.supervisor.healthy, self.supervisor.reason or "ready"
 
     def health(self) -> dict[str, object]:
+        """Status: draining, task_failed, degraded (a source stale, or not connected past
+        connect_grace_seconds), else ok; per source its true connection state (see ZmqEventSource.status)."""
+        sources: dict[str, dict[str, object]] = {}
+        degraded: list[str] = []
+        for name, src in self.sources.items():
+            st = src.status(self.cfg.stale_after_seconds)
+            state_age = st["state_age_seconds"]
+            assert isinstance(state_age, float)
+            if st["state"] == "stale" or (not src.connected and state_age > self.cfg.connect_grace_seconds):
+                degraded.append(name)
+            sources[name] = {
+                **st,
+                "tracked_blocks": self.trackers[name].tracked_blocks,
+                "retained_tokens": self.trackers[name].retained_tokens,
+                "last_event_id": self.feeds[name].last_id,
+                "subscribers": len(self.feeds[name].subscribers),
+            }
+        status = "draining" if self.draining else "task_failed" if not self.supervisor.healthy else "ok"
+        if status == "ok" and degraded:
+            status = "degraded"
         return {
-            "status": "draining" if self.draining else "ok" if self.supervisor.healthy else "task_failed",
+            "status": status,
+            "degraded_sources": degraded,
             "failed_tasks": {f.task: repr(f.error) for f in self.supervisor.failures},
-            "sources": {
-                name: {
-                    "connected": src.connected,
-                    "tracked_blocks": self.trackers[name].tracked_blocks,
-                    "retained_tokens": self.trackers[name].retained_tokens,
-                    "last_event_id": self.feeds[name].last_id,
-                    "subscribers": len(self.feeds[name].subscribers),
-                }
-                for name, src in self.sources.items()
-            },
+            "sources": sources,
         }
 
     def _update_gauges(self) -> None:
         for name, t in self.trackers.items():
             self.metrics.tracked_blocks.labels(name).set(t.tracked_blocks)
             self.metrics.retained_tokens.labels(name).set(t.retained_tokens)
+        for name, src in self.sources.items():
+            if isinstance(src, ZmqEventSource):
+                self.metrics.backlog_bytes.labels(name).set(src.backlog_bytes)
 
     async def _gauge_loop(self) -> None:
         while True:
@@ -153,9 +178,14 @@ class ListenerApp:
         except BaseException:
             await self._close()
             raise
+        if self.persister is not None:
+            restored = await self.persister.restore()
+            log.info("event=state_loaded path=%s sources_restored=%d", self.persister.path, restored)
         for name, src in self.sources.items():
             self.supervisor.spawn(f"source-{name}", src.run)
         self.supervisor.spawn("gauges", self._gauge_loop)
+        if self.persister is not None:
+            self.supervisor.spawn("state", self.persister.run)
         self.started = True
         log.info("event=listener_started listen=%s sources=%d", self.listen_address, len(self.sources))
 
@@ -233,6 +263,8 @@ class ListenerApp:
                 break
             await asyncio.sleep(0.02)
         stuck = await self.supervisor.stop(TASK_STOP_SECONDS)
+        if self.persister is not None and self.started:
+            await self.persister.save()
         await self._close()
         log.info("event=listener_stopped stuck_tasks=%d", len(stuck))
 

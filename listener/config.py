@@ -113,6 +113,16 @@ class GrpcFeedConfig(_Model):
         return self
 
 
+class StateConfig(_Model):
+    """Restart-proof state: per ZMQ source, a compacted log of the engine's own event payloads and the last
+    applied seq (+ digest), written atomically every ``interval_seconds`` and at stop. ``path`` None = off."""
+
+    path: str | None = None
+    interval_seconds: float = Field(5.0, ge=0.05, le=3600)
+    # Bound of the state file; a source whose compacted log does not fit is saved without it (restored empty).
+    max_bytes: int = Field(256 << 20, ge=1 << 16, le=1 << 34)
+
+
 class ListenerConfig(_Model):
     """Top level of the listener's YAML file."""
 
@@ -125,6 +135,11 @@ class ListenerConfig(_Model):
     drain_deadline_seconds: float = Field(5.0, ge=0, le=600)
     limits: LimitsConfig = LimitsConfig()
     feed: FeedConfig = FeedConfig()
+    state: StateConfig = StateConfig()
+    # /healthz: a connected source with no event for this long is "stale"; one not connected this long
+    # after start (or after losing its peer) makes the status "degraded".
+    stale_after_seconds: float = Field(300.0, gt=0, le=86_400)
+    connect_grace_seconds: float = Field(10.0, ge=0, le=3600)
     grpc: GrpcFeedConfig = GrpcFeedConfig()
     sources: tuple[SourceConfig, ...] = ()
 

@@ -26,7 +26,7 @@ class ListenerMetrics:
         self.events_dropped = Counter(
             "kv_listener_events_dropped",
             "Messages or events skipped, by reason (malformed, too_large, publisher_not_allowed, "
-            "duplicate, stale, ...)",
+            "duplicate, backlog_full, ...)",
             ["source", "reason"],
             registry=r,
         )
@@ -47,6 +47,20 @@ class ListenerMetrics:
         self.restarts = Counter(
             "kv_listener_engine_restarts", "Engine restarts detected (sequence reset)", ["source"], registry=r
         )
+        self.incarnation_checks = Counter(
+            "kv_listener_incarnation_checks",
+            "Engine incarnation checks after a reconnection, a listener start or a gap, by verdict "
+            "(same, restart, unverifiable)",
+            ["source", "verdict"],
+            registry=r,
+        )
+        self.backlog_bytes = Gauge(
+            "kv_listener_backlog_bytes", "Engine message bytes received, not yet applied", ["source"], registry=r
+        )
+        self.state_saves = Counter(
+            "kv_listener_state_saves", "State file writes by result (ok, failed, overflow)", ["result"], registry=r
+        )
+        self.state_bytes = Gauge("kv_listener_state_bytes", "Size of the last state file written", registry=r)
         self.clears = Counter(
             "kv_listener_backend_clears", "Backend state dropped, by reason", ["source", "reason"], registry=r
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,8 +24,6 @@ from listener.events import BlockRemoved, BlockStored, DecodeError, KvEvent, Sou
 from listener.metrics import ListenerMetrics
 
 log = logging.getLogger("kv_listener.trtllm")
-
-MAX_RESPONSE_BYTES = 32 << 20  # a larger poll response is dropped (and the state cleared: events lost)
 
 
 def _int(v: Any, name: str) -> int:
@@ -102,6 +101,10 @@ class TrtllmHttpSource:
         self.name = cfg.backend_name
         self.last_event_id: int | None = None
         self.connected = False
+        self.ever_connected = False
+        self.state_since = time.monotonic()  # when the last poll result changed connected
+        self.last_event_at: float | None = None
+        self.max_response_bytes = limits.max_message_bytes  # a larger response is dropped: state cleared
         assert cfg.http_endpoint is not None
         self.url = cfg.http_endpoint.rstrip("/") + "/kv_cache_events"
 
@@ -124,22 +127,42 @@ class TrtllmHttpSource:
                 await self.poll_once(session)
                 await asyncio.sleep(self.cfg.poll_interval_ms / 1000)
 
+    def _set_connected(self, value: bool) -> None:
+        if value != self.connected:
+            self.state_since = time.monotonic()
+        self.connected = value
+        self.ever_connected = self.ever_connected or value
+
+    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole body, or max_response_bytes + 1 bytes when it is larger (read() may return less than
+        asked: only what has arrived)."""
+        limit = self.max_response_bytes
+        parts: list[bytes] = []
+        got = 0
+        while got <= limit:
+            chunk = await resp.content.read(min(1 << 20, limit + 1 - got))
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
     async def poll_once(self, session: aiohttp.ClientSession) -> None:
         """One POST; a failure only marks the source disconnected."""
         try:
             async with session.post(self.url, json={}) as resp:
                 if resp.status != 200:
-                    self.connected = False
+                    self._set_connected(False)
                     self._drop("http_error")
                     return
-                body = await resp.content.read(MAX_RESPONSE_BYTES + 1)
+                body = await self._read_body(resp)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             if self.connected:
                 log.warning("event=poll_failed source=%s error=%s", self.name, type(exc).__name__)
-            self.connected = False
+            self._set_connected(False)
             return
-        self.connected = True
-        if len(body) > MAX_RESPONSE_BYTES:
+        self._set_connected(True)
+        if len(body) > self.max_response_bytes:
             self._drop("too_large")
             self.tracker.reset("gap")  # events were lost
             return
@@ -156,6 +179,8 @@ class TrtllmHttpSource:
             self._drop("malformed")
             return
         self.metrics.messages_received.labels(self.name).inc()
+        if events:
+            self.last_event_at = time.monotonic()
         for item in events:
             self._apply_item(item)
 
@@ -194,3 +219,19 @@ class TrtllmHttpSource:
         for ev in decoded:
             self.tracker.apply(ev)
         self.metrics.events_processed.labels(self.name).inc()
+
+    def status(self, stale_after: float) -> dict[str, object]:
+        """Health detail; ``connected`` means the last poll succeeded."""
+        now = time.monotonic()
+        if self.connected:
+            ref = max(self.last_event_at or 0.0, self.state_since)
+            state = "stale" if now - ref > stale_after else "connected"
+        else:
+            state = "disconnected" if self.ever_connected else "connecting"
+        return {
+            "state": state,
+            "connected": self.connected,
+            "state_age_seconds": round(now - self.state_since, 3),
+            "last_seq": self.last_event_id,
+            "last_event_age_seconds": None if self.last_event_at is None else round(now - self.last_event_at, 3),
+        }
