@@ -13,8 +13,9 @@ dropped (``too_large``) before any hash is converted.
 
 Fields read from ``BlockStored``: ``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``
 (0 only for vLLM's CPU placeholder stores, which carry no tokens), ``lora_id``, ``lora_name``, ``medium``,
-``cache_salt`` (SGLang), ``extra_keys`` (vLLM, map form only), ``group_idx``, ``kv_cache_spec_kind``,
-``kv_cache_spec_sliding_window``. vLLM's ``extra_keys`` (one entry per block, None or a list): the
+``cache_salt`` (SGLang), ``extra_keys`` (vLLM), ``group_idx``, ``kv_cache_spec_kind``,
+``kv_cache_spec_sliding_window``. vLLM's ``extra_keys`` (one entry per block, None or a list; in the
+array form taken from the position after ``lora_name`` only when it has that shape): the
 adapter name (equal to ``lora_name``) is dropped from every block; on a chain's first block (no parent) a
 single remaining string is the cache salt; any other remaining extra (multimodal hashes) makes that block
 and the rest of the event unkeyable (``unkeyable_from``).
@@ -218,6 +219,12 @@ _POSITIONAL = {
 }
 
 
+def _looks_like_extra_keys(v: Any, hashes: Any) -> bool:
+    if not isinstance(v, list | tuple) or not isinstance(hashes, list | tuple) or len(v) != len(hashes):
+        return False
+    return any(e is not None for e in v) and all(e is None or isinstance(e, list | tuple) for e in v)
+
+
 def _as_fields(raw: Any, engine: str) -> tuple[str, dict[str, Any]]:
     if isinstance(raw, dict):
         tag = raw.get("type")
@@ -231,6 +238,10 @@ def _as_fields(raw: Any, engine: str) -> tuple[str, dict[str, Any]]:
         # vLLM appended lora_name after medium; SGLang's later positions differ, so skip them there.
         if tag == "BlockStored" and engine == "vllm" and len(raw) > 7:
             fields["lora_name"] = raw[7]
+            # extra_keys follows in vLLM 0.33; positions past lora_name are not reliable across versions,
+            # so it is taken only when it has the shape of extra_keys (one None-or-list entry per hash)
+            if len(raw) > 8 and _looks_like_extra_keys(raw[8], raw[1]):
+                fields["extra_keys"] = raw[8]
         return tag, fields
     raise DecodeError("malformed", "event is neither a tagged array nor a map")
 

@@ -40,6 +40,7 @@ class SimConfig:
     time_scale: float = _f(1.0, "real seconds per simulated second (0.1 = ten times faster)")
     default_max_tokens: int = _f(16, "output length when a request sets no max_tokens")
     hash_seed: str = _f("", "seed of the engine block hash (like PYTHONHASHSEED)")
+    lora_adapters: str = _f("", "comma-separated LoRA adapter names served besides the model")
     error_rate: float = _f(0.0, "fraction of requests answered with HTTP 500 (fault)")
     event_drop_rate: float = _f(0.0, "fraction of KV event batches not sent on PUB (fault)")
     seed: int = _f(0, "seed of the fault random generators")

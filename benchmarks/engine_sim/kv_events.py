@@ -14,7 +14,15 @@ Event encodings (``encoding``):
 
 Hash forms (``hash_form``): ``uint64`` (vLLM default, may exceed 2^63) or ``bytes`` (the 32-byte
 sha256 digest, as with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). The ``sglang`` flavour always sends
-signed int64 hashes, one ``BlockStored`` per page, and 2-frame replay replies.
+signed int64 hashes, one ``BlockStored`` per page, and 2-frame replay replies; ``sglang_page_size``
+(a divisor of the cache's block size, 1 being SGLang's common default) splits every block into pages of
+that many tokens, each with its own hash (removals name every page of the block).
+
+Salted and LoRA requests (WIRE.md §3-4, as vLLM 0.33 and SGLang 0.5.23 publish them): the vLLM flavour
+sends ``lora_id``, ``lora_name`` and ``extra_keys`` (one entry per block: the adapter name on every block,
+then the cache salt on the first block of a chain, None when a block has neither; appended after
+``lora_name`` in the array encoding); the SGLang flavour sends ``lora_id``, ``lora_name`` and
+``cache_salt`` as plain fields of every page (map encoding).
 
 Replay: a ROUTER socket. A request is one frame holding the start seq (8 bytes big-endian); a DEALER
 sends ``[b"", seq8]``. The reply mirrors the request's envelope (the empty delimiter frame is echoed
@@ -34,9 +42,11 @@ import contextlib
 import logging
 import random
 import time
+import zlib
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from hashlib import sha256
 from typing import Any, Literal
 
 import msgpack
@@ -63,6 +73,8 @@ class BlockStoredEvent:
     parent: bytes | None
     token_ids: tuple[int, ...]
     block_size: int
+    lora_name: str | None = None  # the LoRA adapter the request targeted
+    cache_salt: str | None = None  # the request's cache_salt
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,6 +106,7 @@ class KvEventsSettings:
     bind: bool | None = None  # None: vLLM's rule (bind on *, ::, 0.0.0.0, ipc://, inproc://, port 0)
     replay_buffer_batches: int = 10_000  # vLLM's default buffer_steps
     dp_rank: int = 0
+    sglang_page_size: int | None = None  # sglang flavour: pages of this many tokens (None: the block size)
 
 
 def publisher_binds(endpoint: str) -> bool:
@@ -104,13 +117,27 @@ def publisher_binds(endpoint: str) -> bool:
     return any(w in host_port for w in ("*", "::", "0.0.0.0")) or host_port.endswith(":0")
 
 
+def lora_id_of(lora_name: str) -> int:
+    """A stable positive int id for an adapter name (vLLM numbers adapters from 1)."""
+    return 1 + zlib.crc32(lora_name.encode("utf-8")) % 65_535
+
+
+def page_digest(block_digest: bytes, page: int) -> bytes:
+    """The hash of page ``page`` of a block split into smaller SGLang pages."""
+    return sha256(block_digest + page.to_bytes(4, "big")).digest()
+
+
 class KvEventEncoder:
     """Turns simulator events into wire objects for one (flavour, encoding, hash form)."""
 
-    def __init__(self, encoding: EventEncoding, hash_form: HashForm, flavour: Flavour) -> None:
+    def __init__(
+        self, encoding: EventEncoding, hash_form: HashForm, flavour: Flavour, sglang_page_size: int | None = None
+    ) -> None:
         self.encoding = encoding
         self.hash_form = hash_form
         self.flavour = flavour
+        self.page_size = sglang_page_size if flavour == "sglang" else None
+        self._block_size: int | None = None  # the cache's block size, learnt from the first store
 
     def wire_hash(self, digest: bytes) -> int | bytes:
         """The published form of one engine hash."""
@@ -123,29 +150,58 @@ class KvEventEncoder:
         out: list[Any] = []
         for event in events:
             if isinstance(event, BlockStoredEvent) and self.flavour == "sglang":
-                bs = event.block_size
-                parent = event.parent
+                bs = self._block_size = event.block_size
+                ps = self.page_size or bs
+                if bs % ps:
+                    raise ValueError(f"sglang_page_size {ps} does not divide the block size {bs}")
+                parent = self._last_page(event.parent, bs)
                 for i, d in enumerate(event.digests):
-                    page = BlockStoredEvent((d,), parent, event.token_ids[i * bs : (i + 1) * bs], bs)
-                    out.append(self._encode_one(page))
-                    parent = d
+                    for j in range(bs // ps):
+                        pd = d if ps == bs else page_digest(d, j)
+                        toks = event.token_ids[i * bs + j * ps : i * bs + (j + 1) * ps]
+                        out.append(
+                            self._encode_one(
+                                replace(event, digests=(pd,), parent=parent, token_ids=toks, block_size=ps)
+                            )
+                        )
+                        parent = pd
+            elif isinstance(event, BlockRemovedEvent) and self.page_size:
+                out.append(self._encode_one(BlockRemovedEvent(tuple(self._pages(event.digests)))))
             else:
                 out.append(self._encode_one(event))
         return out
+
+    def _last_page(self, digest: bytes | None, block_size: int) -> bytes | None:
+        ps = self.page_size
+        if digest is None or not ps or ps == block_size:
+            return digest
+        return page_digest(digest, block_size // ps - 1)
+
+    def _pages(self, digests: Sequence[bytes]) -> list[bytes]:
+        ps, bs = self.page_size, self._block_size
+        if not ps or not bs or ps == bs:
+            return list(digests)
+        return [page_digest(d, j) for d in digests for j in range(bs // ps)]
 
     def _encode_one(self, event: KvEvent) -> Any:
         fields: list[tuple[str, Any]]
         if isinstance(event, BlockStoredEvent):
             tag = "BlockStored"
+            lora = event.lora_name or None
             fields = [
                 ("block_hashes", [self.wire_hash(d) for d in event.digests]),
                 ("parent_block_hash", None if event.parent is None else self.wire_hash(event.parent)),
                 ("token_ids", list(event.token_ids)),
                 ("block_size", event.block_size),
-                ("lora_id", None),
+                ("lora_id", None if lora is None else lora_id_of(lora)),
                 ("medium", MEDIUM_GPU),
-                ("lora_name", None),
+                ("lora_name", lora),
             ]
+            if self.flavour == "sglang":
+                if self.encoding == "map":  # later positions of SGLang's array form are not decoded
+                    fields.append(("cache_salt", event.cache_salt or None))
+            elif lora is not None or event.cache_salt:
+                fields.append(("extra_keys", self._extra_keys(event)))
         elif isinstance(event, BlockRemovedEvent):
             tag = "BlockRemoved"
             fields = [("block_hashes", [self.wire_hash(d) for d in event.digests]), ("medium", MEDIUM_GPU)]
@@ -160,6 +216,17 @@ class KvEventEncoder:
                 continue  # SGLang omits optional fields left at None
             mapped[name] = value
         return mapped
+
+    @staticmethod
+    def _extra_keys(event: BlockStoredEvent) -> list[list[str] | None]:
+        """vLLM 0.33: the adapter name on every block, the salt after it on a chain's first block."""
+        out: list[list[str] | None] = []
+        for i in range(len(event.digests)):
+            extras = [event.lora_name] if event.lora_name else []
+            if i == 0 and event.parent is None and event.cache_salt:
+                extras.append(event.cache_salt)
+            out.append(extras or None)
+        return out
 
     def encode_batch(self, events: Sequence[KvEvent], ts: float, dp_rank: int) -> bytes:
         """The msgpack payload of one batch ``[ts, events, dp_rank]``."""
@@ -177,7 +244,9 @@ class KvEventPublisher:
         self.settings = settings
         layout: ReplayLayout = "seq" if settings.flavour == "sglang" else settings.replay_layout
         self.replay_layout = layout
-        self.encoder = KvEventEncoder(settings.encoding, settings.hash_form, settings.flavour)
+        self.encoder = KvEventEncoder(
+            settings.encoding, settings.hash_form, settings.flavour, settings.sglang_page_size
+        )
         self._topic = settings.topic.encode("utf-8")
         self._ctx: zmq.asyncio.Context | None = None
         self._pub: zmq.asyncio.Socket | None = None

@@ -110,9 +110,11 @@ class PagedPrefixCache:
         self._generation = 0
 
     # -- read side ---------------------------------------------------------------------------------
-    def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Engine hashes of the full blocks of ``token_ids``."""
-        return engine_block_hashes(token_ids, self.block_size, self.hash_seed)
+    def block_hashes(self, token_ids: Sequence[int], namespace: str = "") -> list[bytes]:
+        """Engine hashes of the full blocks of ``token_ids``; a LoRA adapter or cache salt (``namespace``)
+        gives the whole chain other hashes, as in the engines (no sharing across adapters or salts)."""
+        seed = self.hash_seed if not namespace else f"{self.hash_seed}\x00{namespace}"
+        return engine_block_hashes(token_ids, self.block_size, seed)
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._blocks

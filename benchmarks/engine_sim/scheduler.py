@@ -58,6 +58,8 @@ class SimRequest:
     prompt_ids: list[int]
     max_tokens: int
     digests: list[bytes] = field(default_factory=list)
+    lora_name: str | None = None  # the LoRA adapter targeted (the request's model)
+    cache_salt: str | None = None
     # bound: max_tokens token items + one done/error item, all produced by the scheduler
     outputs: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
     arrival: float = 0.0
@@ -143,7 +145,10 @@ class BatchScheduler:
     def submit(self, request: SimRequest) -> None:
         """Queue a request (call ``check`` first)."""
         request.arrival = time.monotonic()
-        request.digests = self.cache.block_hashes(request.prompt_ids)
+        namespace = (
+            "" if not (request.lora_name or request.cache_salt) else f"{request.lora_name}\x00{request.cache_salt}"
+        )
+        request.digests = self.cache.block_hashes(request.prompt_ids, namespace)
         self.waiting.append(request)
         self._wakeup.set()
 
@@ -257,7 +262,11 @@ class BatchScheduler:
     def _store_prompt_blocks(self, r: SimRequest) -> None:
         assert r.alloc is not None
         for run in self.cache.commit_prompt_blocks(r.alloc, r.prompt_ids):
-            self._pending_events.append(BlockStoredEvent(run.digests, run.parent, run.token_ids, self.cache.block_size))
+            self._pending_events.append(
+                BlockStoredEvent(
+                    run.digests, run.parent, run.token_ids, self.cache.block_size, r.lora_name, r.cache_salt
+                )
+            )
 
     def _emit_token(self, r: SimRequest) -> None:
         word = output_word(r.prompt_ids, r.generated)

@@ -90,6 +90,7 @@ class EngineSimulator:
         self.detokenizer = Detokenizer()
         self.detokenizer.remember(" ".join(OUTPUT_WORDS))
         self.error_rate = self.config.error_rate
+        self.lora_adapters = frozenset(a.strip() for a in self.config.lora_adapters.split(",") if a.strip())
         self._error_rng = random.Random(self.config.seed)
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
@@ -225,7 +226,11 @@ class EngineSimulator:
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.config.model:
+        if (
+            model is not None
+            and model != self.config.model
+            and not (isinstance(model, str) and model in self.lora_adapters)
+        ):
             return error_response(404, f"The model `{model}` does not exist.", "NotFoundError")
         return body
 
@@ -288,8 +293,14 @@ class EngineSimulator:
         prefix = {"chat": "chatcmpl", "completions": "cmpl", "responses": "resp"}[api]
         base_id = f"{prefix}-{self.config.name}-{next(self._ids)}"
         # One engine request per prompt (vLLM: ``{request_id}-{i}``), each cached and published on its own.
+        model = body.get("model")
+        lora = model if isinstance(model, str) and model in self.lora_adapters else None
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
         batch = [
-            SimRequest(base_id if len(prompts) == 1 else f"{base_id}-{i}", ids, max_tokens)
+            SimRequest(
+                base_id if len(prompts) == 1 else f"{base_id}-{i}", ids, max_tokens, lora_name=lora, cache_salt=salt
+            )
             for i, ids in enumerate(prompts)
         ]
         for sim_request in batch:
