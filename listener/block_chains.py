@@ -23,7 +23,8 @@ counted on its own. vLLM hybrid models publish the same hashes once per KV-cache
 names one group: a node is held while any *full-attention* group holds it. Groups announced as sliding
 window (or another non-full kind) through ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` do
 not keep a block alive once the source has shown a full-attention group (they only count on a source
-that never has); a group without kind information counts as full attention. A store that fails the
+that never has; a node's tier is recomputed at its next store or removal); a group without kind
+information counts as full attention. A store that fails the
 page check (``len(token_ids) != len(block_hashes) * block_size``, a sliding window "null" block) never
 changes a known node; from a secondary group it is ignored (``null_block``), otherwise its unknown pages
 are tracked without keys. The tier of a node's keys is ``gpu_hot`` while any counted GPU copy exists,
@@ -444,15 +445,23 @@ class BlockChainTracker:
         keep_segments = self.limits.max_retained_tokens > 0
         max_chain = self.limits.max_chain_tokens
         parent_hash = ev.parent_hash
+        all_packed = array("I", ev.token_ids).tobytes()
+        pstride = bs * 4
+        nodes = self._nodes
+        slot = (group, medium)
+        # tier of a fresh node holding only this copy (the common case, without the general recount)
+        fresh_tier = None if ev.secondary_group and self._full_group_seen else GPU if medium == _GPU_LABEL else WARM
         for i, h in enumerate(ev.block_hashes):
-            page = ev.token_ids[i * bs : (i + 1) * bs]
-            node = self._nodes.pop(h, None)
+            page = all_packed[i * pstride : (i + 1) * pstride]
+            ntok = len(page) // 4
+            node = nodes.pop(h, None)
+            fresh = node is None
             if node is None:
-                node = _Node(parent=parent_hash, chain_tokens=chain + len(page))
-            self._nodes[h] = node  # (re)insert at the end: most recent
+                node = _Node(parent=parent_hash, chain_tokens=chain + ntok)
+            nodes[h] = node  # (re)insert at the end: most recent
             if node.anchor is None and anchor is not None and (first_bad is None or i < first_bad):
                 # a new page, or one first seen unattributed (a "null" store, an unknown parent): key it
-                packed = tail + array("I", page).tobytes()
+                packed = tail + page if tail else page
                 tail_start = chain - len(tail) // 4
                 full = len(packed) // stride
                 fit = max(0, (max_chain - tail_start) // kb)
@@ -463,13 +472,23 @@ class BlockChainTracker:
                 else:
                     node.anchor = keys[-1] if keys else anchor
                     node.tail = packed[full * stride :]
-                node.chain_tokens = chain + len(page)
+                node.chain_tokens = chain + ntok
                 node.parent = parent_hash
-                self._set_keys(em, node, tuple(keys))
+                if fresh:
+                    node.keys = tuple(keys)
+                else:
+                    self._set_keys(em, node, tuple(keys))
                 if keep_segments and h not in self._segments:
-                    self._segments[h] = array("I", page).tobytes()
-                    self._retained_tokens += len(page)
-            self._add_copy(em, node, group, medium)
+                    self._segments[h] = page
+                    self._retained_tokens += ntok
+            if fresh:
+                node.copies[slot] = 1
+                node.tier = fresh_tier
+                if fresh_tier is not None:
+                    for key in node.keys:
+                        self._ref(em, key, None, fresh_tier)
+            else:
+                self._add_copy(em, node, group, medium)
             anchor, tail, chain = node.anchor, node.tail, node.chain_tokens
             parent_hash = h
         if too_long:
