@@ -32,6 +32,7 @@ from picker.shared.block_keys import request_block_keys
 log = logging.getLogger("kv_epp.tier4")
 
 NOTHING_HELD: Mapping[str, BackendHold] = {}
+MAX_UNMATCHED_MODELS = 32
 
 
 class Tier4:
@@ -42,7 +43,13 @@ class Tier4:
         self.pool = pool
         self.metrics = metrics
         self.index = InMemoryKvIndex(cfg.max_entries, float(cfg.entry_ttl_seconds))
-        self.consumers = KvFeedConsumers(cfg.event_sources, self.index, metrics)
+        self.consumers = KvFeedConsumers(
+            cfg.event_sources, self.index, metrics, key_block_size=cfg.tokenizer.block_size
+        )
+        # the models the listener's sources key with (their hellos), refreshed by the check loop; a request
+        # whose model resolves to none of them can never match
+        self.known_models: frozenset[str] = frozenset()
+        self.unmatched_models: dict[str, int] = {}  # bound: MAX_UNMATCHED_MODELS names, for /readyz detail
         self._rotation = itertools.count()
         self.tokenizer: TokenizerSource = make_tokenizer_source(cfg.tokenizer, self._tokenizer_url)
         self.max_blocks = max(1, cfg.tokenizer.max_prefix_tokens // cfg.tokenizer.block_size)
@@ -90,6 +97,8 @@ class Tier4:
                     return NOTHING_HELD
             tok = self.cfg.tokenizer
             model, lora = self.resolve_model(facts.model, facts.lora_name)
+            if self.known_models and model not in self.known_models:
+                self._unmatched(model)
             keys = request_block_keys(ids, tok.block_size, model, lora, facts.cache_salt, self.max_blocks)
             return await self.index.holds(keys) if keys else NOTHING_HELD
         except TimeoutError:
@@ -98,6 +107,24 @@ class Tier4:
             log.warning("event=block_keys_failed error=%r", exc)
             self._failed("error")
         return NOTHING_HELD
+
+    def _unmatched(self, model: str) -> None:
+        self.metrics.kv_model_unmatched.inc()
+        n = self.unmatched_models.get(model)
+        if n is None:
+            if len(self.unmatched_models) >= MAX_UNMATCHED_MODELS:
+                return
+            log.warning(
+                "event=kv_model_unmatched model=%r listener_models=%r hint='add it to kv_cache_index.model_aliases "
+                "or lora_adapters, or fix the listener source model'",
+                model[:128],
+                sorted(self.known_models)[:8],
+            )
+        self.unmatched_models[model] = (n or 0) + 1
+
+    def unmatched_report(self) -> dict[str, int]:
+        """``/readyz`` detail: request models that resolve to no listener source's model (count each)."""
+        return {m[:128]: n for m, n in list(self.unmatched_models.items())[:8]}
 
     def _failed(self, reason: str) -> None:
         self.metrics.child(self.metrics.kv_tokenize_failures, reason).inc()
@@ -117,9 +144,20 @@ class Tier4:
         timeout = aiohttp.ClientTimeout(total=self.cfg.checks.self_check_timeout_seconds)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
+                self.known_models = frozenset(
+                    c.stats.source_model for c in self.consumers.consumers.values() if c.stats.source_model
+                )
                 for name, consumer in self.consumers.consumers.items():
                     st = consumer.stats
                     self.checks.judge(name, st.connected, st.events_received)
+                    if st.last_close_reason == "key_block_size_mismatch" and name not in probed:
+                        probed.add(name)
+                        self.checks.set_self_check(
+                            name,
+                            "keys_differ",
+                            f"the listener keys blocks of {st.key_block_size} tokens, the picker of "
+                            f"{self.cfg.tokenizer.block_size} (kv_cache_index.tokenizer.block_size): feed refused",
+                        )
                     if self.cfg.checks.self_check and st.connected and name not in probed:
                         probed.add(name)
                         task = asyncio.create_task(self._self_check(name, session), name=f"kv-self-check-{name}")

@@ -172,6 +172,8 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
         body: dict[str, object] = {"status": "ready"}
         if app.tier4 is not None:  # detail only: a wrong feed costs Tier 4, never the picker's routing
             body["kv_feeds"] = app.tier4.checks.report()
+            if app.tier4.unmatched_models:
+                body["kv_unmatched_models"] = app.tier4.unmatched_report()
         if app.ready and not app.draining:
             return web.json_response(body)
         body["status"] = "draining" if app.draining else "starting"

@@ -114,3 +114,14 @@ def test_entries_digest_compares_two_indexes_regardless_of_write_order() -> None
     c.put("x", [3], StorageTier.STORAGE_WARM)
     assert entries_digest(a, "x") == entries_digest(b, "x") != entries_digest(c, "x")
     assert entries_digest(a, "nobody") == entries_digest(InMemoryKvIndex(), "nobody")
+
+
+async def test_requests_for_a_model_no_listener_keys_with_are_counted_and_named() -> None:
+    """Issue 8: a listener source model that differs from the requests' model filled the index while
+    total_hits stayed 0 and nothing warned."""
+    t4 = tier4(model_aliases={"alias": "base"})
+    t4.known_models = frozenset({"base"})  # what the listeners' hellos said
+    for model in ("other", "other", "alias", "base"):
+        await t4.holds_for(RequestFacts(api="completions", model=model, prompt_token_ids=IDS))
+    assert t4.unmatched_report() == {"other": 2}
+    assert t4.metrics.registry.get_sample_value("continuum_kv_model_unmatched_total") == 2
