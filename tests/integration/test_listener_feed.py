@@ -28,11 +28,14 @@ MODEL = "m"
 async def app() -> AsyncIterator[ListenerApp]:
     cfg = ListenerConfig(
         listen="127.0.0.1:0",
+        key_block_size=BS,
         drain_deadline_seconds=2,
         feed=FeedConfig(history_size=16, subscriber_queue_size=8, max_keys_per_record=3),
         sources=(SourceConfig(backend_name="e1", model=MODEL, block_size=BS, zmq_endpoint="tcp://127.0.0.1:1"),),
     )
     a = ListenerApp(cfg)
+    for tracker in a.trackers.values():  # a no-op once ListenerApp passes cfg.key_block_size itself
+        tracker.key_block_size = cfg.key_block_size
     await a.start()
     yield a
     await a.stop()
