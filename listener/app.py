@@ -100,7 +100,8 @@ class ListenerApp:
             engine=s.engine,
             key_block_size=self.cfg.key_block_size,
         )
-        tracker = BlockChainTracker(s, self.cfg.limits, _CountingSink(feed, m, name), count)
+        sink = _CountingSink(feed, m, name)
+        tracker = BlockChainTracker(s, self.cfg.limits, sink, count, key_block_size=self.cfg.key_block_size)
         self.feeds[name] = feed
         self.trackers[name] = tracker
         if s.engine == "trtllm":

@@ -34,8 +34,6 @@ async def app() -> AsyncIterator[ListenerApp]:
         sources=(SourceConfig(backend_name="e1", model=MODEL, block_size=BS, zmq_endpoint="tcp://127.0.0.1:1"),),
     )
     a = ListenerApp(cfg)
-    for tracker in a.trackers.values():  # a no-op once ListenerApp passes cfg.key_block_size itself
-        tracker.key_block_size = cfg.key_block_size
     await a.start()
     yield a
     await a.stop()

@@ -46,8 +46,6 @@ def make(url: str, **kw: Any) -> tuple[ListenerApp, TrtllmHttpSource]:
         sources=(SourceConfig(backend_name="t1", engine="trtllm", model="m", block_size=BS, http_endpoint=url, **kw),),
     )
     app = ListenerApp(cfg)
-    for tracker in app.trackers.values():  # a no-op once ListenerApp passes cfg.key_block_size itself
-        tracker.key_block_size = cfg.key_block_size
     src = app.sources["t1"]
     assert isinstance(src, TrtllmHttpSource)
     return app, src

@@ -115,8 +115,6 @@ async def running(pub: Pub, **src: Any) -> AsyncIterator[ListenerApp]:
         sources=(SourceConfig(backend_name="e1", model=MODEL, block_size=BS, zmq_endpoint=pub.endpoint, **src),),
     )
     app = ListenerApp(cfg)
-    for tracker in app.trackers.values():  # a no-op once ListenerApp passes cfg.key_block_size itself
-        tracker.key_block_size = cfg.key_block_size
     await app.start()
     try:
         await pub.subscribed()
