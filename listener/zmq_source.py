@@ -10,7 +10,9 @@ Messages are ``[topic, seq (8 bytes BE), msgpack payload]`` (WIRE.md §3). Three
   (EVENT_HANDSHAKE_SUCCEEDED .. EVENT_DISCONNECTED: a ZMTP peer, not just a TCP connection). The
   reader reads monitor events before each message, so a reconnection is queued before the first
   message that came over it.
-- the applier applies messages in order and yields to the loop between events (every few ms).
+- the applier applies messages in order, a batch in work units of ``limits.apply_slice_blocks`` blocks
+  (``block_chains.work_units``), and yields to the loop between units (every few ms), so /healthz
+  answers while a big batch is applied (decoding one message is one step: max_message_bytes bounds it).
 
 Incarnation checks. The digest of the last applied batch is kept. After a reconnection, a listener start
 with persisted state (``state_store``) or a sequence gap, the replay ROUTER is asked from the last applied
@@ -39,7 +41,7 @@ import zmq as _zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from listener.block_chains import BlockChainTracker
+from listener.block_chains import BlockChainTracker, work_units
 from listener.config import LimitsConfig, SourceConfig
 from listener.events import DecodeError
 from listener.metrics import ListenerMetrics
@@ -333,8 +335,8 @@ class ZmqEventSource:
         self.last_seq, self.last_digest = seq, digest
 
     async def apply_payload(self, payload: bytes) -> None:
-        """Decode one batch and apply its events (bad events are counted and skipped), yielding to the
-        loop between events every few ms."""
+        """Decode one batch and apply its events (bad events are counted and skipped) in work units of at
+        most ``limits.apply_slice_blocks`` blocks, yielding to the loop between units once a few ms passed."""
         try:
             batch = decode_batch(payload, self.cfg.engine, self.limits.max_event_tokens)
         except DecodeError as exc:
@@ -347,8 +349,8 @@ class ZmqEventSource:
         self.metrics.events_received.labels(self.name).inc(len(batch.events) + len(batch.dropped))
         loop = asyncio.get_running_loop()
         turn = loop.time() + YIELD_EVERY_SECONDS
-        for ev in batch.events:
-            self.tracker.apply(ev)
+        for unit in work_units(batch.events, self.limits.apply_slice_blocks):
+            self.tracker.apply_all(unit)
             if loop.time() >= turn:
                 await asyncio.sleep(0)
                 turn = loop.time() + YIELD_EVERY_SECONDS
