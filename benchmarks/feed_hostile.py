@@ -88,7 +88,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     url = f"{listener.url}/healthz"
     sockets: list[socket.socket] = []
     calls: list[Any] = []
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+    # no BDP probing: a 64 KiB HTTP/2 window, so unread streams push back on the listener (the hostile case)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.http2.bdp_probe", 0)])
     result: dict[str, Any] = {
         "subscribers": args.subscribers,
         "keys": args.keys,

@@ -16,6 +16,7 @@ pre-serialized. ``Subscribe`` starts with a ``hello`` (backend, model, engine, k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import Callable, Mapping
@@ -33,6 +34,7 @@ from picker.shared.kvfeed_pb import feed_pb2 as pb
 log = logging.getLogger("kv_listener.grpc_feed")
 
 MAX_TOKEN_BYTES = 4096
+ABORT_WAIT_SECONDS = 1.0  # ending a call whose peer does not read
 
 
 class GrpcFeedSetupError(Exception):
@@ -175,10 +177,12 @@ class GrpcFeedServer:
             sub.resumed,
             sub.initial_records,
         )
+        stuck = False
         try:
             await self._serve(context, feed, sub)
         except TimeoutError:
             sub.close("write_timeout")
+            stuck = True
         except (asyncio.CancelledError, grpc.aio.AbortError):
             pass
         finally:
@@ -186,6 +190,14 @@ class GrpcFeedServer:
             sub.close("disconnected")
             gauge.dec()
             log.info("event=unsubscribe backend=%s transport=grpc reason=%s", backend, sub.close_reason)
+        if stuck:
+            # The peer does not read: end the call. The status cannot pass the unread messages, so the wait
+            # is bounded; what gRPC still buffers for the stream is bounded by the peer's HTTP/2 window.
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "write_timeout: the subscriber does not read"),
+                    ABORT_WAIT_SECONDS,
+                )
 
     async def _serve(self, context: grpc.aio.ServicerContext[Any, Any], feed: BackendFeed, sub: Subscriber) -> None:
         timeout = self.feed_cfg.write_timeout_seconds

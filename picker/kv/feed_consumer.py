@@ -281,9 +281,7 @@ class KvFeedConsumer:
     def on_hello(self, backend: str, model: str, engine: str, key_block_size: int) -> None:
         self.stats.source_model, self.stats.source_engine = model[:128], engine[:128]
         self.stats.key_block_size = key_block_size or None
-        if backend != self.backend:
-            log.error("event=feed_mismatch backend=%s listener_backend=%r", self.backend, backend[:64])
-            raise FeedClosed("backend_mismatch")
+        # ``backend`` is the listener's source name; an SSE endpoint may name another source than backend_name
         if self.key_block_size and key_block_size and key_block_size != self.key_block_size:
             log.error(
                 "event=feed_mismatch backend=%s listener_key_block_size=%d picker_block_size=%d",

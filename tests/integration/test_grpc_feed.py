@@ -19,7 +19,6 @@ from listener.events import BlockRemoved, BlockStored
 from picker.config import EventSourceConfig
 from picker.kv.feed_consumer import GrpcFeedConsumer, make_consumer
 from picker.kv.index import InMemoryKvIndex
-from picker.shared.block_keys import request_block_keys
 from picker.shared.feed_records import GRPC_SUBSCRIBE
 from picker.shared.kvfeed_pb import feed_pb2 as pb
 from tests.support.certs import TestCA
@@ -59,6 +58,7 @@ class Chains:
 
     def __init__(self, app: ListenerApp, start: int = 0) -> None:
         self.tracker = app.trackers["e1"]
+        self.feed = app.feeds["e1"]
         self.n = start
         self.keys: set[int] = set()
 
@@ -67,9 +67,8 @@ class Chains:
         self.n += 1
         toks = [i * 1000 + t for t in range(8 * BS)]
         self.tracker.apply(BlockStored(tuple(range(i * 100, i * 100 + 8)), None, toks, BS))
-        keys = request_block_keys(toks, BS, MODEL)
-        self.keys.update(keys)
-        return keys
+        self.keys.update(self.feed.state)  # every key the listener ever held
+        return toks
 
 
 def grpc_consumer(
@@ -119,7 +118,9 @@ async def test_two_grpc_consumers_hold_identical_indexes_across_a_listener_resta
 
         # a gap: more records than the history holds → snapshot
         await c1.stop()
-        for _ in range(8):
+        gone = c1.last_event_id
+        assert gone is not None
+        while feed.last_id - gone <= 16:  # more records than the history holds
             chains.store()
         c1.start()
         await async_wait_until(lambda: c1.stats.snapshots == 2 and c1.last_event_id == feed.last_id)
@@ -134,7 +135,7 @@ async def test_two_grpc_consumers_hold_identical_indexes_across_a_listener_resta
         feed2 = app2.feeds["e1"]
         await async_wait_until(lambda: c1.last_event_id == c2.last_event_id == feed2.last_id, timeout=20)
         everything = chains.keys | chains2.keys
-        assert held(i1, everything) == held(i2, everything) == set(feed2.state) == set(chains2.keys)
+        assert held(i1, everything) == held(i2, everything) == set(feed2.state) == chains2.keys
         assert c2.stats.snapshots == 2 and c2.stats.closes.get("draining") == 1
     finally:
         await c1.stop()
@@ -167,7 +168,9 @@ async def test_tls_and_bearer_token(tmp_path: Path) -> None:
     for c in (good, bad, plain):
         c.start()
     try:
-        await async_wait_until(lambda: good_idx.entry_count == 8)
+        want = len(app.feeds["e1"].state)
+        assert want > 0
+        await async_wait_until(lambda: good_idx.entry_count == want)
         await async_wait_until(lambda: bad.stats.closes.get("UNAUTHENTICATED", 0) >= 1)
         await async_wait_until(lambda: plain.stats.closes.get("UNAUTHENTICATED", 0) >= 1)
         assert bad_idx.entry_count == plain_idx.entry_count == 0
@@ -267,3 +270,60 @@ async def test_healthz_answers_while_many_subscribers_never_read() -> None:
             w.close()
         await channel.close()
         await app.stop()
+
+
+async def test_subscribers_that_never_read_are_dropped_at_the_write_deadline() -> None:
+    feed_cfg = FeedConfig(max_keys_per_record=512, write_timeout_seconds=0.5, keepalive_seconds=0.2)
+    app = ListenerApp(listener_cfg(feed=feed_cfg))
+    await app.start()
+    assert app.grpc is not None
+    feed = app.feeds["e1"]
+    feed.emit("put", list(range(1, 200_001)), "gpu_hot")  # ~1.6 MB per snapshot: more than any buffer
+    # no BDP probing: the client's HTTP/2 window stays at 64 KiB, so a stream that is never read blocks the
+    # listener's writes (with it the client library would take the whole snapshot into its own memory)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc.port}", options=[("grpc.http2.bdp_probe", 0)])
+    subscribe = channel.unary_stream(
+        GRPC_SUBSCRIBE, request_serializer=pb.SubscribeRequest.SerializeToString, response_deserializer=bytes
+    )
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    calls = []
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", app.port))
+        sock.send(b"GET /events/e1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        calls = [subscribe(pb.SubscribeRequest(backend="e1")) for _ in range(3)]
+        await async_wait_until(lambda: len(feed.subscribers) == 4)
+        await async_wait_until(lambda: not feed.subscribers, timeout=30)  # each write waited 0.5 s at most
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{app.port}/healthz") as resp:
+            assert resp.status == 200
+    finally:
+        sock.close()
+        for c in calls:
+            c.cancel()
+        await channel.close()
+        await app.stop()
+
+
+async def test_list_backends_and_a_busy_grpc_port(app: ListenerApp) -> None:
+    from listener.app import StartupError
+
+    assert app.grpc is not None and app.grpc.port
+    Chains(app).store()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc.port}")
+    try:
+        list_backends = channel.unary_unary(
+            "/kvfeed.v1.KvFeed/ListBackends",
+            request_serializer=pb.ListBackendsRequest.SerializeToString,
+            response_deserializer=pb.ListBackendsResponse.FromString,
+        )
+        answer = await list_backends(pb.ListBackendsRequest())
+        (info,) = answer.backends
+        assert (info.backend, info.model, info.engine, info.key_block_size) == ("e1", MODEL, "vllm", BS)
+        assert info.entries == len(app.feeds["e1"].state) > 0 and info.last_id == app.feeds["e1"].last_id
+    finally:
+        await channel.close()
+    other = ListenerApp(listener_cfg(app.grpc.port))
+    with pytest.raises(StartupError, match=r"grpc\.listen"):
+        await other.start()
+    await other.stop()
