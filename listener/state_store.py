@@ -321,7 +321,7 @@ class PersistedSource(Protocol):
 
     def fingerprint(self) -> str: ...
 
-    def persisted(self) -> tuple[int | None, bytes | None]: ...
+    def persisted(self) -> tuple[int | None, bytes | None, list[bytes] | None]: ...
 
     def restore(self, state: SourceState) -> None: ...
 
@@ -363,10 +363,10 @@ class StatePersister:
             views = [(src, src.log.view(), *src.persisted()) for src in self.sources]
 
             def work() -> tuple[int, list[str], list[Compacted]]:
-                done = [compact(v) for _, v, _, _ in views]
+                done = [compact(v) for _, v, _, _, _ in views]
                 states = {
-                    src.name: SourceState(src.fingerprint(), seq, digest, c.events)
-                    for (src, _, seq, digest), c in zip(views, done, strict=True)
+                    src.name: SourceState(src.fingerprint(), seq, digest, c.events if events is None else events)
+                    for (src, _, seq, digest, events), c in zip(views, done, strict=True)
                 }
                 size, overflowed = write_state_file(self.path, states, self.cfg.max_bytes)
                 return size, overflowed, done
@@ -377,8 +377,9 @@ class StatePersister:
                 log.warning("event=state_save_failed path=%s error=%s", self.path, exc)
                 self.on_result("failed", 0)
                 return
-            for (src, view, _, _), c in zip(views, done, strict=True):
-                src.log.gc(c, view.last_id)
+            for (src, view, _, _, events), c in zip(views, done, strict=True):
+                if events is None:
+                    src.log.gc(c, view.last_id)
             for name in overflowed:
                 log.warning(
                     "event=state_overflow source=%s max_bytes=%d action=saved_without_log", name, self.cfg.max_bytes

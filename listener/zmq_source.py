@@ -182,11 +182,12 @@ class ZmqEventSource:
     def fingerprint(self) -> str:
         return fingerprint(self.cfg)
 
-    def persisted(self) -> tuple[int | None, bytes | None]:
-        """(last seq, digest) that go with the log now (the log is recorded with them, between batches)."""
-        if self._restored is not None:  # not verified yet: keep what the file had
-            return self._restored.last_seq, self._restored.digest
-        return self.last_seq, self.last_digest
+    def persisted(self) -> tuple[int | None, bytes | None, list[bytes] | None]:
+        """(last seq, digest, events or None for "the log's") to save now: the log is recorded with the
+        seq between batches; persisted state not verified (or not yet re-applied) is saved as it was read."""
+        if self._restored is not None:
+            return self._restored.last_seq, self._restored.digest, self._restored.events
+        return self.last_seq, self.last_digest, None
 
     # -- tasks -----------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -430,8 +431,8 @@ class ZmqEventSource:
             if first is not None and first[0] == ref_seq and payload_digest(first[1]) == ref_digest:
                 self._verdict(cause, "same", ref_seq, "digest matches")
                 if restored is not None:
-                    self._restored = None
                     await self._apply_restored(restored)
+                    self._restored = None
                 result = await self._apply_stream(replies, until)
                 self.metrics.replays.labels(self.name, result).inc()
                 return

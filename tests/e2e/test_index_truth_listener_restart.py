@@ -228,12 +228,14 @@ def test_listener_killed_and_restarted_index_equals_the_truth_within_a_bound(sta
         traffic.wait_sent(4)  # engines keep serving (and publishing) while the listener is down
         t0 = time.monotonic()
         s.start_listener()
+        ready = time.monotonic() - t0  # the process answers /healthz
         traffic.wait_sent(4)
     truth(s, "the picker's index to equal the truth again")
     bound = time.monotonic() - t0
     published = [s.engine_state(i)["next_event_seq"] - killed_seq[i] for i in range(2)]
     checks = {n: v["incarnation_checks"] for n, v in s.listener_health()["sources"].items()}
-    print(f"\nlistener SIGKILL+restart: index equal to the truth {bound:.2f}s after the restart began; "
+    print(f"\nlistener SIGKILL+restart: /healthz after {ready:.2f}s, index equal to the truth {bound:.2f}s after "
+          "the restart began; "
           f"batches published per engine since the kill {published}; {checks}")  # fmt: skip
     assert all(c["same"] >= 1 and c["restart"] == 0 and c["unverifiable"] == 0 for c in checks.values()), checks
 

@@ -353,3 +353,34 @@ async def test_compacted_log_rebuilds_the_same_state() -> None:
     assert len(done.events) < sum(len(b) for b in batches)  # removed chains are gone
     await source(rebuilt).apply_payload(batch_payload(done.events))
     assert full.feeds["e1"].state and rebuilt.feeds["e1"].state == full.feeds["e1"].state
+
+
+async def test_unverifiable_incarnation_is_never_restored(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """Persisted blocks count only once the engine proves the same incarnation: a replay ROUTER that does not
+    answer (the engine is down) clears them."""
+    engine = Engine(ctx)
+    path = tmp_path / "state.bin"
+    try:
+        first = ListenerApp(config(engine, path))
+        async with started(first):
+            await engine.subscribed(1)
+            await engine.publish([stored([1], None, tokens(1, 1))])
+            await async_wait_until(lambda: len(first.feeds["e1"].state) == 1)
+        assert read_state_file(str(path), 1 << 30)["e1"].events
+        silent = ctx.socket(zmq.ROUTER)  # takes requests, never answers
+        silent.setsockopt(zmq.LINGER, 0)
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        cfg = config(engine, path)
+        src_cfg = cfg.sources[0].model_copy(
+            update={"replay_endpoint": f"tcp://127.0.0.1:{port}", "replay_timeout_ms": 50}
+        )
+        second = ListenerApp(cfg.model_copy(update={"sources": (src_cfg,)}))
+        deltas = record_puts(second)
+        try:
+            async with started(second):
+                await async_wait_until(lambda: source(second).incarnation_checks["unverifiable"] == 1)
+                assert second.feeds["e1"].state == {} and not [d for d in deltas if d[0] == "put"]
+        finally:
+            silent.close(linger=0)
+    finally:
+        await engine.close()
