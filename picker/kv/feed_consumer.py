@@ -349,8 +349,10 @@ class GrpcFeedConsumer(KvFeedConsumer):
         self._channel: grpc.aio.Channel | None = None
 
     async def _setup(self) -> None:
-        if self._channel is not None:
-            return
+        """Nothing before the first subscription: the channel is opened inside it, so an unreadable CA file
+        is a failed attempt (counted, retried with backoff), not a dead consumer."""
+
+    def _open_channel(self) -> None:
         options = [("grpc.max_receive_message_length", 4 << 20)]
         if self.secure:
             ca = Path(self.source.ca_file).read_bytes() if self.source.ca_file else None
@@ -367,7 +369,7 @@ class GrpcFeedConsumer(KvFeedConsumer):
     async def consume_once(self) -> None:
         """One subscription: read records until the stream ends, a close record, or an error."""
         if self._channel is None:
-            await self._setup()
+            self._open_channel()
         assert self._channel is not None
         metadata: list[tuple[str, str]] = []
         if self.source.token_file:
