@@ -108,12 +108,20 @@ class Compacted:
 
 class EventLog:
     """The compacted event log of one source (see the module docstring). ``record`` runs on the loop per
-    applied batch and costs O(events + blocks) of that batch."""
+    applied batch and costs O(events + blocks) of that batch.
 
-    def __init__(self) -> None:
+    Memory bound: at most ``max_entries`` entries (garbage is dropped after each save); past it the log
+    gives up (``overflow``: saved without events, restored empty) until the source is next cleared."""
+
+    def __init__(self, max_entries: int = 1 << 22) -> None:
+        self.max_entries = max_entries
+        self.overflow = False
+        self.version = 0  # bumped by every change (a save with nothing new is skipped)
         self.reset()
 
     def reset(self) -> None:
+        self.version += 1
+        self.overflow = False
         # id → ("S", packed event, parent store id | None) or ("R", medium, group, ((hash, store id), ...))
         self._entries: dict[int, tuple[Any, ...]] = {}
         self._live: dict[int, int] = {}  # store id → copies it still holds
@@ -127,6 +135,7 @@ class EventLog:
 
     def record(self, payload: bytes) -> None:
         """Account one applied batch (the same bytes the decoder got)."""
+        self.version += 1
         try:
             batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
         except Exception:  # the decoder dropped it too: nothing was applied
@@ -140,8 +149,17 @@ class EventLog:
         )
         if not isinstance(events, list):
             return
+        if self.overflow:  # only an AllBlocksCleared brings the log back: what follows it is all there is
+            clears = [i for i, ev in enumerate(events) if _fields(ev)[0] == "AllBlocksCleared"]
+            if not clears:
+                return
+            events = events[clears[-1] :]
         for ev in events:
             self._record_event(ev)
+        if len(self._entries) > self.max_entries:
+            log.warning("event=state_log_overflow entries=%d action=not_persisted_until_clear", len(self._entries))
+            self.reset()
+            self.overflow = True
 
     def _record_event(self, ev: Any) -> None:
         tag, hashes, parent, medium, group = _fields(ev)
@@ -339,6 +357,7 @@ class StatePersister:
         self.sources = sources
         self.on_result = on_result or (lambda result, size: None)
         self._lock = asyncio.Lock()
+        self._last_stamp: list[Any] | None = None
 
     async def restore(self) -> int:
         """Hand each source its saved state (matched by name and fingerprint); returns how many."""
@@ -360,12 +379,22 @@ class StatePersister:
 
     async def save(self) -> None:
         async with self._lock:
+            stamp = [(src.log.version, *src.persisted()[:2]) for src in self.sources]
+            if stamp == self._last_stamp:
+                return  # nothing applied since the last write
             views = [(src, src.log.view(), *src.persisted()) for src in self.sources]
+            overflowed_logs = {src.name for src in self.sources if src.log.overflow}
 
             def work() -> tuple[int, list[str], list[Compacted]]:
                 done = [compact(v) for _, v, _, _, _ in views]
                 states = {
-                    src.name: SourceState(src.fingerprint(), seq, digest, c.events if events is None else events)
+                    src.name: SourceState(
+                        src.fingerprint(),
+                        seq,
+                        digest,
+                        c.events if events is None else events,
+                        overflow=events is None and src.name in overflowed_logs,
+                    )
                     for (src, _, seq, digest, events), c in zip(views, done, strict=True)
                 }
                 size, overflowed = write_state_file(self.path, states, self.cfg.max_bytes)
@@ -377,6 +406,7 @@ class StatePersister:
                 log.warning("event=state_save_failed path=%s error=%s", self.path, exc)
                 self.on_result("failed", 0)
                 return
+            self._last_stamp = stamp
             for (src, view, _, _, events), c in zip(views, done, strict=True):
                 if events is None:
                     src.log.gc(c, view.last_id)

@@ -106,7 +106,8 @@ class ZmqEventSource:
         self.last_digest: bytes | None = None
         self._live_seq: int | None = None  # last seq seen on the live stream of the current connection
         self._live_digest: bytes | None = None
-        self.log = EventLog()  # what rebuilds the tracker after a listener restart (state_store)
+        # what rebuilds the tracker after a listener restart (state_store); bounded to 4 entries per tracked block
+        self.log = EventLog(max_entries=4 * limits.max_tracked_blocks)
         self._restored: SourceState | None = None  # persisted state, applied once its incarnation is verified
         self.bound_endpoint: str | None = None  # set when zmq_mode is bind (resolves port 0 / *)
         # A peer counts once its ZMTP handshake succeeded: a TCP connection alone may be the socket connected

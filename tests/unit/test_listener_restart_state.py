@@ -384,3 +384,14 @@ async def test_unverifiable_incarnation_is_never_restored(ctx: zmq.asyncio.Conte
             silent.close(linger=0)
     finally:
         await engine.close()
+
+
+def test_event_log_is_bounded_and_recovers_at_the_next_clear() -> None:
+    log = EventLog(max_entries=10)
+    for i in range(11):
+        log.record(msgpack.packb([0.0, [stored([i], None, tokens(i, 1))], 0]))
+    assert log.overflow and len(log) == 0  # gave up: saved without events, restored empty
+    log.record(msgpack.packb([0.0, [stored([99], None, tokens(99, 1))], 0]))
+    assert len(log) == 0
+    log.record(msgpack.packb([0.0, [["AllBlocksCleared"], stored([7], None, tokens(7, 1))], 0]))
+    assert not log.overflow and len(log) == 1
