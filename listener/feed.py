@@ -48,7 +48,8 @@ from picker.shared.feed_records import (
 
 log = logging.getLogger("kv_listener.feed")
 
-MAX_BATCH = 256  # records handed to a transport at once (joined into one socket write by SSE)
+MAX_BATCH = 256  # records handed to a transport at once (joined into one socket write by SSE) ...
+MAX_BATCH_BYTES = 256 << 10  # ... and their keys' bytes (8 per key; ~19 per key in SSE): bounds one write
 RECORD_OVERHEAD = 48  # bytes counted per pending record besides its keys
 
 
@@ -207,13 +208,14 @@ class Subscriber:
                 await asyncio.sleep(0)
             yield [Record(SNAPSHOT_END, snap.last_id)]
             del snap
-        while self.replay and self.close_reason is None:
-            batch, self.replay = self.replay[:MAX_BATCH], self.replay[MAX_BATCH:]
-            yield batch
+        replay = deque(self.replay)
+        self.replay = []
+        while replay and self.close_reason is None:
+            yield _take(replay)
+        del replay
         while self.close_reason is None:
             if self.pending:
-                n = min(len(self.pending), MAX_BATCH)
-                batch = [self.pending.popleft() for _ in range(n)]
+                batch = _take(self.pending)
                 self.pending_bytes -= sum(r.size for r in batch)
                 yield batch
                 continue
@@ -222,6 +224,17 @@ class Subscriber:
                 await asyncio.wait_for(self.wake.wait(), keepalive_seconds)
             if self.close_reason is None and not self.pending:
                 yield []
+
+
+def _take(queue: deque[Record]) -> list[Record]:
+    """The next batch from the queue's head: at most MAX_BATCH records and MAX_BATCH_BYTES (at least one)."""
+    batch = [queue.popleft()]
+    size = batch[0].size
+    while queue and len(batch) < MAX_BATCH and size + queue[0].size <= MAX_BATCH_BYTES:
+        rec = queue.popleft()
+        size += rec.size
+        batch.append(rec)
+    return batch
 
 
 class BackendFeed:

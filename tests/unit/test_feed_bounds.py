@@ -95,3 +95,15 @@ async def test_sse_and_grpc_records_build_the_same_index() -> None:
     assert held_sse == held_pb == {5, 6, 7}
     assert sse.last_event_id == grpc_c.last_event_id == f.last_id
     assert sse.stats.snapshots == grpc_c.stats.snapshots == 1
+
+
+async def test_one_batch_is_bounded_in_bytes() -> None:
+    from listener.feed import MAX_BATCH_BYTES
+
+    f = feed(max_keys_per_record=2048)
+    sub = f.subscribe(f.last_id)
+    f.emit("put", list(range(40 * 2048)), "gpu_hot")  # 40 records of 16 KiB of keys
+    batches = sub.batches(keepalive_seconds=3600)
+    first = await anext(batches)
+    assert 1 < len(first) < 40 and sum(r.size for r in first) <= MAX_BATCH_BYTES
+    await batches.aclose()
