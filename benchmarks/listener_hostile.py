@@ -5,7 +5,8 @@ decode + apply each one, and the longest synchronous stretch when the batch is a
 
 Each case runs in a fresh subprocess (peak RSS = ru_maxrss of that process minus its RSS after imports).
 ``--code-root`` runs the cases against another checkout of the project (e.g. a worktree of an older
-commit) for a before/after comparison; a checkout without ``work_units`` applies each event whole.
+commit) for a before/after comparison; the cases import ``listener.api``, so copy that file into an
+older checkout first (it names the same objects).
 
 Cases:
 - ``bomb_29mib``: a 29.6 MiB batch of tiny empty arrays (about 31 million containers, every array within
@@ -63,10 +64,7 @@ def _rss_kib() -> int:
 
 def run_case(case: str) -> dict[str, Any]:
     """One case in this process: decode, then apply (in work units when the code has them)."""
-    from listener import block_chains
-    from listener.config import LimitsConfig, SourceConfig
-    from listener.events import DecodeError
-    from listener.msgpack_decoder import decode_batch
+    from listener.api import BlockChainTracker, DecodeError, LimitsConfig, SourceConfig, decode_batch, work_units
 
     class Sink:
         def emit(self, op: str, keys: list[int], tier: str | None) -> None:
@@ -76,10 +74,10 @@ def run_case(case: str) -> dict[str, Any]:
             pass
 
     limits = LimitsConfig()
-    cap = getattr(limits, "max_event_hashes", 1 << 18)
+    cap = limits.max_event_hashes
     payload = _payload(case, cap)
     src = SourceConfig(backend_name="b", engine="sglang", model="m", zmq_endpoint="tcp://x:1")
-    tracker = block_chains.BlockChainTracker(src, limits, Sink())
+    tracker = BlockChainTracker(src, limits, Sink())
     base = _rss_kib()
     t0 = time.perf_counter()
     result: dict[str, Any] = {"case": case, "payload_bytes": len(payload)}
@@ -93,12 +91,7 @@ def run_case(case: str) -> dict[str, Any]:
     if batch is not None:
         reasons = {r: batch.dropped.count(r) for r in sorted(set(batch.dropped))}
         result["outcome"] = f"{len(batch.events)} events applied, dropped events {reasons or 'none'}"
-        slice_blocks = getattr(limits, "apply_slice_blocks", None)
-        units = (
-            block_chains.work_units(batch.events, slice_blocks)
-            if slice_blocks and hasattr(block_chains, "work_units")
-            else ([ev] for ev in batch.events)
-        )
+        units = work_units(batch.events, limits.apply_slice_blocks)
         for unit in units:
             s = time.perf_counter()
             for ev in unit:

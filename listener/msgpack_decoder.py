@@ -51,6 +51,7 @@ class DecodedBatch:
     events: list[KvEvent] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     ignored: int = 0  # unknown event tags (forward compatibility, not an error)
+    raw_events: list[Any] = field(default_factory=list)  # the undecoded event objects (the listener's state log)
 
 
 _DEFAULT_LIMITS = LimitsConfig()
@@ -283,7 +284,7 @@ def decode_batch(
         raise DecodeError("malformed", "batch events is not a list")
     if len(events) > MAX_EVENTS_PER_BATCH:
         raise DecodeError("too_large", f"{len(events)} events in one batch")
-    out = DecodedBatch()
+    out = DecodedBatch(raw_events=list(events))
     for raw in events:
         try:
             ev = decode_event(raw, engine, max_event_tokens, lim.max_event_hashes)

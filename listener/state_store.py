@@ -33,7 +33,9 @@ from typing import Any, Protocol
 
 import msgpack
 
-from listener.config import StateConfig
+from listener.config import LimitsConfig, StateConfig
+from listener.events import DecodeError
+from listener.msgpack_decoder import decode_batch
 
 log = logging.getLogger("kv_listener.state")
 
@@ -134,21 +136,18 @@ class EventLog:
         return len(self._entries)
 
     def record(self, payload: bytes) -> None:
-        """Account one applied batch (the same bytes the decoder got)."""
-        self.version += 1
+        """Account one applied batch given as its payload (decoded within the decoder's default limits)."""
         try:
-            batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-        except Exception:  # the decoder dropped it too: nothing was applied
+            batch = decode_batch(payload, "vllm", LimitsConfig().max_event_tokens)
+        except DecodeError:  # the decoder refuses it too: nothing was applied
+            self.version += 1
             return
-        events = (
-            batch.get("events")
-            if isinstance(batch, dict)
-            else batch[1]
-            if isinstance(batch, list) and len(batch) > 1
-            else None
-        )
-        if not isinstance(events, list):
-            return
+        self.record_events(batch.raw_events)
+
+    def record_events(self, events: list[Any]) -> None:
+        """Account one applied batch: the undecoded events the decoder accepted (``DecodedBatch.raw_events``),
+        so a payload is unpacked once, within the decoder's limits."""
+        self.version += 1
         if self.overflow:  # only an AllBlocksCleared brings the log back: what follows it is all there is
             clears = [i for i, ev in enumerate(events) if _fields(ev)[0] == "AllBlocksCleared"]
             if not clears:

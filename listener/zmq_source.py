@@ -45,7 +45,7 @@ from listener.block_chains import BlockChainTracker, work_units
 from listener.config import LimitsConfig, SourceConfig
 from listener.events import DecodeError
 from listener.metrics import ListenerMetrics
-from listener.msgpack_decoder import decode_batch
+from listener.msgpack_decoder import DecodedBatch, decode_batch
 from listener.state_store import EventLog, SourceState, batch_payload, payload_digest
 
 log = logging.getLogger("kv_listener.zmq")
@@ -332,18 +332,19 @@ class ZmqEventSource:
         self._restored = None
 
     async def _apply(self, seq: int, payload: bytes, digest: bytes) -> None:
-        await self.apply_payload(payload)
-        self.log.record(payload)
+        batch = await self.apply_payload(payload)
+        if batch is not None:  # a payload the decoder refused is never decoded again for the log
+            self.log.record_events(batch.raw_events)
         self.last_seq, self.last_digest = seq, digest
 
-    async def apply_payload(self, payload: bytes) -> None:
+    async def apply_payload(self, payload: bytes) -> DecodedBatch | None:
         """Decode one batch and apply its events (bad events are counted and skipped) in work units of at
         most ``limits.apply_slice_blocks`` blocks, yielding to the loop between units once a few ms passed."""
         try:
-            batch = decode_batch(payload, self.cfg.engine, self.limits.max_event_tokens)
+            batch = decode_batch(payload, self.cfg.engine, self.limits.max_event_tokens, self.limits)
         except DecodeError as exc:
             self._drop(exc.reason)
-            return
+            return None
         for reason in batch.dropped:
             self._drop(reason)
         if batch.ignored:
@@ -357,6 +358,7 @@ class ZmqEventSource:
                 await asyncio.sleep(0)
                 turn = loop.time() + YIELD_EVERY_SECONDS
         self.metrics.events_processed.labels(self.name).inc(len(batch.events))
+        return batch
 
     # -- replay ----------------------------------------------------------------------------------
     async def _replay(self, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
@@ -473,8 +475,9 @@ class ZmqEventSource:
         """Rebuild the tracker from the persisted (compacted) log; the log is rebuilt the same way."""
         for i in range(0, len(st.events), RESTORE_EVENTS_PER_BATCH):
             payload = batch_payload(st.events[i : i + RESTORE_EVENTS_PER_BATCH])
-            await self.apply_payload(payload)
-            self.log.record(payload)
+            batch = await self.apply_payload(payload)
+            if batch is not None:
+                self.log.record_events(batch.raw_events)
         self.last_seq, self.last_digest = st.last_seq, st.digest
         log.info("event=state_restored source=%s last_seq=%s events=%d", self.name, st.last_seq, len(st.events))
 
