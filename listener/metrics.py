@@ -32,8 +32,9 @@ class ListenerMetrics:
         )
         self.block_notes = Counter(
             "kv_listener_blocks",
-            "Blocks tracked without a key or pruned, by reason (block_size_mismatch, partial_block, "
-            "unknown_parent, chain_too_long, pruned_blocks, unknown_hash, ...)",
+            "Blocks tracked without a key or pruned, by reason (unknown_parent, unattributed_parent, "
+            "lora_without_name, multimodal, block_size_mismatch, null_block, placeholder_unknown, too_many_copies, "
+            "chain_too_long, pruned_blocks, pruned_token_segments, unknown_hash, ...)",
             ["source", "reason"],
             registry=r,
         )
