@@ -117,6 +117,12 @@ class KvFeedConsumer:
         self._staged: list[tuple[list[int], StorageTier]] | None = None
         self._staged_count = 0
         self._delivered = False
+        # the index's expirations(backend) when this consumer last (re)subscribed: a change means the
+        # index dropped this backend's entries (expiry of a silent feed, an admin clear) without the feed
+        # saying so, so the position is void and the next subscription must be a snapshot
+        self._expirations = index.expirations(self.backend)
+        self._current: asyncio.Task[None] | None = None  # the connection being consumed
+        self._interrupted = False
 
     @property
     def last_event_id(self) -> int | None:
@@ -166,10 +172,15 @@ class KvFeedConsumer:
         while True:
             self._delivered = False
             try:
-                await self.consume_once()
+                self._position()
+                self._current = asyncio.create_task(self.consume_once())
+                await self._current
                 reason = "eof"
             except asyncio.CancelledError:
-                raise
+                task = asyncio.current_task()
+                if not self._interrupted or (task is not None and task.cancelling()):
+                    raise
+                reason = "index_cleared"  # interrupt(): only the connection was cancelled
             except FeedClosed as exc:
                 reason = str(exc)
             except RecordTooLarge:
@@ -185,6 +196,7 @@ class KvFeedConsumer:
             finally:
                 self._set_connected(False)
                 self._staged = None
+                self._current, self._interrupted = None, False
             if reason not in self.stats.closes and len(self.stats.closes) >= MAX_CLOSE_REASONS:
                 reason = "other"  # reasons come from the listener: keep the map bounded
             self.stats.last_close_reason = reason
@@ -193,6 +205,8 @@ class KvFeedConsumer:
                 delay = base
             # reason may come from the listener's close record: %r escapes what could forge a log line
             log.info("event=feed_disconnected backend=%s reason=%r retry_in_s=%.1f", self.backend, reason, delay)
+            if reason == "index_cleared":
+                continue  # reconnect at once for the snapshot
             await asyncio.sleep(delay)
             delay = min(max(delay * 2, base), max(self.max_backoff_s, base))
             self.stats.reconnect_count += 1
@@ -214,10 +228,26 @@ class KvFeedConsumer:
                     self.apply_record(event, data, rec_id)
 
     def _confirm(self) -> None:
-        """The feed is live now (the index keeps this backend's entries)."""
-        confirm = getattr(self.index, "confirm", None)
-        if confirm is not None:
-            confirm(self.backend)
+        """The feed is live now (the index keeps this backend's entries). If the index dropped them
+        meanwhile (an admin clear while connected), resubscribe for a snapshot."""
+        if self.index.expirations(self.backend) != self._expirations:
+            raise FeedClosed("index_cleared")
+        self.index.confirm(self.backend)
+
+    def interrupt(self) -> None:
+        """Drop the current connection (the index dropped this backend's entries): the consumer reconnects
+        at once and, its position void, gets a snapshot."""
+        if self._current is not None and not self._current.done():
+            self._interrupted = True
+            self._current.cancel()
+
+    def _position(self) -> None:
+        """Before subscribing: forget the resume position when the index dropped this backend's entries."""
+        now = self.index.expirations(self.backend)
+        if now != self._expirations:
+            self._expirations = now
+            self.stats.last_event_id = None
+            log.info("event=feed_position_void backend=%s reason=index_dropped_entries action=snapshot", self.backend)
 
     def _received(self) -> None:
         self.stats.events_received += 1
@@ -490,6 +520,11 @@ class KvFeedConsumers:
                 await asyncio.sleep(0)
             if self.metrics is not None:
                 self.metrics.kv_index_entries.set(self.index.entry_count)
+
+    def interrupt_all(self) -> None:
+        """After the index dropped entries behind the feeds' back (an admin clear): resubscribe every feed."""
+        for c in self.consumers.values():
+            c.interrupt()
 
     def stats(self) -> list[ConsumerStats]:
         return [c.stats for c in self.consumers.values()]

@@ -84,7 +84,9 @@ def kv_index_routes(app: PickerApp) -> list[web.RouteDef]:
         return web.json_response(kv_index_backends(tier4.cfg.enabled, tier4.index, tier4.consumers.stats()))
 
     async def clear(_: web.Request) -> web.Response:
-        return web.json_response(kv_index_clear(tier4.index))
+        body = kv_index_clear(tier4.index)
+        tier4.consumers.interrupt_all()  # every feed resubscribes for a snapshot of what the engines hold
+        return web.json_response(body)
 
     return [
         web.get("/admin/kv-index/stats", stats),

@@ -4,6 +4,7 @@ the last id, snapshot when the id is too old, buffer_overflow on a slow consumer
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -208,3 +209,31 @@ async def test_hostile_records_are_dropped_and_a_silent_peer_is_left() -> None:
         finally:
             release.set()
             await c.stop()
+
+
+async def test_entries_dropped_by_the_index_come_back_by_a_snapshot(app: ListenerApp) -> None:
+    """Issue 8: the index may drop a backend's entries without the feed saying so (an admin clear, the
+    expiry of a feed that went silent). Resuming from the last id would then never bring them back: the
+    consumer must resubscribe for a snapshot. Before: the index stayed empty for that backend."""
+    chains = Chains(app)
+    first = chains.store()
+    index = InMemoryKvIndex()
+    c = consumer(app, index)
+    c.start()
+    try:
+        await async_wait_until(lambda: holds(index, first) == 8)
+        index.clear()  # POST /admin/kv-index/clear while the feed is connected (the admin also interrupts)
+        c.interrupt()
+        assert holds(index, first) == 0
+        await async_wait_until(lambda: holds(index, first) == 8, what="a snapshot after the admin clear")
+        assert c.stats.snapshots == 2
+
+        await c.stop()  # the feed goes silent for longer than the ttl: the backend expires as a whole
+        assert index.sweep_expired(now=time.monotonic() + index.ttl + 1) == 8  # as if ttl seconds passed
+        assert index.lookup(first) == {} and index.expirations("e1") == 2
+        second = chains.store()
+        c.start()  # back: a snapshot (both chains), not a resume (which would bring only the second)
+        await async_wait_until(lambda: holds(index, first) == 8 and holds(index, second) == 8)
+        assert c.stats.snapshots == 3
+    finally:
+        await c.stop()
