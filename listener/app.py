@@ -109,7 +109,8 @@ class ListenerApp:
         else:
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
-            self.sources[name] = ZmqEventSource(s, self.cfg.limits, tracker, m, self._ctx)
+            keep_log = self.cfg.state.path is not None
+            self.sources[name] = ZmqEventSource(s, self.cfg.limits, tracker, m, self._ctx, keep_log=keep_log)
 
     def _state_saved(self, result: str, size: int) -> None:
         self.metrics.state_saves.labels(result).inc()

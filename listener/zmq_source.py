@@ -56,6 +56,7 @@ END_SEQ = b"\xff" * 8
 MAX_RCV_HWM = 1000
 MAX_REPLAY_MESSAGES = 100_000  # one replay applies at most this many batches
 YIELD_EVERY_SECONDS = 0.005  # the applier gives the loop a turn at least this often
+THREAD_DECODE_BYTES = 256 << 10  # payloads larger than this are decoded in a worker thread
 RESTORE_EVENTS_PER_BATCH = 512
 _VERIFY = object()  # queue marker: a new connection; check the incarnation before the next message
 
@@ -95,8 +96,11 @@ class ZmqEventSource:
         tracker: BlockChainTracker,
         metrics: ListenerMetrics,
         ctx: zmq.asyncio.Context,
+        keep_log: bool = False,
     ) -> None:
         self.cfg = cfg
+        # the compacted event log exists only for the state file (state.path): without it, nothing records
+        self.keep_log = keep_log
         self.limits = limits
         self.tracker = tracker
         self.metrics = metrics
@@ -120,6 +124,7 @@ class ZmqEventSource:
         self.last_event_at: float | None = None
         self.incarnation_checks: dict[str, int] = {"same": 0, "restart": 0, "unverifiable": 0}
         self.backlog_bytes = 0
+        self._turn = 0.0  # loop time by which the applier next yields (see _give_turn)
         self._queue: deque[Any] = deque()
         self._wake = asyncio.Event()
         self._allowed = frozenset(cfg.allowed_publishers)
@@ -264,6 +269,14 @@ class ZmqEventSource:
                 self._enqueue((int.from_bytes(frames[1].bytes, "big"), payload), size)
             await asyncio.sleep(0)
 
+    async def _give_turn(self) -> None:
+        """Yield to the event loop once ``YIELD_EVERY_SECONDS`` of applying passed since the last turn, across
+        batches too: a stream of small batches must not hold the loop any more than one big batch."""
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._turn:
+            await asyncio.sleep(0)
+            self._turn = loop.time() + YIELD_EVERY_SECONDS
+
     async def _apply_loop(self) -> None:
         if self._restored is not None:
             await self._guarded(self._resync("start"))
@@ -281,6 +294,7 @@ class ZmqEventSource:
                     await self._guarded(self.handle(*item))
             finally:
                 self.backlog_bytes -= size
+            await self._give_turn()
 
     async def _guarded(self, work: Any) -> None:
         try:
@@ -333,7 +347,7 @@ class ZmqEventSource:
 
     async def _apply(self, seq: int, payload: bytes, digest: bytes) -> None:
         batch = await self.apply_payload(payload)
-        if batch is not None:  # a payload the decoder refused is never decoded again for the log
+        if batch is not None and self.keep_log:  # a payload the decoder refused is never decoded again
             self.log.record_events(batch.raw_events)
         self.last_seq, self.last_digest = seq, digest
 
@@ -341,7 +355,11 @@ class ZmqEventSource:
         """Decode one batch and apply its events (bad events are counted and skipped) in work units of at
         most ``limits.apply_slice_blocks`` blocks, yielding to the loop between units once a few ms passed."""
         try:
-            batch = decode_batch(payload, self.cfg.engine, self.limits.max_event_tokens, self.limits)
+            args = (payload, self.cfg.engine, self.limits.max_event_tokens, self.limits)
+            if len(payload) > THREAD_DECODE_BYTES:  # decoding takes tens of ms: in a thread, the loop keeps
+                batch = await asyncio.to_thread(decode_batch, *args)  # its turns (the decoder's hooks drop the GIL)
+            else:
+                batch = decode_batch(*args)
         except DecodeError as exc:
             self._drop(exc.reason)
             return None
@@ -350,13 +368,9 @@ class ZmqEventSource:
         if batch.ignored:
             self._drop("unknown_event", batch.ignored)
         self.metrics.events_received.labels(self.name).inc(len(batch.events) + len(batch.dropped))
-        loop = asyncio.get_running_loop()
-        turn = loop.time() + YIELD_EVERY_SECONDS
         for unit in work_units(batch.events, self.limits.apply_slice_blocks):
             self.tracker.apply_all(unit)
-            if loop.time() >= turn:
-                await asyncio.sleep(0)
-                turn = loop.time() + YIELD_EVERY_SECONDS
+            await self._give_turn()
         self.metrics.events_processed.labels(self.name).inc(len(batch.events))
         return batch
 
@@ -476,7 +490,7 @@ class ZmqEventSource:
         for i in range(0, len(st.events), RESTORE_EVENTS_PER_BATCH):
             payload = batch_payload(st.events[i : i + RESTORE_EVENTS_PER_BATCH])
             batch = await self.apply_payload(payload)
-            if batch is not None:
+            if batch is not None and self.keep_log:
                 self.log.record_events(batch.raw_events)
         self.last_seq, self.last_digest = st.last_seq, st.digest
         log.info("event=state_restored source=%s last_seq=%s events=%d", self.name, st.last_seq, len(st.events))

@@ -15,6 +15,7 @@ import random
 import signal
 from typing import Any
 
+import msgpack
 import pytest
 
 from benchmarks.engine_sim.kv_events import BlockRemovedEvent, BlockStoredEvent, KvEventPublisher, KvEventsSettings
@@ -116,6 +117,7 @@ async def test_two_pickers_equal_the_engine_after_drops_and_a_listener_restart()
         ],
     }
     procs: list[Any] = []
+    loop = asyncio.get_running_loop()
     listener = start_listener(listener_cfg, workdir)
     try:
         pickers = []
@@ -145,8 +147,26 @@ async def test_two_pickers_equal_the_engine_after_drops_and_a_listener_restart()
             what="both pickers' feeds to connect",
         )
         pub.set_drops(drop_rate=0.05)
-        await publish(pub, work, EVENTS // 2)
+        await publish(pub, work, EVENTS // 2 - 50)
+        pub.set_drops(drop_rate=0.0)
+        await publish(pub, work, 50)  # a clean tail: the listener sees (and repairs) every gap before the kill
+        state_file = workdir / "listener-state.bin"
+
+        def saved_through_last_batch() -> bool:
+            # the kill comes after a save that covers every batch published: the engine's replay buffer
+            # (400 batches) must cover what the listener misses after its last save, a bound we choose
+            # here rather than leave to how fast the 0.5 s save interval turns on a busy machine
+            try:
+                doc = msgpack.unpackb(state_file.read_bytes(), raw=False)
+            except (OSError, ValueError):
+                return False
+            return bool(doc["sources"]["eng"]["last_seq"] == pub.next_seq - 1)
+
+        await loop.run_in_executor(
+            None, lambda: wait_until(saved_through_last_batch, timeout=30.0, what="a state save of every batch")
+        )
         listener.process.stop(sig=signal.SIGKILL)
+        pub.set_drops(drop_rate=0.05)
         await publish(pub, work, EVENTS // 5)  # the engine keeps publishing while the listener is down
         listener = start_listener(listener_cfg, workdir)
         await publish(pub, work, EVENTS - EVENTS // 2 - EVENTS // 5 - 100)
@@ -158,7 +178,6 @@ async def test_two_pickers_equal_the_engine_after_drops_and_a_listener_restart()
         def converged() -> bool:
             return all(backend_view(p) == truth for p in pickers)
 
-        loop = asyncio.get_running_loop()
         await loop.run_in_executor(
             None, lambda: wait_until(converged, timeout=60.0, what="both pickers to equal the engine's blocks")
         )
