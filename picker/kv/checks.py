@@ -198,7 +198,8 @@ async def run_self_check(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + checks.cfg.self_check_timeout_seconds
     while loop.time() < deadline:
-        if backend in holds(keys):
+        held = holds(keys).get(backend)
+        if held is not None and held.blocks == len(keys):  # every block, the nonce's included
             checks.set_self_check(backend, "ok")
             return "ok"
         await asyncio.sleep(0.05)

@@ -324,7 +324,7 @@ class KvFeedConsumer:
     def apply_put(self, keys: list[int], tier: StorageTier) -> None:
         if self._staged is not None:
             room = self.index.max_entries - self._staged_count
-            if room > 0:
+            if room > 0 and keys:  # an empty put stages nothing (the record count stays bounded by the keys)
                 self._staged.append((keys[:room], tier))
                 self._staged_count += min(room, len(keys))
         else:

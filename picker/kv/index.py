@@ -28,6 +28,7 @@ Measured memory and lookup time: ``python -m benchmarks.kv_index_scale`` (figure
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from typing import Protocol
 
 from picker.routing.endpoints import BackendHold
 from picker.shared.tiers import StorageTier
+
+log = logging.getLogger("kv_epp.kv_index")
 
 EVICT_FRACTION = 0.10  # the seed: drop the oldest 10% when max_entries is reached
 
@@ -88,6 +91,7 @@ class InMemoryKvIndex:
         self._next_id = 0
         self._live_mask = 0  # both bits of every live id
         self._gpu_bits = 0  # the GpuHot bit of every live id
+        self._warned_full = -3600.0
         self.total_evictions = 0
         self.total_lookups = 0
         self.total_hits = 0
@@ -96,6 +100,11 @@ class InMemoryKvIndex:
     def _id(self, backend: str, now: float) -> int:
         bid = self._ids.get(backend)
         if bid is None:
+            if not self._free_ids and self._dead and self._next_id >= 2 * len(self._ids) + 8:
+                # ids retired faster than the sweep scrubs them (a feed that clears often): finish the
+                # scrub now, O(their keys), so ids (and every mask's width) stay bounded by the backends
+                while self.scrub_step(None):
+                    pass
             bid = self._free_ids.pop() if self._free_ids else self._next_id
             if bid == self._next_id:
                 self._next_id += 1
@@ -164,7 +173,18 @@ class InMemoryKvIndex:
             del self._masks[k]
 
     def _evict(self, writer: int) -> None:
-        """The index is full: the backend holding the most entries loses its oldest writes."""
+        """The index is full: the backend holding the most entries loses its oldest writes. Engines do not
+        re-announce blocks, so these stay lost until the backend's next snapshot, and two pickers whose
+        feeds interleave differently may drop different ones: size ``max_entries`` for the listeners'
+        tracked blocks (the warning below says when it is not)."""
+        now = time.monotonic()
+        if now - self._warned_full > 60.0:
+            self._warned_full = now
+            log.warning(
+                "event=kv_index_full max_entries=%d action=evict_oldest_of_largest_backend "
+                "hint='raise kv_cache_index.max_entries to the sum of the listeners' tracked blocks'",
+                self.max_entries,
+            )
         victim = max(self._keys, key=lambda b: (len(self._keys[b]), b != writer))
         own = self._keys[victim]
         n = min(len(own), max(1, int(self.max_entries * EVICT_FRACTION)))

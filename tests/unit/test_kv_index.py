@@ -138,3 +138,18 @@ def test_dead_backend_scrub_runs_in_bounded_steps() -> None:
     assert steps == 9  # 1,000 keys in steps of 100
     assert idx.prefix_count == 10  # only b's keys remain
     assert not idx.scrub_step(budget=100)
+
+
+def test_ids_stay_bounded_when_a_feed_clears_often() -> None:
+    """Found in review: every clear retired the backend's id and the next put took a fresh one until the
+    30 s sweep scrubbed; a feed sending [AllBlocksCleared, BlockStored] batches drove the id (and every
+    mask's width) to 40,000 and the process to 1 GB."""
+    idx = InMemoryKvIndex(max_entries=100_000)
+    idx.put("other", [7], G, now=0)
+    for i in range(5_000):
+        idx.drop_backend("b")
+        idx.put("b", [i, i + 1], G, now=0)
+    assert idx._ids["b"] < 16  # bounded by the live backends, not by the number of clears
+    assert max(m.bit_length() for m in idx._masks.values()) <= 32
+    assert idx.lookup([4_999, 5_000], now=0) == {"b": BackendHold(2, G)}
+    assert idx.lookup([7], now=0) == {"other": BackendHold(1, G)}

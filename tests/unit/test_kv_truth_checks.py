@@ -125,3 +125,29 @@ async def test_requests_for_a_model_no_listener_keys_with_are_counted_and_named(
         await t4.holds_for(RequestFacts(api="completions", model=model, prompt_token_ids=IDS))
     assert t4.unmatched_report() == {"other": 2}
     assert t4.metrics.registry.get_sample_value("continuum_kv_model_unmatched_total") == 2
+
+
+async def test_self_check_needs_every_probe_block_not_only_the_template_header() -> None:
+    """Found in review: 'ok' was given as soon as block 0 was held, and block 0 of a chat probe is often
+    the template header that other traffic cached already; the nonce's blocks prove the feed."""
+    import aiohttp
+    from aiohttp import web
+
+    from picker.kv.checks import run_self_check
+    from tests.support.http_server import serve
+
+    async def chat(_: web.Request) -> web.Response:
+        return web.json_response({"choices": []})
+
+    async def tokenize(model: str, messages: list[dict[str, str]]) -> list[int]:
+        return list(range(64))
+
+    checks = FeedChecks(FeedChecksConfig(self_check_timeout_seconds=0.3), ["a"], FeedWatch())
+    held: dict[str, Any] = {"a": SimpleNamespace(blocks=1)}  # only the template header's block
+    records = iter(range(100))  # the feed moves: records arrive after the probe
+    async with serve([web.post("/v1/chat/completions", chat)]) as base, aiohttp.ClientSession() as session:
+        address = base.split("://", 1)[1]
+        args = (checks, "a", address, "m", tokenize, lambda ids, m: [1, 2, 3, 4], lambda keys: held)
+        assert await run_self_check(*args, lambda: next(records), session) == "keys_differ"
+        held["a"] = SimpleNamespace(blocks=4)
+        assert await run_self_check(*args, lambda: 0, session) == "ok"
