@@ -232,7 +232,11 @@ class ListenerApp:
 
     def ready_line(self) -> str:
         """The one stdout line printed once the listener listens."""
-        return f"kv-listener ready listen={self.listen_address}"
+        line = f"kv-listener ready listen={self.listen_address}"
+        if self.grpc is not None and self.grpc.port is not None:
+            host = (self.cfg.grpc.listen or "").rpartition(":")[0].strip("[]")
+            line += f" grpc={f'[{host}]' if ':' in host else host}:{self.grpc.port}"
+        return line
 
     async def drain_and_stop(self, hurry: asyncio.Event | None = None) -> None:
         """SIGTERM: not ready, wait ``drain_propagation_seconds`` (less if ``hurry`` is set), then stop()."""

@@ -327,3 +327,8 @@ async def test_list_backends_and_a_busy_grpc_port(app: ListenerApp) -> None:
     with pytest.raises(StartupError, match=r"grpc\.listen"):
         await other.start()
     await other.stop()
+
+
+async def test_the_ready_line_names_the_grpc_port(app: ListenerApp) -> None:
+    assert app.grpc is not None
+    assert app.ready_line() == f"kv-listener ready listen=127.0.0.1:{app.port} grpc=127.0.0.1:{app.grpc.port}"
