@@ -24,16 +24,14 @@ from typing import Any
 
 import pytest
 
-from benchmarks.engine_sim.config import SimConfig
-from benchmarks.engine_sim.kv_events import KvEventsSettings
 from benchmarks.engine_sim.process import SimulatorProcess
 from benchmarks.stack import ListenerProcess, free_port, make_workdir, start_envoy, start_listener, start_picker
 from picker.runtime.envoy_config import EnvoyOptions
 from tests.integration.conftest import http
+from tests.support.kv_stack import KvStackClient, kv_picker_config, listener_sources, start_sims
 from tests.support.poll import wait_until
 
 pytestmark = pytest.mark.envoy
-MODEL = "sim-model"
 CATCH_UP_TIMEOUT_S = 30.0  # the test's deadline; the measured bound is printed (see the report)
 # Small, so the engines' replay buffers roll over before the kill: a restarted listener cannot rebuild from
 # the engine alone (the warm prefixes' stores are gone from the buffer); only its state file has them.
@@ -44,7 +42,7 @@ def prompt(tag: str, words: int = 240) -> str:
     return " ".join(f"{tag}-w{i}" for i in range(words))
 
 
-class Stack:
+class Stack(KvStackClient):
     def __init__(self, sims: list[SimulatorProcess], picker: Any, envoy: Any, workdir: Path, cfg: dict[str, Any]):
         self.sims, self.picker, self.envoy, self.workdir, self.cfg = sims, picker, envoy, workdir, cfg
         self.ref_picker: Any = None  # reads the never-restarted reference listener
@@ -59,26 +57,6 @@ class Stack:
     def kill_listener(self) -> None:
         assert self.listener is not None
         self.listener.process.stop(sig=signal.SIGKILL)
-
-    def chat(self, system: str, user: str, pin: int | None = None) -> str:
-        headers = {"x-test-subset": self.sims[pin].address} if pin is not None else None
-        body = {
-            "model": MODEL,
-            "max_tokens": 2,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        }
-        r = http("POST", self.envoy.url + "/v1/chat/completions", body, headers)
-        assert r.status == 200, r.body
-        return str(r.headers["x-kv-sim-name"])
-
-    def admin(self, path: str, picker: Any = None) -> Any:
-        return http("GET", (picker or self.picker).admin_url + path).json()
-
-    def backends(self, picker: Any = None) -> dict[str, dict[str, Any]]:
-        return {b["backend_name"]: b for b in self.admin("/admin/kv-index/backends", picker)["backends"]}
-
-    def entries(self) -> dict[str, int]:
-        return {b["backend_name"]: b["entries"] for b in self.admin("/admin/kv-index/backends")["backends"]}
 
     def engine_blocks(self) -> dict[str, int]:
         return {s.config.name: http("GET", s.base_url + "/sim/state").json()["cached_blocks"] for s in self.sims}
@@ -99,9 +77,6 @@ class Stack:
             return False
         return all(ref[n]["entries"] > 0 and mine[n]["entries_digest"] == ref[n]["entries_digest"] for n in ref)
 
-    def decisions(self) -> dict[str, int]:
-        return dict(self.admin("/admin/kv-index/stats")["routing_decisions"])
-
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
@@ -110,52 +85,21 @@ def stack() -> Iterator[Stack]:
     procs: list[Any] = []
     st: Stack | None = None
     try:
-        for i in range(2):
-            sim = SimulatorProcess(
-                SimConfig(name=f"sim-{i}", model=MODEL, capacity_blocks=4096, time_scale=0.02),
-                KvEventsSettings(
-                    endpoint="tcp://127.0.0.1:0",
-                    replay_endpoint="tcp://127.0.0.1:0",
-                    encoding="map",
-                    replay_buffer_batches=REPLAY_BUFFER_BATCHES,
-                ),
-                log_path=workdir / f"sim-{i}.log",
-            )
-            sim.start()
-            sims.append(sim)
+        sims = start_sims(workdir, 2, 4096, replay_buffer_batches=REPLAY_BUFFER_BATCHES)
         cfg = {
             "listen": f"127.0.0.1:{free_port()}",  # the same port across restarts: the picker's feed URL
             "state": {"path": str(workdir / "listener-state.bin"), "interval_seconds": 0.1},
             "feed": {"keepalive_seconds": 0.5},
-            "sources": [
-                {"backend_name": s.config.name, "engine": "vllm", "model": MODEL, "block_size": 16,
-                 "zmq_endpoint": s.kv_events_endpoint, "replay_endpoint": s.replay_endpoint}
-                for s in sims
-            ],
-        }  # fmt: skip
+            "sources": listener_sources(sims),
+        }
         listener_url = f"http://{cfg['listen']}"
         ref_cfg = {"sources": cfg["sources"], "feed": cfg["feed"]}  # no state: it never restarts
         ref_listener = start_listener(ref_cfg, workdir, name="ref-listener")
         procs.append(ref_listener)
 
-        def picker_config(url: str) -> dict[str, Any]:
-            return {
-                "selection_strategy": "RoundRobin",
-                "prefix_routing": {"enabled": True},
-                "kv_cache_index": {
-                    "enabled": True,
-                    "entry_ttl_seconds": 3600,
-                    "event_sources": [
-                        {"backend_name": s.config.name, "endpoint": f"{url}/events/{s.config.name}"} for s in sims
-                    ],
-                    "tokenizer": {"source": "engine", "timeout_ms": 3000, "block_size": 16},
-                },
-                "pool": {"backends": [{"name": s.config.name, "address": s.address} for s in sims]},
-            }
-
-        picker = start_picker(picker_config(listener_url), workdir)
+        picker = start_picker(kv_picker_config(sims, listener_url), workdir)
         procs.append(picker)
-        ref_picker = start_picker(picker_config(ref_listener.url), workdir, name="ref-picker")
+        ref_picker = start_picker(kv_picker_config(sims, ref_listener.url), workdir, name="ref-picker")
         procs.append(ref_picker)
         envoy = start_envoy(
             EnvoyOptions(listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),

@@ -15,39 +15,20 @@ from typing import Any
 
 import pytest
 
-from benchmarks.engine_sim.config import SimConfig
-from benchmarks.engine_sim.kv_events import KvEventsSettings
 from benchmarks.engine_sim.process import SimulatorProcess
 from benchmarks.stack import free_port, make_workdir, start_envoy, start_listener, start_picker
 from picker.runtime.envoy_config import EnvoyOptions
 from tests.integration.conftest import http
+from tests.support.kv_stack import MODEL, PIN_HEADER, KvStackClient, kv_picker_config, start_sims
 from tests.support.poll import wait_until
 
 pytestmark = pytest.mark.envoy
-MODEL = "sim-model"
 TTL_S = 3  # the picker's entry_ttl_seconds in this stack
 
 
-class Stack:
+class Stack(KvStackClient):
     def __init__(self, sims: list[SimulatorProcess], picker: Any, envoy: Any) -> None:
         self.sims, self.picker, self.envoy = sims, picker, envoy
-
-    def chat(self, system: str, user: str, pin: str | None = None) -> str:
-        headers = {"x-test-subset": pin} if pin is not None else None
-        body = {
-            "model": MODEL,
-            "max_tokens": 2,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        }
-        r = http("POST", self.envoy.url + "/v1/chat/completions", body, headers)
-        assert r.status == 200, r.body
-        return str(r.headers["x-kv-sim-name"])
-
-    def admin(self, path: str) -> Any:
-        return http("GET", self.picker.admin_url + path).json()
-
-    def decisions(self) -> dict[str, int]:
-        return dict(self.admin("/admin/kv-index/stats")["routing_decisions"])
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +37,7 @@ def stack() -> Iterator[Stack]:
     sims: list[SimulatorProcess] = []
     procs: list[Any] = []
     try:
-        for i in range(3):
-            sim = SimulatorProcess(
-                SimConfig(name=f"sim-{i}", model=MODEL, capacity_blocks=512, time_scale=0.02),
-                KvEventsSettings(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", encoding="map"),
-                log_path=workdir / f"sim-{i}.log",
-            )
-            sim.start()
-            sims.append(sim)
+        sims = start_sims(workdir, 3, 512)
         sources = [
             # sim-0: right; sim-1: the listener keys with a model name the requests do not use;
             # sim-2: the listener connects where nobody publishes (the engine's events never arrive)
@@ -73,27 +47,12 @@ def stack() -> Iterator[Stack]:
         ]
         listener = start_listener({"feed": {"keepalive_seconds": 0.5}, "sources": sources}, workdir)
         procs.append(listener)
-        picker = start_picker(
-            {
-                "selection_strategy": "RoundRobin",
-                "prefix_routing": {"enabled": True},
-                "kv_cache_index": {
-                    "enabled": True,
-                    "entry_ttl_seconds": TTL_S,
-                    "event_sources": [
-                        {"backend_name": s.config.name, "endpoint": listener.events_url(s.config.name)} for s in sims
-                    ],
-                    "tokenizer": {"source": "engine", "timeout_ms": 3000, "block_size": 16},
-                    "checks": {"self_check_model": MODEL, "self_check_timeout_seconds": 5},
-                },
-                "pool": {"backends": [{"name": s.config.name, "address": s.address} for s in sims]},
-            },
-            workdir,
-        )
+        checks = {"self_check_model": MODEL, "self_check_timeout_seconds": 5}
+        picker = start_picker(kv_picker_config(sims, listener.url, entry_ttl_seconds=TTL_S, checks=checks), workdir)
         procs.append(picker)
         envoy = start_envoy(
             EnvoyOptions(listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
-                         subset_hint_from_header="x-test-subset", backends=tuple(s.address for s in sims),
+                         subset_hint_from_header=PIN_HEADER, backends=tuple(s.address for s in sims),
                          **picker.envoy_picker_options()),
             workdir,
         )  # fmt: skip
@@ -123,7 +82,7 @@ def test_hot_prefixes_stay_kv_aware_for_more_than_twice_the_ttl(stack: Stack) ->
     re-announced) fell back to the strategy after TTL_S seconds."""
     prefixes = [" ".join(f"hot{j}-w{i}" for i in range(200)) for j in range(2)]
     for p in prefixes:
-        assert stack.chat(p, "warm", pin=stack.sims[0].address) == "sim-0"
+        assert stack.chat(p, "warm", pin=0) == "sim-0"
 
     def held() -> bool:
         backends = {b["backend_name"]: b for b in stack.admin("/admin/kv-index/backends")["backends"]}
