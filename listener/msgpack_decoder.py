@@ -15,10 +15,18 @@ Fields read from ``BlockStored``: ``block_hashes``, ``parent_block_hash``, ``tok
 (0 only for vLLM's CPU placeholder stores, which carry no tokens), ``lora_id``, ``lora_name``, ``medium``,
 ``cache_salt`` (SGLang), ``extra_keys`` (vLLM), ``group_idx``, ``kv_cache_spec_kind``,
 ``kv_cache_spec_sliding_window``. vLLM's ``extra_keys`` (one entry per block, None or a list; in the
-array form taken from the position after ``lora_name`` only when it has that shape): the
-adapter name (equal to ``lora_name``) is dropped from every block; on a chain's first block (no parent) a
-single remaining string is the cache salt; any other remaining extra (multimodal hashes) makes that block
-and the rest of the event unkeyable (``unkeyable_from``).
+array form taken from the position after ``lora_name`` only when it has that shape) lists, in this order:
+the adapter name, the block's multimodal hashes, the cache salt (first block of a request only), the
+prompt-embeds hash. The adapter name is dropped from the head of every block's list (its first element
+only, when it equals ``lora_name``: a cache salt spelled like the adapter stays); on a chain's first block
+(no parent) a single remaining string is the cache salt (the last element); any other remaining extra
+(multimodal hashes, prompt embeds) makes that block and the rest of the event unkeyable
+(``unkeyable_from``).
+
+Known limit: a first block whose only extra is one multimodal identifier (no salt) cannot be told from a
+salted block by shape, and is read as salted with that identifier. Harmless: the picker folds only a
+request's own ``cache_salt`` into its root key, and no request sends a multimodal hash as its salt, so the
+keys of such a chain are never looked up (they only take index room).
 """
 
 from __future__ import annotations
@@ -164,11 +172,13 @@ def _extras(v: Any, n: int, first_is_root: bool, lora_name: str | None) -> tuple
             continue
         if not isinstance(entry, list | tuple):
             return salt, i
-        rest = [x for x in entry if not (lora_name and x == lora_name)]
+        rest = list(entry)
+        if lora_name and rest and rest[0] == lora_name:
+            del rest[0]  # the adapter name leads; a salt spelled like it stays
         if not rest:
             continue
         if i == 0 and first_is_root and len(rest) == 1 and isinstance(rest[0], str):
-            salt = rest[0]
+            salt = rest[0]  # the salt is the last extra of the first block: nothing else may remain
             continue
         return salt, i
     return salt, None

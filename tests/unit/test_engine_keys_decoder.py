@@ -61,3 +61,31 @@ def test_placeholder_groups_and_extras() -> None:
     assert sliding.first_unkeyable == 0
     assert isinstance(full, BlockStored) and full.secondary_group is False and full.cache_salt == "salt"
     assert full.first_unkeyable is None
+
+
+def test_salt_spelled_like_the_lora_name_is_kept() -> None:
+    """vLLM's extra_keys order: adapter name, multimodal hashes, cache salt. Only the leading adapter name is
+    dropped: a salt equal to it stays the salt (the picker keys that request with salt "acme")."""
+    ev = st(
+        block_hashes=[1, 2], token_ids=[5] * 8, lora_id=1, lora_name="acme", extra_keys=[["acme", "acme"], ["acme"]]
+    )
+    out = decode_batch(payload(ev), "vllm", 1 << 20).events[0]
+    assert isinstance(out, BlockStored) and out.cache_salt == "acme" and out.unkeyable_from is None
+
+
+@pytest.mark.parametrize(
+    ("lora_name", "extras", "salt", "unkeyable"),
+    [
+        ("acme", ["acme"], None, None),  # LoRA, no salt
+        (None, ["tenant"], "tenant", None),  # salt, no LoRA
+        ("acme", ["acme", "tenant"], "tenant", None),  # both
+        (None, ["mmhash", "tenant"], None, 0),  # multimodal before the salt: unkeyable
+        ("acme", ["tenant", "acme"], None, 0),  # the adapter name is not first: not vLLM's order
+    ],
+)
+def test_extra_keys_of_the_first_block(
+    lora_name: str | None, extras: list[str], salt: str | None, unkeyable: int | None
+) -> None:
+    lora = {"lora_id": 1, "lora_name": lora_name} if lora_name else {}
+    out = decode_batch(payload(st(extra_keys=[extras], **lora)), "vllm", 1 << 20).events[0]
+    assert isinstance(out, BlockStored) and out.cache_salt == salt and out.unkeyable_from == unkeyable
