@@ -84,12 +84,12 @@ def _medium(m: Any) -> Any:
 
 
 def batch_payload(events: Iterable[bytes]) -> bytes:
-    """A ``[ts, events, dp_rank]`` batch payload from already-packed events (for replaying a log)."""
+    """A ``[ts, events]`` batch payload from already-packed events (for replaying a log). The smallest
+    batch the decoder accepts (2 containers, 2 + len(events) elements besides the events' own): an event
+    that passed the decoder's budget in any live batch passes it alone in this one."""
     evs = list(events)
     packer = msgpack.Packer(use_bin_type=True)
-    return b"".join(
-        [packer.pack_array_header(3), packer.pack(0.0), packer.pack_array_header(len(evs)), *evs, packer.pack(0)]
-    )
+    return b"".join([packer.pack_array_header(2), packer.pack(0), packer.pack_array_header(len(evs)), *evs])
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import zmq as _zmq
@@ -64,6 +64,27 @@ _VERIFY = object()  # queue marker: a new connection; check the incarnation befo
 def rcv_hwm(limits: LimitsConfig) -> int:
     """libzmq's receive queue in messages: at most this × max_message_bytes bytes wait inside libzmq."""
     return max(2, min(MAX_RCV_HWM, limits.max_backlog_bytes // limits.max_message_bytes))
+
+
+def restore_chunks(events: list[bytes], limits: LimitsConfig) -> Iterator[list[bytes]]:
+    """The persisted events in consecutive chunks the decoder's per-message budget always admits.
+
+    Every msgpack object takes at least one byte and every container is an object, so a payload of B bytes
+    builds at most B containers and B elements: a chunk of at most min(max_message_items,
+    max_message_containers, max_message_bytes) // 2 packed bytes (half: room for the batch wrapper) always
+    fits. A larger event goes alone: it passed the same budget alone when it was live, in a wrapper no
+    smaller than ``batch_payload``'s. At most ``RESTORE_EVENTS_PER_BATCH`` events per chunk."""
+    cap = max(1, min(limits.max_message_items, limits.max_message_containers, limits.max_message_bytes) // 2)
+    chunk: list[bytes] = []
+    size = 0
+    for ev in events:
+        if chunk and (size + len(ev) > cap or len(chunk) >= RESTORE_EVENTS_PER_BATCH):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(ev)
+        size += len(ev)
+    if chunk:
+        yield chunk
 
 
 def split_replay_reply(frames: list[bytes]) -> tuple[bytes, bytes] | None:
@@ -486,12 +507,27 @@ class ZmqEventSource:
         )
 
     async def _apply_restored(self, st: SourceState) -> None:
-        """Rebuild the tracker from the persisted (compacted) log; the log is rebuilt the same way."""
-        for i in range(0, len(st.events), RESTORE_EVENTS_PER_BATCH):
-            payload = batch_payload(st.events[i : i + RESTORE_EVENTS_PER_BATCH])
-            batch = await self.apply_payload(payload)
-            if batch is not None and self.keep_log:
-                self.log.record_events(batch.raw_events)
+        """Rebuild the tracker from the persisted (compacted) log; the log is rebuilt the same way.
+
+        The events are applied in payloads the decoder's budget always admits (``restore_chunks``); a chunk
+        refused anyway (limits lowered since the save) is applied event by event, and an event refused alone
+        is counted (``state_restore_refused``) and logged: the rest of the state is still restored."""
+        refused = 0
+        for chunk in restore_chunks(st.events, self.limits):
+            parts = [chunk]
+            while parts:
+                part = parts.pop()
+                batch = await self.apply_payload(batch_payload(part))
+                if batch is not None:
+                    if self.keep_log:
+                        self.log.record_events(batch.raw_events)
+                elif len(part) > 1:
+                    parts.extend([e] for e in reversed(part))  # in order, one by one
+                else:
+                    refused += 1
+        if refused:
+            self._drop("state_restore_refused", refused)
+            log.warning("event=state_restore_refused source=%s events=%d", self.name, refused)
         self.last_seq, self.last_digest = st.last_seq, st.digest
         log.info("event=state_restored source=%s last_seq=%s events=%d", self.name, st.last_seq, len(st.events))
 
