@@ -16,8 +16,10 @@ So the log is bounded by the engine's live blocks plus their removed ancestors; 
 restored empty (counted, logged).
 
 File: msgpack ``{"version": 1, "sources": {name: {"fingerprint", "last_seq", "digest", "events",
-"overflow"}}}``; written to ``path.tmp``, fsynced, renamed over ``path`` (then the directory fsynced):
-a crash leaves the old or the new file, never a torn one.
+"overflow"}}}``; written to a tmp file of its own (``path.<pid>.<n>.tmp``), fsynced, renamed over ``path``
+(then the directory fsynced): a crash leaves the old or the new file, never a torn one. One write at a
+time: a save waits for the write of a cancelled one (stop cancels the periodic save, then saves once
+more). Tmp files left by a crash are removed at the next start.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -40,6 +44,8 @@ from listener.msgpack_decoder import decode_batch
 log = logging.getLogger("kv_listener.state")
 
 VERSION = 1
+_TMP_IDS = itertools.count()
+_TMP_MIDDLE = re.compile(r"[0-9]+\.[0-9]+")  # path.<pid>.<n>.tmp
 _GPU = frozenset({None, "GPU", "gpu", "cuda", "CUDA"})
 _STORED, _REMOVED = "S", "R"
 
@@ -270,7 +276,7 @@ def write_state_file(path: str, states: dict[str, SourceState], max_bytes: int) 
             "overflow": not keep,
         }
     data = msgpack.packb(doc, use_bin_type=True)
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.{next(_TMP_IDS)}.tmp"  # one file per write: two writers never share one
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -289,6 +295,24 @@ def write_state_file(path: str, states: dict[str, SourceState], max_bytes: int) 
         finally:
             os.close(dfd)
     return len(data), overflowed
+
+
+def remove_stale_tmp_files(path: str) -> int:
+    """Delete the tmp files of writes that never finished (a crash between open and rename); returns how
+    many. Call it before the first write of this process."""
+    folder, base = os.path.split(os.path.abspath(path))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    n = 0
+    for name in names:
+        middle = name[len(base) + 1 : -4] if name.startswith(base + ".") and name.endswith(".tmp") else None
+        if middle is not None and (middle == "" or _TMP_MIDDLE.fullmatch(middle)):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+                n += 1
+    return n
 
 
 def read_state_file(path: str, max_bytes: int) -> dict[str, SourceState]:
@@ -357,9 +381,15 @@ class StatePersister:
         self.on_result = on_result or (lambda result, size: None)
         self._lock = asyncio.Lock()
         self._last_stamp: list[Any] | None = None
+        # the write of the last save: it runs on in its thread when that save is cancelled (the supervisor
+        # stops run()); the next save waits for it, so one write at a time reaches the file, in order
+        self._writing: asyncio.Future[Any] | None = None
 
     async def restore(self) -> int:
         """Hand each source its saved state (matched by name and fingerprint); returns how many."""
+        stale = await asyncio.to_thread(remove_stale_tmp_files, self.path)
+        if stale:
+            log.warning("event=state_tmp_removed path=%s files=%d", self.path, stale)
         saved = await asyncio.to_thread(read_state_file, self.path, self.cfg.max_bytes)
         n = 0
         for src in self.sources:
@@ -376,8 +406,21 @@ class StatePersister:
             n += 1
         return n
 
+    async def _settle(self) -> None:
+        """Wait for the write of a cancelled save (its outcome was reported by nobody: it is dropped here)."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            try:
+                await asyncio.shield(writing)
+            except asyncio.CancelledError:
+                self._writing = writing  # this save is cancelled too: the next one waits
+                raise
+            except Exception as exc:
+                log.warning("event=state_save_failed path=%s error=%s", self.path, exc)
+
     async def save(self) -> None:
         async with self._lock:
+            await self._settle()
             stamp = [(src.log.version, *src.persisted()[:2]) for src in self.sources]
             if stamp == self._last_stamp:
                 return  # nothing applied since the last write
@@ -399,12 +442,15 @@ class StatePersister:
                 size, overflowed = write_state_file(self.path, states, self.cfg.max_bytes)
                 return size, overflowed, done
 
+            writing = self._writing = asyncio.ensure_future(asyncio.to_thread(work))
             try:
-                size, overflowed, done = await asyncio.to_thread(work)
+                size, overflowed, done = await asyncio.shield(writing)
             except OSError as exc:
+                self._writing = None
                 log.warning("event=state_save_failed path=%s error=%s", self.path, exc)
                 self.on_result("failed", 0)
                 return
+            self._writing = None
             self._last_stamp = stamp
             for (src, view, _, _, events), c in zip(views, done, strict=True):
                 if events is None:

@@ -5,19 +5,28 @@ that never restarted, for a seeded random workload mixing every kind of copy."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
+from pathlib import Path
 from typing import Any
 
 import msgpack
+import pytest
 import zmq.asyncio
 
+from listener import state_store
 from listener.block_chains import BlockChainTracker
-from listener.config import LimitsConfig, SourceConfig
+from listener.config import LimitsConfig, SourceConfig, StateConfig
 from listener.metrics import ListenerMetrics
 from listener.msgpack_decoder import decode_batch
 from listener.state_store import (
     EventLog,
     SourceState,
+    StatePersister,
     compact,
+    read_state_file,
+    write_state_file,
 )
 from listener.zmq_source import ZmqEventSource
 
@@ -155,3 +164,102 @@ async def test_a_restored_event_refused_anyway_is_counted_and_the_rest_restored(
         ctx.destroy(linger=0)
     assert len(sink.state) == 5
     assert dropped(metrics, "state_restore_refused") == 1
+
+
+# -- 5. one writer per state file --------------------------------------------------------------------------------
+
+
+def test_each_write_uses_its_own_tmp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[str] = []
+    real_open = state_store.os.open
+
+    def spy(path: str, *args: Any) -> int:
+        opened.append(path)
+        return real_open(path, *args)
+
+    monkeypatch.setattr(state_store.os, "open", spy)
+    path = str(tmp_path / "state.bin")
+    st = {"e1": SourceState("f", 1, b"d", [])}
+    write_state_file(path, st, 1 << 20)
+    write_state_file(path, st, 1 << 20)
+    tmps = [p for p in opened if p.startswith(path + ".")]
+    assert len(tmps) == 2 and tmps[0] != tmps[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.bin"]
+
+
+class _Counting(concurrent.futures.ThreadPoolExecutor):
+    submitted = 0
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        type(self).submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+class _Src:
+    """The least a persister needs of a source."""
+
+    name = "e1"
+
+    def __init__(self) -> None:
+        self.log = EventLog()
+        self.seq = 1
+
+    def fingerprint(self) -> str:
+        return "f"
+
+    def persisted(self) -> tuple[int | None, bytes | None, list[bytes] | None]:
+        return self.seq, b"d", None
+
+    def restore(self, state: SourceState) -> None:
+        pass
+
+
+async def test_final_save_waits_for_the_write_of_a_cancelled_periodic_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = asyncio.get_running_loop()
+    executor = _Counting(max_workers=4)
+    _Counting.submitted = 0
+    loop.set_default_executor(executor)
+    release = threading.Event()
+    entered: asyncio.Future[None] = loop.create_future()
+    real_write = state_store.write_state_file
+    calls = 0
+
+    def blocking_write(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            loop.call_soon_threadsafe(entered.set_result, None)
+            release.wait()
+        return real_write(*args)
+
+    monkeypatch.setattr(state_store, "write_state_file", blocking_write)
+    src = _Src()
+    persister = StatePersister(StateConfig(path=str(tmp_path / "state.bin")), [src])  # type: ignore[list-item]
+    try:
+        periodic = asyncio.create_task(persister.save())
+        await entered
+        periodic.cancel()  # the supervisor stops persister.run(): its write thread goes on
+        with pytest.raises(asyncio.CancelledError):
+            await periodic
+        src.seq = 2
+        final = asyncio.create_task(persister.save())
+        for _ in range(10):
+            await asyncio.sleep(0)  # turns of the loop (not a timed wait): the final save runs up to its await
+        second_writer = _Counting.submitted > 1
+    finally:
+        release.set()
+    await final
+    assert not second_writer, "a second writer started while the first still wrote"
+    assert calls == 2
+    assert read_state_file(str(tmp_path / "state.bin"), 1 << 20)["e1"].last_seq == 2
+
+
+def test_tmp_files_of_unfinished_writes_are_removed_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "state.bin"
+    for name in ("state.bin.tmp", "state.bin.123.4.tmp", "state.bin.x.tmp", "other.bin.1.2.tmp", "state.bin"):
+        (tmp_path / name).write_bytes(b"")
+    persister = StatePersister(StateConfig(path=str(path)), [])
+    assert asyncio.run(persister.restore()) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.bin.1.2.tmp", "state.bin", "state.bin.x.tmp"]
