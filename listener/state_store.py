@@ -7,13 +7,13 @@ derivation, refcounts, limits) have become since the file was written; the file 
 format only (WIRE.md §3), which the engines own and which does not change under a listener upgrade.
 
 The log is compacted by copy accounting (refcounts, as vLLM means them: a hash stored twice is two
-copies, each removed separately, per medium and KV-cache group): a ``BlockStored`` event is kept while
-it holds a live copy or is an ancestor (through ``parent_block_hash``) of a kept one; a removal is kept
-for the copies it removed from kept stores, at its original position (so a parent removed after its
-child was stored still keys the child on replay, as it did live). ``AllBlocksCleared`` empties the log.
-So the log is bounded by the engine's live blocks plus their removed ancestors; a file larger than
-``state.max_bytes`` is not written whole: a source that does not fit is saved without its log and
-restored empty (counted, logged).
+copies, each removed separately, per medium and KV-cache group), mirroring the tracker's presence rules
+(CPU placeholder stores, ``treat_eviction_as_offload`` copies): a ``BlockStored`` event is kept while it
+holds a live copy, created a node that is present now, or is needed by a kept store (its parent's node,
+or the node it adds a copy to, as it stood then); a removal is kept for the copies it removed from kept
+stores (see ``compact`` for where it goes). ``AllBlocksCleared`` empties the log. So the log is bounded by
+the engine's live blocks plus the stores they depend on; a file larger than ``state.max_bytes`` is not
+written whole: a source that does not fit is saved without its log and restored empty (counted, logged).
 
 File: msgpack ``{"version": 1, "sources": {name: {"fingerprint", "last_seq", "digest", "events",
 "overflow"}}}``; written to a tmp file of its own (``path.<pid>.<n>.tmp``), fsynced, renamed over ``path``
@@ -37,16 +37,18 @@ from typing import Any, Protocol
 
 import msgpack
 
+from listener.block_chains import _medium_label
 from listener.config import LimitsConfig, StateConfig
 from listener.events import DecodeError
-from listener.msgpack_decoder import decode_batch
+from listener.msgpack_decoder import MAX_GROUPS, decode_batch
 
 log = logging.getLogger("kv_listener.state")
 
 VERSION = 1
 _TMP_IDS = itertools.count()
 _TMP_MIDDLE = re.compile(r"[0-9]+\.[0-9]+")  # path.<pid>.<n>.tmp
-_GPU = frozenset({None, "GPU", "gpu", "cuda", "CUDA"})
+_GPU = _medium_label(None)
+_DROP_GROUP = MAX_GROUPS - 1  # group of the synthetic removal that replays a drop of offload copies only
 _STORED, _REMOVED = "S", "R"
 
 
@@ -55,8 +57,9 @@ def payload_digest(payload: bytes) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
-def _fields(ev: Any) -> tuple[str | None, Any, Any, Any, Any]:
-    """(tag, block_hashes, parent, medium, group_idx) of one raw wire event, array or map form."""
+def _fields(ev: Any) -> tuple[str | None, Any, Any, Any, Any, Any, Any]:
+    """(tag, block_hashes, parent, medium, group_idx, token_ids, block_size) of one raw wire event, array or
+    map form."""
     if isinstance(ev, dict):
         return (
             ev.get("type"),
@@ -64,29 +67,22 @@ def _fields(ev: Any) -> tuple[str | None, Any, Any, Any, Any]:
             ev.get("parent_block_hash"),
             ev.get("medium"),
             ev.get("group_idx"),
+            ev.get("token_ids"),
+            ev.get("block_size"),
         )
     if isinstance(ev, (list, tuple)) and ev and isinstance(ev[0], str):
         tag = ev[0]
         if tag == "BlockStored":
-            return (
-                tag,
-                ev[1] if len(ev) > 1 else None,
-                ev[2] if len(ev) > 2 else None,
-                ev[6] if len(ev) > 6 else None,
-                None,
-            )
+            at = [ev[i] if len(ev) > i else None for i in range(1, 7)]  # hashes, parent, tokens, size, lora, medium
+            return tag, at[0], at[1], at[5], None, at[2], at[3]
         if tag == "BlockRemoved":
-            return tag, ev[1] if len(ev) > 1 else None, None, ev[2] if len(ev) > 2 else None, None
-        return tag, None, None, None, None
-    return None, None, None, None, None
+            return tag, ev[1] if len(ev) > 1 else None, None, ev[2] if len(ev) > 2 else None, None, None, None
+        return tag, None, None, None, None, None, None
+    return None, None, None, None, None, None, None
 
 
 def _hashable(h: Any) -> bool:
     return isinstance(h, (int, bytes)) and not isinstance(h, bool)
-
-
-def _medium(m: Any) -> Any:
-    return "GPU" if m in _GPU else m
 
 
 def batch_payload(events: Iterable[bytes]) -> bytes:
@@ -105,6 +101,8 @@ class LogView:
     entries: dict[int, tuple[Any, ...]]
     live: dict[int, int]
     last_id: int
+    born: dict[Any, int] = field(default_factory=dict)  # hash of a node present now → the store that created it
+    keyers: list[int] = field(default_factory=list)  # stores that keyed a present node created unkeyed
 
 
 @dataclass(slots=True)
@@ -118,11 +116,21 @@ class EventLog:
     """The compacted event log of one source (see the module docstring). ``record`` runs on the loop per
     applied batch and costs O(events + blocks) of that batch.
 
+    The log mirrors the tracker's presence rules (``block_chains``): a node exists while it holds a copy;
+    a CPU placeholder store adds a copy to a node that exists (and is ignored otherwise); a store that fails
+    the page check leaves an existing node alone; with ``treat_eviction_as_offload`` a GPU removal of the
+    node's last GPU copy in a group adds a synthetic offload copy, which every non-GPU removal of the node
+    drops. The store whose GPU copy became the offload copy stays live while that copy lasts.
+
     Memory bound: at most ``max_entries`` entries (garbage is dropped after each save); past it the log
     gives up (``overflow``: saved without events, restored empty) until the source is next cleared."""
 
-    def __init__(self, max_entries: int = 1 << 22) -> None:
+    def __init__(
+        self, max_entries: int = 1 << 22, treat_eviction_as_offload: bool = False, engine: str = "vllm"
+    ) -> None:
         self.max_entries = max_entries
+        self.treat_eviction_as_offload = treat_eviction_as_offload
+        self.engine = engine
         self.overflow = False
         self.version = 0  # bumped by every change (a save with nothing new is skipped)
         self.reset()
@@ -130,11 +138,16 @@ class EventLog:
     def reset(self) -> None:
         self.version += 1
         self.overflow = False
-        # id → ("S", packed event, parent store id | None) or ("R", medium, group, ((hash, store id), ...))
+        # id → ("S", packed event, ((hash, (creator id, keyer id | None, holder ids)), ...) it depends on) or
+        #      ("R", medium, group, ((hash, store id popped), ...), ((hash, store id of a dropped offload copy), ...))
         self._entries: dict[int, tuple[Any, ...]] = {}
-        self._live: dict[int, int] = {}  # store id → copies it still holds
-        self._holders: dict[tuple[Any, Any, Any], list[int]] = {}  # (hash, medium, group) → store ids, LIFO
-        self._by_hash: dict[Any, int] = {}  # hash → latest store id that stored it (ancestry)
+        self._live: dict[int, int] = {}  # store id → copies it still holds (offload copies included)
+        self._holders: dict[tuple[Any, str, int], list[int]] = {}  # (hash, medium, group) → store ids, LIFO
+        self._slots: dict[Any, set[tuple[str, int]]] = {}  # hash → its (medium, group) with a copy
+        self._offload: dict[Any, dict[int, int]] = {}  # hash → group → store id holding its offload copy
+        self._born: dict[Any, int] = {}  # hash of a present node → the store that created it
+        self._anchored: dict[Any, bool] = {}  # hash of a present node → keyed through its chain (as far as known)
+        self._keyer: dict[Any, int] = {}  # hash of a present node created unkeyed → the store that keyed it
         self._next = 0
         self._kept_after_gc = 0
 
@@ -144,7 +157,7 @@ class EventLog:
     def record(self, payload: bytes) -> None:
         """Account one applied batch given as its payload (decoded within the decoder's default limits)."""
         try:
-            batch = decode_batch(payload, "vllm", LimitsConfig().max_event_tokens)
+            batch = decode_batch(payload, self.engine, LimitsConfig().max_event_tokens)
         except DecodeError:  # the decoder refuses it too: nothing was applied
             self.version += 1
             return
@@ -166,8 +179,48 @@ class EventLog:
             self.reset()
             self.overflow = True
 
+    # -- presence, as the tracker sees it ------------------------------------------------------------------
+    def _present(self, h: Any) -> bool:
+        return h in self._slots or h in self._offload
+
+    def _deps(self, h: Any, into: dict[Any, tuple[int, int | None, tuple[int, ...]]]) -> None:
+        """What a store touching present node ``h`` needs before it on replay: the store that created the
+        node and the one that keyed it (its keys), and, should that node's life end before the compaction,
+        one that holds a copy of it now (the node exists at that point of the replay)."""
+        slots = self._slots.get(h)
+        if slots:
+            medium, group = next(iter(slots))
+            holders: tuple[int, ...] = (self._holders[(h, medium, group)][0],)
+        else:
+            holders = tuple(self._offload[h].values())
+        into[h] = (self._born[h], self._keyer.get(h), holders)
+
+    def _add_copy(self, h: Any, medium: str, group: int, sid: int) -> None:
+        self._holders.setdefault((h, medium, group), []).append(sid)
+        self._slots.setdefault(h, set()).add((medium, group))
+
+    def _pop_copy(self, h: Any, medium: str, group: int) -> int | None:
+        stack = self._holders.get((h, medium, group))
+        if not stack:
+            return None
+        sid = stack.pop()
+        if not stack:
+            del self._holders[(h, medium, group)]
+            slots = self._slots[h]
+            slots.discard((medium, group))
+            if not slots:
+                del self._slots[h]
+        self._live[sid] -= 1
+        return sid
+
+    def _page_ok(self, n: int, tokens: Any, block_size: Any) -> bool:
+        ntok = len(tokens) if isinstance(tokens, list) else 0
+        if isinstance(block_size, int) and block_size > 0 and ntok == n * block_size:
+            return True
+        return self.engine == "sglang" and n == 1 and isinstance(block_size, int) and 0 < ntok < block_size
+
     def _record_event(self, ev: Any) -> None:
-        tag, hashes, parent, medium, group = _fields(ev)
+        tag, hashes, parent, medium, group, tokens, block_size = _fields(ev)
         if tag == "AllBlocksCleared":
             self.reset()
             return
@@ -179,30 +232,73 @@ class EventLog:
             return
         eid = self._next
         self._next += 1
-        med = _medium(medium)
+        med = _medium_label(medium)
+        g = group or 0
         if tag == "BlockStored":
-            parent_id = None if parent is None else self._by_hash.get(parent)
-            self._entries[eid] = (_STORED, msgpack.packb(ev, use_bin_type=True), parent_id)
-            for h in hashes:
-                self._holders.setdefault((h, med, group), []).append(eid)
-                self._by_hash[h] = eid
-            self._live[eid] = len(hashes)
-            return
-        removed: list[tuple[Any, int]] = []
+            self._record_store(eid, ev, hashes, parent, med, g, tokens, block_size)
+        else:
+            self._record_removal(eid, hashes, medium, group, med, g)
+
+    def _record_store(
+        self, eid: int, ev: Any, hashes: list[Any], parent: Any, med: str, g: int, tokens: Any, block_size: Any
+    ) -> None:
+        placeholder = block_size == 0 and not tokens  # vLLM CPU offloading: a copy of a node that exists
+        fits = placeholder or self._page_ok(len(hashes), tokens, block_size)
+        deps: dict[Any, tuple[int, int | None, tuple[int, ...]]] = {}
+        chained = parent is None  # the page before is keyed (the tracker's anchor), as far as presence tells
+        if not placeholder and parent is not None and self._present(parent):
+            self._deps(parent, deps)
+            chained = self._anchored[parent]
+        chained = chained and not placeholder and block_size != 0 and fits
+        copies = 0
         for h in hashes:
-            stack = self._holders.get((h, med, group))
-            if not stack:
-                continue  # unknown copy (the tracker counts it): nothing to replay
-            sid = stack.pop()
-            if not stack:
-                del self._holders[(h, med, group)]
-            self._live[sid] -= 1
-            removed.append((h, sid))
-        if removed:
-            self._entries[eid] = (_REMOVED, medium, group, tuple(removed))
+            if self._present(h):
+                if not fits:
+                    continue  # the tracker never changes a known node with a store that fails the page check
+                self._deps(h, deps)
+                if chained and not placeholder and not self._anchored[h]:  # the tracker keys it now
+                    self._anchored[h] = True
+                    self._keyer[h] = eid
+            elif placeholder:
+                continue  # the tracker ignores a placeholder of an unknown hash
+            else:
+                self._born[h] = eid
+                self._anchored[h] = chained
+            self._add_copy(h, med, g, eid)
+            copies += 1
+            chained = self._anchored[h]
+        if copies:
+            self._entries[eid] = (_STORED, msgpack.packb(ev, use_bin_type=True), tuple(deps.items()))
+            self._live[eid] = copies
+
+    def _record_removal(self, eid: int, hashes: list[Any], medium: Any, group: Any, med: str, g: int) -> None:
+        pops: list[tuple[Any, int]] = []
+        drops: list[tuple[Any, int]] = []
+        for h in hashes:
+            if not self._present(h):
+                continue  # unknown to the tracker too: nothing to replay
+            had = len(self._holders.get((h, med, g), ()))
+            sid = self._pop_copy(h, med, g)
+            if sid is not None:
+                pops.append((h, sid))
+            if med == _GPU:
+                if sid is not None and had == 1 and self.treat_eviction_as_offload:
+                    held = self._offload.setdefault(h, {})
+                    if g not in held:  # the tracker's offload copy: the popped store stays live for it
+                        held[g] = sid
+                        self._live[sid] += 1
+            else:
+                for osid in self._offload.pop(h, {}).values():  # any other removal drops the offload copies
+                    self._live[osid] -= 1
+                    drops.append((h, osid))
+            if not self._present(h):
+                del self._born[h], self._anchored[h]
+                self._keyer.pop(h, None)
+        if pops or drops:
+            self._entries[eid] = (_REMOVED, medium, group, tuple(pops), tuple(drops))
 
     def view(self) -> LogView:
-        return LogView(dict(self._entries), dict(self._live), self._next)
+        return LogView(dict(self._entries), dict(self._live), self._next, dict(self._born), list(self._keyer.values()))
 
     def gc(self, done: Compacted, upto: int) -> None:
         """Drop entries up to ``upto`` that the compaction did not keep (on the loop, after compact)."""
@@ -210,36 +306,82 @@ class EventLog:
             return
         self._entries = {k: v for k, v in self._entries.items() if k >= upto or k in done.kept}
         self._live = {k: v for k, v in self._live.items() if k in self._entries}
-        self._by_hash = {h: i for h, i in self._by_hash.items() if i in self._entries}
         self._kept_after_gc = len(self._entries)
 
 
+def _removal(hashes: list[Any], medium: Any, group: Any) -> bytes:
+    ev: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+    if group is not None:
+        ev["group_idx"] = group
+    return msgpack.packb(ev, use_bin_type=True)
+
+
 def compact(view: LogView) -> Compacted:
-    """The events to replay, in order (pure: runs in a worker thread)."""
-    entries = view.entries
+    """The events to replay, in order (pure: runs in a worker thread).
+
+    Kept: stores holding a live copy (an offload copy included), the store that created each present node,
+    and, transitively, what a kept store depends on (its parent's creator and a holder of the parent at
+    that time; for a copy of a present node, that node's creator and a holder). A removal is replayed for
+    the copies it took from kept stores; a removal that only dropped offload copies of kept stores is
+    replayed as a removal from a group that holds nothing (``_DROP_GROUP``), which drops them alike.
+
+    Order: a removal of a node that is present now, made since the store that created it, is replayed at
+    the end, after every kept store: the node then exists on replay from its creation on, as it did live
+    (a removal in place could take the only replayed copy before a placeholder or a child that needs the
+    node, while live another copy, not kept, still held it). Counted per (medium, group), the replayed
+    removals take exactly the copies of the kept stores, so the copies at the end are those of now; the
+    last GPU copy of a group goes last, so an offload copy appears (or not) as it did live. Every other
+    removal stays at its original position (a parent removed before a child was stored leaves that child
+    unkeyed on replay, as it did live)."""
+    entries, born = view.entries, view.born
     keep = {i for i, n in view.live.items() if n > 0 and i in entries}
+    keep.update(i for i in born.values() if i in entries)
+    keep.update(i for i in view.keyers if i in entries)
     stack = list(keep)
     while stack:
-        parent = entries[stack.pop()][2]
-        if parent is not None and parent not in keep and parent in entries:
-            keep.add(parent)
-            stack.append(parent)
+        entry = entries[stack.pop()]
+        if entry[0] != _STORED:
+            continue
+        for h, (created, keyer, holders) in entry[2]:
+            # a node present now with the same creator is the same node: its replayed removals come last,
+            # so it exists at any later point of the replay without another holder
+            needed = (created, keyer) if born.get(h) == created else (created, keyer, *holders)
+            for dep in needed:
+                if dep is not None and dep not in keep and dep in entries:
+                    keep.add(dep)
+                    stack.append(dep)
     out = Compacted([])
+    tail: list[bytes] = []
+
+    def emit(into: list[bytes], packed: bytes) -> None:
+        into.append(packed)
+        out.size += len(packed)
+
     for i, e in entries.items():
         if e[0] == _STORED:
             if i in keep:
-                out.events.append(e[1])
-                out.size += len(e[1])
+                emit(out.events, e[1])
             continue
-        hashes = [h for h, sid in e[3] if sid in keep]
-        if hashes:
-            ev: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": hashes, "medium": e[1]}
-            if e[2] is not None:
-                ev["group_idx"] = e[2]
-            packed = msgpack.packb(ev, use_bin_type=True)
-            out.events.append(packed)
-            out.size += len(packed)
+        _, medium, group, pops, drops = e
+        now: tuple[list[Any], list[Any]] = ([], [])  # (removals, offload drops) at this position
+        late: tuple[list[Any], list[Any]] = ([], [])  # ... at the end
+        done: set[Any] = set()  # hashes whose offload copies this replayed entry drops already
+        for h, sid in pops:
+            if sid in keep:
+                done.add(h)
+                (late if born.get(h, i) < i else now)[0].append(h)
+        for h, sid in drops:
+            if sid in keep and h not in done:
+                done.add(h)
+                (late if born.get(h, i) < i else now)[1].append(h)
+        for into, (removed, dropped) in ((out.events, now), (tail, late)):
+            if removed:
+                emit(into, _removal(removed, medium, group))
+            if dropped:
+                emit(into, _removal(dropped, "CPU", _DROP_GROUP))
+        if done:
             out.kept.add(i)
+    out.events.extend(tail)
     out.kept |= keep
     return out
 

@@ -132,7 +132,11 @@ class ZmqEventSource:
         self._live_seq: int | None = None  # last seq seen on the live stream of the current connection
         self._live_digest: bytes | None = None
         # what rebuilds the tracker after a listener restart (state_store); bounded to 4 entries per tracked block
-        self.log = EventLog(max_entries=4 * limits.max_tracked_blocks)
+        self.log = EventLog(
+            max_entries=4 * limits.max_tracked_blocks,
+            treat_eviction_as_offload=cfg.treat_eviction_as_offload,
+            engine=cfg.engine,
+        )
         self._restored: SourceState | None = None  # persisted state, applied once its incarnation is verified
         self.bound_endpoint: str | None = None  # set when zmq_mode is bind (resolves port 0 / *)
         # A peer counts once its ZMTP handshake succeeded: a TCP connection alone may be the socket connected

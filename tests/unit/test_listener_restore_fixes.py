@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import random
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,9 @@ import pytest
 import zmq.asyncio
 
 from listener import state_store
+from listener.app import ListenerApp
 from listener.block_chains import BlockChainTracker
-from listener.config import LimitsConfig, SourceConfig, StateConfig
+from listener.config import LimitsConfig, ListenerConfig, SourceConfig, StateConfig
 from listener.metrics import ListenerMetrics
 from listener.msgpack_decoder import decode_batch
 from listener.state_store import (
@@ -68,7 +70,7 @@ class Live:
         self.cfg = src_cfg(offload)
         self.sink = Sink()
         self.tracker = BlockChainTracker(self.cfg, self.limits, self.sink, key_block_size=KB)
-        self.log = EventLog()
+        self.log = EventLog(treat_eviction_as_offload=offload)
 
     def apply(self, events: list[Any]) -> None:
         batch = decode_batch(msgpack.packb([0.0, events, 0]), "vllm", self.limits.max_event_tokens, self.limits)
@@ -164,6 +166,72 @@ async def test_a_restored_event_refused_anyway_is_counted_and_the_rest_restored(
         ctx.destroy(linger=0)
     assert len(sink.state) == 5
     assert dropped(metrics, "state_restore_refused") == 1
+
+
+# -- 2. CPU placeholders ------------------------------------------------------------------------------------------
+
+
+def test_placeholder_copy_survives_compaction_when_the_gpu_copy_goes() -> None:
+    live = Live()
+    live.apply([store([1, 2], None, toks(1, 2))])
+    live.apply([placeholder([1, 2])])
+    live.apply([remove([1, 2])])
+    assert set(live.sink.state.values()) == {"storage_warm"} and len(live.sink.state) == 2
+    assert live.restored().sink.state == live.sink.state
+
+
+def test_child_stored_after_a_placeholder_is_keyed_after_restore() -> None:
+    live = Live()
+    live.apply([store([1], None, toks(1))])
+    live.apply([placeholder([1])])
+    live.apply([store([2], 1, toks(2))])  # its parent: the token-bearing store of 1, not the placeholder
+    live.apply([remove([1])])
+    assert len(live.sink.state) == 2
+    assert live.restored().sink.state == live.sink.state
+
+
+def test_placeholder_after_a_second_copy_was_removed() -> None:
+    """Two GPU copies, the newer removed, then a placeholder, then the older removed: the CPU copy stays."""
+    live = Live()
+    live.apply([store([1], None, toks(1))])
+    live.apply([store([1], None, toks(1))])
+    live.apply([remove([1])])
+    live.apply([placeholder([1])])
+    live.apply([remove([1])])
+    assert list(live.sink.state.values()) == ["storage_warm"]
+    assert live.restored().sink.state == live.sink.state
+
+
+# -- 3. treat_eviction_as_offload ---------------------------------------------------------------------------------
+
+
+def test_offload_copy_survives_compaction() -> None:
+    live = Live(offload=True)
+    live.apply([store([1], None, toks(1))])
+    live.apply([store([2], None, toks(2))])
+    live.apply([remove([1])])
+    assert sorted(live.sink.state.values()) == ["gpu_hot", "storage_warm"]
+    assert live.restored().sink.state == live.sink.state
+
+
+def test_offload_copy_dropped_by_a_cpu_removal_stays_dropped() -> None:
+    live = Live(offload=True)
+    live.apply([store([1, 2], None, toks(1, 2))])
+    live.apply([remove([1])])
+    live.apply([remove([1], "CPU")])  # no CPU copy: the tracker drops the synthetic one, the node goes
+    assert list(live.sink.state.values()) == ["gpu_hot"]
+    assert live.restored().sink.state == live.sink.state
+
+
+def test_source_passes_treat_eviction_as_offload_to_its_log() -> None:
+    ctx = zmq.asyncio.Context()
+    try:
+        cfg = src_cfg(offload=True)
+        tracker = BlockChainTracker(cfg, LimitsConfig(), Sink(), key_block_size=KB)
+        src = ZmqEventSource(cfg, LimitsConfig(), tracker, ListenerMetrics(), ctx, keep_log=True)
+    finally:
+        ctx.destroy(linger=0)
+    assert src.log.treat_eviction_as_offload
 
 
 # -- 5. one writer per state file --------------------------------------------------------------------------------
@@ -263,3 +331,97 @@ def test_tmp_files_of_unfinished_writes_are_removed_at_start(tmp_path: Path) -> 
     persister = StatePersister(StateConfig(path=str(path)), [])
     assert asyncio.run(persister.restore()) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.bin.1.2.tmp", "state.bin", "state.bin.x.tmp"]
+
+
+# -- the restored state equals the state of a listener that never restarted -------------------------------------
+
+
+def random_workload(rng: random.Random, n: int) -> list[list[dict[str, Any]]]:
+    """Batches of GPU stores (roots, extensions, second copies), GPU removals (ancestors, whole chains), CPU
+    placeholders (of known and of forgotten blocks), CPU removals, STORAGE copies (placeholders and stores
+    with tokens) and their removals, and a rare AllBlocksCleared."""
+    chains: list[list[int]] = []
+    info: dict[int, tuple[int | None, list[int]]] = {}  # hash -> (parent, tokens): hashes are deterministic
+    next_hash = 1
+    batches: list[list[dict[str, Any]]] = []
+
+    def run_of(chain: list[int]) -> list[int]:
+        i = rng.randrange(len(chain))
+        return chain[i : rng.randint(i + 1, len(chain))]
+
+    def stored(hashes: list[int], medium: str) -> dict[str, Any]:
+        tokens = [t for h in hashes for t in info[h][1]]
+        return store(hashes, info[hashes[0]][0], tokens, medium)
+
+    for _ in range(n):
+        batch: list[dict[str, Any]] = []
+        for _ in range(rng.randint(1, 3)):
+            r = rng.random()
+            if not chains or r < 0.25:
+                parent_chain = rng.choice(chains) if chains and rng.random() < 0.5 else None
+                parent = parent_chain[-1] if parent_chain else None
+                hashes = []
+                for _ in range(rng.randint(1, 3)):
+                    info[next_hash] = (parent, toks(next_hash))
+                    parent = next_hash
+                    hashes.append(next_hash)
+                    next_hash += 1
+                chains.append((parent_chain or []) + hashes)
+                batch.append(stored(hashes, "GPU"))
+            elif r < 0.33:
+                batch.append(stored(run_of(rng.choice(chains)), "GPU"))  # a second copy (or a re-store)
+            elif r < 0.50:
+                batch.append(remove(run_of(rng.choice(chains)), "GPU"))
+            elif r < 0.62:
+                batch.append(placeholder(run_of(rng.choice(chains)), rng.choice(["CPU", "CPU", "STORAGE"])))
+            elif r < 0.72:
+                batch.append(remove(run_of(rng.choice(chains)), rng.choice(["CPU", "CPU", "STORAGE"])))
+            elif r < 0.80:
+                batch.append(stored(run_of(rng.choice(chains)), "STORAGE"))
+            elif r < 0.81:
+                batch.append({"type": "AllBlocksCleared"})
+            elif r < 0.86 and len(chains) > 8:
+                chains.pop(rng.randrange(len(chains)))
+        batches.append(batch)
+    return batches
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("seed", range(12))
+def test_compacted_log_rebuilds_the_never_restarted_state(seed: int, offload: bool) -> None:
+    rng = random.Random(seed * 2 + offload)
+    batches = random_workload(rng, 300)
+    ref = Live(offload)
+    current = Live(offload)
+    restarts = sorted(rng.sample(range(1, len(batches)), 4))
+    sizes = []
+    for i, batch in enumerate(batches):
+        if i in restarts:
+            current = current.restored()
+            assert current.sink.state == ref.sink.state, f"restart before batch {i}"
+            sizes.append(len(ref.sink.state))
+        ref.apply(batch)
+        current.apply(batch)
+    assert max(sizes) > 0, "the workload leaves blocks"
+    assert current.sink.state == ref.sink.state
+    final = current.restored()
+    assert final.sink.state == ref.sink.state
+
+
+async def test_listener_apps_restore_from_a_state_file(tmp_path: Path) -> None:
+    """The whole path (persister, file, source) with placeholders and offload copies."""
+    src = src_cfg(offload=True)
+    cfg = ListenerConfig(
+        listen="127.0.0.1:0", key_block_size=KB, sources=(src,), state=StateConfig(path=str(tmp_path / "s.bin"))
+    )
+    live = Live(offload=True)
+    for batch in random_workload(random.Random(99), 200):
+        live.apply(batch)
+    events = compact(live.log.view()).events
+    write_state_file(str(tmp_path / "s.bin"), {"e1": SourceState("x", 1, b"d", events)}, 1 << 30)
+    st = read_state_file(str(tmp_path / "s.bin"), 1 << 30)["e1"]
+    app = ListenerApp(cfg)
+    zsrc = app.sources["e1"]
+    assert isinstance(zsrc, ZmqEventSource)
+    await zsrc._apply_restored(st)
+    assert app.feeds["e1"].state and app.feeds["e1"].state == live.sink.state
