@@ -18,6 +18,13 @@ class LoadResult:
     statuses: dict[int, int] = field(default_factory=dict)
     latencies_ms: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    completed_total: int = 0  # every answered request, warm-up included (CPU per request divides by it)
+    chunks: int = 0  # SSE events received (``data: ...`` blocks) in the measured window
+    ttfb_ms: list[float] = field(default_factory=list)  # first response byte, measured window
+
+    @property
+    def chunks_per_s(self) -> float:
+        return self.chunks / self.seconds if self.seconds else 0.0
 
     @property
     def rps(self) -> float:
@@ -30,8 +37,13 @@ class LoadResult:
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _read_response(reader: asyncio.StreamReader) -> int:
+async def _read_response(reader: asyncio.StreamReader, sse: list[float] | None = None) -> int:
+    """Read one response; return its status. With ``sse`` (a list), count its SSE events (blank-line
+    terminated blocks, whatever the HTTP chunking) into ``sse[0]`` and store the first byte's time in
+    ``sse[1]``."""
     head = await reader.readuntil(b"\r\n\r\n")
+    if sse is not None:
+        sse[1] = time.perf_counter()
     lines = head.split(b"\r\n")
     status = int(lines[0].split(b" ", 2)[1])
     length = None
@@ -44,20 +56,25 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
         elif k == b"transfer-encoding" and b"chunked" in v.lower():
             chunked = True
     if chunked:
+        tail = b""
         while True:
             size_line = await reader.readuntil(b"\r\n")
             size = int(size_line.split(b";")[0].strip(), 16)
-            await reader.readexactly(size + 2)
+            data = await reader.readexactly(size + 2)
             if size == 0:
                 break
+            if sse is not None:  # an event may straddle HTTP chunks: keep the previous chunk's last byte
+                sse[0] += (tail + data[:-2]).count(b"\n\n")
+                tail = data[-3:-2]
     elif length:
         await reader.readexactly(length)
     return status
 
 
 async def _worker(
-    host: str, port: int, requests: list[bytes], offset: int, stop_at: float, result: LoadResult, warmup_until: float
-) -> None:
+    host: str, port: int, requests: list[bytes], offset: int, stop_at: float, result: LoadResult, warmup_until: float,
+    sse: bool = False,
+) -> None:  # fmt: skip
     reader, writer = await asyncio.open_connection(host, port)
     i = offset
     try:
@@ -67,18 +84,23 @@ async def _worker(
                 return
             writer.write(requests[i % len(requests)])
             i += 1
+            events = [0.0, t0] if sse else None
             try:
-                status = await _read_response(reader)
+                status = await _read_response(reader, events)
             except (asyncio.IncompleteReadError, ConnectionError, ValueError):
                 result.errors += 1
                 writer.close()
                 reader, writer = await asyncio.open_connection(host, port)
                 continue
             t1 = time.perf_counter()
+            result.completed_total += 1
             if t0 >= warmup_until:
                 result.requests += 1
                 result.statuses[status] = result.statuses.get(status, 0) + 1
                 result.latencies_ms.append((t1 - t0) * 1000.0)
+                if events is not None:
+                    result.chunks += int(events[0])
+                    result.ttfb_ms.append((events[1] - t0) * 1000.0)
     finally:
         writer.close()
 
@@ -91,17 +113,19 @@ def build_request(path: str, body: bytes, headers: dict[str, str] | None = None)
 
 async def run_load(
     host: str, port: int, path: str, bodies: list[bytes], *, concurrency: int, seconds: float, warmup: float = 1.0,
-    headers: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None, sse: bool = False,
 ) -> LoadResult:  # fmt: skip
     """Closed-loop load for ``seconds`` (after ``warmup``) with ``concurrency`` connections; the
-    request bodies rotate (each connection starts at a different one)."""
+    request bodies rotate (each connection starts at a different one). ``sse``: count the SSE events of
+    (chunked) responses and the time to the first response byte. A request started before the end is
+    read to its end (``completed_total`` then covers all the work done during the call)."""
     requests = [build_request(path, b, headers) for b in bodies]
     result = LoadResult()
     start = time.perf_counter()
     warmup_until = start + warmup
     stop_at = warmup_until + seconds
     await asyncio.gather(
-        *(_worker(host, port, requests, i * 7, stop_at, result, warmup_until) for i in range(concurrency))
+        *(_worker(host, port, requests, i * 7, stop_at, result, warmup_until, sse) for i in range(concurrency))
     )
     result.seconds = seconds
     return result
