@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import urllib.parse
@@ -194,17 +195,20 @@ def parse_variant(spec: str) -> Variant:
 
 
 def compare_modes_variant() -> Variant:
-    """The explicit full-duplex response configuration, when EnvoyOptions offers a response-mode switch
-    (a field whose name has "response" and "mode" and whose Literal type lists a full-duplex value)."""
+    """The configuration that streams every response chunk through the picker (``full-response``), when
+    EnvoyOptions offers a response-mode switch: a field whose name has "response" and "mode" and whose
+    Literal type lists a value with "full" in it (today ``response_mode="full"``: full-duplex echo in
+    full-duplex body mode, STREAMED answers in BUFFERED mode)."""
     hints = get_type_hints(EnvoyOptions)
     for f in fields(EnvoyOptions):
         if "response" in f.name and "mode" in f.name:
-            values = [v for v in get_args(hints[f.name]) if isinstance(v, str)]
-            full = [v for v in values if "full" in v.lower()]
+            full = [v for v in get_args(hints[f.name]) if isinstance(v, str) and "full" in v.lower()]
             if full:
-                return Variant("full-duplex", {f.name: full[0]})
+                if f.default == full[0]:
+                    print(f"--compare-modes: {f.name}={full[0]!r} is already the default", file=sys.stderr)
+                return Variant("full-response", {f.name: full[0]})
     raise SystemExit(
-        "--compare-modes: EnvoyOptions has no response-mode field with a full-duplex value yet; "
+        "--compare-modes: EnvoyOptions has no response-mode field with a full value yet; "
         "give the second configuration with --variant LABEL:field=value"
     )
 
@@ -237,7 +241,9 @@ def ext_proc_settings(opts: EnvoyOptions) -> dict[str, Any] | None:
     if cfg is None:
         return None
     out = {"processing_mode": cfg.get("processing_mode", {})}
-    for key in ("allow_mode_override", "send_body_without_waiting_for_header_response", "observability_mode"):
+    keys = ("allow_mode_override", "allowed_override_modes", "send_body_without_waiting_for_header_response",
+            "observability_mode")  # fmt: skip
+    for key in keys:
         if key in cfg:
             out[key] = cfg[key]
     return out
@@ -575,6 +581,7 @@ def run(
             "picker_tls": not picker_plaintext,
             "variants": {v.label: {"envoy": v.envoy, "picker": v.picker} for v in variants},
             "load_average": os.getloadavg(),
+            "git": _git_state(),
         },
         "runs": runs,
         "latency_row": latency_row(runs),
@@ -587,6 +594,18 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     return results
+
+
+def _git_state() -> str | None:
+    """The tree measured (``<commit>[-dirty]``): the data plane may be changing under the benchmark."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def latency_row(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -726,7 +745,8 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--compare-modes", action="store_true",
-        help="add the explicit full-duplex response configuration (EnvoyOptions' response-mode switch)",
+        help="add the configuration that streams every response chunk through the picker (EnvoyOptions' "
+        "response-mode switch, e.g. response_mode=full) next to the default",
     )  # fmt: skip
     a = ap.parse_args()
     seconds = a.seconds if a.seconds is not None else (2.0 if a.quick else 4.0)

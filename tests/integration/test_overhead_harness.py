@@ -15,6 +15,7 @@ from benchmarks.overhead import (
     STREAM_TOKENS,
     Variant,
     backend_addresses,
+    compare_modes_variant,
     decision_cpu_us,
     ext_proc_settings,
     format_row,
@@ -109,3 +110,16 @@ def test_decision_cpu_routes_every_request() -> None:
     """``decision_cpu_us`` raises when the request path does not route a request, so this fails on a broken
     path; the figure itself is not asserted (a duration is always > 0, and bounds would be timing-sensitive)."""
     decision_cpu_us(4096, 2, iterations=50)
+
+
+def test_compare_modes_names_the_response_switch() -> None:
+    """``--compare-modes`` is one more variant: the EnvoyOptions response-mode field set to its full value
+    (or a clear refusal while EnvoyOptions has no such field)."""
+    try:
+        v = compare_modes_variant()
+    except SystemExit as e:
+        assert "--variant" in str(e)
+        return
+    [(name, value)] = v.envoy.items()
+    assert "response" in name and "full" in value
+    EnvoyOptions(picker_address="127.0.0.1:1", backends=("127.0.0.1:2",), **v.envoy)  # a valid configuration
