@@ -1,7 +1,7 @@
 """Restart-proof state, review fixes: restore chunks within the decoder's budget, CPU placeholders and
-``treat_eviction_as_offload`` copies survive compaction, a cache salt equal to the LoRA adapter name, one
-writer per state file at stop; and the state rebuilt from a compacted log equals the state of a listener
-that never restarted, for a seeded random workload mixing every kind of copy."""
+``treat_eviction_as_offload`` copies survive compaction, one writer per state file at stop (the decoder's
+salt fix is in test_engine_keys_decoder); and the state rebuilt from a compacted log equals the state of a
+listener that never restarted, for a seeded random workload mixing every kind of copy."""
 
 from __future__ import annotations
 
