@@ -59,7 +59,7 @@ class DecodedBatch:
     events: list[KvEvent] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     ignored: int = 0  # unknown event tags (forward compatibility, not an error)
-    raw_events: list[Any] = field(default_factory=list)  # the undecoded event objects (the listener's state log)
+    raw_events: list[Any] = field(default_factory=list)  # the undecoded form of ``events`` (the state log)
 
 
 _DEFAULT_LIMITS = LimitsConfig()
@@ -294,7 +294,7 @@ def decode_batch(
         raise DecodeError("malformed", "batch events is not a list")
     if len(events) > MAX_EVENTS_PER_BATCH:
         raise DecodeError("too_large", f"{len(events)} events in one batch")
-    out = DecodedBatch(raw_events=list(events))
+    out = DecodedBatch()
     for raw in events:
         try:
             ev = decode_event(raw, engine, max_event_tokens, lim.max_event_hashes)
@@ -305,4 +305,5 @@ def decode_batch(
             out.ignored += 1
         else:
             out.events.append(ev)
+            out.raw_events.append(raw)  # only what decoded: the state log must not count what was refused
     return out
