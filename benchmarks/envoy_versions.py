@@ -35,7 +35,7 @@ def scratch_binary(version: str, scratch: Path = SCRATCH) -> Path:
 def variants() -> dict[str, EnvoyOptions]:
     """Every shape the generator has: sidecar (IP picker) and standalone (DNS picker), both body modes,
     fail-open on and off, TLS to the picker on (the default) and off, retries and the first-byte deadline
-    off, and the no-picker baseline."""
+    off, the three response modes, and the no-picker baseline."""
     out: dict[str, EnvoyOptions] = {}
     pickers = {"sidecar": "127.0.0.1:9002", "standalone": "kv-epp.default.svc:9002"}
     modes: tuple[Literal["FULL_DUPLEX_STREAMED", "BUFFERED"], ...] = ("FULL_DUPLEX_STREAMED", "BUFFERED")
@@ -47,6 +47,12 @@ def variants() -> dict[str, EnvoyOptions]:
             picker_address=picker, body_mode=mode, fail_open=fail_open, backends=BACKENDS, picker_tls=tls
         )
     out["sidecar-no-retries"] = replace(out["sidecar-full_duplex_streamed"], retries=0, first_byte_timeout_s=0)
+    # response modes (the variants above use the default, none): every response chunk, and sampling
+    out["sidecar-full_duplex_streamed-response-full"] = replace(
+        out["sidecar-full_duplex_streamed"], response_mode="full"
+    )
+    out["sidecar-buffered-response-full"] = replace(out["sidecar-buffered"], response_mode="full")
+    out["sidecar-buffered-response-sampled"] = replace(out["sidecar-buffered"], response_mode="sampled")
     out["no-picker"] = EnvoyOptions(picker_address=None, backends=BACKENDS)
     return out
 

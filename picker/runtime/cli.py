@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -13,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from picker.config import ConfigError, config_warnings, load_settings, settings_json_schema
-from picker.runtime.envoy_config import EnvoyOptions, bootstrap_yaml
+from picker.runtime.envoy_config import RESPONSE_MODES, EnvoyOptions, bootstrap_yaml
 
 LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 
@@ -27,7 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
     # gRPC core logs each failed TLS handshake (a plaintext client, a scanner) at INFO, outside our
     # key=value format: keep its errors only unless the operator asks for more.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from picker.runtime.lifecycle import StartupError  # imported late: serve pulls in grpc and aiohttp
+    from picker.runtime.lifecycle import StartupError, run_loop  # imported late: serve pulls in grpc and aiohttp
     from picker.runtime.wiring import build_server
 
     source = args.config or "<environment>"
@@ -54,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
 
     try:
-        return asyncio.run(main())
+        return run_loop(main(), settings.extproc.event_loop)
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed
         return 130
 
@@ -131,6 +130,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
         admin_port=args.admin_port,
         picker_address=None if args.mode == "no-picker" else picker,
         body_mode=args.body_mode,
+        response_mode=args.response_mode,
         fail_open=args.fail_open,
         picker_health_interval_s=args.picker_health_interval_s,
         message_timeout_ms=args.message_timeout_ms,
@@ -188,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mode", choices=["sidecar", "standalone", "no-picker"], default="sidecar")
     e.add_argument("--picker", help="ext_proc address host:port (default 127.0.0.1:9002 in sidecar mode)")
     e.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED")
+    e.add_argument(
+        "--response-mode",
+        choices=list(RESPONSE_MODES),
+        default="none",
+        help="what of each response reaches the picker: none (status and end only, the default), sampled"
+        " (as none, plus the body of a sample of responses for usage; BUFFERED body mode only), full (every"
+        " response chunk)",
+    )
     e.add_argument("--listen-port", type=int, default=8080)
     e.add_argument("--listen-address", default="0.0.0.0")
     e.add_argument("--admin-port", type=int, default=9901)

@@ -30,6 +30,19 @@ from typing import Any, Literal
 import yaml
 
 BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
+# What of each response reaches the picker (README, "Body and response modes"):
+# - none: the response headers (status, time to first byte); no body message. Response trailers are SEND
+#   so that Envoy keeps the ext_proc stream open until the HTTP stream ends: with body NONE and trailers
+#   SKIP, Envoy closes the stream as soon as it has the headers answer (its "last response" close, no
+#   longer switchable by runtime flag in 1.40), and the picker could not tell the end of the request. With
+#   trailers SEND and an upstream that sends none (HTTP/1.1 engines), no trailers message comes: Envoy
+#   half-closes the stream when the request ends, completed or aborted, which ends the in-flight lease.
+# - sampled: as none, plus ``allow_mode_override`` so the picker streams the body of a sample of responses
+#   (``extproc.response_sample_rate`` and the opt-in header) through itself. Envoy ignores a mode override
+#   when the configured request or response body mode is FULL_DUPLEX_STREAMED, so sampling needs BUFFERED.
+# - full: every response chunk goes through the picker (FULL_DUPLEX_STREAMED echo, or STREAMED answers).
+ResponseMode = Literal["none", "sampled", "full"]
+RESPONSE_MODES: tuple[ResponseMode, ...] = ("none", "sampled", "full")
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,6 +53,7 @@ class EnvoyOptions:
     admin_address: str = "127.0.0.1"
     picker_address: str | None = "127.0.0.1:9002"  # host:port of the ext_proc server; None = no picker
     body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
+    response_mode: ResponseMode = "none"  # see ResponseMode; "sampled" needs body_mode BUFFERED
     fail_open: bool = False
     message_timeout_ms: int = 5000
     route_timeout_s: int = 600  # the whole exchange, streamed response included (0: none)
@@ -152,32 +166,55 @@ def _picker_transport_socket(o: EnvoyOptions) -> dict[str, Any]:
     return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
 
-def _ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
-    full_duplex = o.body_mode == "FULL_DUPLEX_STREAMED"
-    mode = {
+def processing_mode(body_mode: BodyMode, response_mode: ResponseMode) -> dict[str, str]:
+    """The ext_proc filter's processing mode: only the phases the picker needs on the critical path.
+
+    Request trailers are SEND only in full duplex (Envoy requires it there); response trailers are SEND
+    in every mode: in full duplex Envoy requires it, and with a body-less response mode it keeps the stream
+    open until the request ends (see ``ResponseMode``)."""
+    full_duplex = body_mode == "FULL_DUPLEX_STREAMED"
+    if response_mode == "sampled" and full_duplex:
+        raise ValueError(
+            "response_mode 'sampled' needs body_mode BUFFERED: Envoy ignores a per-request mode override when"
+            " a configured body mode is FULL_DUPLEX_STREAMED (use 'none' or 'full' in full-duplex mode)"
+        )
+    response_body = ("FULL_DUPLEX_STREAMED" if full_duplex else "STREAMED") if response_mode == "full" else "NONE"
+    return {
         "request_header_mode": "SEND",
         "response_header_mode": "SEND",
-        "request_body_mode": o.body_mode,
-        "response_body_mode": "FULL_DUPLEX_STREAMED" if full_duplex else "STREAMED",
+        "request_body_mode": body_mode,
+        "response_body_mode": response_body,
         "request_trailer_mode": "SEND" if full_duplex else "SKIP",
-        "response_trailer_mode": "SEND" if full_duplex else "SKIP",
+        "response_trailer_mode": "SEND",
     }
-    return {
-        "name": "envoy.filters.http.ext_proc",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": _picker_grpc_service(o),
-            "failure_mode_allow": o.fail_open,
-            "message_timeout": f"{o.message_timeout_ms / 1000:.3f}s",
-            "processing_mode": mode,
-            # envoy.lb: the served endpoint (override_host's selected_host_key) reaches the response phases
-            # envoy.lb is also received: without it Envoy drops the picker's metadata (the pick) silently
-            "metadata_options": {
-                "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]},
-                "receiving_namespaces": {"untyped": ["envoy.lb"]},
-            },
+
+
+SAMPLED_RESPONSE_BODY_MODE = "STREAMED"  # what a sampled response is switched to (answers carry no body copy)
+
+
+def sampled_override(body_mode: BodyMode) -> dict[str, str]:
+    """The processing mode a sampled response is switched to (the only override Envoy is told to accept)."""
+    return {**processing_mode(body_mode, "none"), "response_body_mode": SAMPLED_RESPONSE_BODY_MODE}
+
+
+def _ext_proc_filter(o: EnvoyOptions) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": _picker_grpc_service(o),
+        "failure_mode_allow": o.fail_open,
+        "message_timeout": f"{o.message_timeout_ms / 1000:.3f}s",
+        "processing_mode": processing_mode(o.body_mode, o.response_mode),
+        # envoy.lb: the served endpoint (override_host's selected_host_key) reaches the response phases
+        # envoy.lb is also received: without it Envoy drops the picker's metadata (the pick) silently
+        "metadata_options": {
+            "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]},
+            "receiving_namespaces": {"untyped": ["envoy.lb"]},
         },
     }
+    if o.response_mode == "sampled":
+        config["allow_mode_override"] = True
+        config["allowed_override_modes"] = [sampled_override(o.body_mode)]
+    return {"name": "envoy.filters.http.ext_proc", "typed_config": config}
 
 
 def _subset_hint_lua(header: str) -> dict[str, Any]:
