@@ -271,6 +271,13 @@ class ExtProcConfig(_Section):
     tenant_header: Annotated[str, AfterValidator(_header_name)] = "x-tenant-id"
     # Used only when Envoy does not announce its processing mode (protocol_config) on the stream.
     default_body_mode: Literal["FULL_DUPLEX_STREAMED", "BUFFERED"] = "FULL_DUPLEX_STREAMED"
+    # Response sampling (Envoy config ``--response-mode sampled``, BUFFERED body mode): this fraction of
+    # routed requests, and every request carrying the opt-in header, stream their response body through the
+    # picker so the delivered cached_tokens are measured on the sample; the others cost no body message.
+    response_sample_rate: float = Field(0.1, ge=0.0, le=1.0)
+    response_sample_header: Annotated[str, AfterValidator(_header_name)] = "x-kv-epp-sample"
+    # The process's event loop: uvloop when installed (auto), or forced either way (restart required).
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     tls: ExtProcTlsConfig = ExtProcTlsConfig()
     auth: ExtProcAuthConfig = ExtProcAuthConfig()
 

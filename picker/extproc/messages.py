@@ -21,6 +21,9 @@ FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 BUFFERED_PARTIAL = processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL
+RESPONSE_NONE = processing_mode_pb2.ProcessingMode.NONE
+_SEND = processing_mode_pb2.ProcessingMode.SEND
+_SKIP = processing_mode_pb2.ProcessingMode.SKIP
 
 
 def header_value(h: base_pb2.HeaderValue) -> str:
@@ -117,4 +120,26 @@ def _streamed(chunk: bytes, eos: bool, request: bool) -> pb.ProcessingResponse:
     sr.body = chunk
     if eos:
         sr.end_of_stream = True
+    return r
+
+
+def sampled_mode(request_body_mode: int) -> processing_mode_pb2.ProcessingMode:
+    """The processing mode a sampled response is switched to: the configured one (``--response-mode
+    sampled``) with a STREAMED response body. It must equal the Envoy config's ``allowed_override_modes``
+    entry (``picker.runtime.envoy_config.sampled_override``) or Envoy ignores it."""
+    m = processing_mode_pb2.ProcessingMode()
+    m.request_header_mode = _SEND
+    m.response_header_mode = _SEND
+    m.request_body_mode = request_body_mode
+    m.response_body_mode = STREAMED
+    m.request_trailer_mode = _SEND if request_body_mode == FULL_DUPLEX else _SKIP
+    m.response_trailer_mode = _SEND
+    return m
+
+
+def sampled_headers_answer(request_body_mode: int) -> pb.ProcessingResponse:
+    """The answer to a sampled request's response headers: continue, and stream this response's body."""
+    r = pb.ProcessingResponse()
+    r.response_headers.SetInParent()
+    r.mode_override.CopyFrom(sampled_mode(request_body_mode))
     return r

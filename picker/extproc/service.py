@@ -15,6 +15,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from picker.extproc.sampling import ResponseSampling
 from picker.extproc.stream import RESPONSE_PHASES, RequestStream, error_body, immediate
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, app: PickerApp) -> None:
         self.app = app
+        self.sampling = ResponseSampling.of(app)
         self.admitting = True  # turned off by the lifecycle once the drain's propagation delay is over
         self.refused = 0  # streams refused while draining (logged at stop)
         self._open = 0
@@ -61,7 +63,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 yield immediate(answer.status, answer.body, answer.details, answer.headers)
                 return
             return
-        stream = RequestStream(self.app)
+        stream = RequestStream(self.app, self.sampling)
         self.app.open_streams += 1
         self._open += 1
         self._idle.clear()

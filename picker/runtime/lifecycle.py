@@ -31,7 +31,7 @@ import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from aiohttp import web
@@ -54,6 +54,25 @@ READINESS_SERVICES = ("", "readiness", EXT_PROC_SERVICE, "inference-extension")
 # background task turns readiness off (/readyz, kubelet) but the picker still routes (Tier 1 at worst), and
 # Envoy must keep sending it streams: with no healthy picker Envoy answers 500 or fails open around it.
 ACCEPTING_SERVICE = "kv-epp.accepting"
+T = TypeVar("T")
+
+
+def run_loop(main: Coroutine[Any, Any, T], loop: str = "auto") -> T:
+    """Run the picker's event loop: uvloop when installed (``extproc.event_loop`` auto or uvloop), else
+    asyncio's own. Measured here, one connection, 4 KB requests through Envoy: uvloop takes about 0.1 ms off
+    the picker's added p50 (README, Body and response modes)."""
+    if loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if loop == "uvloop":
+                raise
+        else:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                return runner.run(main)
+    return asyncio.run(main)
+
+
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),

@@ -1,0 +1,100 @@
+"""Response sampling: which responses stream their body through the picker, and what the sample shows.
+
+With the default response mode (``none``) the picker sees each response's headers (status, time to first
+byte) and the stream's close (the end of the request), never a body chunk. In ``sampled`` mode a fraction
+of requests (``extproc.response_sample_rate``) and every request that carries the opt-in header
+(``extproc.response_sample_header``) are switched, in the answer to their response headers, to a streamed
+response body (Envoy's per-request ``mode_override``); the picker answers each chunk without copying it and
+reads the usage (``prompt_tokens``, ``cached_tokens``) from the last bytes of the body only. The fraction
+actually sampled is exported with the figures, so a cached-token share is read as the sample's.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Gauge
+
+if TYPE_CHECKING:
+    from picker.runtime.app import PickerApp
+
+TAIL_BYTES = 4096  # the usage object of an OpenAI response (last SSE event or end of the JSON) fits in it
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+def read_usage(tail: bytes) -> tuple[int, int | None] | None:
+    """``(prompt_tokens, cached_tokens)`` of the last usage object in ``tail``; cached None when the server
+    did not report it (unknown, not zero); None when there is no usage object."""
+    last = None
+    for last in _USAGE.finditer(tail):  # noqa: B007 - the last match is the one wanted
+        pass
+    if last is None:
+        return None
+    rest = tail[last.end() :]
+    prompt = _PROMPT.search(rest)
+    if prompt is None:
+        return None
+    cached = _CACHED.search(rest)
+    return int(prompt.group(1)), int(cached.group(1)) if cached is not None else None
+
+
+class ResponseSampling:
+    """The sampling decision and the sample's figures (one per picker process)."""
+
+    def __init__(self, app: PickerApp) -> None:
+        cfg = app.settings.extproc
+        self.rate = cfg.response_sample_rate
+        self.header = cfg.response_sample_header.lower()
+        self._random = random.random
+        r = app.metrics.registry
+        self.g_rate = Gauge(
+            "kv_epp_response_sample_rate", "Configured fraction of responses streamed through the picker", registry=r
+        )
+        self.g_rate.set(self.rate)
+        self.c_responses = Counter(
+            "kv_epp_responses_observed",
+            "Routed responses by what the picker saw: headers (status only) or sampled (body streamed through)",
+            ["observed"],
+            registry=r,
+        )
+        self.c_headers = self.c_responses.labels("headers")
+        self.c_sampled = self.c_responses.labels("sampled")
+        self.c_usage = Counter(
+            "kv_epp_sampled_usage_tokens",
+            "Usage of sampled responses that reported it: prompt tokens and cached (delivered) prompt tokens",
+            ["kind"],
+            registry=r,
+        )
+        self.c_usage_prompt = self.c_usage.labels("prompt")
+        self.c_usage_cached = self.c_usage.labels("cached")
+        self.c_usage_seen = Counter(
+            "kv_epp_sampled_usage_responses", "Sampled responses whose usage carried cached_tokens", registry=r
+        )
+
+    def choose(self, opted_in: bool) -> bool:
+        """Sample this response? Every opted-in request, and ``rate`` of the others."""
+        return opted_in or (self.rate > 0.0 and self._random() < self.rate)
+
+    def headers_seen(self, sampled: bool) -> None:
+        (self.c_sampled if sampled else self.c_headers).inc()
+
+    def usage(self, tail: bytes) -> None:
+        u = read_usage(tail)
+        if u is None or u[1] is None:
+            return
+        self.c_usage_seen.inc()
+        self.c_usage_prompt.inc(u[0])
+        self.c_usage_cached.inc(u[1])
+
+    @classmethod
+    def of(cls, app: PickerApp) -> ResponseSampling:
+        """The app's instance (created once: its metrics are registered once per registry)."""
+        existing = getattr(app.metrics, "_kv_epp_response_sampling", None)
+        if existing is None:
+            existing = cls(app)
+            app.metrics._kv_epp_response_sampling = existing  # type: ignore[attr-defined]
+        return existing
