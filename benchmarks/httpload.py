@@ -19,7 +19,10 @@ class LoadResult:
     latencies_ms: list[float] = field(default_factory=list)
     seconds: float = 0.0
     completed_total: int = 0  # every answered request, warm-up included (CPU per request divides by it)
-    chunks: int = 0  # SSE events received (``data: ...`` blocks) in the measured window
+    # SSE events (``data: ...`` blocks) that arrived within the measured window, whenever their request
+    # started: a time-based rate, not quantized by long streams starting or ending at the window's edges
+    chunks: int = 0
+    events_total: int = 0  # SSE events of every answered request, warm-up included
     ttfb_ms: list[float] = field(default_factory=list)  # first response byte, measured window
 
     @property
@@ -38,9 +41,10 @@ class LoadResult:
 
 
 async def _read_response(reader: asyncio.StreamReader, sse: list[float] | None = None) -> int:
-    """Read one response; return its status. With ``sse`` (a list), count its SSE events (blank-line
-    terminated blocks, whatever the HTTP chunking) into ``sse[0]`` and store the first byte's time in
-    ``sse[1]``."""
+    """Read one response; return its status. With ``sse`` (a list ``[count, first_byte, window_start,
+    window_end, total]``), count its SSE events (blank-line terminated blocks, whatever the HTTP chunking):
+    those that arrive within the window into ``sse[0]``, all into ``sse[4]``; the first byte's time goes
+    to ``sse[1]``."""
     head = await reader.readuntil(b"\r\n\r\n")
     if sse is not None:
         sse[1] = time.perf_counter()
@@ -64,7 +68,10 @@ async def _read_response(reader: asyncio.StreamReader, sse: list[float] | None =
             if size == 0:
                 break
             if sse is not None:  # an event may straddle HTTP chunks: keep the previous chunk's last byte
-                sse[0] += (tail + data[:-2]).count(b"\n\n")
+                n = (tail + data[:-2]).count(b"\n\n")
+                sse[4] += n
+                if sse[2] <= time.perf_counter() < sse[3]:
+                    sse[0] += n
                 tail = data[-3:-2]
     elif length:
         await reader.readexactly(length)
@@ -84,7 +91,7 @@ async def _worker(
                 return
             writer.write(requests[i % len(requests)])
             i += 1
-            events = [0.0, t0] if sse else None
+            events = [0.0, t0, warmup_until, stop_at, 0.0] if sse else None
             try:
                 status = await _read_response(reader, events)
             except (asyncio.IncompleteReadError, ConnectionError, ValueError):
@@ -99,8 +106,10 @@ async def _worker(
                 result.statuses[status] = result.statuses.get(status, 0) + 1
                 result.latencies_ms.append((t1 - t0) * 1000.0)
                 if events is not None:
-                    result.chunks += int(events[0])
                     result.ttfb_ms.append((events[1] - t0) * 1000.0)
+            if events is not None:
+                result.chunks += int(events[0])
+                result.events_total += int(events[4])
     finally:
         writer.close()
 

@@ -2,12 +2,21 @@
 Envoy alone, against a trivial upstream (an Envoy direct_response listener reached on 127.0.0.N).
 
     python -m benchmarks.overhead --out DIR [--quick] [--body-mode FULL_DUPLEX_STREAMED|BUFFERED]
+        [--compare-modes] [--variant LABEL:KEY=VALUE,...] [--streaming-only | --no-streaming]
+        [--stream-gap-ms MS]
 
-For each body size (4 KB, 220 KB) and backend count (2, 16, 128): a low-load phase (1 connection)
-for p50/p99 and a high-load phase (N connections) for throughput. Also the decision CPU
-(parse + prefix key + pick) measured in-process. Writes DIR/results.json (BENCHMARKS.md shape) and
-prints a table. The load generator shares the machine's cores with Envoy and the ext_proc server:
-figures are comparable with each other within one run, not with other machines.
+For each body size (4 KB, 220 KB) and backend count (2, 16, 128): a one-connection phase of sequential
+requests (p50/p99, and what each path adds over Envoy alone) and an 8-connection phase (throughput).
+Every path reports the front Envoy's upstream connections vs requests (the upstream reads each body
+before answering, so connections are reused) and the ext_proc server's CPU per request (/proc). The
+floor follows the processing modes of the bootstrap generated for the picker (one floor per distinct
+modes). The streaming row: 256-token SSE responses from ``benchmarks.sse_upstream``, 16 clients, through
+every path: chunks/s (events arrived within the window) and the ext_proc server's CPU per streamed and
+per non-streamed request. ``--compare-modes`` / ``--variant`` add picker configurations, measured on every
+row next to the default. Also the decision CPU (parse + prefix key + pick) measured in-process. Writes
+DIR/results.json (BENCHMARKS.md shape, more keys) and prints the tables. The load generator shares the
+machine's cores with Envoy and the ext_proc server: figures are comparable with each other within one
+run, not with other machines.
 """
 
 from __future__ import annotations
@@ -309,7 +318,7 @@ async def _timed_load(
     if sse:
         out["chunks"] = res.chunks
         out["chunks_per_s"] = round(res.chunks_per_s, 1)
-        out["chunks_per_req"] = round(res.chunks / res.requests, 2) if res.requests else None
+        out["chunks_per_req"] = round(res.events_total / res.completed_total, 2) if res.completed_total else None
         out["ttfb_p50_ms"] = round(statistics.median(res.ttfb_ms), 3) if res.ttfb_ms else None
     return out
 
@@ -545,13 +554,14 @@ def run(
     streaming: bool = True,
     stream_clients: int = STREAM_CLIENTS,
     stream_gap_ms: float = 0.0,
+    rows: bool = True,
 ) -> dict[str, Any]:
     variants = variants or [DEFAULT]
     workdir = make_workdir("kv-epp-overhead-")
-    counts = (2, 128) if quick else BACKEND_COUNTS
+    counts = ((2, 128) if quick else BACKEND_COUNTS) if rows else ()
     runs = []
     stream_sec = None
-    upstream, up_port = start_upstream(workdir)
+    upstream, up_port = start_upstream(workdir) if counts else (None, 0)
     try:
         for n in counts:
             for size in BODY_SIZES:
@@ -562,7 +572,8 @@ def run(
                 runs.append(row)
                 print(format_row(row), flush=True)
     finally:
-        upstream.stop()
+        if upstream is not None:
+            upstream.stop()
     if streaming:
         sse, sse_port = start_sse_upstream(workdir, gap_ms=stream_gap_ms)
         try:
@@ -693,7 +704,7 @@ def format_tables(res: dict[str, Any]) -> str:
         lines.append(
             f"\nStreaming ({st['tokens']}-token SSE responses, {st['clients']} clients, {st['body_bytes']} B bodies)"
         )
-        header = ["path", "chunks/s", "vs Envoy", "streamed rps", "chunks/req", "TTFB p50 ms", "CPU µs/streamed req",
+        header = ["path", "chunks/s", "vs Envoy", "stream p50 ms", "chunks/req", "TTFB p50 ms", "CPU µs/streamed req",
                   "CPU µs/non-streamed req", "streamed/non-streamed CPU", "failed", "upstream cx/rq"]  # fmt: skip
         rows = []
         for name, p in _paths(st).items():
@@ -703,7 +714,7 @@ def format_tables(res: dict[str, Any]) -> str:
                     name,
                     f"{s['chunks_per_s']:.0f}",
                     _fmt(p.get("chunks_ratio_vs_envoy", 1.0)),
-                    f"{s['rps']:.1f}",
+                    f"{s['p50_ms']:.0f}",
                     _fmt(s["chunks_per_req"]),
                     _fmt(s["ttfb_p50_ms"]),
                     _fmt(s["cpu_us_per_req"]),
@@ -732,6 +743,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8, help="connections in the throughput phase")
     ap.add_argument("--stream-clients", type=int, default=STREAM_CLIENTS, help="connections in the streaming row")
     ap.add_argument("--no-streaming", action="store_true", help="skip the streaming row")
+    ap.add_argument("--streaming-only", action="store_true", help="only the streaming row")
     ap.add_argument(
         "--stream-gap-ms", type=float, default=0.0,
         help="pause between an SSE stream's chunks at the upstream (0: as fast as the path takes them; an "
@@ -759,6 +771,7 @@ def main() -> None:
     res = run(
         a.out, a.quick, a.body_mode, seconds, a.concurrency, a.picker_plaintext, variants,
         streaming=not a.no_streaming, stream_clients=a.stream_clients, stream_gap_ms=a.stream_gap_ms,
+        rows=not a.streaming_only,
     )  # fmt: skip
     print(format_tables(res))
     print("\ndecision CPU (parse + key + pick), median:", json.dumps(res["decision_cpu_us"]))
