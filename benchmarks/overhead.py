@@ -57,6 +57,7 @@ BACKEND_COUNTS = (2, 16, 128)
 N_PROMPTS = 64  # distinct system prompts rotated by the load generator
 STREAM_TOKENS = 256  # SSE token chunks per streamed response (the streaming row)
 STREAM_CLIENTS = 16
+STREAM_GAP_MS = 1.0  # the upstream's pause between chunks in `python -m benchmarks.overhead`
 
 
 def chat_bodies(size: int, n: int = N_PROMPTS, stream: bool = False) -> list[bytes]:
@@ -745,9 +746,10 @@ def main() -> None:
     ap.add_argument("--no-streaming", action="store_true", help="skip the streaming row")
     ap.add_argument("--streaming-only", action="store_true", help="only the streaming row")
     ap.add_argument(
-        "--stream-gap-ms", type=float, default=0.0,
-        help="pause between an SSE stream's chunks at the upstream (0: as fast as the path takes them; an "
-        "engine's inter-token gap is 10-50 ms, and with a gap fewer chunks share one read)",
+        "--stream-gap-ms", type=float, default=STREAM_GAP_MS,
+        help="pause between an SSE stream's chunks at the upstream (default 1 ms: paced like an engine, each "
+        "chunk reaches Envoy alone, so a path that handles chunks pays per chunk; 0: as fast as the path takes "
+        "them, a saturation test where Envoy reads many chunks at once and the 2 cores' contention dominates)",
     )  # fmt: skip
     ap.add_argument("--picker-plaintext", action="store_true", help="picker without TLS (default: TLS, as deployed)")
     ap.add_argument(
