@@ -27,6 +27,7 @@ class PolicySpec:
     description: str
     picker: dict[str, Any] | None = None  # picker config sections (pool filled in by the harness)
     listener: bool = False  # start kv-listener and wire kv_cache_index.event_sources to it
+    envoy: dict[str, Any] = field(default_factory=dict)  # EnvoyOptions overrides (body_mode, response_mode)
     unavailable_reason: str = ""  # non-empty: registered but reported "not available", never run
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -76,6 +77,19 @@ POLICIES: dict[str, PolicySpec] = {
         listener=True,
     ),
 }
+# kv_aware with BUFFERED bodies and a 10% sample of responses streamed through the picker (Envoy honours a
+# per-request mode override only without full-duplex bodies): the sample's delivered cached-token share is
+# reported next to the engines' own counters (``sampled_cached_share`` vs ``hit_rate``).
+POLICIES["kv_aware_sampled"] = PolicySpec(
+    "kv_aware_sampled",
+    "kv_aware, BUFFERED request bodies, 10% of responses sampled by the picker (extproc.response_sample_rate)",
+    picker={
+        **dict(POLICIES["kv_aware"].picker or {}),
+        "extproc": {"default_body_mode": "BUFFERED", "response_sample_rate": 0.1},
+    },
+    listener=True,
+    envoy={"body_mode": "BUFFERED", "response_mode": "sampled"},
+)
 
 
 def parse_policies(text: str) -> list[PolicySpec]:

@@ -96,6 +96,7 @@ class PolicyStack:
             picker_address=picker_address,
             backends=tuple(b["address"] for b in self.backends),
             max_requests=100_000,
+            **(self.policy.envoy if picker_address is not None else {}),
         )
         self.envoy = start_envoy(opts, self.workdir)
 
@@ -156,6 +157,8 @@ class PolicyStack:
                         out["kv_index"] = data
                     else:
                         out.update(data)
+                async with http.get(f"{self.picker.admin_url}/metrics") as resp:
+                    out["sampled_usage"] = sampled_usage(await resp.text())
             return out
         except (aiohttp.ClientError, TimeoutError) as exc:
             return {"error": str(exc)}
@@ -237,6 +240,44 @@ async def run_policy(scenario: Scenario, policy: PolicySpec, workdir: Path) -> P
                 s.stop()
 
 
+def sampled_usage(metrics: str) -> dict[str, Any]:
+    """The picker's response sample (``kv_epp_sampled_usage_*``, ``kv_epp_responses_observed_total``):
+    prompt and cached tokens of the sampled responses, their cached share, and how many were sampled."""
+    values: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith(
+            ("kv_epp_sampled_usage_tokens_total{", "kv_epp_responses_observed_total{", "kv_epp_predicted_tokens_total{")
+        ) or line.startswith("kv_epp_sampled_usage_responses_total "):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    prompt = values.get('kv_epp_sampled_usage_tokens_total{kind="prompt"}', 0.0)
+    cached = values.get('kv_epp_sampled_usage_tokens_total{kind="cached"}', 0.0)
+
+    def predicted(scope: str, kind: str) -> float:
+        return values.get(f'kv_epp_predicted_tokens_total{{kind="{kind}",scope="{scope}"}}', 0.0)
+
+    # difference estimator: Tier 4's predicted cached share over all responses, corrected by the sample's
+    # mean error (delivered − predicted) per prompt token; the prediction is known for every request, the
+    # delivery only for the sample, so only the prediction's error is sampled (far less noisy than the share)
+    s_pred, s_prompt = predicted("sampled", "cached"), predicted("sampled", "prompt")
+    all_pred, all_prompt = predicted("all", "cached"), predicted("all", "prompt")
+    estimate = round(all_pred / all_prompt + (cached - s_pred) / s_prompt, 4) if s_prompt and all_prompt else None
+    return {
+        "responses_sampled": values.get('kv_epp_responses_observed_total{observed="sampled"}', 0.0),
+        "responses_with_usage": values.get("kv_epp_sampled_usage_responses_total", 0.0),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cached_share": round(cached / prompt, 4) if prompt else None,
+        "predicted": {
+            "all_prompt": all_prompt,
+            "all_cached": all_pred,
+            "sampled_prompt": s_prompt,
+            "sampled_cached": s_pred,
+        },
+        "calibrated_cached_share": estimate,
+    }
+
+
 def machine_description() -> str:
     try:
         load = os.getloadavg()
@@ -303,6 +344,10 @@ def run(scenario: Scenario, policies: list[PolicySpec], out: Path, plots: bool =
             wall_duration_s=pr.wall_duration_s, window_s=window_s,
         )  # fmt: skip
         figures["picker_stats"] = pr.picker_stats
+        sample = (pr.picker_stats or {}).get("sampled_usage") or {}
+        if sample.get("responses_sampled"):
+            figures["sampled_cached_share"] = sample.get("cached_share")  # vs the engines' hit_rate
+            figures["sampled_calibrated_cached_share"] = sample.get("calibrated_cached_share")
         figures["events"] = pr.events
         figures["restart_recovery"] = restart_recovery(figures, window_s)
         figures["notes"] = [*policy.notes, *pr.notes]
@@ -310,7 +355,14 @@ def run(scenario: Scenario, policies: list[PolicySpec], out: Path, plots: bool =
         doc["notes"] += [f"{policy.name}: {n}" for n in figures["notes"]]
         print(
             f"[{policy.name}] hit {figures['hit_rate']} (bound {bound.hit_rate:.4f}) share {figures['request_share']} "
-            f"ttft p99 {figures['ttft_ms']['p99']} ms, {time.perf_counter() - started:.1f} s wall",
+            f"ttft p99 {figures['ttft_ms']['p99']} ms, {time.perf_counter() - started:.1f} s wall"
+            + (
+                f"; sampled cached share {figures['sampled_cached_share']} over "
+                f"{sample.get('responses_sampled'):.0f} sampled responses, calibrated "
+                f"{figures['sampled_calibrated_cached_share']}"
+                if "sampled_cached_share" in figures
+                else ""
+            ),
             flush=True,
         )
     write_report(doc, out, plots=plots)

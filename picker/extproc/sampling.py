@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge
 
 if TYPE_CHECKING:
+    from picker.request.path import Exchange
     from picker.runtime.app import PickerApp
 
 TAIL_BYTES = 4096  # the usage object of an OpenAI response (last SSE event or end of the JSON) fits in it
@@ -74,21 +75,41 @@ class ResponseSampling:
         self.c_usage_seen = Counter(
             "kv_epp_sampled_usage_responses", "Sampled responses whose usage carried cached_tokens", registry=r
         )
+        # Tier 4's prediction (prompt tokens, and those the chosen endpoint's index entries cover) for every
+        # response and for the sampled ones with usage: delivered/predicted on the sample calibrates the
+        # prediction over all responses (a ratio estimator, far less noisy than the sample's share alone)
+        self.c_predicted = Counter(
+            "kv_epp_predicted_tokens",
+            "Tier 4's prompt tokens and predicted cached tokens, for all responses and for the sampled ones "
+            "that reported usage",
+            ["scope", "kind"],
+            registry=r,
+        )
+        self.c_all_prompt = self.c_predicted.labels("all", "prompt")
+        self.c_all_cached = self.c_predicted.labels("all", "cached")
+        self.c_sample_prompt = self.c_predicted.labels("sampled", "prompt")
+        self.c_sample_cached = self.c_predicted.labels("sampled", "cached")
 
     def choose(self, opted_in: bool) -> bool:
         """Sample this response? Every opted-in request, and ``rate`` of the others."""
         return opted_in or (self.rate > 0.0 and self._random() < self.rate)
 
-    def headers_seen(self, sampled: bool) -> None:
+    def headers_seen(self, sampled: bool, ex: Exchange | None = None) -> None:
         (self.c_sampled if sampled else self.c_headers).inc()
+        if ex is not None and ex.prompt_tokens is not None:
+            self.c_all_prompt.inc(ex.prompt_tokens)
+            self.c_all_cached.inc(ex.predicted_cached)
 
-    def usage(self, tail: bytes) -> None:
+    def usage(self, tail: bytes, ex: Exchange | None = None) -> None:
         u = read_usage(tail)
         if u is None or u[1] is None:
             return
         self.c_usage_seen.inc()
         self.c_usage_prompt.inc(u[0])
         self.c_usage_cached.inc(u[1])
+        if ex is not None and ex.prompt_tokens is not None:
+            self.c_sample_prompt.inc(ex.prompt_tokens)
+            self.c_sample_cached.inc(ex.predicted_cached)
 
     @classmethod
     def of(cls, app: PickerApp) -> ResponseSampling:

@@ -296,7 +296,7 @@ class RequestStream:
                     self.sampled = True
                     self.resp_mode = STREAMED
                     answer = sampled_headers_answer(self.mode)
-                sampling.headers_seen(self.sampled)
+                sampling.headers_seen(self.sampled, self.exchange)
         if msg.end_of_stream:
             self._end_response()
         return (answer,)
@@ -309,7 +309,7 @@ class RequestStream:
             tail = self.tail + msg.body
             self.tail = tail[-TAIL_BYTES:] if len(tail) > TAIL_BYTES else tail
             if msg.end_of_stream and self.sampling is not None:
-                self.sampling.usage(self.tail)
+                self.sampling.usage(self.tail, self.exchange)
         if msg.end_of_stream:
             self._end_response()
         if self.resp_mode == FULL_DUPLEX:

@@ -35,6 +35,17 @@ NOTHING_HELD: Mapping[str, BackendHold] = {}
 MAX_UNMATCHED_MODELS = 32
 
 
+class Held(dict[str, BackendHold]):
+    """Tier 4's answer for one request: backend → the prefix it holds, plus the request's prompt length in
+    tokens (what the response sample's accounting compares the delivered cached tokens with)."""
+
+    __slots__ = ("prompt_tokens",)
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.prompt_tokens: int | None = None
+
+
 class Tier4:
     """Everything Tier 4 needs, built from ``kv_cache_index`` (a restart-required section)."""
 
@@ -100,7 +111,9 @@ class Tier4:
             if self.known_models and model not in self.known_models:
                 self._unmatched(model)
             keys = request_block_keys(ids, tok.block_size, model, lora, facts.cache_salt, self.max_blocks)
-            return await self.index.holds(keys) if keys else NOTHING_HELD
+            held = Held(await self.index.holds(keys)) if keys else Held()
+            held.prompt_tokens = len(ids)
+            return held
         except TimeoutError:
             self._failed("timeout")
         except Exception as exc:  # never fail the request because of Tier 4

@@ -85,7 +85,7 @@ class Exchange:
 
     __slots__ = (
         "_body_observers", "_ended", "_observers", "decided_at", "decision", "facts", "first_byte_at", "lease",
-        "served", "status",
+        "predicted_cached", "prompt_tokens", "served", "status",
     )  # fmt: skip
 
     def __init__(
@@ -103,6 +103,8 @@ class Exchange:
         self.status: int | None = None
         self.served: str | None = None  # ip:port the proxy reports it used (after retries), when it does
         self.first_byte_at: float | None = None
+        self.prompt_tokens: int | None = None  # Tier 4's token count of the prompt, when it tokenized it
+        self.predicted_cached = 0  # prompt tokens the index said the chosen endpoint holds
         self._observers = observers
         self._body_observers = body_observers
         self._ended = False
@@ -237,6 +239,7 @@ class RequestPath:
         self.max_body_bytes = settings.extproc.max_body_bytes
         self.admission.configure(settings.admission)
         self.tier4 = self.holds is not None and self.router.tier4_active()
+        self.block_size = settings.kv_cache_index.tokenizer.block_size
         # request headers the stages read: the protocol layer decodes only these
         self.wanted_headers = frozenset(
             {":path", ":method", "content-length", self.session_header, self.tenant_header, "x-request-id"}
@@ -263,10 +266,11 @@ class RequestPath:
         """Stage 3: the prefix key, the session's endpoint and (Tier 4) the KV holds."""
         key = self.router.key_for(facts)
         holds = await self.holds.holds_for(facts) if key is not None and self.tier4 and self.holds else None
+        tokens = getattr(holds, "prompt_tokens", None)
         if not self.affinity or not facts.session_id:
-            return Prepared(key, holds)
+            return Prepared(key, holds, prompt_tokens=tokens)
         session = session_key(facts.session_id)
-        return Prepared(key, holds, session, self.sessions.get(session, _mono()))
+        return Prepared(key, holds, session, self.sessions.get(session, _mono()), tokens)
 
     def decide(self, facts: RequestFacts, prepared: Prepared, subset: Sequence[str] | None) -> Decision | None:
         """Stage 4: the pure decision over the pool's snapshot."""
@@ -278,7 +282,12 @@ class RequestPath:
         if prepared.session is not None:
             self.sessions.put(prepared.session, decision.endpoint.name, _mono())
         self.recorder.decided(decision, prepared.key)
-        return Exchange(facts, decision, lease, self.observers, self.body_observers)
+        ex = Exchange(facts, decision, lease, self.observers, self.body_observers)
+        if prepared.prompt_tokens is not None:  # Tier 4's prediction, for the response sample's accounting
+            hold = prepared.holds.get(decision.endpoint.name) if prepared.holds else None
+            ex.prompt_tokens = prepared.prompt_tokens
+            ex.predicted_cached = min(hold.blocks * self.block_size, prepared.prompt_tokens) if hold else 0
+        return ex
 
     def overloaded(self, why: str) -> Answer:
         """The 429 of admission control (counted as outcome ``overloaded``)."""

@@ -45,6 +45,7 @@ class Prepared:
     holds: Mapping[str, BackendHold] | None = None
     session: bytes | None = None  # the fixed-size session key, when session affinity is on
     sticky: str | None = None  # the endpoint the session table names (it may be ineligible now)
+    prompt_tokens: int | None = None  # the prompt's length in tokens, when Tier 4 tokenized it
 
 
 NOTHING_PREPARED = Prepared()

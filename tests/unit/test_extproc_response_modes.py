@@ -168,3 +168,25 @@ async def test_rate_samples_a_fraction() -> None:
     second = await routed(app, PM.BUFFERED, PM.NONE)
     assert not (await first.handle(headers(200)))[0].HasField("mode_override")
     assert (await second.handle(headers(200)))[0].HasField("mode_override")
+
+
+def test_the_sample_carries_tier4s_prediction_for_a_calibrated_share() -> None:
+    """Every response adds Tier 4's prompt tokens and predicted cached tokens to scope "all"; a sampled one
+    with usage also to scope "sampled", next to what the engine delivered."""
+    from types import SimpleNamespace
+
+    app = PickerApp(parse_settings({}))
+    s = ResponseSampling.of(app)
+    predicted: Any = SimpleNamespace(prompt_tokens=100, predicted_cached=64)
+    unknown: Any = SimpleNamespace(prompt_tokens=None, predicted_cached=0)  # Tier 4 did not tokenize it
+    s.headers_seen(False, predicted)
+    s.headers_seen(False, unknown)
+    s.headers_seen(True, predicted)
+    s.usage(b'{"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 80}}}', predicted)
+
+    def value(scope: str, kind: str) -> float | None:
+        return app.metrics.registry.get_sample_value("kv_epp_predicted_tokens_total", {"scope": scope, "kind": kind})
+
+    assert (value("all", "prompt"), value("all", "cached")) == (200, 128)
+    assert (value("sampled", "prompt"), value("sampled", "cached")) == (100, 64)
+    assert app.metrics.registry.get_sample_value("kv_epp_sampled_usage_tokens_total", {"kind": "cached"}) == 80

@@ -151,3 +151,10 @@ async def test_self_check_needs_every_probe_block_not_only_the_template_header()
         assert await run_self_check(*args, lambda: next(records), session) == "keys_differ"
         held["a"] = SimpleNamespace(blocks=4)
         assert await run_self_check(*args, lambda: 0, session) == "ok"
+
+
+async def test_tier4_reports_the_prompt_length_with_its_holds() -> None:
+    t4 = tier4()
+    t4.index.put("a", request_block_keys(IDS[:16], 4, "m"), StorageTier.GPU_HOT)
+    held = await t4.holds_for(RequestFacts(api="completions", model="m", prompt_token_ids=IDS))
+    assert held["a"].blocks == 4 and getattr(held, "prompt_tokens", None) == len(IDS)
