@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 U64_MASK = (1 << 64) - 1
@@ -62,6 +63,30 @@ class SourceReset:
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared | SourceReset
+
+
+def source_status(
+    live: bool,
+    connected: bool,
+    ever_connected: bool,
+    state_since: float,
+    last_event_at: float | None,
+    stale_after: float,
+) -> dict[str, object]:
+    """A source's /healthz state: connecting (never connected), connected, stale (connected, no event for
+    ``stale_after`` s), disconnected; with the ages in seconds (monotonic clock)."""
+    now = time.monotonic()
+    if live:
+        ref = max(last_event_at or 0.0, state_since)
+        state = "stale" if now - ref > stale_after else "connected"
+    else:
+        state = "disconnected" if ever_connected else "connecting"
+    return {
+        "state": state,
+        "connected": connected,
+        "state_age_seconds": round(now - state_since, 3),
+        "last_event_age_seconds": None if last_event_at is None else round(now - last_event_at, 3),
+    }
 
 
 class DecodeError(ValueError):

@@ -20,7 +20,15 @@ import aiohttp
 
 from listener.block_chains import BlockChainTracker
 from listener.config import LimitsConfig, SourceConfig
-from listener.events import BlockRemoved, BlockStored, DecodeError, KvEvent, SourceReset, normalise_hash
+from listener.events import (
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    KvEvent,
+    SourceReset,
+    normalise_hash,
+    source_status,
+)
 from listener.metrics import ListenerMetrics
 
 log = logging.getLogger("kv_listener.trtllm")
@@ -222,16 +230,7 @@ class TrtllmHttpSource:
 
     def status(self, stale_after: float) -> dict[str, object]:
         """Health detail; ``connected`` means the last poll succeeded."""
-        now = time.monotonic()
-        if self.connected:
-            ref = max(self.last_event_at or 0.0, self.state_since)
-            state = "stale" if now - ref > stale_after else "connected"
-        else:
-            state = "disconnected" if self.ever_connected else "connecting"
-        return {
-            "state": state,
-            "connected": self.connected,
-            "state_age_seconds": round(now - self.state_since, 3),
-            "last_seq": self.last_event_id,
-            "last_event_age_seconds": None if self.last_event_at is None else round(now - self.last_event_at, 3),
-        }
+        out = source_status(
+            self.connected, self.connected, self.ever_connected, self.state_since, self.last_event_at, stale_after
+        )
+        return {**out, "last_seq": self.last_event_id}

@@ -43,7 +43,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from listener.block_chains import BlockChainTracker, work_units
 from listener.config import LimitsConfig, SourceConfig
-from listener.events import DecodeError
+from listener.events import DecodeError, source_status
 from listener.metrics import ListenerMetrics
 from listener.msgpack_decoder import DecodedBatch, decode_batch
 from listener.state_store import EventLog, SourceState, batch_payload, payload_digest
@@ -537,19 +537,13 @@ class ZmqEventSource:
 
     # -- health ----------------------------------------------------------------------------------
     def status(self, stale_after: float) -> dict[str, object]:
-        now = time.monotonic()
-        if self.peers:
-            ref = max(self.last_event_at or 0.0, self.state_since)
-            state = "stale" if now - ref > stale_after else "connected"
-        else:
-            state = "disconnected" if self.ever_connected else "connecting"
+        out = source_status(
+            self.peers > 0, self.connected, self.ever_connected, self.state_since, self.last_event_at, stale_after
+        )
         return {
-            "state": state,
-            "connected": self.connected,
+            **out,
             "peers": self.peers,
-            "state_age_seconds": round(now - self.state_since, 3),
             "last_seq": self.last_seq,
-            "last_event_age_seconds": None if self.last_event_at is None else round(now - self.last_event_at, 3),
             "incarnation_checks": dict(self.incarnation_checks),
             "backlog_bytes": self.backlog_bytes,
             "restoring": self._restored is not None,

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
-import pytest
 import zmq
 import zmq.asyncio
 
@@ -41,13 +40,6 @@ class Pub:
     async def send_raw(self, payload: bytes) -> None:
         await self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
         self.seq += 1
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 @contextlib.asynccontextmanager

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
-import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import ClientSession
@@ -20,13 +19,6 @@ from tests.support.poll import async_wait_until
 from tests.unit.test_listener_restart_state import BS, MODEL, Engine, stored, tokens
 
 FREE_PORT_PROBE = "tcp://127.0.0.1"
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def make(endpoint: str, replay: str | None = None, limits: LimitsConfig | None = None, **top: Any) -> ListenerApp:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import pytest
 import zmq
 import zmq.asyncio
 
@@ -185,13 +184,6 @@ def source(app: ListenerApp) -> ZmqEventSource:
     src = app.sources["e1"]
     assert isinstance(src, ZmqEventSource)
     return src
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 @contextlib.asynccontextmanager

@@ -98,13 +98,6 @@ class ReplayServer:
         self.sock.close(linger=0)
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 @contextlib.asynccontextmanager
 async def running(pub: Pub, **src: Any) -> AsyncIterator[ListenerApp]:
     limits = src.pop("limits", LimitsConfig())
