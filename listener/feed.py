@@ -5,8 +5,9 @@ The record formats live in ``picker.shared.feed_records`` (written here, read by
 record carries at most ``feed.max_keys_per_record`` keys. Each :class:`Record` keeps its keys as a
 64-bit array and encodes itself once per transport (shared by every subscriber).
 
-Event ids increase by one per record within a backend and start at the listener's start time in
-microseconds, so ids of an earlier listener process are always "too old" and yield a snapshot.
+Event ids increase by one per record within a backend and start at a random epoch of this listener
+process (22 random bits above 40 bits of count), so an id of an earlier process falls outside this one's
+history (a snapshot) whatever the clocks did; a wall-clock base could repeat after a clock step back.
 A subscriber resumes from its last id when the history still holds every later record; else it gets
 a snapshot, then the records after it, then live records.
 
@@ -28,7 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
+import secrets
 from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -51,6 +52,7 @@ log = logging.getLogger("kv_listener.feed")
 MAX_BATCH = 256  # records handed to a transport at once (joined into one socket write by SSE) ...
 MAX_BATCH_BYTES = 256 << 10  # ... and their keys' bytes (8 per key; ~19 per key in SSE): bounds one write
 RECORD_OVERHEAD = 48  # bytes counted per pending record besides its keys
+EPOCH_BITS, COUNT_BITS = 22, 40  # a process's first id: a random epoch above room for 10^12 records
 
 
 class SubscriberLimit(Exception):
@@ -256,7 +258,7 @@ class BackendFeed:
         self.model = model
         self.engine = engine
         self.key_block_size = key_block_size
-        self.last_id = base_id if base_id is not None else time.time_ns() // 1000
+        self.last_id = base_id if base_id is not None else secrets.randbits(EPOCH_BITS) << COUNT_BITS
         # key → tier, what a consumer holds after applying every record; bounded by the source's
         # max_tracked_blocks because each put corresponds to a tracked engine block
         self.state: dict[int, str] = {}

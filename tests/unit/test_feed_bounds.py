@@ -107,3 +107,20 @@ async def test_one_batch_is_bounded_in_bytes() -> None:
     first = await anext(batches)
     assert 1 < len(first) < 40 and sum(r.size for r in first) <= MAX_BATCH_BYTES
     await batches.aclose()
+
+
+def test_a_new_process_never_resumes_an_old_process_id() -> None:
+    """Found in review: ids started at the wall clock in µs, so a listener restarted after a clock step back
+    (or one that published more records than µs passed) could take an old process's id for one of its own
+    and resume a subscriber at the wrong place. Ids now start at a random per-process epoch."""
+    cfg = FeedConfig(history_size=64, max_keys_per_record=4)
+    old = BackendFeed("e1", cfg)
+    for k in range(10):
+        old.emit("put", [k], "gpu_hot")
+    new = BackendFeed("e1", cfg)
+    for k in range(10):
+        new.emit("put", [k], "gpu_hot")
+    assert old.last_id >> 40 != new.last_id >> 40 or old.last_id == new.last_id  # distinct epochs (2^-22 equal)
+    sub = new.subscribe(old.last_id - 3)
+    assert not sub.resumed  # a snapshot, not the other process's records
+    new.unsubscribe(sub)
