@@ -12,6 +12,7 @@ background tasks; scoring is the routing core's (``picker.routing.kv_scorer``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
@@ -155,7 +156,9 @@ class Tier4:
         probed: set[str] = set()
         probes: set[asyncio.Task[str]] = set()
         timeout = aiohttp.ClientTimeout(total=self.cfg.checks.self_check_timeout_seconds)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with contextlib.AsyncExitStack() as stack:
+            session = await stack.enter_async_context(aiohttp.ClientSession(timeout=timeout))
+            stack.callback(lambda: [t.cancel() for t in probes])  # no probe outlives the loop or its session
             while True:
                 self.known_models = frozenset(
                     c.stats.source_model for c in self.consumers.consumers.values() if c.stats.source_model
