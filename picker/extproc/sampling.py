@@ -50,7 +50,9 @@ class ResponseSampling:
         cfg = app.settings.extproc
         self.rate = cfg.response_sample_rate
         self.header = cfg.response_sample_header.lower()
-        self._random = random.random
+        # accumulated rate; a response is sampled each time it reaches 1. A random start phase: each picker
+        # process samples a different one of the 1/rate interleaved subsets
+        self._credit = random.random() * self.rate
         r = app.metrics.registry
         self.g_rate = Gauge(
             "kv_epp_response_sample_rate", "Configured fraction of responses streamed through the picker", registry=r
@@ -91,8 +93,16 @@ class ResponseSampling:
         self.c_sample_cached = self.c_predicted.labels("sampled", "cached")
 
     def choose(self, opted_in: bool) -> bool:
-        """Sample this response? Every opted-in request, and ``rate`` of the others."""
-        return opted_in or (self.rate > 0.0 and self._random() < self.rate)
+        """Sample this response? Every opted-in request, and ``rate`` of the others, spread evenly (every
+        1/rate-th response: a systematic sample follows a workload whose cache hits change over time more
+        closely than random draws of the same size)."""
+        if opted_in:
+            return True
+        self._credit += self.rate
+        if self._credit >= 1.0:
+            self._credit -= 1.0
+            return True
+        return False
 
     def headers_seen(self, sampled: bool, ex: Exchange | None = None) -> None:
         (self.c_sampled if sampled else self.c_headers).inc()

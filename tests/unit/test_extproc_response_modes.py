@@ -161,9 +161,7 @@ async def test_opt_in_samples_in_buffered_mode_only() -> None:
 
 async def test_rate_samples_a_fraction() -> None:
     app = make_app(rate=0.5)
-    sampling = ResponseSampling.of(app)
-    draws = iter([0.7, 0.2])
-    sampling._random = lambda: next(draws)
+    ResponseSampling.of(app)._credit = 0.0  # every second response, evenly: the first is not, the second is
     first = await routed(app, PM.BUFFERED, PM.NONE)
     second = await routed(app, PM.BUFFERED, PM.NONE)
     assert not (await first.handle(headers(200)))[0].HasField("mode_override")
