@@ -99,7 +99,8 @@ def is_gpu_medium(medium: str | None) -> bool:
     return medium is None or medium in _GPU_MEDIA
 
 
-def _medium_label(medium: str | None) -> str:
+def medium_label(medium: str | None) -> str:
+    """The medium a copy is counted under (the tracker's and the state log's name for it)."""
     if is_gpu_medium(medium):
         return _GPU_LABEL
     assert medium is not None
@@ -383,7 +384,7 @@ class BlockChainTracker:
             self._secondary_groups.add(group)
         else:
             self._full_group_seen = True
-        medium = _medium_label(ev.medium)
+        medium = medium_label(ev.medium)
         em = _Emitter(self.sink)
         if ev.block_size == 0 and not ev.token_ids:
             self._placeholder(em, ev, group, medium)
@@ -512,7 +513,7 @@ class BlockChainTracker:
     # -- removals ------------------------------------------------------------------------------
     def _removed(self, ev: BlockRemoved) -> None:
         group = ev.group_idx or 0
-        medium = _medium_label(ev.medium)
+        medium = medium_label(ev.medium)
         offload = self.source.treat_eviction_as_offload
         em = _Emitter(self.sink)
         unknown = 0

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from listener.block_chains import _medium_label
+from listener.block_chains import medium_label
 from listener.config import LimitsConfig, StateConfig
 from listener.events import DecodeError
 from listener.msgpack_decoder import MAX_GROUPS, decode_batch
@@ -47,7 +47,7 @@ log = logging.getLogger("kv_listener.state")
 VERSION = 1
 _TMP_IDS = itertools.count()
 _TMP_MIDDLE = re.compile(r"[0-9]+\.[0-9]+")  # path.<pid>.<n>.tmp
-_GPU = _medium_label(None)
+_GPU = medium_label(None)
 _DROP_GROUP = MAX_GROUPS - 1  # group of the synthetic removal that replays a drop of offload copies only
 _STORED, _REMOVED = "S", "R"
 
@@ -232,7 +232,7 @@ class EventLog:
             return
         eid = self._next
         self._next += 1
-        med = _medium_label(medium)
+        med = medium_label(medium)
         g = group or 0
         if tag == "BlockStored":
             self._record_store(eid, ev, hashes, parent, med, g, tokens, block_size)

@@ -13,33 +13,17 @@ from listener.config import LimitsConfig, SourceConfig
 from listener.events import BlockRemoved, BlockStored
 from listener.msgpack_decoder import decode_batch
 from picker.shared.block_keys import request_block_keys
+from tests.support.recording_sink import RecordingSink
 
 KB = 16
 MODEL = "m"
 TOKENS = list(range(2000, 2000 + 8 * KB))
 
 
-class RecSink:
-    def __init__(self) -> None:
-        self.state: dict[int, str] = {}
-
-    def emit(self, op: str, keys: list[int], tier: str | None) -> None:
-        for k in keys:
-            if op == "put":
-                assert tier is not None
-                self.state[k] = tier
-            else:
-                assert k in self.state
-                del self.state[k]
-
-    def clear(self, reason: str) -> None:
-        self.state.clear()
-
-
 class Rig:
     def __init__(self, engine: str = "vllm", limits: LimitsConfig | None = None, **kw: Any) -> None:
         src = SourceConfig(backend_name="b", engine=engine, model=MODEL, zmq_endpoint="tcp://x:1", **kw)
-        self.sink = RecSink()
+        self.sink = RecordingSink()
         self.counts: dict[str, int] = {}
         self.engine = engine
         self.tracker = BlockChainTracker(src, limits or LimitsConfig(), self.sink, self._count)

@@ -10,34 +10,15 @@ from listener.config import LimitsConfig, SourceConfig
 from listener.events import BlockStored, DecodeError, normalise_hash
 from listener.msgpack_decoder import decode_batch
 from picker.shared.block_keys import request_block_keys
+from tests.support.recording_sink import RecordingSink
 
 BS = 4
 MODEL = "m"
 
 
-class RecSink:
-    def __init__(self) -> None:
-        self.state: dict[int, str] = {}
-        self.ops: list[tuple[str, list[int], str | None]] = []
-        self.clears: list[str] = []
-
-    def emit(self, op: str, keys: list[int], tier: str | None) -> None:
-        self.ops.append((op, list(keys), tier))
-        for k in keys:
-            if op == "put":
-                assert tier is not None
-                self.state[k] = tier
-            else:
-                self.state.pop(k, None)
-
-    def clear(self, reason: str) -> None:
-        self.clears.append(reason)
-        self.state.clear()
-
-
 def tracker(engine: str = "vllm", limits: LimitsConfig | None = None, **kw: object):
     src = SourceConfig(backend_name="b1", engine=engine, model=MODEL, block_size=BS, zmq_endpoint="tcp://x:1", **kw)  # type: ignore[arg-type]
-    sink = RecSink()
+    sink = RecordingSink(strict=False)
     counts: dict[str, int] = {}
 
     def count(reason: str, n: int) -> None:

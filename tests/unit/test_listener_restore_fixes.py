@@ -31,25 +31,10 @@ from listener.state_store import (
     write_state_file,
 )
 from listener.zmq_source import ZmqEventSource
+from tests.support.recording_sink import RecordingSink
 
 KB = 16
 MODEL = "m"
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.state: dict[int, str] = {}
-
-    def emit(self, op: str, keys: list[int], tier: str | None) -> None:
-        for k in keys:
-            if op == "put":
-                assert tier is not None
-                self.state[k] = tier
-            else:
-                del self.state[k]
-
-    def clear(self, reason: str) -> None:
-        self.state.clear()
 
 
 def src_cfg(offload: bool = False, engine: str = "vllm") -> SourceConfig:
@@ -68,7 +53,7 @@ class Live:
     def __init__(self, offload: bool = False, limits: LimitsConfig | None = None) -> None:
         self.limits = limits or LimitsConfig()
         self.cfg = src_cfg(offload)
-        self.sink = Sink()
+        self.sink = RecordingSink()
         self.tracker = BlockChainTracker(self.cfg, self.limits, self.sink, key_block_size=KB)
         self.log = EventLog(treat_eviction_as_offload=offload)
 
@@ -120,8 +105,10 @@ def remove(hashes: list[int], medium: str = "GPU") -> dict[str, Any]:
 # -- 1. restore chunks stay within the decoder's budget -------------------------------------------------------
 
 
-def make_source(limits: LimitsConfig, ctx: zmq.asyncio.Context) -> tuple[ZmqEventSource, Sink, ListenerMetrics]:
-    sink, metrics = Sink(), ListenerMetrics()
+def make_source(
+    limits: LimitsConfig, ctx: zmq.asyncio.Context
+) -> tuple[ZmqEventSource, RecordingSink, ListenerMetrics]:
+    sink, metrics = RecordingSink(), ListenerMetrics()
     cfg = src_cfg()
     tracker = BlockChainTracker(cfg, limits, sink, key_block_size=KB)
     return ZmqEventSource(cfg, limits, tracker, metrics, ctx, keep_log=True), sink, metrics
@@ -227,7 +214,7 @@ def test_source_passes_treat_eviction_as_offload_to_its_log() -> None:
     ctx = zmq.asyncio.Context()
     try:
         cfg = src_cfg(offload=True)
-        tracker = BlockChainTracker(cfg, LimitsConfig(), Sink(), key_block_size=KB)
+        tracker = BlockChainTracker(cfg, LimitsConfig(), RecordingSink(), key_block_size=KB)
         src = ZmqEventSource(cfg, LimitsConfig(), tracker, ListenerMetrics(), ctx, keep_log=True)
     finally:
         ctx.destroy(linger=0)
