@@ -40,6 +40,19 @@ class LoadResult:
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def body_framing(head: bytes) -> tuple[int | None, bool]:
+    """(Content-Length or None, chunked?) of an HTTP/1.1 message from its head (start line + headers)."""
+    length, chunked = None, False
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        k = k.strip().lower()
+        if k == b"content-length":
+            length = int(v.strip())
+        elif k == b"transfer-encoding" and b"chunked" in v.lower():
+            chunked = True
+    return length, chunked
+
+
 async def _read_response(reader: asyncio.StreamReader, sse: list[float] | None = None) -> int:
     """Read one response; return its status. With ``sse`` (a list ``[count, first_byte, window_start,
     window_end, total]``), count its SSE events (blank-line terminated blocks, whatever the HTTP chunking):
@@ -48,17 +61,8 @@ async def _read_response(reader: asyncio.StreamReader, sse: list[float] | None =
     head = await reader.readuntil(b"\r\n\r\n")
     if sse is not None:
         sse[1] = time.perf_counter()
-    lines = head.split(b"\r\n")
-    status = int(lines[0].split(b" ", 2)[1])
-    length = None
-    chunked = False
-    for line in lines[1:]:
-        k, _, v = line.partition(b":")
-        k = k.strip().lower()
-        if k == b"content-length":
-            length = int(v.strip())
-        elif k == b"transfer-encoding" and b"chunked" in v.lower():
-            chunked = True
+    status = int(head.split(b" ", 2)[1])
+    length, chunked = body_framing(head)
     if chunked:
         tail = b""
         while True:

@@ -21,6 +21,8 @@ import asyncio
 import json
 import socket
 
+from benchmarks.httpload import body_framing
+
 READY_PREFIX = "sse-upstream ready"
 _HEAD_SSE = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
@@ -48,14 +50,7 @@ def _event(obj: object) -> bytes:
 async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
     """The request body, Content-Length or chunked (Envoy forwards a body whose length it does not know,
     e.g. one an ext_proc server streamed back, chunked)."""
-    length, chunked = 0, False
-    for line in head.split(b"\r\n")[1:]:
-        k, _, v = line.partition(b":")
-        k = k.strip().lower()
-        if k == b"content-length":
-            length = int(v.strip())
-        elif k == b"transfer-encoding" and b"chunked" in v.lower():
-            chunked = True
+    length, chunked = body_framing(head)
     if not chunked:
         return await reader.readexactly(length) if length else b""
     parts: list[bytes] = []
