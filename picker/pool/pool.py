@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from picker.config import PoolConfig
-from picker.routing.endpoints import Endpoint, EndpointState, PoolView
+from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, PoolView
 
 log = logging.getLogger("kv_epp.pool")
 
@@ -32,26 +32,42 @@ class _EndpointStats:
     latency_ewma_ms: float | None = None
     successes: int = 0
     failures: int = 0
+    pending_prefill_tokens: int = 0  # this picker's requests there before their first byte: uncached tokens
+    decoding: int = 0  # this picker's requests there past their first byte
+    engine: EngineSignals | None = None  # the last engine scrape (set by the engine-signal scraper)
 
 
 class Lease:
     """One request's claim on an endpoint's in-flight slot; ``release`` is idempotent. It holds the
-    counter it incremented, so an endpoint removed and re-added by reloads meanwhile is not miscounted."""
+    counter it incremented, so an endpoint removed and re-added by reloads meanwhile is not miscounted.
 
-    __slots__ = ("_pool", "_stats", "endpoint", "released", "started")
+    ``prefill_tokens`` (the request's uncached prompt tokens there, as the decision estimated them) count
+    in the endpoint's ``pending_prefill_tokens`` until ``first_byte`` (or the release, whichever comes
+    first); from the first byte to the release the request counts in ``decoding``."""
 
-    def __init__(self, pool: Pool, endpoint: Endpoint, stats: _EndpointStats | None) -> None:
+    __slots__ = ("_pool", "_stats", "endpoint", "first_byte_seen", "prefill_tokens", "released", "started")
+
+    def __init__(self, pool: Pool, endpoint: Endpoint, stats: _EndpointStats | None, prefill_tokens: int = 0) -> None:
         self._pool = pool
         self._stats = stats
         self.endpoint = endpoint
+        self.prefill_tokens = prefill_tokens
+        self.first_byte_seen = False
         self.released = False
         self.started = time.monotonic()
+
+    def first_byte(self) -> None:
+        """The response started: the request's prefill is done (idempotent; nothing after the release)."""
+        if not self.first_byte_seen and not self.released:
+            self.first_byte_seen = True
+            if self._stats is not None:
+                self._pool._first_byte(self._stats, self.prefill_tokens)
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             if self._stats is not None:
-                self._pool._release(self._stats)
+                self._pool._release(self._stats, self.first_byte_seen, self.prefill_tokens)
 
 
 class Pool:
@@ -110,21 +126,41 @@ class Pool:
         return st.endpoint if st is not None else None
 
     # -- load -----------------------------------------------------------------------------------
-    def acquire(self, endpoint: Endpoint) -> Lease:
+    def acquire(self, endpoint: Endpoint, prefill_tokens: int = 0) -> Lease:
+        """Take an in-flight slot; ``prefill_tokens`` count as pending prefill work until the first byte."""
+        prefill_tokens = max(0, prefill_tokens)
         st = self._stats.get(endpoint.name)
         if st is not None:
             st.in_flight += 1
+            st.pending_prefill_tokens += prefill_tokens
             self._changed(endpoint.name)
-        return Lease(self, endpoint, st)
+        return Lease(self, endpoint, st, prefill_tokens)
 
-    def _release(self, st: _EndpointStats) -> None:
+    def _first_byte(self, st: _EndpointStats, prefill_tokens: int) -> None:
+        st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill_tokens)
+        st.decoding += 1
+        if self._stats.get(st.endpoint.name) is st:
+            self._changed(st.endpoint.name)
+
+    def _release(self, st: _EndpointStats, decoding: bool, prefill_tokens: int) -> None:
         if st.in_flight > 0:
             st.in_flight -= 1
+        if decoding:
+            st.decoding = max(0, st.decoding - 1)
+        else:
+            st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill_tokens)
         if self._stats.get(st.endpoint.name) is st:
             self._changed(st.endpoint.name)
 
     def in_flight(self) -> dict[str, int]:
         return {name: s.in_flight for name, s in self._stats.items()}
+
+    def set_engine_signals(self, name: str, signals: EngineSignals | None) -> None:
+        """The engine's own load report (None: unknown or stale); off the request path."""
+        st = self._stats.get(name)
+        if st is not None and st.engine != signals:
+            st.engine = signals
+            self._changed(name)
 
     # -- health ---------------------------------------------------------------------------------
     def record_response(self, name: str, ok: bool, latency_ms: float | None = None) -> None:
@@ -213,7 +249,10 @@ class Pool:
                     continue
                 snap = self._snaps.get(name)
                 if snap is None:
-                    snap = EndpointState(st.endpoint, st.in_flight, self._rate(st), st.latency_ewma_ms, True)
+                    snap = EndpointState(
+                        st.endpoint, st.in_flight, self._rate(st), st.latency_ewma_ms, True,
+                        st.pending_prefill_tokens, st.decoding, st.engine,
+                    )  # fmt: skip
                     self._snaps[name] = snap
                 states.append(snap)
             full = self._full_view = PoolView(tuple(states))
@@ -230,6 +269,15 @@ class Pool:
                 "address": st.endpoint.address,
                 "healthy": self._healthy(st, now),
                 "in_flight_requests": st.in_flight,
+                "pending_prefill_tokens": st.pending_prefill_tokens,
+                "decoding_requests": st.decoding,
+                "engine": None
+                if st.engine is None
+                else {
+                    "waiting": st.engine.waiting,
+                    "running": st.engine.running,
+                    "kv_usage": st.engine.kv_usage,
+                },
                 "success_rate": round(self._rate(st), 4),
                 "latency_ewma_ms": None if st.latency_ewma_ms is None else round(st.latency_ewma_ms, 3),
                 "successes": st.successes,

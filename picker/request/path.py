@@ -119,6 +119,7 @@ class Exchange:
         self.status = status
         self.served = served
         self.first_byte_at = _mono()
+        self.lease.first_byte()
         for o in self._observers:
             o.on_headers(self, status)
 
@@ -174,6 +175,7 @@ class HealthObserver:
                 if moved is not None:  # the response streams from there: its in-flight slot, not the pick's
                     ex.lease.release()
                     ex.lease = self.pool.acquire(moved)
+                    ex.lease.first_byte()
             return
         name = d.endpoint.name
         latency_ms = ((ex.first_byte_at or _mono()) - ex.decided_at) * 1000.0
@@ -278,15 +280,21 @@ class RequestPath:
 
     def commit(self, facts: RequestFacts, decision: Decision, prepared: Prepared) -> Exchange:
         """Stage 5: take the in-flight slot, remember the session, count the decision."""
-        lease = self.pool.acquire(decision.endpoint)
+        predicted_cached = 0
+        if prepared.prompt_tokens is not None:  # Tier 4's prediction, for the response sample's accounting
+            hold = prepared.holds.get(decision.endpoint.name) if prepared.holds else None
+            predicted_cached = min(hold.blocks * self.block_size, prepared.prompt_tokens) if hold else 0
+            prefill = prepared.prompt_tokens - predicted_cached
+        else:  # not tokenized: about 4 bytes of body per prompt token
+            prefill = facts.body_bytes // 4
+        lease = self.pool.acquire(decision.endpoint, prefill)
         if prepared.session is not None:
             self.sessions.put(prepared.session, decision.endpoint.name, _mono())
         self.recorder.decided(decision, prepared.key)
         ex = Exchange(facts, decision, lease, self.observers, self.body_observers)
-        if prepared.prompt_tokens is not None:  # Tier 4's prediction, for the response sample's accounting
-            hold = prepared.holds.get(decision.endpoint.name) if prepared.holds else None
+        if prepared.prompt_tokens is not None:
             ex.prompt_tokens = prepared.prompt_tokens
-            ex.predicted_cached = min(hold.blocks * self.block_size, prepared.prompt_tokens) if hold else 0
+            ex.predicted_cached = predicted_cached
         return ex
 
     def overloaded(self, why: str) -> Answer:

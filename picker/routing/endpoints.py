@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from picker.shared.tiers import StorageTier
 
-__all__ = ["BackendHold", "Decision", "Endpoint", "EndpointState", "PoolView", "StorageTier"]
+__all__ = ["BackendHold", "Decision", "Endpoint", "EndpointState", "EngineSignals", "PoolView", "StorageTier"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -19,14 +19,33 @@ class Endpoint:
 
 
 @dataclass(slots=True, frozen=True)
+class EngineSignals:
+    """What the engine itself reported in its last ``/metrics`` scrape (every picker's traffic, and any
+    other client's). ``age_s`` is how old the scrape was when the snapshot was taken; a scrape older than
+    its deadline is never put in a snapshot (the endpoint then has ``engine=None``)."""
+
+    waiting: int  # requests queued, not yet scheduled (vllm:num_requests_waiting)
+    running: int  # requests scheduled (prefilling or decoding) (vllm:num_requests_running)
+    kv_usage: float | None = None  # 0..1 of the KV cache in use (vllm:kv_cache_usage_perc)
+    age_s: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
 class EndpointState:
-    """Load and health of one endpoint at one instant (read-only snapshot for a decision)."""
+    """Load and health of one endpoint at one instant (read-only snapshot for a decision).
+
+    ``pending_prefill_tokens``: the uncached prompt tokens of this picker's requests sent to the endpoint
+    that have not produced their first byte yet (queued or prefilling there); ``decoding``: this picker's
+    requests past their first byte and not finished."""
 
     endpoint: Endpoint
     in_flight: int = 0
     success_rate: float = 1.0  # windowed, 0..1
     latency_ewma_ms: float | None = None
     healthy: bool = True
+    pending_prefill_tokens: int = 0
+    decoding: int = 0
+    engine: EngineSignals | None = None
 
 
 class PoolView:

@@ -97,3 +97,32 @@ def test_lease_of_a_removed_then_readded_endpoint_does_not_skew_the_new_counter(
     assert p.in_flight()["a"] == 1
     fresh.release()
     assert p.in_flight()["a"] == 0
+
+
+def test_lease_counts_prefill_until_first_byte_then_decoding() -> None:
+    pool = Pool(PoolConfig.model_validate({"backends": [{"name": "a", "address": "10.0.0.1:8000"}]}))
+    ep = pool.endpoints[0]
+    one = pool.acquire(ep, 300)
+    two = pool.acquire(ep, 50)
+    st = pool.view().by_name()["a"]
+    assert (st.in_flight, st.pending_prefill_tokens, st.decoding) == (2, 350, 0)
+    one.first_byte()
+    one.first_byte()  # idempotent
+    st = pool.view().by_name()["a"]
+    assert (st.in_flight, st.pending_prefill_tokens, st.decoding) == (2, 50, 1)
+    two.release()  # released before its first byte (aborted): its prefill no longer pending
+    one.release()
+    two.first_byte()  # after the release: nothing
+    st = pool.view().by_name()["a"]
+    assert (st.in_flight, st.pending_prefill_tokens, st.decoding) == (0, 0, 0)
+
+
+def test_engine_signals_reach_the_snapshot() -> None:
+    from picker.routing.endpoints import EngineSignals
+
+    pool = Pool(PoolConfig.model_validate({"backends": [{"name": "a", "address": "10.0.0.1:8000"}]}))
+    assert pool.view().by_name()["a"].engine is None
+    pool.set_engine_signals("a", EngineSignals(waiting=3, running=5, kv_usage=0.5))
+    assert pool.view().by_name()["a"].engine == EngineSignals(3, 5, 0.5)
+    pool.set_engine_signals("a", None)
+    assert pool.view().by_name()["a"].engine is None
