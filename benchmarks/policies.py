@@ -59,14 +59,20 @@ POLICIES: dict[str, PolicySpec] = {
             "prefix_routing": {"enabled": True, "load_factor_epsilon": 0.5},
         },
     ),
+    "prefix_memory": PolicySpec(
+        "prefix_memory",
+        "picker PrefixMemory (Tier 1 CHWBL that remembers where each prefix was placed); no KV events",
+        picker={"selection_strategy": "PrefixMemory", "prefix_routing": PREFIX_ROUTING},
+    ),
     "kv_aware": PolicySpec(
         "kv_aware",
-        "picker Tier 4 KV overlap scorer (kv-listener + kv_cache_index) with PrefixAwareHash as fallback",
+        "picker Tier 4, the seed's KV overlap scorer (kv-listener + kv_cache_index) with PrefixAwareHash as fallback",
         picker={
             "selection_strategy": "PrefixAwareHash",
             "prefix_routing": PREFIX_ROUTING,
             "kv_cache_index": {
                 "enabled": True,
+                "scoring": {"mode": "overlap"},
                 "entry_ttl_seconds": 3600,  # exact events: engines do not re-announce blocks they keep
                 "tokenizer": {"source": "engine", "block_size": 16, "timeout_ms": 200},
                 # the start-up probe is one request per engine outside the workload: it would skew the
@@ -77,6 +83,16 @@ POLICIES: dict[str, PolicySpec] = {
         listener=True,
     ),
 }
+# Tier 4 with the cost model (the default scorer): the estimated time to first token on every eligible endpoint.
+POLICIES["kv_cost"] = PolicySpec(
+    "kv_cost",
+    "picker Tier 4, the cost model: least estimated time to first token (cached prefix, queued prefill, load)",
+    picker={
+        **dict(POLICIES["kv_aware"].picker or {}),
+        "kv_cache_index": {**POLICIES["kv_aware"].picker["kv_cache_index"], "scoring": {"mode": "cost"}},  # type: ignore[index]
+    },
+    listener=True,
+)
 # kv_aware with BUFFERED bodies and a 10% sample of responses streamed through the picker (Envoy honours a
 # per-request mode override only without full-duplex bodies): the sample's delivered cached-token share is
 # reported next to the engines' own counters (``sampled_cached_share`` vs ``hit_rate``).

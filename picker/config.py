@@ -60,9 +60,33 @@ class PrefixRoutingConfig(_Section):
     anthropic_cache_control_injection: bool = False
 
 
-class ScoringConfig(_Section):
-    """Tier 4 composite score weights (seed defaults); the three main weights sum to 1.0."""
+class CostModelConfig(_Section):
+    """Tier 4's cost model: the estimated time to first token on each endpoint,
 
+        base_ms + prefill_ms_per_token * (queued prefill tokens + this request's uncached tokens)
+                + decode_ms_per_seq * requests decoding there
+
+    The three coefficients start at these priors and are fitted online to the observed times to first
+    byte (``calibrate``); no constant needs tuning per workload."""
+
+    calibrate: bool = True
+    prior_base_ms: float = Field(10.0, ge=0.0, le=60_000.0)
+    prior_prefill_ms_per_token: float = Field(0.1, gt=0.0, le=100.0)
+    prior_decode_ms_per_seq: float = Field(0.5, ge=0.0, le=10_000.0)
+    # a hit in CPU/storage tier (StorageWarm) still costs this fraction of the prefill of those tokens
+    storage_warm_cost_fraction: float = Field(0.3, ge=0.0, le=1.0)
+    # endpoints within this fraction of the cheapest count as tied: the one holding the most of the prefix
+    # wins, then a rendezvous hash of the prefix (every picker places a new prefix on the same endpoint)
+    near_tie_fraction: float = Field(0.1, ge=0.0, le=1.0)
+
+
+class ScoringConfig(_Section):
+    """Tier 4 scoring. ``mode``: ``cost`` (default) picks the least estimated time to first token over every
+    eligible endpoint (``cost``); ``overlap`` is the seed's composite score over the holders (weights below,
+    seed defaults, the three main weights sum to 1.0)."""
+
+    mode: Literal["cost", "overlap"] = "cost"
+    cost: CostModelConfig = CostModelConfig()
     overlap_weight: float = Field(0.6, ge=0.0, le=1.0)
     load_weight: float = Field(0.3, ge=0.0, le=1.0)
     health_weight: float = Field(0.1, ge=0.0, le=1.0)
