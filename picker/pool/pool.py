@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from picker.config import PoolConfig
+from picker.pool.calibration import TtftCalibrator, TtftSample
 from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, PoolView
 
 log = logging.getLogger("kv_epp.pool")
@@ -45,23 +46,36 @@ class Lease:
     in the endpoint's ``pending_prefill_tokens`` until ``first_byte`` (or the release, whichever comes
     first); from the first byte to the release the request counts in ``decoding``."""
 
-    __slots__ = ("_pool", "_stats", "endpoint", "first_byte_seen", "prefill_tokens", "released", "started")
+    __slots__ = (
+        "_pool", "_stats", "endpoint", "first_byte_seen", "prefill_tokens", "released", "sample", "started",
+    )  # fmt: skip
 
-    def __init__(self, pool: Pool, endpoint: Endpoint, stats: _EndpointStats | None, prefill_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        endpoint: Endpoint,
+        stats: _EndpointStats | None,
+        prefill_tokens: int = 0,
+        sample: TtftSample | None = None,
+    ) -> None:
         self._pool = pool
         self._stats = stats
         self.endpoint = endpoint
         self.prefill_tokens = prefill_tokens
+        self.sample = sample  # what the endpoint had when this request was sent, for the TTFT calibration
         self.first_byte_seen = False
         self.released = False
-        self.started = time.monotonic()
+        self.started = pool._clock()
 
-    def first_byte(self) -> None:
-        """The response started: the request's prefill is done (idempotent; nothing after the release)."""
+    def first_byte(self, ok: bool = True) -> None:
+        """The response started: the request's prefill is done (idempotent; nothing after the release).
+        A successful first byte of a calibrated lease teaches the pool's TTFT model."""
         if not self.first_byte_seen and not self.released:
             self.first_byte_seen = True
             if self._stats is not None:
                 self._pool._first_byte(self._stats, self.prefill_tokens)
+            if ok and self.sample is not None:
+                self._pool.calibrator.observe(self.sample, self._pool._clock() - self.started)
 
     def release(self) -> None:
         if not self.released:
@@ -73,8 +87,11 @@ class Lease:
 class Pool:
     """Endpoints and their live load/health, read by decisions through ``view()`` snapshots."""
 
-    def __init__(self, cfg: PoolConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, cfg: PoolConfig, clock: Callable[[], float] = time.monotonic, calibrator: TtftCalibrator | None = None
+    ) -> None:
         self._clock = clock
+        self.calibrator = calibrator or TtftCalibrator()
         self._stats: dict[str, _EndpointStats] = {}
         self._by_address: dict[str, str] = {}
         # Snapshot cache: one EndpointState per endpoint, rebuilt only when that endpoint changes, and
@@ -126,15 +143,20 @@ class Pool:
         return st.endpoint if st is not None else None
 
     # -- load -----------------------------------------------------------------------------------
-    def acquire(self, endpoint: Endpoint, prefill_tokens: int = 0) -> Lease:
-        """Take an in-flight slot; ``prefill_tokens`` count as pending prefill work until the first byte."""
+    def acquire(self, endpoint: Endpoint, prefill_tokens: int = 0, calibrate: bool = False) -> Lease:
+        """Take an in-flight slot; ``prefill_tokens`` count as pending prefill work until the first byte.
+        ``calibrate``: ``prefill_tokens`` is exact (tokenized), so this request's time to first byte may
+        teach the TTFT model what the endpoint's load at this instant costs."""
         prefill_tokens = max(0, prefill_tokens)
         st = self._stats.get(endpoint.name)
+        sample = None
         if st is not None:
+            if calibrate:
+                sample = TtftSample(st.pending_prefill_tokens + prefill_tokens, st.decoding)
             st.in_flight += 1
             st.pending_prefill_tokens += prefill_tokens
             self._changed(endpoint.name)
-        return Lease(self, endpoint, st, prefill_tokens)
+        return Lease(self, endpoint, st, prefill_tokens, sample)
 
     def _first_byte(self, st: _EndpointStats, prefill_tokens: int) -> None:
         st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill_tokens)
@@ -255,11 +277,11 @@ class Pool:
                     )  # fmt: skip
                     self._snaps[name] = snap
                 states.append(snap)
-            full = self._full_view = PoolView(tuple(states))
+            full = self._full_view = PoolView(tuple(states), self.calibrator.current)
         if subset is None:
             return full
         allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
-        return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed))
+        return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed), full.costs)
 
     def health_snapshot(self) -> list[dict[str, object]]:
         now = self._clock()

@@ -119,7 +119,9 @@ class Exchange:
         self.status = status
         self.served = served
         self.first_byte_at = _mono()
-        self.lease.first_byte()
+        self.lease.first_byte(
+            status is not None and status < 500 and (served is None or served == self.lease.endpoint.address)
+        )
         for o in self._observers:
             o.on_headers(self, status)
 
@@ -287,7 +289,7 @@ class RequestPath:
             prefill = prepared.prompt_tokens - predicted_cached
         else:  # not tokenized: about 4 bytes of body per prompt token
             prefill = facts.body_bytes // 4
-        lease = self.pool.acquire(decision.endpoint, prefill)
+        lease = self.pool.acquire(decision.endpoint, prefill, calibrate=prepared.prompt_tokens is not None)
         if prepared.session is not None:
             self.sessions.put(prepared.session, decision.endpoint.name, _mono())
         self.recorder.decided(decision, prepared.key)

@@ -6,7 +6,16 @@ from dataclasses import dataclass
 
 from picker.shared.tiers import StorageTier
 
-__all__ = ["BackendHold", "Decision", "Endpoint", "EndpointState", "EngineSignals", "PoolView", "StorageTier"]
+__all__ = [
+    "BackendHold",
+    "CostCoefficients",
+    "Decision",
+    "Endpoint",
+    "EndpointState",
+    "EngineSignals",
+    "PoolView",
+    "StorageTier",
+]
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,15 +57,33 @@ class EndpointState:
     engine: EngineSignals | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class CostCoefficients:
+    """The TTFT model's current coefficients (fitted online by the pool's calibrator):
+
+        ttft_ms ≈ base_ms + prefill_ms_per_token * prefill tokens ahead and own + decode_ms_per_seq * decoding
+
+    ``mean_prefill_tokens``: the mean uncached tokens of a request (turns an engine's queue length into
+    tokens); ``samples``: how many first bytes the fit has seen."""
+
+    base_ms: float
+    prefill_ms_per_token: float
+    decode_ms_per_seq: float
+    mean_prefill_tokens: float = 0.0
+    samples: int = 0
+
+
 class PoolView:
-    """Everything a decision may read: the eligible endpoints (healthy, inside the subset hint).
+    """Everything a decision may read: the eligible endpoints (healthy, inside the subset hint) and the
+    TTFT model's coefficients (None: no model, the cost scorer uses its configured priors).
 
     Immutable; the name index and the in-flight map are built once, on first use."""
 
-    __slots__ = ("_by_name", "_loads", "states")
+    __slots__ = ("_by_name", "_loads", "costs", "states")
 
-    def __init__(self, states: tuple[EndpointState, ...]) -> None:
+    def __init__(self, states: tuple[EndpointState, ...], costs: CostCoefficients | None = None) -> None:
         self.states = states
+        self.costs = costs
         self._by_name: dict[str, EndpointState] | None = None
         self._loads: dict[str, int] | None = None
 
