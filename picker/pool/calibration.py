@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from picker.config import CostModelConfig
 from picker.routing.endpoints import CostCoefficients
 
 FORGETTING = 0.998
@@ -57,11 +58,9 @@ class TtftCalibrator:
         self.mean_prefill_tokens = 0.0
         self.current = self._coefficients()
 
-    def configure(self, base_ms: float, prefill_ms_per_token: float, decode_ms_per_seq: float, enabled: bool) -> None:
-        """New priors (a reload): the fit restarts from them only when they changed."""
-        priors = (base_ms, prefill_ms_per_token * TOKEN_SCALE, decode_ms_per_seq)
-        if priors != self.priors or enabled != self.enabled:
-            self.__init__(base_ms, prefill_ms_per_token, decode_ms_per_seq, enabled)  # type: ignore[misc]
+    @classmethod
+    def from_config(cls, cfg: CostModelConfig) -> TtftCalibrator:
+        return cls(cfg.prior_base_ms, cfg.prior_prefill_ms_per_token, cfg.prior_decode_ms_per_seq, cfg.calibrate)
 
     def observe(self, sample: TtftSample, ttft_s: float) -> None:
         y = ttft_s * 1000.0

@@ -1,7 +1,11 @@
 """The pure routing core: ``Router.decide(facts, view, prepared) -> Decision | None``.
 
-The seed's order: Tier 4 overlap scorer (when the prepare stage consulted the KV index) → session
-affinity → the configured strategy. ``decide`` is synchronous, does no I/O and records nothing: it
+The seed's order: Tier 4 (when the prepare stage consulted the KV index: the cost model,
+``kv_cache_index.scoring.mode: cost``, the default, or the seed's overlap scorer) → session affinity → the
+configured strategy. The cost model decides whenever the prompt was tokenized (holders and non-holders
+are all candidates); without token ids the request goes on to affinity and the strategy.
+
+``decide`` is synchronous, does no I/O and records nothing: it
 reads a ``PoolView`` snapshot, the request's facts and what the prepare stage computed (``Prepared``:
 the prefix key, the KV holds, the session's endpoint). Counting, metrics, the session table and the
 in-flight lease are the commit stage's (``picker.request.path``, ``picker.ops.recorder``).
@@ -20,6 +24,7 @@ from typing import Protocol
 from picker.config import Settings
 from picker.request.facts import RequestFacts
 from picker.routing.chwbl_ring import HashRing
+from picker.routing.cost_model import CostScorer
 from picker.routing.endpoints import BackendHold, Decision, Endpoint, PoolView
 from picker.routing.kv_scorer import KvOverlapScorer, KvScoreResult
 from picker.routing.prefix_key import prefix_key
@@ -63,6 +68,8 @@ class Router:
         self.settings = settings
         kv = settings.kv_cache_index
         self.scorer: OverlapScorer = scorer or KvOverlapScorer(kv.scoring, kv.tokenizer.block_size)
+        self.cost = CostScorer(kv.scoring.cost, kv.tokenizer.block_size)
+        self.cost_mode = kv.scoring.mode == "cost"
         self._pool_names: tuple[str, ...] = ()
         self.rings = RingView(
             HashRing((), settings.prefix_routing.virtual_nodes), settings.prefix_routing.load_factor_epsilon
@@ -107,7 +114,14 @@ class Router:
         fallback_score: float | None = None
         scores: Mapping[str, float] | None = None
         d: Decision | None
-        if prepared.holds is not None:
+        if prepared.holds is not None and self.cost_mode and prepared.prompt_tokens:
+            c = self.cost.score(prepared.holds, prepared.prompt_tokens, view, prepared.key)
+            if c is None:
+                return None
+            share = c.cached_tokens / prepared.prompt_tokens
+            d = Decision(c.best, "KvCost", "kv_cost", c.tier, share)
+            scores = {name: -ms for name, ms in c.predicted_ms.items()}
+        elif prepared.holds is not None:
             r = self.scorer.score(prepared.holds, view)
             if r.best is not None and r.score > SCORER_THRESHOLD and r.best.name in view.by_name():
                 d = Decision(r.best, "KvOverlap", "kv_aware", r.tier, r.score)

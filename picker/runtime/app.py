@@ -9,6 +9,7 @@ from picker.config import ConfigError, Settings, config_warnings, load_settings,
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.ops.recorder import DecisionRecorder
+from picker.pool.calibration import TtftCalibrator
 from picker.pool.pool import Pool
 from picker.request.path import RequestPath
 from picker.routing.core import Router
@@ -26,7 +27,8 @@ class PickerApp:
         self.settings = settings
         self.config_path = Path(config_path) if config_path else None
         self.metrics = metrics or PickerMetrics()
-        self.pool = Pool(settings.pool)
+        cost = settings.kv_cache_index.scoring.cost
+        self.pool = Pool(settings.pool, calibrator=TtftCalibrator.from_config(cost))
         self.router = Router(settings)
         self.router.set_pool_names(self.pool.names())  # the ring is built here, not on a request
         self.recorder = DecisionRecorder(self.metrics)

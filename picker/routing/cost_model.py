@@ -1,0 +1,101 @@
+"""Tier 4's cost model: send the request where its first token comes soonest.
+
+For each eligible endpoint the scorer estimates this request's time to first token there:
+
+    ttft_ms = base_ms
+            + prefill_ms_per_token * (prefill tokens queued ahead of it + its own uncached tokens there)
+            + decode_ms_per_seq    * requests decoding there
+    (divided by the endpoint's windowed success rate: a failing endpoint costs retries)
+
+- its own uncached tokens = prompt tokens − the leading tokens that endpoint holds (GPU); a StorageWarm
+  hold (CPU/disk) still costs ``storage_warm_cost_fraction`` of those tokens' prefill;
+- queued ahead = this picker's requests sent there that have not produced a first byte (their uncached
+  tokens, ``EndpointState.pending_prefill_tokens``), or, when the engine's own ``/metrics`` are scraped
+  and say more (other pickers' traffic, active-active), its waiting requests × the mean uncached
+  tokens of a request; decoding = the larger of this picker's count and the engine's running requests;
+- the three coefficients come from the pool's online fit of observed first bytes (``PoolView.costs``),
+  else the configured priors.
+
+Every eligible endpoint is a candidate, holders and non-holders: a hot prefix replicates to a second
+endpoint when queueing behind its holder costs more than prefilling it again elsewhere. Endpoints within
+``near_tie_fraction`` of the cheapest are tied: the one holding the most of the prefix wins (locality is
+worth keeping when it costs little), then a rendezvous hash of the request's prefix key, so every picker
+places a new prefix on the same endpoint and its next requests find it there.
+
+Pure and synchronous: reads the prepared holds, the prompt length and the pool snapshot, nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from hashlib import blake2b
+
+from picker.config import CostModelConfig
+from picker.routing.endpoints import BackendHold, CostCoefficients, Endpoint, PoolView, StorageTier
+
+
+@dataclass(slots=True, frozen=True)
+class CostResult:
+    """The cheapest endpoint and what was estimated for every candidate."""
+
+    best: Endpoint
+    tier: StorageTier  # the pick's hold tier (NONE when it holds nothing of the prefix)
+    cached_tokens: int  # prompt tokens the pick holds (GPU or storage)
+    predicted_ms: dict[str, float] = field(default_factory=dict)  # every candidate's estimated TTFT
+
+
+def _rendezvous(key: bytes, name: str) -> bytes:
+    return blake2b(key + name.encode(), digest_size=8).digest()
+
+
+class CostScorer:
+    """Least estimated time to first token over a PoolView."""
+
+    def __init__(self, cfg: CostModelConfig, block_size: int) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.priors = CostCoefficients(cfg.prior_base_ms, cfg.prior_prefill_ms_per_token, cfg.prior_decode_ms_per_seq)
+
+    def score(
+        self, holds: Mapping[str, BackendHold], prompt_tokens: int, view: PoolView, key: bytes | None
+    ) -> CostResult | None:
+        """The cheapest eligible endpoint, or None when nothing is eligible."""
+        if not view.states:
+            return None
+        c = view.costs if view.costs is not None and view.costs.samples else self.priors
+        warm = self.cfg.storage_warm_cost_fraction
+        per_token, per_seq = c.prefill_ms_per_token, c.decode_ms_per_seq
+        mean_tokens = c.mean_prefill_tokens
+        predicted: dict[str, float] = {}
+        cached: dict[str, int] = {}
+        best_ms = float("inf")
+        for st in view.states:
+            name = st.endpoint.name
+            h = holds.get(name)
+            held = min(h.blocks * self.block_size, prompt_tokens) if h is not None and h.blocks > 0 else 0
+            own = prompt_tokens - held
+            if held and h is not None and h.tier is not StorageTier.GPU_HOT:
+                own += int(warm * held)
+            ahead = st.pending_prefill_tokens
+            decoding = st.decoding
+            eng = st.engine
+            if eng is not None:
+                ahead = max(ahead, int(eng.waiting * mean_tokens))
+                decoding = max(decoding, eng.running)
+            ms = c.base_ms + per_token * (ahead + own) + per_seq * decoding
+            ms /= max(0.1, min(1.0, st.success_rate))
+            predicted[name] = ms
+            cached[name] = held
+            best_ms = min(best_ms, ms)
+        limit = best_ms * (1.0 + self.cfg.near_tie_fraction)
+        tied = [st for st in view.states if predicted[st.endpoint.name] <= limit]
+        if len(tied) == 1:
+            pick = tied[0]
+        else:
+            k = key or b""
+            pick = max(tied, key=lambda s: (cached[s.endpoint.name], _rendezvous(k, s.endpoint.name)))
+        name = pick.endpoint.name
+        h = holds.get(name)
+        tier = h.tier if h is not None and cached[name] else StorageTier.NONE
+        return CostResult(pick.endpoint, tier, cached[name], predicted)
