@@ -225,9 +225,52 @@ class HealthConfig(_Section):
     consecutive_failures: int = Field(5, ge=0, le=10_000)
 
 
+def _metrics_path(v: str) -> str:
+    if not v.startswith("/") or len(v) > 256 or not v.isascii() or any(c.isspace() or ord(c) < 0x21 for c in v):
+        raise ValueError("must be an absolute URL path (starts with /, ASCII, no spaces, at most 256 characters)")
+    return v
+
+
+class EngineMetricsConfig(_Section):
+    """Engine signals: every ``interval_ms`` each pool endpoint's ``http://<address><path>`` (Prometheus text)
+    is scraped off the request path; its queue (waiting, running) and KV-cache usage reach the pool snapshot
+    (``EndpointState.engine``), so other pickers' and other clients' load is seen. vLLM and SGLang names.
+
+    On by default: vLLM serves ``/metrics`` on its serving port (SGLang with ``--enable-metrics``), which is
+    where the pool's addresses point, and the cost scorer needs the engines' own queues to see load that did
+    not pass through this picker. It costs one small GET per endpoint per interval. An endpoint without it
+    (a plain HTTP upstream, like the echo backends of this repo's tests) answers 404: the scrape is counted
+    as an error, logged once when it starts failing, and its signals stay unknown (``engine=None``), exactly
+    as with ``enabled: false``.
+
+    A failed scrape keeps the last good values until they are ``stale_after_ms`` old; then they are withdrawn.
+    ``stale_after_ms`` must exceed ``interval_ms + timeout_ms`` (the age a healthy endpoint's last scrape
+    reaches before the next one lands), and ``timeout_ms`` may not exceed ``interval_ms``."""
+
+    enabled: bool = True
+    path: Annotated[str, AfterValidator(_metrics_path)] = "/metrics"
+    interval_ms: int = Field(1000, ge=20, le=600_000)
+    timeout_ms: int = Field(500, ge=10, le=60_000)  # one scrape: connect, answer and body
+    stale_after_ms: int = Field(3000, ge=50, le=3_600_000)
+    max_bytes: int = Field(4 << 20, ge=4096, le=64 << 20)  # a larger body is refused (too_large), not parsed
+    max_concurrency: int = Field(16, ge=1, le=1024)  # scrapes in flight at once
+
+    @model_validator(mode="after")
+    def _timing(self) -> EngineMetricsConfig:
+        if self.timeout_ms > self.interval_ms:
+            raise ValueError("timeout_ms may not exceed interval_ms (a round must end before the next is due)")
+        if self.stale_after_ms <= self.interval_ms + self.timeout_ms:
+            raise ValueError(
+                "stale_after_ms must exceed interval_ms + timeout_ms (a healthy endpoint's last scrape reaches "
+                "that age before the next one lands)"
+            )
+        return self
+
+
 class PoolConfig(_Section):
     backends: tuple[BackendConfig, ...] = ()
     health: HealthConfig = HealthConfig()
+    engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
     latency_ewma_alpha: float = Field(0.2, gt=0.0, le=1.0)
     # Ranked fallbacks sent after the pick (comma-separated destination list): where Envoy retries when
     # the pick refuses, resets or times out. Keep the Envoy retry count (`kv-epp envoy-config --retries`)
