@@ -67,6 +67,7 @@ class CostScorer:
         warm = self.cfg.storage_warm_cost_fraction
         per_token, per_seq = c.prefill_ms_per_token, c.decode_ms_per_seq
         mean_tokens = c.mean_prefill_tokens
+        others = self.cfg.others_delay_weight
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         best_ms = float("inf")
@@ -78,12 +79,16 @@ class CostScorer:
             if held and h is not None and h.tier is not StorageTier.GPU_HOT:
                 own += int(warm * held)
             ahead = st.pending_prefill_tokens
+            queued = max(0, st.in_flight - st.decoding)  # requests there before their first byte
             decoding = st.decoding
             eng = st.engine
             if eng is not None:
                 ahead = max(ahead, int(eng.waiting * mean_tokens))
+                queued = max(queued, eng.waiting)
                 decoding = max(decoding, eng.running)
-            ms = c.base_ms + per_token * (ahead + own) + per_seq * decoding
+            # this request's prefill also delays the requests that will queue behind it there: about as many
+            # as are queued now (none on an idle endpoint, where only its own TTFT counts)
+            ms = c.base_ms + per_token * (ahead + own * (1.0 + others * queued)) + per_seq * decoding
             ms /= max(0.1, min(1.0, st.success_rate))
             predicted[name] = ms
             cached[name] = held
