@@ -6,7 +6,12 @@ of requests (``extproc.response_sample_rate``) and every request that carries th
 (``extproc.response_sample_header``) are switched, in the answer to their response headers, to a streamed
 response body (Envoy's per-request ``mode_override``); the picker answers each chunk without copying it and
 reads the usage (``prompt_tokens``, ``cached_tokens``) from the last bytes of the body only. The fraction
-actually sampled is exported with the figures, so a cached-token share is read as the sample's.
+actually sampled is exported with the figures, so a cached-token share is read as the sample's. In ``full``
+mode every response body passes through the picker anyway, so every one is read (counted as sampled).
+
+A usage read for a request Tier 4 tokenized goes to the recorder (``DecisionRecorder.delivered``): the
+decision's available and captured tokens next to the delivered ones, by the decision's reason, and the
+prediction's outcome (hit, stale, ...).
 """
 
 from __future__ import annotations
@@ -77,20 +82,11 @@ class ResponseSampling:
         self.c_usage_seen = Counter(
             "kv_epp_sampled_usage_responses", "Sampled responses whose usage carried cached_tokens", registry=r
         )
-        # Tier 4's prediction (prompt tokens, and those the chosen endpoint's index entries cover) for every
-        # response and for the sampled ones with usage: delivered/predicted on the sample calibrates the
-        # prediction over all responses (a ratio estimator, far less noisy than the sample's share alone)
-        self.c_predicted = Counter(
-            "kv_epp_predicted_tokens",
-            "Tier 4's prompt tokens and predicted cached tokens, for all responses and for the sampled ones "
-            "that reported usage",
-            ["scope", "kind"],
-            registry=r,
-        )
-        self.c_all_prompt = self.c_predicted.labels("all", "prompt")
-        self.c_all_cached = self.c_predicted.labels("all", "cached")
-        self.c_sample_prompt = self.c_predicted.labels("sampled", "prompt")
-        self.c_sample_cached = self.c_predicted.labels("sampled", "cached")
+        # Tier 4's prediction for every decision and for the observed responses with usage is the recorder's
+        # (continuum_picker_cached_tokens_total): delivered/captured on the sample calibrates the prediction
+        # over all responses (a ratio estimator, far less noisy than the sample's share alone)
+        self.recorder = app.recorder
+        self.block_size = app.settings.kv_cache_index.tokenizer.block_size  # restart-required setting
 
     def choose(self, opted_in: bool) -> bool:
         """Sample this response? Every opted-in request, and ``rate`` of the others, spread evenly (every
@@ -104,11 +100,8 @@ class ResponseSampling:
             return True
         return False
 
-    def headers_seen(self, sampled: bool, ex: Exchange | None = None) -> None:
+    def headers_seen(self, sampled: bool) -> None:
         (self.c_sampled if sampled else self.c_headers).inc()
-        if ex is not None and ex.prompt_tokens is not None:
-            self.c_all_prompt.inc(ex.prompt_tokens)
-            self.c_all_cached.inc(ex.predicted_cached)
 
     def usage(self, tail: bytes, ex: Exchange | None = None) -> None:
         u = read_usage(tail)
@@ -118,8 +111,9 @@ class ResponseSampling:
         self.c_usage_prompt.inc(u[0])
         self.c_usage_cached.inc(u[1])
         if ex is not None and ex.prompt_tokens is not None:
-            self.c_sample_prompt.inc(ex.prompt_tokens)
-            self.c_sample_cached.inc(ex.predicted_cached)
+            self.recorder.delivered(
+                ex.decision.reason, ex.prompt_tokens, ex.available_cached, ex.predicted_cached, u[1], self.block_size
+            )
 
     @classmethod
     def of(cls, app: PickerApp) -> ResponseSampling:

@@ -24,7 +24,7 @@ Response side (Envoy's ``response_body_mode``, announced in ``protocol_config``)
   sampled request switches it to a STREAMED response body (``mode_override``); each chunk is answered
   without a copy, only the last bytes are kept for the usage.
 - FULL_DUPLEX_STREAMED / STREAMED (``--response-mode full``): every chunk passes through (echoed in full
-  duplex); the body's ``end_of_stream`` ends the request.
+  duplex); the body's ``end_of_stream`` ends the request. Its last bytes are kept for the usage, as a sample's.
 The in-flight slot is released at the end of the response or when the stream closes; never twice, never
 leaked.
 """
@@ -287,16 +287,15 @@ class RequestStream:
             sampling = self.sampling
             if sampling is not None:
                 # a sample only where Envoy can switch the body on (body NONE, no full-duplex body mode)
-                if (
-                    not msg.end_of_stream
-                    and self.resp_mode == RESPONSE_NONE
-                    and self.mode != FULL_DUPLEX
-                    and sampling.choose(self.opted_in)
-                ):
+                if msg.end_of_stream:
+                    pass
+                elif self.resp_mode != RESPONSE_NONE:  # full mode: every body passes through; read its usage too
+                    self.sampled = True
+                elif self.mode != FULL_DUPLEX and sampling.choose(self.opted_in):
                     self.sampled = True
                     self.resp_mode = STREAMED
                     answer = sampled_headers_answer(self.mode)
-                sampling.headers_seen(self.sampled, self.exchange)
+                sampling.headers_seen(self.sampled)
         if msg.end_of_stream:
             self._end_response()
         return (answer,)
@@ -306,7 +305,8 @@ class RequestStream:
         if ex is not None and ex.wants_body:
             ex.response_body(msg.body, msg.end_of_stream)
         if self.sampled:  # keep the last bytes only: the usage is at the end of the body
-            tail = self.tail + msg.body
+            body = msg.body  # a long chunk is cut first: only its last TAIL_BYTES are copied
+            tail = self.tail + (body[-TAIL_BYTES:] if len(body) > TAIL_BYTES else body)
             self.tail = tail[-TAIL_BYTES:] if len(tail) > TAIL_BYTES else tail
             if msg.end_of_stream and self.sampling is not None:
                 self.sampling.usage(self.tail, self.exchange)

@@ -8,6 +8,16 @@ calls) and become metric families only when ``/metrics`` is scraped, through ``R
 
 Bounds: label values come from fixed sets (outcomes, strategies, reasons, status classes 0xx-9xx) and
 configured backend names; a backend a reload removes is forgotten (``forget_backends``).
+
+Cached-token accounting (``continuum_picker_cached_tokens_total{reason,scope,kind}``), for every decision
+whose prompt Tier 4 tokenized: ``prompt`` (Tier 4's token count), ``available`` (the best holder's matched
+tokens: the most any backend in the prepared holds covers), ``captured`` (the chosen endpoint's matched
+tokens), booked at the commit under ``scope="all"``; and again under ``scope="observed"`` with
+``delivered`` (the engine's ``usage.prompt_tokens_details.cached_tokens``) when the picker read the
+response's usage (a sampled response, or every response in ``full`` mode). ``delivered/captured`` and
+``captured/available`` are ratios over the same requests only within ``scope="observed"``.
+``continuum_picker_observed_predictions_total{reason,outcome}`` classifies each observed response by
+``prediction_outcome``; ``outcome="stale"`` is the stale-index counter.
 """
 
 from __future__ import annotations
@@ -27,6 +37,29 @@ from picker.shared.tiers import StorageTier
 DECISION_BUCKETS = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1,
 )  # fmt: skip
+
+
+CACHED_KINDS = ("prompt", "available", "captured")  # booked per decision (scope "all") and per observed response
+PREDICTION_OUTCOMES = ("hit", "stale", "unpredicted", "miss")
+
+
+def prediction_outcome(prompt: int, captured: int, delivered: int, block_size: int) -> str:
+    """How Tier 4's prediction for one observed response held up against what the engine delivered.
+
+    The engine can serve at most ``deliverable = min(captured, ((prompt - 1) // block_size) * block_size)``
+    of the prediction: whole blocks only, and never the prompt's last token (vLLM and SGLang compute it to
+    get the first output's logits, so an exactly block-aligned prompt held in full reuses one block less).
+
+    - ``hit``: predicted hit (``deliverable`` >= one block) and ``delivered >= deliverable / 2``;
+    - ``stale``: predicted hit and ``delivered < deliverable / 2`` — the index said the endpoint held the
+      prefix and the engine recomputed most of it (evicted, or never stored): the stale-index counter;
+    - ``unpredicted``: no predicted hit but the engine delivered >= one block (the index missed a holding);
+    - ``miss``: neither predicted nor delivered.
+    """
+    deliverable = min(captured, max(0, (prompt - 1) // block_size) * block_size)
+    if deliverable >= block_size:
+        return "hit" if 2 * delivered >= deliverable else "stale"
+    return "unpredicted" if delivered >= block_size else "miss"
 
 
 @dataclass(slots=True)
@@ -76,6 +109,9 @@ class DecisionRecorder:
         self.decisions: dict[tuple[str, str], int] = {}  # (strategy, backend)
         self.responses: dict[tuple[str, str], int] = {}  # (backend, status class)
         self.decision_seconds = _Histogram(DECISION_BUCKETS)
+        # reason -> [all: prompt, available, captured; observed: prompt, available, captured, delivered]
+        self.cached: dict[str, list[int]] = {}
+        self.predictions: dict[str, list[int]] = {}  # reason -> counts in PREDICTION_OUTCOMES order
         metrics.registry.register(RecorderCollector(self))
 
     def decided(self, d: Decision, key: bytes | None) -> None:
@@ -91,6 +127,34 @@ class DecisionRecorder:
             self._kv("fallback", StorageTier.NONE, d.kv_fallback_score)
         if key is not None:
             self._note_prefix(key)
+
+    def cached_tokens(self, reason: str, prompt: int, available: int, captured: int) -> None:
+        """One decision whose prompt Tier 4 tokenized: its prompt, best holder's and chosen endpoint's tokens."""
+        t = self.cached.get(reason)
+        if t is None:
+            t = self.cached[reason] = [0] * 7
+        t[0] += prompt
+        t[1] += available
+        t[2] += captured
+
+    def delivered(
+        self, reason: str, prompt: int, available: int, captured: int, delivered: int, block_size: int
+    ) -> str:
+        """The usage of an observed response whose prompt Tier 4 tokenized: the decision's figures again, next
+        to the engine's cached tokens, and the prediction's outcome (returned)."""
+        t = self.cached.get(reason)
+        if t is None:
+            t = self.cached[reason] = [0] * 7
+        t[3] += prompt
+        t[4] += available
+        t[5] += captured
+        t[6] += delivered
+        outcome = prediction_outcome(prompt, captured, delivered, block_size)
+        p = self.predictions.get(reason)
+        if p is None:
+            p = self.predictions[reason] = [0] * len(PREDICTION_OUTCOMES)
+        p[PREDICTION_OUTCOMES.index(outcome)] += 1
+        return outcome
 
     def refused(self, outcome: str) -> None:
         """A request answered by the picker itself: bad_request, no_backend, error, draining, overloaded."""
@@ -172,6 +236,46 @@ class RecorderCollector(Collector):
         for (backend, status_class), n in list(r.responses.items()):
             responses.add_metric([backend, status_class], n)
         yield responses
+        cached = CounterMetricFamily(
+            "continuum_picker_cached_tokens",
+            "Prompt tokens of decisions Tier 4 tokenized, by the decision's reason: kind prompt, available (the "
+            "best holder's matched tokens), captured (the chosen endpoint's), delivered (the engine's usage "
+            "cached_tokens); scope all (every such decision, at the pick) or observed (the responses whose usage "
+            "the picker read: sampled, or all in full mode)",
+            labels=["reason", "scope", "kind"],
+        )
+        compat = [0, 0, 0, 0]  # all prompt, all captured, observed prompt, observed captured
+        for reason, t in list(r.cached.items()):
+            for i, kind in enumerate(CACHED_KINDS):
+                cached.add_metric([reason, "all", kind], t[i])
+            for i, kind in enumerate((*CACHED_KINDS, "delivered")):
+                cached.add_metric([reason, "observed", kind], t[3 + i])
+            compat[0] += t[0]
+            compat[1] += t[2]
+            compat[2] += t[3]
+            compat[3] += t[5]
+        yield cached
+        predictions = CounterMetricFamily(
+            "continuum_picker_observed_predictions",
+            "Observed responses of decisions Tier 4 tokenized, by reason and how the prediction held: hit, stale "
+            "(predicted at least one deliverable block, delivered under half of it: the stale-index counter), "
+            "unpredicted (none predicted, at least one block delivered), miss",
+            labels=["reason", "outcome"],
+        )
+        for reason, p in list(r.predictions.items()):
+            for outcome, n in zip(PREDICTION_OUTCOMES, p, strict=True):
+                predictions.add_metric([reason, outcome], n)
+        yield predictions
+        legacy = CounterMetricFamily(
+            "kv_epp_predicted_tokens",
+            "Deprecated: continuum_picker_cached_tokens_total summed over reason (kind cached = captured, scope "
+            "sampled = observed); kept while benchmarks/routing.py reads it",
+            labels=["scope", "kind"],
+        )
+        legacy_keys = (("all", "prompt"), ("all", "cached"), ("sampled", "prompt"), ("sampled", "cached"))
+        for (scope, kind), n in zip(legacy_keys, compat, strict=True):
+            legacy.add_metric([scope, kind], n)
+        yield legacy
         h = r.decision_seconds
         yield HistogramMetricFamily(
             "continuum_picker_decision_seconds",

@@ -84,8 +84,8 @@ class Exchange:
     """One routed request, from the commit to the end of its response (or the stream's abort)."""
 
     __slots__ = (
-        "_body_observers", "_ended", "_observers", "decided_at", "decision", "facts", "first_byte_at", "lease",
-        "predicted_cached", "prompt_tokens", "served", "status",
+        "_body_observers", "_ended", "_observers", "available_cached", "decided_at", "decision", "facts",
+        "first_byte_at", "lease", "predicted_cached", "prompt_tokens", "served", "status",
     )  # fmt: skip
 
     def __init__(
@@ -104,7 +104,8 @@ class Exchange:
         self.served: str | None = None  # ip:port the proxy reports it used (after retries), when it does
         self.first_byte_at: float | None = None
         self.prompt_tokens: int | None = None  # Tier 4's token count of the prompt, when it tokenized it
-        self.predicted_cached = 0  # prompt tokens the index said the chosen endpoint holds
+        self.predicted_cached = 0  # prompt tokens the index said the chosen endpoint holds (captured)
+        self.available_cached = 0  # prompt tokens the index said the best holder holds (>= predicted_cached)
         self._observers = observers
         self._body_observers = body_observers
         self._ended = False
@@ -295,8 +296,11 @@ class RequestPath:
         self.recorder.decided(decision, prepared.key)
         ex = Exchange(facts, decision, lease, self.observers, self.body_observers)
         if prepared.prompt_tokens is not None:
-            ex.prompt_tokens = prepared.prompt_tokens
+            ex.prompt_tokens = prompt = prepared.prompt_tokens
             ex.predicted_cached = predicted_cached
+            bs = self.block_size
+            ex.available_cached = max((min(h.blocks * bs, prompt) for h in (prepared.holds or {}).values()), default=0)
+            self.recorder.cached_tokens(decision.reason, prompt, ex.available_cached, predicted_cached)
         return ex
 
     def overloaded(self, why: str) -> Answer:

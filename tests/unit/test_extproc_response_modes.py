@@ -15,6 +15,9 @@ from picker.config import parse_settings
 from picker.extproc.messages import sampled_mode
 from picker.extproc.sampling import TAIL_BYTES, ResponseSampling, read_usage
 from picker.extproc.stream import RequestStream
+from picker.ops.recorder import prediction_outcome
+from picker.request.facts import RequestFacts
+from picker.routing.endpoints import BackendHold, StorageTier
 from picker.runtime.app import PickerApp
 from picker.runtime.envoy_config import EnvoyOptions, bootstrap, processing_mode, sampled_override
 
@@ -168,23 +171,83 @@ async def test_rate_samples_a_fraction() -> None:
     assert (await second.handle(headers(200)))[0].HasField("mode_override")
 
 
-def test_the_sample_carries_tier4s_prediction_for_a_calibrated_share() -> None:
-    """Every response adds Tier 4's prompt tokens and predicted cached tokens to scope "all"; a sampled one
-    with usage also to scope "sampled", next to what the engine delivered."""
-    from types import SimpleNamespace
+class Tier4Holds(dict[str, BackendHold]):
+    """Tier 4's prepared holds as the KV index hands them: backend → hold, with the prompt's token count."""
 
-    app = PickerApp(parse_settings({}))
-    s = ResponseSampling.of(app)
-    predicted: Any = SimpleNamespace(prompt_tokens=100, predicted_cached=64)
-    unknown: Any = SimpleNamespace(prompt_tokens=None, predicted_cached=0)  # Tier 4 did not tokenize it
-    s.headers_seen(False, predicted)
-    s.headers_seen(False, unknown)
-    s.headers_seen(True, predicted)
-    s.usage(b'{"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 80}}}', predicted)
+    def __init__(self, holds: dict[str, BackendHold], prompt_tokens: int) -> None:
+        super().__init__(holds)
+        self.prompt_tokens = prompt_tokens
 
-    def value(scope: str, kind: str) -> float | None:
-        return app.metrics.registry.get_sample_value("kv_epp_predicted_tokens_total", {"scope": scope, "kind": kind})
 
-    assert (value("all", "prompt"), value("all", "cached")) == (200, 128)
-    assert (value("sampled", "prompt"), value("sampled", "cached")) == (100, 64)
-    assert app.metrics.registry.get_sample_value("kv_epp_sampled_usage_tokens_total", {"kind": "cached"}) == 80
+class FixedHolds:
+    def __init__(self, blocks: int, prompt_tokens: int) -> None:
+        self.blocks, self.prompt_tokens = blocks, prompt_tokens
+
+    async def holds_for(self, facts: RequestFacts) -> Tier4Holds:
+        return Tier4Holds({"a": BackendHold(self.blocks, StorageTier.GPU_HOT)}, self.prompt_tokens)
+
+
+async def read_response(stream: RequestStream, usage: dict[str, Any]) -> None:
+    await stream.handle(headers(200))
+    assert stream.sampled
+    msg = pb.ProcessingRequest()
+    msg.response_body.body = sse(usage)
+    msg.response_body.end_of_stream = True
+    await stream.handle(msg)
+
+
+def test_prediction_outcome_rule() -> None:
+    """Predicted hit: at least one deliverable block (whole blocks, never the prompt's last token); stale when
+    the engine delivered under half of what was deliverable."""
+    assert prediction_outcome(prompt=100, captured=64, delivered=64, block_size=16) == "hit"
+    assert prediction_outcome(prompt=100, captured=64, delivered=32, block_size=16) == "hit"  # half: still a hit
+    assert prediction_outcome(prompt=100, captured=64, delivered=16, block_size=16) == "stale"
+    assert prediction_outcome(prompt=100, captured=64, delivered=0, block_size=16) == "stale"
+    # a block-aligned prompt held in full: the engine recomputes its last block, so 16 of 32 is a full hit
+    assert prediction_outcome(prompt=32, captured=32, delivered=16, block_size=16) == "hit"
+    assert prediction_outcome(prompt=32, captured=32, delivered=0, block_size=16) == "stale"
+    # one block of a one-block prompt is never deliverable: no hit predicted
+    assert prediction_outcome(prompt=16, captured=16, delivered=0, block_size=16) == "miss"
+    assert prediction_outcome(prompt=100, captured=0, delivered=48, block_size=16) == "unpredicted"
+    assert prediction_outcome(prompt=100, captured=0, delivered=0, block_size=16) == "miss"
+
+
+async def test_delivered_tokens_and_the_stale_index_counter_through_the_stream() -> None:
+    """Tier 4 predicted 64 of 100 prompt tokens on the pick: a sampled response whose usage says 0 cached books
+    the stale-index counter; one that delivers them is a hit; a response read in full mode counts as observed
+    too; an unsampled one only in scope "all". The deprecated kv_epp_predicted_tokens_total is their sum."""
+    app = PickerApp(
+        parse_settings(
+            {"pool": {"backends": BACKENDS}, "prefix_routing": {"enabled": True}, "kv_cache_index": {"enabled": True}}
+        )
+    )
+    app.path.holds = FixedHolds(blocks=4, prompt_tokens=100)
+    app.path.configure(app.settings)
+    stale = await routed(app, PM.BUFFERED, PM.NONE, opt_in=True)
+    assert stale.exchange is not None and stale.exchange.decision.reason == "kv_cost"
+    await read_response(stale, {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 0}})
+    hit = await routed(app, PM.BUFFERED, PM.NONE, opt_in=True)
+    await read_response(hit, {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 64}})
+    full = await routed(app, PM.BUFFERED, PM.STREAMED)  # full mode: every body passes through, no override
+    await read_response(full, {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 48}})
+    unsampled = await routed(app, PM.BUFFERED, PM.NONE)
+    (answer,) = await unsampled.handle(headers(200))
+    assert not unsampled.sampled and not answer.HasField("mode_override")
+    no_cached = await routed(app, PM.BUFFERED, PM.NONE, opt_in=True)  # usage without cached_tokens: unknown
+    await read_response(no_cached, {"prompt_tokens": 100})
+
+    def get(name: str, **labels: str) -> float | None:
+        return app.metrics.registry.get_sample_value(name, labels)
+
+    def tokens(scope: str, kind: str) -> float | None:
+        return get("continuum_picker_cached_tokens_total", reason="kv_cost", scope=scope, kind=kind)
+
+    assert [tokens("all", k) for k in ("prompt", "available", "captured")] == [500, 320, 320]
+    assert [tokens("observed", k) for k in ("prompt", "available", "captured", "delivered")] == [300, 192, 192, 112]
+    outcomes = {o: get("continuum_picker_observed_predictions_total", reason="kv_cost", outcome=o) for o in
+                ("hit", "stale", "unpredicted", "miss")}  # fmt: skip
+    assert outcomes == {"hit": 2, "stale": 1, "unpredicted": 0, "miss": 0}
+    assert get("kv_epp_predicted_tokens_total", scope="all", kind="cached") == 320
+    assert get("kv_epp_predicted_tokens_total", scope="sampled", kind="prompt") == 300
+    assert get("kv_epp_sampled_usage_tokens_total", kind="cached") == 112
+    assert get("kv_epp_responses_observed_total", observed="sampled") == 4

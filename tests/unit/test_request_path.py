@@ -175,3 +175,57 @@ async def test_an_aborted_stream_ends_the_exchange_uncompleted() -> None:
     assert isinstance(ex, Exchange)
     ex.end(completed=False)
     assert tap.events == [("end", False)] and in_flight(app) == {"a": 0, "b": 0}
+
+
+class TokenizedHolds(dict[str, BackendHold]):
+    """Tier 4's prepared holds as the KV index hands them: backend → hold, with the prompt's token count."""
+
+    def __init__(self, holds: dict[str, BackendHold], prompt_tokens: int) -> None:
+        super().__init__(holds)
+        self.prompt_tokens = prompt_tokens
+
+
+class FixedHolds:
+    def __init__(self, holds: dict[str, BackendHold], prompt_tokens: int) -> None:
+        self.holds, self.prompt_tokens = holds, prompt_tokens
+
+    async def holds_for(self, facts: RequestFacts) -> TokenizedHolds:
+        return TokenizedHolds(self.holds, self.prompt_tokens)
+
+
+def cached_tokens(app: PickerApp, reason: str, scope: str, kind: str) -> float | None:
+    return sample(app, "continuum_picker_cached_tokens_total", {"reason": reason, "scope": scope, "kind": kind})
+
+
+async def test_cached_token_accounting_books_the_best_holder_and_the_pick() -> None:
+    """A kv_aware pick that is not the best holder (the best one is busier): available is the best holder's
+    matched tokens, captured the pick's, both per decision (scope "all"); nothing observed without a usage."""
+    app = make_app(kv_cache_index={"enabled": True, "scoring": {"mode": "overlap"}})
+    holds = {"a": BackendHold(8, StorageTier.GPU_HOT), "b": BackendHold(6, StorageTier.GPU_HOT)}
+    app.path.holds = FixedHolds(holds, prompt_tokens=200)
+    app.path.configure(app.settings)
+    busy = app.pool.acquire(app.pool.endpoint("a"))  # a is loaded: b's score 0.85 beats a's 0.70
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
+    assert isinstance(ex, Exchange) and ex.decision.reason == "kv_aware" and ex.decision.endpoint.name == "b"
+    assert (ex.prompt_tokens, ex.available_cached, ex.predicted_cached) == (200, 8 * 16, 6 * 16)
+    assert cached_tokens(app, "kv_aware", "all", "prompt") == 200
+    assert cached_tokens(app, "kv_aware", "all", "available") == 128
+    assert cached_tokens(app, "kv_aware", "all", "captured") == 96
+    assert cached_tokens(app, "kv_aware", "observed", "delivered") == 0  # no response was read
+    busy.release()
+    ex.end(completed=True)
+
+    # the best holder picked: available == captured; a hold longer than the prompt is capped at its length
+    app.path.holds = FixedHolds({"a": BackendHold(20, StorageTier.GPU_HOT)}, prompt_tokens=100)
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body("other")))
+    assert isinstance(ex, Exchange) and ex.decision.endpoint.name == "a"
+    assert (ex.available_cached, ex.predicted_cached) == (100, 100)
+    assert cached_tokens(app, "kv_aware", "all", "available") == 228
+    assert cached_tokens(app, "kv_aware", "all", "captured") == 196
+    ex.end(completed=True)
+
+    # not tokenized (Tier 4 off): no prediction, nothing booked under the decision's reason
+    plain = make_app()
+    ex = await plain.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
+    assert isinstance(ex, Exchange) and ex.prompt_tokens is None
+    assert cached_tokens(plain, ex.decision.reason, "all", "prompt") is None
