@@ -28,9 +28,17 @@ STRATEGIES = (
     "Random",
     "ConsistentHash",
     "PrefixAwareHash",
+    "PrefixMemory",
 )
 StrategyName = Literal[
-    "RoundRobin", "WeightedRoundRobin", "LeastLatency", "LeastRequest", "Random", "ConsistentHash", "PrefixAwareHash"
+    "RoundRobin",
+    "WeightedRoundRobin",
+    "LeastLatency",
+    "LeastRequest",
+    "Random",
+    "ConsistentHash",
+    "PrefixAwareHash",
+    "PrefixMemory",
 ]
 HOT_RELOADABLE = frozenset({"prefix_routing", "selection_strategy", "pool", "session_affinity", "admission"})
 ENV_PREFIX = "KV_EPP_"
@@ -51,13 +59,21 @@ class _Section(BaseModel):
 
 
 class PrefixRoutingConfig(_Section):
-    """Tier 1: prefix-aware sticky routing (seed defaults)."""
+    """Tier 1: prefix-aware sticky routing (seed defaults).
+
+    The ``memory_*`` keys are read by the ``PrefixMemory`` strategy only: how many prefix keys it
+    remembers (LRU), on how many endpoints per key (the least recently placed dropped), and the looser
+    CHWBL epsilon a key's holders may reach before the key is copied to a new endpoint (a value below
+    ``load_factor_epsilon`` acts as ``load_factor_epsilon``)."""
 
     enabled: bool = False
     max_prefix_length: int = Field(1024, ge=1, le=1 << 20)
     load_factor_epsilon: float = Field(0.25, ge=0.01, le=10.0)
     virtual_nodes: int = Field(150, ge=1, le=10_000)
     anthropic_cache_control_injection: bool = False
+    memory_max_entries: int = Field(65_536, ge=1, le=10_000_000)
+    memory_max_holders: int = Field(4, ge=1, le=64)
+    memory_load_factor_epsilon: float = Field(0.5, ge=0.01, le=10.0)
 
 
 class CostModelConfig(_Section):
@@ -493,11 +509,11 @@ def load_settings(path: str | Path | None) -> Settings:
 def config_warnings(s: Settings) -> list[tuple[str, str]]:
     """The seed's warnings: legal but probably not what the operator meant."""
     out: list[tuple[str, str]] = []
-    if s.selection_strategy == "PrefixAwareHash" and not s.prefix_routing.enabled:
+    if s.selection_strategy in ("PrefixAwareHash", "PrefixMemory") and not s.prefix_routing.enabled:
         out.append(
             (
                 "selection_strategy",
-                "PrefixAwareHash with prefix_routing.enabled=false hashes the model name only: "
+                f"{s.selection_strategy} with prefix_routing.enabled=false hashes the model name only: "
                 "every request of a model goes to one backend, without a load bound",
             )
         )
