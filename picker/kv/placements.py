@@ -1,0 +1,77 @@
+"""Where this picker just sent a prompt, before the engine's KV events say so.
+
+An engine announces a prompt's blocks only after it has prefilled them: under load that is seconds after
+the pick. A second request with the same prefix decided meanwhile finds nothing in the index and, with
+the cost model, would go wherever is least loaded — prefilling the prefix twice and splitting it. So the
+commit stage remembers the block keys of each Tier 4 request it sends (``record``), and the prepare stage
+adds them to the index's answer (``merge``): the chosen endpoint counts as holding those leading blocks
+(GpuHot) for ``ttl_seconds``, by which time the events have long arrived (or the engine never kept
+them). The index itself stays the listener's exact state; this is a separate, short-lived guess.
+
+Block keys are chained (each key hashes its parent's), so a key placed on an endpoint means the whole
+run up to it is there: ``holds`` returns, per endpoint, one past the last consecutive key from block 0
+that it was given.
+
+Bounds: ``max_entries`` block keys, one endpoint each (the latest placement of a key wins); the oldest
+placement is dropped first (insertion order, refreshed on re-placement); entries older than
+``ttl_seconds`` are ignored and dropped as the oldest are met.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from picker.routing.endpoints import BackendHold, StorageTier
+
+
+class RecentPlacements:
+    def __init__(self, max_entries: int = 200_000, ttl_seconds: float = 30.0) -> None:
+        self.max_entries = max_entries
+        self.ttl = ttl_seconds
+        self._placed: dict[int, tuple[str, float]] = {}  # block key → (backend, placed at)
+
+    def __len__(self) -> int:
+        return len(self._placed)
+
+    def record(self, backend: str, keys: Sequence[int], now: float) -> None:
+        placed = self._placed
+        for k in keys:
+            placed.pop(k, None)  # re-insert: the newest placement is the last to go
+            placed[k] = (backend, now)
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        placed = self._placed
+        horizon = now - self.ttl
+        while placed:
+            k = next(iter(placed))
+            if len(placed) <= self.max_entries and placed[k][1] >= horizon:
+                break
+            del placed[k]
+
+    def holds(self, keys: Sequence[int], now: float) -> dict[str, int]:
+        """Endpoint → leading blocks of ``keys`` this picker placed there within ``ttl_seconds``."""
+        out: dict[str, int] = {}
+        placed = self._placed
+        horizon = now - self.ttl
+        for i, k in enumerate(keys):
+            p = placed.get(k)
+            if p is None or p[1] < horizon:
+                break
+            out[p[0]] = i + 1
+        return out
+
+    def forget(self, backend: str) -> None:
+        """An endpoint left the pool: its placements go now."""
+        for k in [k for k, (b, _) in self._placed.items() if b == backend]:
+            del self._placed[k]
+
+
+def merge(index: Mapping[str, BackendHold], placed: Mapping[str, int]) -> dict[str, BackendHold]:
+    """The index's holds, with this picker's recent placements where they reach further."""
+    out = dict(index)
+    for backend, blocks in placed.items():
+        h = out.get(backend)
+        if h is None or h.blocks < blocks:
+            out[backend] = BackendHold(blocks, StorageTier.GPU_HOT)
+    return out
