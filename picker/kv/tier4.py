@@ -40,12 +40,12 @@ class Held(dict[str, BackendHold]):
     """Tier 4's answer for one request: backend → the prefix it holds, plus the request's prompt length in
     tokens (what the response sample's accounting compares the delivered cached tokens with)."""
 
-    __slots__ = ("keys", "prompt_tokens")
+    __slots__ = ("block_keys", "prompt_tokens")
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.prompt_tokens: int | None = None
-        self.keys: Sequence[int] = ()  # the request's block keys (the commit stage remembers the placement)
+        self.block_keys: Sequence[int] = ()  # the request's block keys (the commit stage remembers the placement)
 
 
 class Tier4:
@@ -115,7 +115,7 @@ class Tier4:
             keys = request_block_keys(ids, tok.block_size, model, lora, facts.cache_salt, self.max_blocks)
             held = Held(await self.index.holds(keys)) if keys else Held()
             held.prompt_tokens = len(ids)
-            held.keys = keys
+            held.block_keys = keys
             return held
         except TimeoutError:
             self._failed("timeout")
