@@ -156,16 +156,35 @@ class EventSourceConfig(_Section):
 
 
 class TokenizerConfig(_Section):
-    """Where the picker gets a request's token ids for Tier 4 block keys."""
+    """Where the picker gets a request's token ids for Tier 4 block keys, and the tokenization cache
+    (``picker.kv.token_cache``) that keeps the tokenizer off the request path for a seen prefix.
+
+    A request that waits for the tokenizer waits at most ``timeout_ms + timeout_ms_per_kib × body KiB``,
+    capped at ``timeout_max_ms`` (a background fill waits up to the cap)."""
 
     source: Literal["engine", "local", "none"] = "engine"
-    timeout_ms: int = Field(50, ge=1, le=10_000)
+    timeout_ms: int = Field(50, ge=1, le=10_000)  # the wait for an empty body; grows with the body's size
+    timeout_ms_per_kib: float = Field(1.0, ge=0, le=1_000)  # ms more per KiB of request body
+    timeout_max_ms: int = Field(1_000, ge=1, le=60_000)  # the cap, also the background fills' wait
     block_size: int = Field(16, ge=1, le=4096)
     local_path: str | None = None  # tokenizer.json for source=local
     chat_template_path: str | None = None
     max_concurrency: int = Field(64, ge=1, le=10_000)
     endpoint: str | None = None  # base URL for source=engine; default: a healthy backend of the pool
     max_prefix_tokens: int = Field(16_384, ge=1, le=1 << 20)  # block keys computed for this many tokens at most
+    # the tokenization cache: token ids at message (and prompt-chunk) boundaries, LRU, bounded by bytes; 0 = off
+    cache_max_bytes: int = Field(64 << 20, ge=0, le=1 << 36)
+    cache_min_fraction: float = Field(0.5, ge=0, le=1)  # a cached prefix this share of the prompt skips the call
+    cache_trust_after: int = Field(2, ge=0, le=1_000_000)  # confirmed prefixes before a model's prefixes are used
+    fill_queue_size: int = Field(256, ge=1, le=100_000)  # background tokenizations waiting; more are dropped
+    fill_queue_max_bytes: int = Field(64 << 20, ge=1 << 10, le=1 << 34)  # their text, bounded too
+    fill_workers: int = Field(2, ge=1, le=64)  # background tokenizations at once
+
+    @model_validator(mode="after")
+    def _timeout_cap(self) -> TokenizerConfig:
+        if self.timeout_max_ms < self.timeout_ms:
+            raise ValueError("timeout_max_ms may not be below timeout_ms")
+        return self
 
 
 class FeedChecksConfig(_Section):
@@ -196,6 +215,10 @@ class KvCacheIndexConfig(_Section):
     lora_adapters: dict[str, str] = Field(default_factory=dict, max_length=10_000)
     model_aliases: dict[str, str] = Field(default_factory=dict, max_length=10_000)
     checks: FeedChecksConfig = FeedChecksConfig()
+    # the block keys of requests this picker just sent, counted as held by their endpoint until the KV events
+    # arrive (``picker.kv.placements``); 0 turns it off
+    recent_placements_seconds: float = Field(30.0, ge=0.0, le=3600.0)
+    recent_placements_max_entries: int = Field(200_000, ge=1_000, le=10_000_000)
 
 
 class BackendConfig(_Section):
