@@ -19,7 +19,7 @@ placement is dropped first (insertion order, refreshed on re-placement); entries
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 
 from picker.routing.endpoints import BackendHold, StorageTier
 
@@ -67,11 +67,9 @@ class RecentPlacements:
             del self._placed[k]
 
 
-def merge(index: Mapping[str, BackendHold], placed: Mapping[str, int]) -> dict[str, BackendHold]:
-    """The index's holds, with this picker's recent placements where they reach further."""
-    out = dict(index)
+def merge(index: MutableMapping[str, BackendHold], placed: Mapping[str, int]) -> None:
+    """Add this picker's recent placements to the index's holds (in place) where they reach further."""
     for backend, blocks in placed.items():
-        h = out.get(backend)
+        h = index.get(backend)
         if h is None or h.blocks < blocks:
-            out[backend] = BackendHold(blocks, StorageTier.GPU_HOT)
-    return out
+            index[backend] = BackendHold(blocks, StorageTier.GPU_HOT)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from picker.config import Settings
+from picker.kv.placements import RecentPlacements
+from picker.kv.placements import merge as merge_placements
 from picker.ops.recorder import DecisionRecorder
 from picker.pool.pool import Lease, Pool
 from picker.request.admission import Admission, overloaded_body
@@ -245,6 +247,11 @@ class RequestPath:
         self.admission.configure(settings.admission)
         self.tier4 = self.holds is not None and self.router.tier4_active()
         self.block_size = settings.kv_cache_index.tokenizer.block_size
+        kv = settings.kv_cache_index
+        if kv.recent_placements_seconds <= 0:
+            self.placements: RecentPlacements | None = None
+        elif getattr(self, "placements", None) is None:
+            self.placements = RecentPlacements(kv.recent_placements_max_entries, kv.recent_placements_seconds)
         # request headers the stages read: the protocol layer decodes only these
         self.wanted_headers = frozenset(
             {":path", ":method", "content-length", self.session_header, self.tenant_header, "x-request-id"}
@@ -272,6 +279,9 @@ class RequestPath:
         key = self.router.key_for(facts)
         holds = await self.holds.holds_for(facts) if key is not None and self.tier4 and self.holds else None
         tokens = getattr(holds, "prompt_tokens", None)
+        block_keys = getattr(holds, "block_keys", None)
+        if block_keys and self.placements is not None:  # a Held of this request's own: add recent placements
+            merge_placements(holds, self.placements.holds(block_keys, _mono()))  # type: ignore[arg-type]
         if not self.affinity or not facts.session_id:
             return Prepared(key, holds, prompt_tokens=tokens)
         session = session_key(facts.session_id)
@@ -290,7 +300,11 @@ class RequestPath:
             prefill = prepared.prompt_tokens - predicted_cached
         else:  # not tokenized: about 4 bytes of body per prompt token
             prefill = facts.body_bytes // 4
-        lease = self.pool.acquire(decision.endpoint, prefill, calibrate=prepared.prompt_tokens is not None)
+        exact = prepared.prompt_tokens is not None and getattr(prepared.holds, "exact", True)
+        lease = self.pool.acquire(decision.endpoint, prefill, calibrate=exact)
+        block_keys = getattr(prepared.holds, "block_keys", None)
+        if block_keys and self.placements is not None:
+            self.placements.record(decision.endpoint.name, block_keys, _mono())
         if prepared.session is not None:
             self.sessions.put(prepared.session, decision.endpoint.name, _mono())
         self.recorder.decided(decision, prepared.key)

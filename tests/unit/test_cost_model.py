@@ -114,7 +114,8 @@ def test_recent_placements_stand_in_for_events_not_yet_received() -> None:
     assert p.holds([1, 2], now=13.0) == {}  # expired
     p.record("c", [7, 8, 9], now=20.0)  # over max_entries: the oldest go
     assert len(p) <= 4 and p.holds([7, 8, 9], now=20.0) == {"c": 3}
-    merged = merge({"a": BackendHold(1, StorageTier.STORAGE_WARM)}, {"a": 3, "c": 2})
+    merged = {"a": BackendHold(1, StorageTier.STORAGE_WARM)}
+    merge(merged, {"a": 3, "c": 2})
     assert merged == {"a": BackendHold(3, GPU), "c": BackendHold(2, GPU)}
     p.forget("c")
     assert p.holds([7], now=20.0) == {}
