@@ -5,7 +5,12 @@
   mid-stream — and then released (Envoy closes the ext_proc stream when the HTTP stream ends).
 - ``sampled`` (BUFFERED bodies): a request carrying the opt-in header streams its response body through the
   picker; the client gets the whole body and the picker counts the usage it carried.
-- ``full``: every chunk passes through the picker; accounting stays exact as well.
+- ``full``: every chunk passes through the picker; accounting stays exact as well, and every response's usage
+  is read.
+- Cached-token accounting (sampled and full, with Tier 4 over a listener fed by the engines' KV events): the
+  picker's delivered tokens equal the usage the client got, available and captured are booked per decision,
+  and an engine that loses its cache without telling (its clear event dropped) makes the next predicted hit
+  a delivered miss: the stale-index counter.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +29,15 @@ import pytest
 
 from benchmarks.engine_sim.config import SimConfig
 from benchmarks.engine_sim.process import SimulatorProcess
-from benchmarks.stack import EnvoyProcess, PickerProcess, free_port, start_envoy, start_picker
+from benchmarks.stack import (
+    EnvoyProcess,
+    ListenerProcess,
+    PickerProcess,
+    free_port,
+    start_envoy,
+    start_listener,
+    start_picker,
+)
 from picker.runtime.envoy_config import EnvoyOptions
 from tests.integration.conftest import http as http_get
 from tests.support.poll import wait_until
@@ -42,6 +56,7 @@ class ModeStack:
     envoy: EnvoyProcess
     body_mode: str
     response_mode: str
+    listener: ListenerProcess | None = None  # Tier 4 runs (KV events → listener → the picker's index)
 
     @property
     def port(self) -> int:
@@ -56,7 +71,7 @@ class ModeStack:
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample of the picker's /metrics (0 when absent)."""
         text = http_get("GET", self.picker.admin_url + "/metrics").body.decode()
-        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # the exposition sorts label names
         pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if want else "") + r" (\S+)"
         m = re.search("^" + pattern + "$", text, re.M)
         return float(m.group(1)) if m else 0.0
@@ -81,23 +96,43 @@ def post(port: int, payload: bytes, headers: dict[str, str] | None = None) -> ht
 
 
 def build(workdir: Path, body_mode: str, response_mode: str) -> Iterator[ModeStack]:
+    """Two simulators, the picker and Envoy; where the picker reads response bodies (sampled, full), also the
+    listener and Tier 4 (the overlap scorer: a repeated prompt goes to its holder, as the hash sends it)."""
     sims: list[SimulatorProcess] = []
-    picker = envoy = None
+    picker = envoy = listener = None
+    tier4 = response_mode != "none"
     try:
         for i in range(2):
             sim = SimulatorProcess(
-                SimConfig(name=f"sim-{i}", model=MODEL, kv_events_enabled=False),
+                SimConfig(name=f"sim-{i}", model=MODEL, kv_events_enabled=tier4),
                 log_path=workdir / f"sim-{body_mode}-{response_mode}-{i}.log",
             )
             sims.append(sim)
             sim.start()
         pool = [{"name": s.config.name, "address": s.address} for s in sims]
-        cfg = {
+        cfg: dict[str, Any] = {
             "selection_strategy": "PrefixAwareHash",  # a repeated prompt goes back to the engine that cached it
             "prefix_routing": {"enabled": True},
             "pool": {"backends": pool},
             "extproc": {"response_sample_rate": 0.0},  # only the opt-in header samples: deterministic
         }
+        if tier4:
+            sources = [
+                {
+                    "backend_name": s.config.name, "engine": "vllm", "model": MODEL, "block_size": s.config.block_size,
+                    "zmq_endpoint": s.kv_events_endpoint, "replay_endpoint": s.replay_endpoint,
+                }
+                for s in sims
+            ]  # fmt: skip
+            listener = start_listener({"sources": sources}, workdir, name=f"listener-{body_mode}-{response_mode}")
+            cfg["kv_cache_index"] = {
+                "enabled": True,
+                "scoring": {"mode": "overlap"},
+                "tokenizer": {"timeout_ms": 10_000, "timeout_max_ms": 10_000},  # a slow /tokenize keeps Tier 4
+                "event_sources": [
+                    {"backend_name": s.config.name, "endpoint": listener.events_url(s.config.name)} for s in sims
+                ],
+            }
         picker = start_picker(cfg, workdir, name=f"picker-{body_mode}-{response_mode}")
         opts = EnvoyOptions(
             listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
@@ -106,12 +141,14 @@ def build(workdir: Path, body_mode: str, response_mode: str) -> Iterator[ModeSta
             backends=tuple(p["address"] for p in pool),
         )  # fmt: skip
         envoy = start_envoy(opts, workdir)
-        yield ModeStack(sims, picker, envoy, body_mode, response_mode)
+        yield ModeStack(sims, picker, envoy, body_mode, response_mode, listener)
     finally:
         if envoy is not None:
             envoy.stop()
         if picker is not None:
             picker.stop()
+        if listener is not None:
+            listener.stop()
         for s in sims:
             s.stop()
 
@@ -152,25 +189,26 @@ def test_in_flight_held_to_the_end_and_released_after_aborts(stack: ModeStack) -
     assert all(b["in_flight_requests"] == 0 for b in stack.admin("/admin/pool")["backends"])
 
 
+def observed(stack: ModeStack) -> float:
+    return sum(stack.metric("kv_epp_responses_observed_total", observed=o) for o in ("headers", "sampled"))
+
+
 def test_status_observed_without_the_body(stack: ModeStack) -> None:
     """Every routed response is observed at its headers (status, first byte), sampled or not."""
-    before = stack.metric("kv_epp_responses_observed_total", observed="headers")
+    before = observed(stack)
     served_before = sum(b["successes"] for b in stack.admin("/admin/pool")["backends"])
     for i in range(5):
         r = post(stack.port, body(f"status {i}", 4, stream=False))
         assert r.status == 200
         assert json.loads(r.read())["usage"]["prompt_tokens"] > 0
-    wait_until(
-        lambda: stack.metric("kv_epp_responses_observed_total", observed="headers") >= before + 5,
-        what="5 more responses observed at their headers",
-    )
+    wait_until(lambda: observed(stack) >= before + 5, what="5 more responses observed at their headers")
     assert sum(b["successes"] for b in stack.admin("/admin/pool")["backends"]) >= served_before + 5
     assert all(b["latency_ewma_ms"] is not None for b in stack.admin("/admin/pool")["backends"])
 
 
 def test_opted_in_request_is_sampled_with_usage(stack: ModeStack) -> None:
-    """The opt-in header streams the body through the picker where the mode allows it (sampled); the client
-    always gets the whole stream, usage chunk included."""
+    """The opt-in header streams the body through the picker where the mode allows it (sampled; in full mode
+    every body passes through and is read); the client always gets the whole stream, usage chunk included."""
     seen = stack.metric("kv_epp_sampled_usage_responses_total")
     cached = stack.metric("kv_epp_sampled_usage_tokens_total", kind="cached")
     prompt = stack.metric("kv_epp_sampled_usage_tokens_total", kind="prompt")
@@ -183,7 +221,7 @@ def test_opted_in_request_is_sampled_with_usage(stack: ModeStack) -> None:
         assert events[-1] == "[DONE]"
         usage = json.loads(events[-2])["usage"]
         usages.append((usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]))
-    if stack.response_mode != "sampled":
+    if stack.response_mode == "none":
         assert stack.metric("kv_epp_responses_observed_total", observed="sampled") == 0
         return
     wait_until(lambda: stack.metric("kv_epp_sampled_usage_responses_total") == seen + 2, what="2 usages read")
@@ -191,3 +229,77 @@ def test_opted_in_request_is_sampled_with_usage(stack: ModeStack) -> None:
     assert stack.metric("kv_epp_sampled_usage_tokens_total", kind="cached") == cached + sum(u[1] for u in usages)
     assert usages[1][1] > 0  # the delivered cached tokens of the repeat are measured
     assert stack.metric("kv_epp_response_sample_rate") == 0.0  # the configured fraction is exported
+
+
+def send_sampled(stack: ModeStack, user: str) -> tuple[str, int, int]:
+    """One opted-in streamed request: (the engine that served it, usage prompt_tokens, usage cached_tokens)."""
+    r = post(stack.port, body(user, 4, stream=True), {SAMPLE_HEADER: "1"})
+    assert r.status == 200
+    name = r.getheader("x-kv-sim-name")
+    events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    usage = json.loads(events[-2])["usage"]
+    assert name is not None
+    return name, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_cached_tokens_delivered_and_a_stale_index(stack: ModeStack) -> None:
+    """Through Envoy with Tier 4: the picker's delivered tokens are the client's usage; a repeat on the holder
+    is a hit (captured = available, the only holder); after the engine restarts with its clear event dropped,
+    the index still names it, the pick goes there, nothing is delivered: the stale-index counter counts it."""
+    if stack.listener is None:
+        pytest.skip("no response body is read in this mode")
+    user = f"stale index probe {uuid.uuid4().hex} " + "filler words that span several cache blocks " * 12
+
+    def tokens(scope: str, kind: str) -> float:
+        return stack.metric("continuum_picker_cached_tokens_total", reason="kv_aware", scope=scope, kind=kind)
+
+    def outcome(o: str) -> float:
+        return stack.metric("continuum_picker_observed_predictions_total", reason="kv_aware", outcome=o)
+
+    def snapshot() -> dict[str, float]:
+        kinds = [("all", k) for k in ("prompt", "available", "captured")]
+        kinds += [("observed", k) for k in ("prompt", "available", "captured", "delivered")]
+        out = {f"{scope}:{kind}": tokens(scope, kind) for scope, kind in kinds}
+        out |= {o: outcome(o) for o in ("hit", "stale", "unpredicted", "miss")}
+        out["usages"] = stack.metric("kv_epp_sampled_usage_responses_total")
+        return out
+
+    def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+        return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+    holder, _, _ = send_sampled(stack, user)
+    sim = next(s for s in stack.sims if s.config.name == holder)
+
+    def index_caught_up() -> bool:  # the picker's index holds what the engine holds (the prompt's blocks too)
+        backends = stack.admin("/admin/kv-index/backends")["backends"]
+        entries = next(b["entries"] for b in backends if b["backend_name"] == holder)
+        cached_blocks = http_get("GET", sim.base_url + "/sim/state").json()["cached_blocks"]
+        return bool(entries == cached_blocks > 0)
+
+    wait_until(index_caught_up, what=f"the picker's index to hold what {holder} holds")
+    before = snapshot()
+    name, prompt, cached = send_sampled(stack, user)  # the holder again, now chosen by Tier 4
+    assert name == holder and cached > 0
+    wait_until(lambda: stack.metric("kv_epp_sampled_usage_responses_total") == before["usages"] + 1, what="usage")
+    hit = delta(snapshot(), before)
+    captured = hit["all:captured"]
+    assert captured >= sim.config.block_size and hit["all:available"] == captured  # the only holder
+    assert hit == {
+        "all:prompt": prompt, "all:available": captured, "all:captured": captured,
+        "observed:prompt": prompt, "observed:available": captured, "observed:captured": captured,
+        "observed:delivered": cached, "hit": 1, "usages": 1,
+    }  # fmt: skip
+
+    # the engine loses its cache without telling: the AllBlocksCleared of its restart is never published
+    sim.set_faults(drop_event_batches=1)
+    sim.restart()
+    before = snapshot()
+    name, prompt, cached = send_sampled(stack, user)
+    assert name == holder and cached == 0  # the stale index still sent it to the (now empty) holder
+    wait_until(lambda: stack.metric("kv_epp_sampled_usage_responses_total") == before["usages"] + 1, what="usage")
+    stale = delta(snapshot(), before)
+    assert stale == {
+        "all:prompt": prompt, "all:available": captured, "all:captured": captured,
+        "observed:prompt": prompt, "observed:available": captured, "observed:captured": captured,
+        "stale": 1, "usages": 1,
+    }  # fmt: skip
