@@ -160,12 +160,12 @@ class TokenizerConfig(_Section):
     (``picker.kv.token_cache``) that keeps the tokenizer off the request path for a seen prefix.
 
     A request that waits for the tokenizer waits at most ``timeout_ms + timeout_ms_per_kib × body KiB``,
-    capped at ``timeout_max_ms`` (a background fill waits up to the cap)."""
+    capped at ``max(timeout_max_ms, timeout_ms)`` (a background fill waits up to the cap)."""
 
     source: Literal["engine", "local", "none"] = "engine"
     timeout_ms: int = Field(50, ge=1, le=10_000)  # the wait for an empty body; grows with the body's size
     timeout_ms_per_kib: float = Field(1.0, ge=0, le=1_000)  # ms more per KiB of request body
-    timeout_max_ms: int = Field(1_000, ge=1, le=60_000)  # the cap, also the background fills' wait
+    timeout_max_ms: int = Field(1_000, ge=1, le=60_000)  # the cap (at least timeout_ms), also the fills' wait
     block_size: int = Field(16, ge=1, le=4096)
     local_path: str | None = None  # tokenizer.json for source=local
     chat_template_path: str | None = None
@@ -180,11 +180,10 @@ class TokenizerConfig(_Section):
     fill_queue_max_bytes: int = Field(64 << 20, ge=1 << 10, le=1 << 34)  # their text, bounded too
     fill_workers: int = Field(2, ge=1, le=64)  # background tokenizations at once
 
-    @model_validator(mode="after")
-    def _timeout_cap(self) -> TokenizerConfig:
-        if self.timeout_max_ms < self.timeout_ms:
-            raise ValueError("timeout_max_ms may not be below timeout_ms")
-        return self
+    @property
+    def timeout_cap_ms(self) -> int:
+        """The longest wait for the tokenizer (an older config's larger ``timeout_ms`` still counts)."""
+        return max(self.timeout_max_ms, self.timeout_ms)
 
 
 class FeedChecksConfig(_Section):
