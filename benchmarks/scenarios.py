@@ -1,4 +1,4 @@
-"""The routing harness's scenarios (BENCHMARKS.md S1-S3) and the simulator calibration behind them.
+"""The routing harness's scenarios (BENCHMARKS.md S1-S3, hot documents) and the simulator calibration behind them.
 
 A ``Scenario`` is everything a run needs besides the policy: the number of replicas, the simulator
 configuration every replica gets, the trace (built from a fixed seed), the target request rate, the
@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 from benchmarks.engine_sim.config import SimConfig
 from benchmarks.trace import TraceRecord, read_trace
-from benchmarks.workloads import chat_skew, prefix_repetition
+from benchmarks.workloads import chat_skew, hot_documents, prefix_repetition, zipf_weights
 
 DEFAULT_TIME_SCALE = 0.5
 
@@ -217,10 +217,114 @@ def demo(time_scale: float = 0.5, seed: int = 0) -> Scenario:
     )  # fmt: skip
 
 
+# -- hot documents ----------------------------------------------------------------------------------------
+HOT_DOCS_SIM = SimConfig(
+    capacity_blocks=8192,
+    prefill_ms_per_token=0.1,
+    decode_ms_per_seq=1.0,
+    step_overhead_ms=20.0,
+    max_num_seqs=8,
+    max_num_batched_tokens=2048,
+)
+
+
+def decode_bound_capacity(sim: SimConfig, output_len: int, uncached_tokens: float) -> float:
+    """Requests/s (simulated) one replica completes when saturated by requests whose prompt is cached
+    except ``uncached_tokens``, each generating ``output_len`` tokens (the simulator's timing model).
+
+    At saturation ``N = max_num_seqs`` requests share every step; each needs ``output_len`` steps (the
+    first token comes with its prefill step), so ``N / output_len`` requests are admitted per step and a
+    step costs ``T = step_overhead + decode_ms_per_seq * N + prefill_ms_per_token * uncached * N /
+    output_len``; the replica completes ``N / (output_len * T)`` requests per ms.
+    """
+    n = sim.max_num_seqs
+    step_ms = (
+        sim.step_overhead_ms + sim.decode_ms_per_seq * n + sim.prefill_ms_per_token * uncached_tokens * n / output_len
+    )
+    return n / (output_len * step_ms) * 1000.0
+
+
+def _hot_docs_params(seed: int) -> dict[str, Any]:
+    return {
+        "num_requests": 600, "num_docs": 4, "doc_len": [3000, 6000], "zipf_s": 1.2, "question_len": [24, 48],
+        "output_len": 64, "rate": 12.0, "max_concurrency": 128, "seed": seed,
+    }  # fmt: skip
+
+
+def hot_docs_calibration(params: dict[str, Any], replicas: int = 4, sim: SimConfig = HOT_DOCS_SIM) -> dict[str, float]:
+    """The figures behind ``HOT_DOCS_CALIBRATION``: one replica's capacity on cached-document requests,
+    the hottest document's rate against it, and the pool's utilisation at the target rate."""
+    # uncached tokens of a request whose document is cached: the question (mean of its range), the chat
+    # template's 3 tags after the document (user, end, assistant), and on average half a block (the
+    # document's partial last block)
+    uncached = sum(params["question_len"]) / 2 + 3 + sim.block_size / 2
+    cap = decode_bound_capacity(sim, params["output_len"], uncached)
+    hottest = zipf_weights(params["num_docs"], params["zipf_s"])[0] * params["rate"]
+    return {
+        "replica_capacity_rps": round(cap, 2),
+        "hottest_doc_rps": round(hottest, 2),
+        "hottest_vs_one_replica": round(hottest / cap, 2),
+        "pool_utilisation": round(params["rate"] / (replicas * cap), 2),
+        "single_request_ms": round(
+            params["output_len"] * (sim.step_overhead_ms + sim.decode_ms_per_seq) + sim.prefill_ms_per_token * uncached,
+            0,
+        ),
+        "doc_miss_prefill_ms": round(sim.prefill_ms_per_token * sum(params["doc_len"]) / 2, 0),
+    }
+
+
+def _hot_docs_calibration_text(params: dict[str, Any]) -> str:
+    c = hot_docs_calibration(params)
+    return (
+        f"4 replicas, prefill {HOT_DOCS_SIM.prefill_ms_per_token} ms/token, {HOT_DOCS_SIM.step_overhead_ms:.0f} ms per "
+        f"step + {HOT_DOCS_SIM.decode_ms_per_seq} ms per decoding sequence, max_num_seqs {HOT_DOCS_SIM.max_num_seqs} "
+        f"(a large model: a lone request takes ~{c['single_request_ms']:.0f} ms for its {params['output_len']} "
+        f"tokens). Saturated by requests whose document is cached, one replica completes "
+        f"{c['replica_capacity_rps']} req/s (decode-bound: {HOT_DOCS_SIM.max_num_seqs} sequences x "
+        f"{params['output_len']} steps; measured 4.28 req/s with 120 such requests on one simulator, time_scale 0.5). "
+        f"The hottest document (Zipf({params['zipf_s']}) over {params['num_docs']} documents, share "
+        f"{zipf_weights(params['num_docs'], params['zipf_s'])[0]:.3f} of {params['rate']} req/s) brings "
+        f"{c['hottest_doc_rps']} req/s = {c['hottest_vs_one_replica']}x what one replica can serve, so it must be "
+        f"spread over at least two replicas; the pool runs at {c['pool_utilisation']:.0%} of its capacity. A document "
+        f"miss costs ~{c['doc_miss_prefill_ms']:.0f} ms of prefill (once per replica that takes the document), "
+        f"small against a queue that grows by {c['hottest_doc_rps'] - c['replica_capacity_rps']:.1f} req/s. "
+        f"capacity_blocks={HOT_DOCS_SIM.capacity_blocks}: every document fits on every replica (round robin is "
+        "not cache-starved; the scenario is about load, not capacity)."
+    )
+
+
+def hot_docs(time_scale: float = DEFAULT_TIME_SCALE, seed: int = 0) -> Scenario:
+    """Hot documents: RAG over 4 documents of 3-6k tokens with Zipf(1.2) popularity, 4 replicas, 12 req/s;
+    the hottest document's traffic is more than one replica can serve (``HOT_DOCS_CALIBRATION``)."""
+    params = _hot_docs_params(seed)
+    records = hot_documents(
+        num_requests=params["num_requests"], num_docs=params["num_docs"], doc_len=tuple(params["doc_len"]),
+        zipf_s=params["zipf_s"], question_len=tuple(params["question_len"]), output_len=params["output_len"],
+        rate=params["rate"], seed=seed,
+    )  # fmt: skip
+    return Scenario(
+        "hot-docs",
+        "Hot documents: RAG over 4 long documents (Zipf 1.2), 4 replicas; the hottest needs more than one replica",
+        4,
+        dataclasses.replace(HOT_DOCS_SIM, time_scale=time_scale),
+        records,
+        params["rate"],
+        params["max_concurrency"],
+        time_scale,
+        seed,
+        params={**params, "calibration": hot_docs_calibration(params)},
+        calibration=_hot_docs_calibration_text(params),
+    )
+
+
+HOT_DOCS_CALIBRATION = _hot_docs_calibration_text(_hot_docs_params(0))
+
+
 SCENARIOS: dict[str, Callable[[float, int], Scenario]] = {
     "seed003": seed003,
     "chat-skew": chat_skew_scenario,
     "churn": churn,
+    "hot-docs": hot_docs,
     "tiny": tiny,
     "demo": demo,
 }

@@ -15,6 +15,9 @@ every generator is deterministic for a given ``seed``.
   load generator also waits for turn k-1 to finish.
 - ``chat_skew``: scenario S2's traffic: 64 system prompts of 2–6k tokens with Zipf(1.1) popularity,
   multi-turn sessions, Poisson session starts, optionally a linear rate ramp.
+- ``hot_documents``: RAG over a few hot documents: each request is one chat turn whose system message
+  is one of ``num_docs`` long documents (popularity Zipf(``zipf_s``) over the documents) and whose
+  user message is a short question of its own; Poisson arrivals.
 
 Arrivals: ``poisson_arrivals(n, rate)`` and ``ramp_arrivals(n, start_rate, end_rate)`` (a
 non-homogeneous Poisson process whose rate grows linearly from start to end).
@@ -243,3 +246,33 @@ def chat_skew(
         seed=rng.randrange(2**32),
         model=model,
     )
+
+
+def hot_documents(
+    num_requests: int = 600,
+    num_docs: int = 4,
+    doc_len: tuple[int, int] = (3000, 6000),
+    zipf_s: float = 1.2,
+    question_len: tuple[int, int] = (24, 48),
+    output_len: int = 64,
+    rate: float = 12.0,
+    seed: int = 0,
+    model: str = "sim-model",
+) -> list[TraceRecord]:
+    """RAG over a few hot documents (see the module docstring): ``num_requests`` single-turn chat
+    requests, document ``d`` (rank ``d``, 0 the hottest) drawn with Zipf(``zipf_s``) weights, a unique
+    random question of ``question_len`` tokens, Poisson arrivals at ``rate``. ``extra["doc"]`` is the
+    document's rank."""
+    rng = random.Random(seed)
+    docs = [random_text(rng, rng.randint(*doc_len)) for _ in range(num_docs)]
+    weights = zipf_weights(num_docs, zipf_s)
+    choices = rng.choices(range(num_docs), weights=weights, k=num_requests)
+    times = poisson_arrivals(num_requests, rate, rng)
+    records: list[TraceRecord] = []
+    for t, doc in zip(times, choices, strict=True):
+        question = random_text(rng, rng.randint(*question_len))
+        messages = [{"role": "system", "content": docs[doc]}, {"role": "user", "content": question}]
+        records.append(
+            TraceRecord(t, CHAT_PATH, {"messages": messages, **_sampling(model, output_len)}, extra={"doc": doc})
+        )
+    return records

@@ -14,6 +14,7 @@ from benchmarks.engine_sim.tokenizer import chat_token_ids, encode
 from benchmarks.trace import CHAT_PATH, TraceError, TraceRecord, read_trace, write_trace
 from benchmarks.workloads import (
     chat_skew,
+    hot_documents,
     multi_turn_chat,
     poisson_arrivals,
     prefix_repetition,
@@ -84,6 +85,35 @@ def test_zipf_and_chat_skew() -> None:
     assert len(firsts) == 30
     popularity = Counter(r.extra["system_prompt"] for r in firsts)
     assert popularity.most_common(1)[0][0] in (0, 1, 2)
+
+
+def test_hot_documents_shape_and_determinism() -> None:
+    records = hot_documents(num_requests=400, num_docs=3, doc_len=(200, 300), zipf_s=1.2, question_len=(5, 9),
+                            output_len=7, rate=20.0, seed=5)  # fmt: skip
+    assert len(records) == 400
+    assert records == hot_documents(400, 3, (200, 300), 1.2, (5, 9), 7, 20.0, seed=5)  # fixed seed: same trace
+    assert records != hot_documents(400, 3, (200, 300), 1.2, (5, 9), 7, 20.0, seed=6)
+    times = [r.t for r in records]
+    assert times == sorted(times) and times[0] > 0
+    assert 400 / times[-1] == pytest.approx(20.0, rel=0.25)
+    docs: dict[int, set[str]] = {}
+    questions = []
+    for r in records:
+        assert r.path == CHAT_PATH and r.body["max_tokens"] == 7 and r.body["stream"] is True
+        system, user = r.body["messages"]
+        assert system["role"] == "system" and user["role"] == "user"
+        assert 200 <= len(encode(system["content"])) <= 300 and 5 <= len(encode(user["content"])) <= 9
+        docs.setdefault(r.extra["doc"], set()).add(system["content"])
+        questions.append(user["content"])
+    assert sorted(docs) == [0, 1, 2] and all(len(texts) == 1 for texts in docs.values())  # one text per doc
+    assert len(set(questions)) == 400  # every question is its own
+    counts = Counter(r.extra["doc"] for r in records)
+    assert counts[0] > counts[1] > counts[2]  # Zipf skew: rank 0 is the hottest
+    assert counts[0] / 400 == pytest.approx(zipf_weights(3, 1.2)[0], abs=0.06)
+    # the document is a token prefix of its requests (what a cache can reuse), the question is not
+    ids = [chat_token_ids(r.body["messages"]) for r in records if r.extra["doc"] == 0][:2]
+    doc_tokens = len(chat_token_ids([records[0].body["messages"][0]]))
+    assert ids[0][: doc_tokens - 1] == ids[1][: doc_tokens - 1] and ids[0] != ids[1]
 
 
 def test_arrivals() -> None:
