@@ -145,3 +145,40 @@ class PickerMetrics:
             ["task"],
             registry=r,
         )
+        # Engine signals (picker.pool.engine_signals): each backend's own /metrics, scraped off the request path
+        self.engine_scrapes = Counter(
+            "continuum_engine_scrapes",
+            "Scrapes of a backend's engine metrics by outcome (ok, timeout, error, too_large, unparsed)",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.engine_scrape_skipped_lines = Counter(
+            "continuum_engine_scrape_skipped_lines",
+            "Lines of the wanted engine metric families that did not parse (skipped)",
+            ["backend"],
+            registry=r,
+        )
+        self.engine_requests_waiting = Gauge(
+            "continuum_engine_requests_waiting",
+            "Requests waiting in the backend's engine at its last good scrape (absent once stale)",
+            ["backend"],
+            registry=r,
+        )
+        self.engine_requests_running = Gauge(
+            "continuum_engine_requests_running",
+            "Requests running in the backend's engine at its last good scrape (absent once stale)",
+            ["backend"],
+            registry=r,
+        )
+        self.engine_kv_cache_usage = Gauge(
+            "continuum_engine_kv_cache_usage",
+            "Fraction (0..1) of the backend's KV cache in use at its last good scrape (absent once stale)",
+            ["backend"],
+            registry=r,
+        )
+        self.engine_scrape_age_seconds = Gauge(
+            "continuum_engine_scrape_age_seconds",
+            "Age of the backend's last good engine scrape, as of the scraper's last round",
+            ["backend"],
+            registry=r,
+        )

@@ -2,8 +2,8 @@
 
 Start binds the ext_proc gRPC server (with gRPC health: liveness, readiness and the ext_proc service
 name), the optional separate health port and the admin HTTP server, then starts the supervised
-background tasks (config watcher, Tier 4). A port that cannot be bound is a ``StartupError``: one
-line for the user, nothing left running.
+background tasks (config watcher, Tier 4, engine signals). A port that cannot be bound is a
+``StartupError``: one line for the user, nothing left running.
 
 SIGTERM or SIGINT drains, in this order:
 
