@@ -11,6 +11,11 @@ Engine hit rate: ``scrape_prefix_cache_counters(urls)`` before and after the run
 ``engine_hit_rate(before, after)`` = Σ Δhits / Σ Δqueries over all replicas (tokens).
 ``gateway_cached_share(results)`` = Σ cached_tokens / Σ prompt_tokens over requests that reported usage.
 
+Engine load over a run: ``EngineLoadPoller(replicas, period_s=0.1)`` reads every replica's
+``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` once per period while the trace runs
+(``benchmarks.report.load_figures`` turns the samples into busy fractions and the share of the run during
+which a replica was idle while another had requests waiting).
+
 Example::
 
     before = await scrape_prefix_cache_counters(sim_urls)
@@ -22,12 +27,13 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -272,3 +278,99 @@ def gateway_cached_share(results: Sequence[RequestResult]) -> float | None:
             cached += r.cached_tokens
             prompt += r.prompt_tokens
     return cached / prompt if prompt else None
+
+
+# -- engine load over time ------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class EngineLoadSample:
+    """Every pool replica's queue at one poll: ``running``/``waiting`` by replica name (a replica that did
+    not answer this poll is absent from both). ``t_s``: wall seconds since the poller started."""
+
+    t_s: float
+    running: dict[str, float]
+    waiting: dict[str, float]
+
+
+def engine_load(text: str) -> tuple[float, float]:
+    """(``vllm:num_requests_running``, ``vllm:num_requests_waiting``) of one replica's /metrics, each summed
+    over its label sets (one per engine)."""
+    running = waiting = 0.0
+    for name, _, value in parse_prometheus_text(text):
+        if name == "vllm:num_requests_running":
+            running += value
+        elif name == "vllm:num_requests_waiting":
+            waiting += value
+    return running, waiting
+
+
+async def sample_engine_load(
+    http: aiohttp.ClientSession, replicas: Mapping[str, str]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One poll of ``replicas`` (name → base URL), concurrently: (running, waiting) by name; a replica that
+    fails to answer (restarting, stopped) is left out of both."""
+
+    async def one(name: str, url: str) -> tuple[str, tuple[float, float] | None]:
+        try:
+            async with http.get(url.rstrip("/") + "/metrics") as resp:
+                if resp.status != 200:
+                    return name, None
+                return name, engine_load(await resp.text())
+        except (TimeoutError, aiohttp.ClientError):
+            return name, None
+
+    answers = await asyncio.gather(*(one(n, u) for n, u in replicas.items()))
+    running = {n: v[0] for n, v in answers if v is not None}
+    waiting = {n: v[1] for n, v in answers if v is not None}
+    return running, waiting
+
+
+@dataclass(slots=True)
+class EngineLoadPoller:
+    """Polls every pool replica's running/waiting gauges each ``period_s`` (wall) until stopped.
+
+    ``replicas()`` is called at every poll (name → base URL), so a replica added mid-run is sampled from
+    then on. Polls never overlap: the next one starts at the next period boundary after the previous one
+    ended (a slow poll skips boundaries rather than queueing them). Bound: at most ``max_samples`` samples
+    (36,000 = one hour at 100 ms); past it polling stops and ``truncated`` is set (no eviction: the figures
+    cover the run's first ``max_samples`` polls, and say so)."""
+
+    replicas: Callable[[], Mapping[str, str]]
+    period_s: float = 0.1
+    max_samples: int = 36_000
+    timeout_s: float = 2.0
+    samples: list[EngineLoadSample] = field(default_factory=list)
+    truncated: bool = False
+    _task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start polling (the first poll is immediate)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="engine-load-poller")
+
+    async def stop(self) -> list[EngineLoadSample]:
+        """Stop polling (a poll in progress is cancelled and not recorded); returns the samples."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        return self.samples
+
+    async def join(self) -> list[EngineLoadSample]:
+        """Wait until polling ends by itself (at ``max_samples``); returns the samples."""
+        if self._task is not None:
+            await self._task
+        return self.samples
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        connector = aiohttp.TCPConnector(limit=64)
+        start = time.perf_counter()
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+            while len(self.samples) < self.max_samples:
+                t = time.perf_counter() - start
+                running, waiting = await sample_engine_load(http, dict(self.replicas()))
+                self.samples.append(EngineLoadSample(round(t, 4), running, waiting))
+                elapsed = time.perf_counter() - start
+                await asyncio.sleep(self.period_s - (elapsed % self.period_s))
+            self.truncated = True

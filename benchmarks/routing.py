@@ -1,15 +1,21 @@
 """Routing-quality harness: the same workload through each routing policy, cold, side by side.
 
-    python -m benchmarks.routing --scenario seed003|chat-skew|churn|tiny|demo [--trace FILE]
-        [--policies round_robin,load_only,prefix_hash,kv_aware] [--out DIR] [--time-scale 0.5] [--seed 0]
+    python -m benchmarks.routing --scenario seed003|chat-skew|churn|hot-docs|tiny|demo [--trace FILE]
+        [--policies round_robin,load_only,prefix_hash,prefix_memory,kv_aware,kv_cost] [--out DIR]
+        [--time-scale 0.5] [--seed 0] [--poll-ms 100]
 
 For every policy (``benchmarks.policies.POLICIES``), in order: start fresh simulators (cold caches),
 the picker (and the listener) the policy needs, and the real Envoy; scrape the engines' prefix-cache
 counters; replay the trace (``benchmarks.loadgen.run_trace``) while applying the scenario's churn
 events (S3: a simulator restart, a replica added to the picker's hot-reloaded config file); scrape
-again; read the picker's decision counters; stop everything (by pid). Then compute the BENCHMARKS.md
-figures (``benchmarks.report``) against the bound of the trace itself, write ``results.json``,
-``results.md`` and PNG plots into ``--out``, and print the table.
+again; read the picker's decision counters; stop everything (by pid). While the trace runs, every pool
+replica's ``vllm:num_requests_running`` / ``_waiting`` is polled each ``--poll-ms`` (wall) for the busy
+fractions and ``idle_while_queued``. Then compute the BENCHMARKS.md figures (``benchmarks.report``)
+against the bound of the trace itself, write ``results.json``, ``results.md`` and PNG plots into
+``--out``, and print the table and the checks of issue 12 (per policy, and the scenario's goals).
+
+A policy whose processes refuse to start (e.g. the picker rejects a strategy it does not know yet) is
+reported as "failed to start" with the error's last line, and the run goes on with the next policy.
 
 Envoy's round robin uses a static cluster: a replica added mid-run (S3) cannot join it without an
 Envoy restart, which would reset every connection; the harness starts the replica anyway (so the
@@ -36,9 +42,21 @@ import yaml
 from benchmarks.bound import bound_hit_rate
 from benchmarks.engine_sim.config import SimConfig
 from benchmarks.engine_sim.process import SimulatorProcess, start_simulators
-from benchmarks.loadgen import PrefixCacheCounters, RequestResult, run_trace, scrape_prefix_cache_counters
+from benchmarks.loadgen import (
+    EngineLoadPoller,
+    EngineLoadSample,
+    PrefixCacheCounters,
+    RequestResult,
+    parse_prometheus_text,
+    run_trace,
+    scrape_prefix_cache_counters,
+)
 from benchmarks.policies import POLICIES, PolicySpec, parse_policies
 from benchmarks.report import (
+    comparison_lines,
+    failed_to_start,
+    goal_checks,
+    load_figures,
     markdown_table,
     policy_figures,
     restart_recovery,
@@ -60,6 +78,12 @@ from benchmarks.stack import (
 from picker.api import EnvoyOptions
 
 log = logging.getLogger(__name__)
+
+DEFAULT_POLICIES = "round_robin,load_only,prefix_hash,prefix_memory,kv_aware,kv_cost"
+
+
+class PolicyStartError(RuntimeError):
+    """A policy's processes (picker, listener, Envoy) did not start; the message carries the log tail."""
 
 
 class PolicyStack:
@@ -158,7 +182,9 @@ class PolicyStack:
                     else:
                         out.update(data)
                 async with http.get(f"{self.picker.admin_url}/metrics") as resp:
-                    out["sampled_usage"] = sampled_usage(await resp.text())
+                    metrics = await resp.text()
+                out["sampled_usage"] = sampled_usage(metrics)
+                out["cached_token_counters"] = picker_cached_token_counters(metrics)
             return out
         except (aiohttp.ClientError, TimeoutError) as exc:
             return {"error": str(exc)}
@@ -182,6 +208,8 @@ class PolicyRun:
     picker_stats: dict[str, Any] | None
     events: list[dict[str, Any]]
     notes: list[str]
+    load_samples: list[EngineLoadSample] = dataclasses.field(default_factory=list)
+    load_truncated: bool = False
 
 
 async def _apply_events(
@@ -207,21 +235,35 @@ async def _apply_events(
     return done
 
 
-async def run_policy(scenario: Scenario, policy: PolicySpec, workdir: Path) -> PolicyRun:
-    """Run ``scenario`` through ``policy`` on fresh (cold) simulators."""
+async def run_policy(scenario: Scenario, policy: PolicySpec, workdir: Path, poll_s: float = 0.1) -> PolicyRun:
+    """Run ``scenario`` through ``policy`` on fresh (cold) simulators; ``PolicyStartError`` when the
+    policy's processes do not start."""
     log_dir = workdir / policy.name
     log_dir.mkdir(parents=True, exist_ok=True)
     sims = await asyncio.to_thread(start_simulators, scenario.replicas, scenario.sim, None, log_dir)
     stack = PolicyStack(policy, log_dir)
     try:
-        await asyncio.to_thread(stack.start, sims)
+        try:
+            await asyncio.to_thread(stack.start, sims)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            raise PolicyStartError(str(exc)) from exc
         urls = [s.base_url for s in sims]
         before = await scrape_prefix_cache_counters(urls)
+
+        def pool() -> dict[str, str]:  # the replicas the policy routes to (round robin never gains sim-4)
+            names = {b["name"] for b in stack.backends}
+            return {s.config.name: s.base_url for s in sims if s.config.name in names}
+
+        poller = EngineLoadPoller(pool, period_s=poll_s)
+        poller.start()
         t0 = time.perf_counter()
         events_task = asyncio.create_task(_apply_events(scenario, sims, stack, log_dir, t0))
-        results = await run_trace(
-            scenario.records, stack.url, max_concurrency=scenario.max_concurrency, time_scale=scenario.time_scale
-        )
+        try:
+            results = await run_trace(
+                scenario.records, stack.url, max_concurrency=scenario.max_concurrency, time_scale=scenario.time_scale
+            )
+        finally:
+            samples = await poller.stop()
         wall = max((r.start_s + (r.latency_s or 0.0) for r in results), default=time.perf_counter() - t0)
         if not events_task.done():
             events_task.cancel()
@@ -232,12 +274,31 @@ async def run_policy(scenario: Scenario, policy: PolicySpec, workdir: Path) -> P
         after = await scrape_prefix_cache_counters([s.base_url for s in sims])
         stats = await stack.picker_stats()
         url_names = {s.base_url: s.config.name for s in sims}
-        return PolicyRun(results, before, after, url_names, wall, stats, events, list(stack.notes))
+        return PolicyRun(
+            results, before, after, url_names, wall, stats, events, list(stack.notes), samples, poller.truncated
+        )
     finally:
         await asyncio.to_thread(stack.stop)
         for s in sims:
             with contextlib.suppress(Exception):
                 s.stop()
+
+
+def picker_cached_token_counters(metrics: str) -> dict[str, Any]:
+    """The picker's cached-token counters: every ``continuum_*`` sample whose name contains ``cached``
+    (issue 12's per-decision available / captured / delivered cached tokens and the stale-index count, with
+    whatever labels the picker gives them; none when the picker does not export them). ``series``: each
+    sample as exposed (``name{labels}``); ``totals``: summed over labels per name. ``_created`` samples
+    (timestamps) are left out."""
+    series: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    for name, labels, value in parse_prometheus_text(metrics):
+        if not name.startswith("continuum_") or "cached" not in name or name.endswith("_created"):
+            continue
+        key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+        series[key] = value
+        totals[name] = totals.get(name, 0.0) + value
+    return {"series": series, "totals": totals}
 
 
 def sampled_usage(metrics: str) -> dict[str, Any]:
@@ -299,7 +360,9 @@ def _sim_params(sim: SimConfig) -> dict[str, Any]:
     return {k: getattr(sim, k) for k in keep}
 
 
-def run(scenario: Scenario, policies: list[PolicySpec], out: Path, plots: bool = True) -> dict[str, Any]:
+def run(
+    scenario: Scenario, policies: list[PolicySpec], out: Path, plots: bool = True, poll_s: float = 0.1
+) -> dict[str, Any]:
     """Run every policy on ``scenario``; write and return the results document."""
     bound = bound_hit_rate(scenario.records, block_size=scenario.sim.block_size)
     span = max((r.t for r in scenario.records), default=0.0)
@@ -337,7 +400,12 @@ def run(scenario: Scenario, policies: list[PolicySpec], out: Path, plots: bool =
             continue
         print(f"[{policy.name}] running {len(scenario.records)} requests ...", flush=True)
         started = time.perf_counter()
-        pr = asyncio.run(run_policy(scenario, policy, workdir))
+        try:
+            pr = asyncio.run(run_policy(scenario, policy, workdir, poll_s))
+        except PolicyStartError as exc:
+            doc["policies"][policy.name] = failed_to_start(str(exc))
+            print(f"[{policy.name}] {doc['policies'][policy.name]['reason']}", flush=True)
+            continue
         figures = policy_figures(
             pr.results, pr.before, pr.after, pr.url_names,
             bound=bound.hit_rate, target_rate=scenario.target_rate, time_scale=scenario.time_scale,
@@ -348,6 +416,9 @@ def run(scenario: Scenario, policies: list[PolicySpec], out: Path, plots: bool =
         if sample.get("responses_sampled"):
             figures["sampled_cached_share"] = sample.get("cached_share")  # vs the engines' hit_rate
             figures["sampled_calibrated_cached_share"] = sample.get("calibrated_cached_share")
+        figures["engine_load"] = load_figures(pr.load_samples, poll_s, pr.load_truncated)
+        figures["idle_while_queued"] = figures["engine_load"]["idle_while_queued"]
+        figures["busy_fraction"] = figures["engine_load"]["busy_fraction"]
         figures["events"] = pr.events
         figures["restart_recovery"] = restart_recovery(figures, window_s)
         figures["notes"] = [*policy.notes, *pr.notes]
@@ -355,7 +426,9 @@ def run(scenario: Scenario, policies: list[PolicySpec], out: Path, plots: bool =
         doc["notes"] += [f"{policy.name}: {n}" for n in figures["notes"]]
         print(
             f"[{policy.name}] hit {figures['hit_rate']} (bound {bound.hit_rate:.4f}) share {figures['request_share']} "
-            f"ttft p99 {figures['ttft_ms']['p99']} ms, {time.perf_counter() - started:.1f} s wall"
+            f"busy {figures['busy_fraction']} idle while queued {figures['idle_while_queued']}; "
+            f"ttft p99 send {figures['ttft_ms']['p99']} / arrival {figures['ttft_from_arrival_ms']['p99']} ms, "
+            f"{time.perf_counter() - started:.1f} s wall"
             + (
                 f"; sampled cached share {figures['sampled_cached_share']} over "
                 f"{sample.get('responses_sampled'):.0f} sampled responses, calibrated "
@@ -376,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--scenario", choices=list(SCENARIOS))
     src.add_argument("--trace", type=Path, help="JSONL trace file (BENCHMARKS.md format)")
-    ap.add_argument("--policies", default="round_robin,load_only,prefix_hash,kv_aware")
+    ap.add_argument("--policies", default=DEFAULT_POLICIES)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE, help="real s per simulated s")
     ap.add_argument("--seed", type=int, default=0)
@@ -384,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=None, help="target rate with --trace (default: from the trace)")
     ap.add_argument("--max-concurrency", type=int, default=32, help="with --trace")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--poll-ms", type=float, default=100.0, help="period of the engines' queue polls (wall ms)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
@@ -395,16 +469,25 @@ def main(argv: list[str] | None = None) -> int:
     else:
         scenario = SCENARIOS[a.scenario](a.time_scale, a.seed)
     out = a.out or Path("out") / scenario.name
-    doc = run(scenario, policies, out, plots=not a.no_plots)
+    doc = run(scenario, policies, out, plots=not a.no_plots, poll_s=a.poll_ms / 1000.0)
     print()
     print(markdown_table(doc))
     print()
     print(ttft_detail_table(doc))
+    print()
+    print("Checks:")
+    for line in comparison_lines(doc):
+        print(f"  {line}")
+    goals = goal_checks(doc)
+    if goals:
+        print(f"Issue 12's goals for {scenario.name}:")
+        for line in goals:
+            print(f"  {line}")
     print(f"\nwrote {out}/results.json, results.md and plots")
     return 0
 
 
-__all__ = ["POLICIES", "ChurnEvent", "PolicyStack", "main", "run", "run_policy"]
+__all__ = ["DEFAULT_POLICIES", "POLICIES", "ChurnEvent", "PolicyStack", "PolicyStartError", "main", "run", "run_policy"]
 
 if __name__ == "__main__":
     sys.exit(main())

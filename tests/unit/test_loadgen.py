@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import socket
+
+import aiohttp
 
 from benchmarks.engine_sim import EngineSimulator, SimConfig
+from benchmarks.engine_sim.scheduler import SimRequest
 from benchmarks.loadgen import (
+    EngineLoadPoller,
+    EngineLoadSample,
     engine_hit_rate,
+    engine_load,
     gateway_cached_share,
     parse_prometheus_text,
     run_trace,
+    sample_engine_load,
     scrape_prefix_cache_counters,
 )
+from benchmarks.report import load_figures
 from benchmarks.trace import TraceRecord
 from benchmarks.workloads import multi_turn_chat, prefix_repetition
 
@@ -65,3 +75,87 @@ def test_prometheus_parser() -> None:
         ("vllm:prefix_cache_hits_total", {"engine": "0", "model_name": "m"}, 12.0),
         ("up", {}, 1.0),
     ]
+
+
+def test_engine_load_sums_the_gauges_over_label_sets() -> None:
+    text = (
+        '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\nvllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+    )
+    assert engine_load(text) == (5.0, 4.0)
+    assert engine_load("") == (0.0, 0.0)
+
+
+async def test_sample_engine_load_reads_real_simulators_and_leaves_out_a_silent_one() -> None:
+    queued = EngineSimulator(SimConfig(name="sim-0", time_scale=0.001, kv_events_enabled=False))
+    idle = EngineSimulator(SimConfig(name="sim-1", time_scale=0.001, kv_events_enabled=False))
+    await queued.start()
+    await idle.start()
+    refused = socket.socket()  # bound, never listening: connections to it are refused while we hold it
+    refused.bind(("127.0.0.1", 0))
+    try:
+        scheduler = queued.scheduler
+        assert scheduler is not None
+        scheduler.stall(600_000)  # the step loop checks the stall before planning: nothing gets admitted
+        for i in range(3):
+            scheduler.submit(SimRequest(f"r{i}", [300 + i] * 20, 4))
+        replicas = {
+            "sim-0": queued.base_url,
+            "sim-1": idle.base_url,
+            "gone": f"http://127.0.0.1:{refused.getsockname()[1]}",
+        }
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            running, waiting = await sample_engine_load(http, replicas)
+        assert running == {"sim-0": 0.0, "sim-1": 0.0} and waiting == {"sim-0": 3.0, "sim-1": 0.0}
+        # one poll of these replicas: sim-1 is idle while sim-0 has requests waiting
+        figures = load_figures([EngineLoadSample(0.0, running, waiting)], 0.1)
+        assert figures["idle_while_queued"] == 1.0 and figures["busy_fraction"] == {"sim-0": 1.0, "sim-1": 0.0}
+    finally:
+        refused.close()
+        await queued.stop()
+        await idle.stop()
+
+
+async def test_poller_follows_the_replica_set_and_stops_at_its_sample_bound() -> None:
+    sims = [EngineSimulator(SimConfig(name=f"sim-{i}", time_scale=0.001, kv_events_enabled=False)) for i in range(2)]
+    for sim in sims:
+        await sim.start()
+    pool = {"sim-0": sims[0].base_url}
+    calls = 0
+
+    def replicas() -> dict[str, str]:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # a replica joins the pool before the third poll
+            pool["sim-1"] = sims[1].base_url
+        return pool
+
+    try:
+        poller = EngineLoadPoller(replicas, period_s=0.001, max_samples=5)
+        poller.start()
+        samples = await asyncio.wait_for(poller.join(), 30)
+    finally:
+        for sim in sims:
+            await sim.stop()
+    assert poller.truncated is True and len(samples) == 5 and calls == 5
+    assert [set(s.running) for s in samples] == [{"sim-0"}] * 2 + [{"sim-0", "sim-1"}] * 3
+    assert all(a.t_s <= b.t_s for a, b in itertools.pairwise(samples))
+    assert await poller.stop() == samples  # stopping a finished poller is harmless
+
+
+async def test_poller_stop_ends_polling() -> None:
+    sim = EngineSimulator(SimConfig(time_scale=0.001, kv_events_enabled=False))
+    await sim.start()
+    try:
+        poller = EngineLoadPoller(lambda: {"sim-0": sim.base_url}, period_s=0.001)
+        poller.start()
+        while not poller.samples:  # the first poll is immediate; wait for it to land
+            await asyncio.sleep(0.001)
+        samples = await poller.stop()
+        count = len(samples)
+        await asyncio.sleep(0.01)
+        assert len(poller.samples) == count and poller.truncated is False  # nothing after stop
+        assert samples[0].running == {"sim-0": 0.0} and samples[0].waiting == {"sim-0": 0.0}
+    finally:
+        await sim.stop()
