@@ -1,12 +1,15 @@
 """Tier 4's inputs, assembled: the KV index, its feed consumers and the tokenizer source.
 
 ``Tier4.holds_for`` is the request path's Tier 4 step in the prepare stage: it takes a completions
-prompt's token ids as sent (``RequestFacts.prompt_token_ids``), else awaits the request's token ids
-from the tokenizer source with a bounded timeout (``kv_cache_index.tokenizer.timeout_ms``), turns them into block keys
-(``picker.shared.block_keys``, the listener's function) and looks them up in the index (the one round
-trip an I/O-backed index makes). Any failure gives an empty mapping: the core then falls back to the
-strategy; a request is never failed because of Tier 4. The feed consumers and the TTL sweep run as
-background tasks; scoring is the routing core's (``picker.routing.kv_scorer``).
+prompt's token ids as sent (``RequestFacts.prompt_token_ids``); for a text prompt (chat messages, a
+completions string) it asks the tokenization cache (``picker.kv.token_cache``): the whole prompt's ids, or
+the ids of a cached message (or chunk) prefix that covers ``cache_min_fraction`` of the prompt, without a
+tokenizer call; else it awaits the tokenizer source, bounded by ``timeout_ms + timeout_ms_per_kib × body
+KiB`` capped at ``timeout_cap_ms``. The ids become block keys (``picker.shared.block_keys``, the
+listener's function) looked up in the index (the one round trip an I/O-backed index makes). Any failure
+gives an empty mapping: the core then falls back to the strategy; a request is never failed because of
+Tier 4. The feed consumers, the TTL sweep and the cache's fills run as background tasks; scoring is the
+routing core's (``picker.routing.kv_scorer``).
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from picker.config import KvCacheIndexConfig
 from picker.kv.checks import FeedChecks, FeedWatch, probe_keys, run_self_check
 from picker.kv.feed_consumer import KvFeedConsumers
 from picker.kv.index import InMemoryKvIndex
+from picker.kv.token_cache import CachedTokenizer
 from picker.kv.tokenizer_sources import TokenizerSource, make_tokenizer_source
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
 from picker.request.facts import RequestFacts
 from picker.routing.endpoints import BackendHold
-from picker.shared.block_keys import request_block_keys
+from picker.shared.block_keys import chain_block_keys, root_key
 
 log = logging.getLogger("kv_epp.tier4")
 
@@ -38,13 +42,17 @@ MAX_UNMATCHED_MODELS = 32
 
 class Held(dict[str, BackendHold]):
     """Tier 4's answer for one request: backend → the prefix it holds, plus the request's prompt length in
-    tokens (what the response sample's accounting compares the delivered cached tokens with)."""
+    tokens: the best estimate of the whole prompt's count (exact when the whole prompt was tokenized, else a
+    cached prefix's count plus the rest at that prefix's tokens per byte), and ``exact``: True only when
+    every token was known (a request that may calibrate the TTFT model). ``block_keys`` may cover only a
+    cached prefix of the prompt (see ``picker.kv.token_cache``)."""
 
-    __slots__ = ("block_keys", "prompt_tokens")
+    __slots__ = ("block_keys", "exact", "prompt_tokens")
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.prompt_tokens: int | None = None
+        self.exact = False
         self.block_keys: Sequence[int] = ()  # the request's block keys (the commit stage remembers the placement)
 
 
@@ -65,7 +73,26 @@ class Tier4:
         self.unmatched_models: dict[str, int] = {}  # bound: MAX_UNMATCHED_MODELS names, for /readyz detail
         self._rotation = itertools.count()
         self.tokenizer: TokenizerSource = make_tokenizer_source(cfg.tokenizer, self._tokenizer_url)
-        self.max_blocks = max(1, cfg.tokenizer.max_prefix_tokens // cfg.tokenizer.block_size)
+        tok = cfg.tokenizer
+        self.max_blocks = max(1, tok.max_prefix_tokens // tok.block_size)
+        counters = {
+            "lookups": metrics.kv_token_cache_lookups,
+            "fills": metrics.kv_token_cache_fills,
+            "checks": metrics.kv_token_cache_checks,
+            "round_trips": metrics.kv_tokenize_calls,
+        }
+        self.tokens = CachedTokenizer(
+            max_bytes=tok.cache_max_bytes,
+            block_size=tok.block_size,
+            max_tokens=self.max_blocks * tok.block_size,
+            min_fraction=tok.cache_min_fraction,
+            trust_after=tok.cache_trust_after,
+            queue_size=tok.fill_queue_size,
+            queue_max_bytes=tok.fill_queue_max_bytes,
+            fill_timeout_s=tok.timeout_cap_ms / 1000,
+            on_count=lambda what, label: metrics.child(counters[what], label).inc(),
+        )
+        metrics.kv_token_cache_bytes.set_function(lambda: self.tokens.cache.bytes)
         self.watch = FeedWatch()  # a response observer of the request path: responses served per backend
         self.checks = FeedChecks(
             cfg.checks,
@@ -93,6 +120,12 @@ class Tier4:
             return None
         return "http://" + states[next(self._rotation) % len(states)].endpoint.address
 
+    def timeout_s(self, body_bytes: int) -> float:
+        """How long a request may wait for the tokenizer: ``timeout_ms + timeout_ms_per_kib × body KiB``,
+        capped at ``timeout_cap_ms`` (a 220 KB prompt takes ~50 ms to tokenize on the simulator)."""
+        tok = self.cfg.tokenizer
+        return min(tok.timeout_cap_ms, tok.timeout_ms + tok.timeout_ms_per_kib * body_bytes / 1024) / 1000
+
     async def holds_for(self, facts: RequestFacts) -> Mapping[str, BackendHold]:
         """Backend → the part of the request's prefix it holds; empty when token ids are unavailable."""
         if facts.model is None:
@@ -100,21 +133,30 @@ class Tier4:
         ids: Sequence[int] | None = facts.prompt_token_ids  # token ids given: no tokenizer round trip
         if ids is None and facts.messages is None and facts.prompt is None:
             return NOTHING_HELD
-        timeout = self.cfg.tokenizer.timeout_ms / 1000
         try:
-            if ids is None:
-                async with asyncio.timeout(timeout):
-                    ids = await self.tokenizer.token_ids(facts.model, messages=facts.messages, prompt=facts.prompt)
-                if ids is None:
-                    self._failed("unavailable")
-                    return NOTHING_HELD
-            tok = self.cfg.tokenizer
             model, lora = self.resolve_model(facts.model, facts.lora_name)
             if self.known_models and model not in self.known_models:
                 self._unmatched(model)
-            keys = request_block_keys(ids, tok.block_size, model, lora, facts.cache_salt, self.max_blocks)
+            root = root_key(model, lora, facts.cache_salt)
+            if ids is not None:
+                keys: Sequence[int] = chain_block_keys(ids, self.cfg.tokenizer.block_size, root, self.max_blocks)
+                n, exact = len(ids), True
+            else:
+                got = await self.tokens.resolve(
+                    self.tokenizer.token_ids,
+                    facts.model,
+                    facts.messages,
+                    facts.prompt,
+                    root,
+                    self.timeout_s(facts.body_bytes),
+                )
+                if got is None:
+                    self._failed("unavailable")
+                    return NOTHING_HELD
+                keys, n, exact = got.keys, got.prompt_tokens, got.exact
             held = Held(await self.index.holds(keys)) if keys else Held()
-            held.prompt_tokens = len(ids)
+            held.prompt_tokens = n
+            held.exact = exact
             held.block_keys = keys
             return held
         except TimeoutError:
@@ -151,6 +193,11 @@ class Tier4:
         async with asyncio.TaskGroup() as group:
             group.create_task(self.consumers.run(), name="kv-feeds")
             group.create_task(self._check_loop(), name="kv-checks")
+            group.create_task(self.run_fills(), name="kv-token-fills")
+
+    async def run_fills(self) -> None:
+        """Background: the tokenization cache's fill workers (``fill_workers``), until cancelled."""
+        await self.tokens.run_fills(lambda: self.tokenizer, self.cfg.tokenizer.fill_workers)
 
     async def _check_loop(self) -> None:
         """Every second: judge each feed (stale while traffic flows?); once a feed is connected, probe

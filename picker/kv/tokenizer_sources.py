@@ -1,12 +1,14 @@
 """Where the picker gets a request's token ids for Tier 4 block keys (one async interface).
 
-- ``EngineTokenizer``: the engine's ``POST /tokenize`` (chat messages with add_generation_prompt, or
-  a prompt) over a shared aiohttp session, bounded by ``timeout_ms`` and ``max_concurrency``.
+- ``EngineTokenizer``: the engine's ``POST /tokenize`` (chat messages with or without the generation
+  prompt, or a prompt) over a shared aiohttp session, bounded by ``timeout_ms`` and ``max_concurrency``.
 - ``LocalTokenizer``: the optional ``tokenizers`` + ``jinja2`` packages (extra ``local-tokenizer``)
-  and a chat template file; the CPU work runs in a worker thread, never on the event loop.
+  and a chat template file; the CPU work runs in a worker thread, never on the event loop, and a slot
+  is held until its thread finishes (a timed-out encode still counts against ``max_concurrency``).
 - ``NoTokenizer``: always None (Tier 4 off for every request).
 Every failure, timeout or overload returns None and never raises: the caller then routes the
-request without Tier 4.
+request without Tier 4. The source's own timeout is the longest wait (``timeout_cap_ms``); the request
+path bounds each call tighter, by the request's size (``picker.kv.tier4``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import importlib
 import json
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import aiohttp
@@ -29,10 +32,17 @@ MAX_TOKENIZE_RESPONSE_BYTES = 8 << 20  # a larger /tokenize answer is treated as
 
 
 class TokenizerSource(Protocol):
-    """``token_ids`` returns the prompt's token ids as the engine would see them, or None."""
+    """``token_ids`` returns the prompt's token ids as the engine would see them, or None. Chat messages are
+    rendered with the generation prompt unless ``add_generation_prompt`` is False (the tokenization cache's
+    fills: a conversation's history as the next turn's prompt begins with it)."""
 
     async def token_ids(
-        self, model: str, messages: Messages | None = None, prompt: str | None = None
+        self,
+        model: str,
+        messages: Messages | None = None,
+        prompt: str | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int] | None: ...
 
     async def close(self) -> None: ...
@@ -42,7 +52,12 @@ class NoTokenizer:
     """Tier 4 disabled: no token ids, ever."""
 
     async def token_ids(
-        self, model: str, messages: Messages | None = None, prompt: str | None = None
+        self,
+        model: str,
+        messages: Messages | None = None,
+        prompt: str | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int] | None:
         return None
 
@@ -104,7 +119,12 @@ class EngineTokenizer:
         return self._session
 
     async def token_ids(
-        self, model: str, messages: Messages | None = None, prompt: str | None = None
+        self,
+        model: str,
+        messages: Messages | None = None,
+        prompt: str | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int] | None:
         base = self.base_url_for(model)
         if base is None or (messages is None and prompt is None):
@@ -113,7 +133,7 @@ class EngineTokenizer:
         body: dict[str, Any] = {"model": model}
         if messages is not None:
             body["messages"] = list(messages)
-            body["add_generation_prompt"] = True
+            body["add_generation_prompt"] = add_generation_prompt
         else:
             body["prompt"] = prompt
         try:
@@ -159,7 +179,11 @@ def local_tokenizer_available() -> bool:
 
 
 class LocalTokenizer:
-    """A HuggingFace ``tokenizer.json`` plus a Jinja chat template, loaded lazily in a worker thread."""
+    """A HuggingFace ``tokenizer.json`` plus a Jinja chat template, loaded lazily in a worker thread.
+
+    Bound: at most ``max_concurrency`` encodes run at once, each in a thread of this source's own pool; a
+    slot is released when its thread finishes, not when the caller stops waiting (a thread cannot be
+    cancelled), so encodes that outlive their callers' timeouts never pile up past the bound."""
 
     def __init__(
         self,
@@ -173,8 +197,8 @@ class LocalTokenizer:
         self.chat_template_path = chat_template_path
         self.timeout_s = timeout_ms / 1000
         self.special_tokens = special_tokens or {}
-        # CPU-bound encodes in worker threads; bound max_concurrency (threads are not cancellable)
         self._slots = asyncio.Semaphore(max_concurrency)
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="kv-local-tokenizer")
         self._tok: Any = None
         self._template: Any = None
         self._load_failed = False
@@ -188,6 +212,7 @@ class LocalTokenizer:
             with open(self.chat_template_path, encoding="utf-8") as f:
                 source = f.read()
             env = jinja2.Environment(autoescape=False, trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error  # HF templates call it on bad input
             self._template = env.from_string(source)
 
     async def _ensure_loaded(self) -> bool:
@@ -198,36 +223,55 @@ class LocalTokenizer:
         async with self._load_lock:
             if self._tok is None and not self._load_failed:
                 try:
-                    await asyncio.to_thread(self._load)
+                    await asyncio.get_running_loop().run_in_executor(self._pool, self._load)
                 except Exception as exc:  # missing extra, bad file: Tier 4 off, logged once
                     self._load_failed = True
                     log.warning("event=local_tokenizer_unavailable path=%s error=%s", self.tokenizer_path, exc)
         return self._tok is not None
 
-    def _encode(self, messages: Messages | None, prompt: str | None) -> list[int]:
+    def _encode(self, messages: Messages | None, prompt: str | None, add_generation_prompt: bool) -> list[int]:
         if messages is not None:
             if self._template is None:
                 raise ValueError("chat messages need a chat template")
-            text = self._template.render(messages=list(messages), add_generation_prompt=True, **self.special_tokens)
+            text = self._template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
             add_special = False
         else:
             text, add_special = prompt or "", True
         return list(self._tok.encode(text, add_special_tokens=add_special).ids)
 
     async def token_ids(
-        self, model: str, messages: Messages | None = None, prompt: str | None = None
+        self,
+        model: str,
+        messages: Messages | None = None,
+        prompt: str | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int] | None:
         try:
             async with asyncio.timeout(self.timeout_s):
                 if not await self._ensure_loaded():
                     return None
-                async with self._slots:
-                    return await asyncio.to_thread(self._encode, messages, prompt)
+                await self._slots.acquire()
+                try:
+                    work = asyncio.get_running_loop().run_in_executor(
+                        self._pool, self._encode, messages, prompt, add_generation_prompt
+                    )
+                except BaseException:
+                    self._slots.release()
+                    raise
+                work.add_done_callback(lambda _: self._slots.release())  # when the thread is done
+                return await asyncio.shield(work)
         except Exception:
             return None
 
     async def close(self) -> None:
-        return None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
 
 
 def make_tokenizer_source(
@@ -237,10 +281,10 @@ def make_tokenizer_source(
     if cfg.source == "engine":
         if base_url_for is None:
             raise ValueError("tokenizer source 'engine' needs base_url_for(model) -> base URL")
-        return EngineTokenizer(base_url_for, cfg.timeout_ms, cfg.max_concurrency)
+        return EngineTokenizer(base_url_for, cfg.timeout_cap_ms, cfg.max_concurrency)
     if cfg.source == "local":
         if not cfg.local_path or not local_tokenizer_available():
             log.warning("event=local_tokenizer_unavailable action=tier4_off path=%s", cfg.local_path)
             return NoTokenizer()
-        return LocalTokenizer(cfg.local_path, cfg.chat_template_path, cfg.timeout_ms, min(cfg.max_concurrency, 8))
+        return LocalTokenizer(cfg.local_path, cfg.chat_template_path, cfg.timeout_cap_ms, min(cfg.max_concurrency, 8))
     return NoTokenizer()

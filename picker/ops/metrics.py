@@ -119,6 +119,39 @@ class PickerMetrics:
             ["reason"],
             registry=r,
         )
+        # Tier 4 tokenization cache (picker.kv.token_cache)
+        self.kv_token_cache_lookups = Counter(
+            "continuum_kv_token_cache_lookups",
+            "Text prompts Tier 4 keyed, by result: exact (the whole prompt's ids were cached), prefix (a cached "
+            "message or chunk prefix, no tokenizer call), miss (the tokenizer was called on the request path), "
+            "prefix_after_failure (that call failed, a cached prefix was used)",
+            ["result"],
+            registry=r,
+        )
+        self.kv_token_cache_fills = Counter(
+            "continuum_kv_token_cache_fills",
+            "Background tokenizations filling the cache, by outcome (stored, dropped: the queue was full, failed, "
+            "refused: the model's cached prefixes failed a check)",
+            ["outcome"],
+            registry=r,
+        )
+        self.kv_token_cache_checks = Counter(
+            "continuum_kv_token_cache_checks",
+            "Cached prefixes checked against a later, longer tokenization (confirmed, mismatch)",
+            ["result"],
+            registry=r,
+        )
+        self.kv_tokenize_calls = Counter(
+            "continuum_kv_tokenize_calls",
+            "Tokenizer calls by path (request: the request waited for it, background: a cache fill)",
+            ["path"],
+            registry=r,
+        )
+        self.kv_token_cache_bytes = Gauge(
+            "continuum_kv_token_cache_bytes",
+            "Bytes booked by the tokenization cache (bound: cache_max_bytes)",
+            registry=r,
+        )
         # Request path: continuum_picker_requests/decisions/backend_responses/decision_seconds and
         # continuum_prefix_routing_requests are exported by picker.ops.recorder (plain counters, read at scrape)
         self.backend_healthy = Gauge(
