@@ -108,7 +108,7 @@ class PolicyStack:
         picker_address = None
         if self.policy.picker is not None:
             config: dict[str, Any] = {k: v for k, v in self.policy.picker.items()}
-            config["pool"] = {"backends": list(self.backends)}
+            config["pool"] = {**dict(config.get("pool", {})), "backends": list(self.backends)}  # policy keys kept
             if self.policy.listener:
                 config["kv_cache_index"] = self._start_listener(sims, dict(config.get("kv_cache_index", {})))
             self.picker = start_picker(config, self.workdir, name=f"picker-{self.policy.name}")
