@@ -25,7 +25,7 @@ class PolicySpec:
 
     name: str
     description: str
-    picker: dict[str, Any] | None = None  # picker config sections (pool filled in by the harness)
+    picker: dict[str, Any] | None = None  # picker config sections (pool.backends filled in by the harness)
     listener: bool = False  # start kv-listener and wire kv_cache_index.event_sources to it
     envoy: dict[str, Any] = field(default_factory=dict)  # EnvoyOptions overrides (body_mode, response_mode)
     unavailable_reason: str = ""  # non-empty: registered but reported "not available", never run
@@ -90,6 +90,8 @@ POLICIES["kv_cost"] = PolicySpec(
     picker={
         **dict(POLICIES["kv_aware"].picker or {}),
         "kv_cache_index": {**POLICIES["kv_aware"].picker["kv_cache_index"], "scoring": {"mode": "cost"}},  # type: ignore[index]
+        # the engines' own queues (their /metrics) in the load view, every 200 ms; the harness adds pool.backends
+        "pool": {"engine_metrics": {"enabled": True, "interval_ms": 200, "timeout_ms": 150, "stale_after_ms": 1000}},
     },
     listener=True,
 )
