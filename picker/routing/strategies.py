@@ -2,29 +2,33 @@
 
 Every strategy implements ``select(facts, key, view) -> Decision | None`` with no I/O; ``view`` holds
 only eligible endpoints (healthy, inside the subset hint) and is never empty when called. A strategy
-is built with a ``RingView`` (the ring and epsilon), never with the router.
+is built with a ``RingView`` (the ring, epsilon and the ``prefix_routing`` section), never with the router.
 """
 
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
+from picker.config import PrefixRoutingConfig
 from picker.request.facts import RequestFacts
-from picker.routing.chwbl_ring import HashRing, bounded_pick, ring_hash
+from picker.routing.chwbl_ring import HashRing, bounded_pick, load_bound, ring_hash
 from picker.routing.endpoints import Decision, EndpointState, PoolView
 
 
 class RingView:
-    """What ring-based strategies read: the current ring and the CHWBL epsilon. The router swaps
-    both on membership or config changes; strategies never see the router."""
+    """What ring-based strategies read: the current ring, the CHWBL epsilon and the ``prefix_routing``
+    section (``PrefixMemory`` reads its ``memory_*`` keys there, at each decision). The router swaps
+    them on membership or config changes; strategies never see the router."""
 
-    __slots__ = ("epsilon", "ring")
+    __slots__ = ("config", "epsilon", "ring")
 
-    def __init__(self, ring: HashRing, epsilon: float) -> None:
+    def __init__(self, ring: HashRing, epsilon: float, config: PrefixRoutingConfig | None = None) -> None:
         self.ring = ring
         self.epsilon = epsilon
+        self.config = config if config is not None else PrefixRoutingConfig()
 
 
 class Strategy(Protocol):
@@ -179,7 +183,116 @@ class PrefixAwareHash:
         return Decision(eligible[name].endpoint, self.name, label)
 
 
+class PrefixMemory:
+    """Tier 1 without KV events: CHWBL that remembers where each prefix key was placed, so that a later
+    request for the prefix goes where the prefix already is.
+
+    A key seen for the first time (or whose every remembered endpoint is gone) is placed by the ring
+    exactly as ``PrefixAwareHash`` places it (``prefix_hash``, or ``overflow`` past the CHWBL bound),
+    and that endpoint is remembered. A remembered key (its *holders*: the endpoints it was sent to) goes:
+
+    1. to the first holder in ring order from the key's point whose in-flight load is under the CHWBL
+       bound (``load_factor_epsilon``) -> ``memory``;
+    2. else to the least-loaded holder under the looser bound (``memory_load_factor_epsilon``) -> ``memory``;
+    3. else to the first non-holder in ring order under the CHWBL bound -> ``memory_spread``; it becomes
+       one more holder. (The least-loaded endpoint is always under the CHWBL bound, so one of the three
+       applies; should none, the least-loaded holder keeps the key.)
+
+    Why a looser bound for holders: sending a remembered prefix anywhere else is a certain miss (the
+    whole prefix prefilled again, tens of times a hit's work for long prefixes) that also spends cache
+    on a copy that a rarely reused prefix will not pay back; an endpoint above the CHWBL bound for a
+    moment is not worth that. New keys (misses wherever they go) keep the tight bound, and are what
+    rebalances the pool: they go to the less loaded endpoints for free. A key whose traffic keeps its
+    holders above the looser bound (a hot prefix) is copied to one more endpoint, and from then on
+    rule 1 spreads it over its holders without a miss. The load is in-flight requests, as CHWBL's:
+    counts of requests waiting for their first byte are small and noisy, and cannot tell a queued hit
+    (cheap) from a queued miss (this picker does not know, without events, what an engine holds).
+
+    State and bounds: at most ``memory_max_entries`` keys (LRU: a key's use moves it to the end; the
+    least recently used key is dropped beyond the bound), each with at most ``memory_max_holders``
+    endpoint names kept in the order of their last placement (the least recently placed is dropped
+    beyond the bound); about 200 bytes a key with one holder. Only the first 16 bytes of the key are
+    kept. A holder that is not in the view when its key comes back (it left the pool, was ejected, or
+    is outside this request's subset hint) is forgotten. The keys are read at each decision, so a
+    reload takes effect on the next request (a smaller ``memory_max_entries`` trims the LRU then).
+    """
+
+    name = "PrefixMemory"
+    KEY_BYTES = 16  # of the 32-byte prefix key: 128 bits, collisions negligible at any bound allowed
+
+    def __init__(self, rings: RingView) -> None:
+        self._rings = rings
+        self._memory: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()  # key -> holders, last placed last
+
+    def __len__(self) -> int:
+        return len(self._memory)
+
+    def holders(self, key: bytes) -> tuple[str, ...]:
+        """The endpoints remembered for ``key``, least recently placed first (read-only, no LRU touch)."""
+        return self._memory.get(key[: self.KEY_BYTES], ())
+
+    def ring_point(self, facts: RequestFacts, key: bytes | None) -> int | None:
+        return ring_hash((facts.model or "").encode()) if key is None else int.from_bytes(key[:8], "big")
+
+    def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
+        eligible = view.by_name()
+        ring = self._rings.ring
+        if key is None:
+            name = ring.first(ring_hash((facts.model or "").encode()), eligible)
+            return None if name is None else Decision(eligible[name].endpoint, self.name, "fallback")
+        mkey = key[: self.KEY_BYTES]
+        known = self._memory.get(mkey)
+        holders = [h for h in known if h in eligible] if known else []
+        if not holders:
+            picked = bounded_pick(ring, key, view.loads(), self._rings.epsilon)
+            if picked is None:
+                return None
+            name, label = picked
+        else:
+            name, label = self._pick(key, holders, view)
+        self._remember(mkey, known, holders, name)
+        return Decision(eligible[name].endpoint, self.name, label)
+
+    def _pick(self, key: bytes, holders: list[str], view: PoolView) -> tuple[str, str]:
+        loads = view.loads()
+        total, n = sum(loads.values()), len(loads)
+        eps = self._rings.epsilon
+        bound = load_bound(total, n, eps)
+        point = int.from_bytes(key[:8], "big")
+        ring = self._rings.ring
+        under = {h: None for h in holders if loads[h] + 1 <= bound}
+        if under:  # 1. the first holder in ring order under the CHWBL bound
+            first = ring.walk(point, under, limit=1)
+            return (first[0] if first else next(iter(under))), "memory"
+        least = min(reversed(holders), key=lambda h: loads[h])  # ties: the last placed (likeliest still cached)
+        loose = load_bound(total, n, max(eps, self._rings.config.memory_load_factor_epsilon))
+        if loads[least] + 1 <= loose:  # 2. the least-loaded holder under the looser bound
+            return least, "memory"
+        held = set(holders)
+        others = {name: None for name, load in loads.items() if name not in held and load + 1 <= bound}
+        if others:  # 3. a new endpoint, in ring order, under the CHWBL bound
+            first = ring.walk(point, others, limit=1)
+            return (first[0] if first else next(iter(others))), "memory_spread"
+        return least, "memory"  # not reached with in-flight loads (see the docstring): keep locality
+
+    def _remember(self, mkey: bytes, known: tuple[str, ...] | None, holders: list[str], name: str) -> None:
+        cfg = self._rings.config
+        memory = self._memory
+        if known is not None and len(holders) == len(known) and known[-1] == name:
+            memory.move_to_end(mkey)  # the common case: the last placed holder again, nothing to rebuild
+        else:
+            kept = [h for h in holders if h != name]
+            kept.append(name)
+            memory[mkey] = tuple(kept[-cfg.memory_max_holders :])
+            memory.move_to_end(mkey)
+        while len(memory) > cfg.memory_max_entries:
+            memory.popitem(last=False)
+
+
 STRATEGY_REGISTRY: dict[str, Callable[[RingView], Strategy]] = {
     cls.name: cls
-    for cls in (RoundRobin, WeightedRoundRobin, LeastLatency, LeastRequest, Random, ConsistentHash, PrefixAwareHash)
-}
+    for cls in (
+        RoundRobin, WeightedRoundRobin, LeastLatency, LeastRequest, Random, ConsistentHash, PrefixAwareHash,
+        PrefixMemory,
+    )
+}  # fmt: skip
