@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import json
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import aiohttp
+import orjson
 
 from picker.config import TokenizerConfig
 
@@ -29,6 +29,7 @@ log = logging.getLogger("kv_epp.tokenizer")
 
 Messages = Sequence[dict[str, Any]]
 MAX_TOKENIZE_RESPONSE_BYTES = 8 << 20  # a larger /tokenize answer is treated as a failure
+_JSON = {"Content-Type": "application/json"}
 
 
 class TokenizerSource(Protocol):
@@ -140,7 +141,8 @@ class EngineTokenizer:
             async with asyncio.timeout(self.timeout_s):
                 async with self._slots:
                     session = self._get_session()
-                    async with session.post(base.rstrip("/") + "/tokenize", json=body) as resp:
+                    url = base.rstrip("/") + "/tokenize"
+                    async with session.post(url, data=orjson.dumps(body), headers=_JSON) as resp:
                         if resp.status != 200:
                             self._fail("http_status")
                             return None
@@ -148,7 +150,7 @@ class EngineTokenizer:
             if raw is None:
                 self._fail("too_large")
                 return None
-            data = json.loads(raw)
+            data = orjson.loads(raw)
             tokens = _valid_tokens(data.get("tokens") if isinstance(data, dict) else None)
             if tokens is None:
                 self._fail("bad_response")
