@@ -94,9 +94,9 @@ class CostModelConfig(_Section):
     # endpoints within this fraction of the cheapest count as tied: the one holding the most of the prefix
     # wins, then a rendezvous hash of the prefix (every picker places a new prefix on the same endpoint)
     near_tie_fraction: float = Field(0.1, ge=0.0, le=1.0)
-    # weight of the delay this request's own prefill imposes on the requests that queue behind it (1: they
-    # count as much as this one; 0: only this request's TTFT counts, and a loaded holder's prefix is
-    # replicated as soon as that is faster for this one request)
+    # weight of the delay that re-prefilling a prefix another endpoint holds imposes on the requests queued in
+    # the pool (1: each counts as much as this request; 0: only this request's TTFT counts, and a loaded
+    # holder's prefix is replicated as soon as that is faster for this one request)
     others_delay_weight: float = Field(1.0, ge=0.0, le=100.0)
 
 

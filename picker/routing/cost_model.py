@@ -13,6 +13,12 @@ For each eligible endpoint the scorer estimates this request's time to first tok
   tokens, ``EndpointState.pending_prefill_tokens``), or, when the engine's own ``/metrics`` are scraped
   and say more (other pickers' traffic, active-active), its waiting requests × the mean uncached
   tokens of a request; decoding = the larger of this picker's count and the engine's running requests;
+- waste: prefilling again what another endpoint already holds (most cached − cached here) is work that
+  also delays every request queued now, anywhere in the pool; it is charged
+  ``others_delay_weight`` × (requests queued for their first token) × those tokens. On an idle pool
+  only this request's TTFT counts, so a hot prefix whose holder is busy replicates to an idle endpoint;
+  under load the waste dominates and locality wins (replicating would lower the throughput every
+  queued request waits on);
 - the three coefficients come from the pool's online fit of observed first bytes (``PoolView.costs``),
   else the configured priors.
 
@@ -70,28 +76,34 @@ class CostScorer:
         others = self.cfg.others_delay_weight
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
+        queued_total = 0  # requests waiting for their first token anywhere in the view
+        for st in view.states:
+            h = holds.get(st.endpoint.name)
+            cached[st.endpoint.name] = min(h.blocks * self.block_size, prompt_tokens) if h and h.blocks > 0 else 0
+            queued = max(0, st.in_flight - st.decoding)
+            if st.engine is not None:
+                queued = max(queued, st.engine.waiting)
+            queued_total += queued
+        most_cached = max(cached.values())
         best_ms = float("inf")
         for st in view.states:
             name = st.endpoint.name
-            h = holds.get(name)
-            held = min(h.blocks * self.block_size, prompt_tokens) if h is not None and h.blocks > 0 else 0
+            held = cached[name]
             own = prompt_tokens - held
+            h = holds.get(name)
             if held and h is not None and h.tier is not StorageTier.GPU_HOT:
                 own += int(warm * held)
             ahead = st.pending_prefill_tokens
-            queued = max(0, st.in_flight - st.decoding)  # requests there before their first byte
             decoding = st.decoding
             eng = st.engine
             if eng is not None:
                 ahead = max(ahead, int(eng.waiting * mean_tokens))
-                queued = max(queued, eng.waiting)
                 decoding = max(decoding, eng.running)
-            # this request's prefill also delays the requests that will queue behind it there: about as many
-            # as are queued now (none on an idle endpoint, where only its own TTFT counts)
-            ms = c.base_ms + per_token * (ahead + own * (1.0 + others * queued)) + per_seq * decoding
+            # prefilling again what another endpoint holds is work that delays every request queued now
+            waste = most_cached - held
+            ms = c.base_ms + per_token * (ahead + own + others * queued_total * waste) + per_seq * decoding
             ms /= max(0.1, min(1.0, st.success_rate))
             predicted[name] = ms
-            cached[name] = held
             best_ms = min(best_ms, ms)
         limit = best_ms * (1.0 + self.cfg.near_tie_fraction)
         tied = [st for st in view.states if predicted[st.endpoint.name] <= limit]

@@ -55,7 +55,7 @@ def test_a_holder_whose_queue_costs_more_than_a_new_prefill_loses_to_an_idle_end
     assert r is not None and r.best.name == "b"
 
 
-def test_under_load_the_requests_queued_behind_make_a_replica_of_the_prefix_costly() -> None:
+def test_under_load_the_requests_queued_in_the_pool_make_a_replica_of_the_prefix_costly() -> None:
     # both busy; b (holder) has a little more queued than a. Without the others' delay the prefix would
     # be prefilled again on a; with it (the default) the request stays on b
     view = PoolView((state("a", pending=6_000, queued=6), state("b", pending=12_000, queued=8)), COSTS)
