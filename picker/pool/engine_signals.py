@@ -39,9 +39,11 @@ reset, a status other than 200), too_large, unparsed.
 
 The parser is strict and bounded (``parse_exposition``): sample lines ``name{labels} value [timestamp]``,
 ``# HELP`` / ``# TYPE`` comments, escaped label values (``\\\\``, ``\\"``, ``\\n``), ``NaN`` and
-``±Inf``. A line that does not parse is skipped and counted, never raised. In the scraper only the lines
-of the wanted families are examined (found by one regular-expression scan; the other families of a vLLM
-body, mostly histogram buckets, are never split into lines), so a body costs about one pass over its bytes.
+``±Inf``. A line that does not parse is skipped and counted, never raised; every pattern is possessive, so
+a hostile line costs one pass. In the scraper only the lines of the wanted families are examined (found with
+``str.find``, one scan per family; the other families of a vLLM body, mostly histogram buckets, are never
+split into lines); a body over ``THREAD_PARSE_BYTES`` is parsed in a worker thread so the event loop keeps
+serving. Redirects are not followed; the request asks for the 0.0.4 text format, uncompressed.
 
 Bounds: per endpoint of the pool one ``_Target`` (the last reading, its time, one timer handle), dropped
 when the endpoint leaves the pool or changes address; ``MAX_WANTED_SERIES`` wanted series per body, more
@@ -296,7 +298,6 @@ def read_signals(text: str) -> tuple[EngineSignals | None, Exposition]:
 
 
 # -- the scraper ---------------------------------------------------------------------------------------
-OUTCOMES = ("ok", "timeout", "error", "too_large", "unparsed")
 CONFIG_POLL_S = 1.0  # while waiting for the next round (or disabled), a reload is seen within this
 THREAD_PARSE_BYTES = 256 * 1024  # a larger body is parsed in a worker thread (the event loop keeps serving)
 REQUEST_HEADERS = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity", "User-Agent": "kv-epp"}
@@ -304,6 +305,8 @@ REQUEST_HEADERS = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "ide
 
 @dataclass(slots=True)
 class ScrapeResult:
+    """One scrape: ``outcome`` is ok, timeout, error, too_large or unparsed (the metric's label values)."""
+
     outcome: str
     signals: EngineSignals | None = None
     skipped: int = 0
@@ -358,7 +361,6 @@ class EngineSignalScraper:
         self._config = config or (lambda: pool.cfg.engine_metrics)
         self._targets: dict[str, _Target] = {}
         self._session: aiohttp.ClientSession | None = None
-        self.rounds = 0
 
     # -- loop ---------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -416,7 +418,6 @@ class EngineSignalScraper:
             out[ep.name] = result
             self._record(ep.name, target, result)
         self._publish(cfg)
-        self.rounds += 1
         return out
 
     async def _scrape(self, ep: Endpoint, cfg: EngineMetricsConfig, slots: asyncio.Semaphore) -> ScrapeResult:
