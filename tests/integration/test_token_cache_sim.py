@@ -77,7 +77,9 @@ def facts(messages: list[dict[str, str]]) -> RequestFacts:
 async def test_second_turn_makes_no_tokenizer_call_and_holds_match_a_full_tokenization(
     sim: SimulatorProcess,
 ) -> None:
-    cfg = KvCacheIndexConfig(enabled=True, tokenizer=TokenizerConfig(endpoint=sim.base_url))
+    # waits long enough that the outcome never depends on the machine's speed (the cache is what is tested)
+    tok = TokenizerConfig(endpoint=sim.base_url, timeout_ms=10_000, timeout_max_ms=10_000)
+    cfg = KvCacheIndexConfig(enabled=True, tokenizer=tok)
     t4 = Tier4(cfg, Pool(PoolConfig()), PickerMetrics())
     engine = t4.tokenizer
     counting = CountingSource(engine)

@@ -438,7 +438,7 @@ def test_timeout_scales_with_the_body() -> None:
 
 async def test_tier4_held_carries_estimate_and_exactness() -> None:
     rng = random.Random(43)
-    t4 = tier4(cache_trust_after=0)
+    t4 = tier4(cache_trust_after=0, timeout_ms=10_000, timeout_max_ms=10_000)
     src = SimSource()
     t4.tokenizer = src
     seen_timeouts: list[float] = []
