@@ -113,6 +113,8 @@ class Pool:
             prev = old.get(b.name)
             window: deque[bool] = deque(prev.window if prev else (), maxlen=cfg.health.window_size)
             if prev is not None:  # the same object: open leases keep decrementing the live counter
+                if prev.endpoint.address != ep.address:  # another engine now: its last scrape was not of it
+                    prev.engine = None
                 prev.endpoint, prev.window = ep, window
                 new[b.name] = prev
             else:

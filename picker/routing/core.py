@@ -72,7 +72,9 @@ class Router:
         self.cost_mode = kv.scoring.mode == "cost"
         self._pool_names: tuple[str, ...] = ()
         self.rings = RingView(
-            HashRing((), settings.prefix_routing.virtual_nodes), settings.prefix_routing.load_factor_epsilon
+            HashRing((), settings.prefix_routing.virtual_nodes),
+            settings.prefix_routing.load_factor_epsilon,
+            settings.prefix_routing,
         )
         self.strategy: Strategy = STRATEGY_REGISTRY[settings.selection_strategy](self.rings)
 
@@ -82,6 +84,7 @@ class Router:
         old = self.settings
         self.settings = settings
         self.rings.epsilon = settings.prefix_routing.load_factor_epsilon
+        self.rings.config = settings.prefix_routing
         if settings.prefix_routing.virtual_nodes != old.prefix_routing.virtual_nodes:
             self.rings.ring = HashRing(self._pool_names, settings.prefix_routing.virtual_nodes)
         if settings.selection_strategy != old.selection_strategy:

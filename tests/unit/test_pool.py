@@ -126,3 +126,14 @@ def test_engine_signals_reach_the_snapshot() -> None:
     assert pool.view().by_name()["a"].engine == EngineSignals(3, 5, 0.5)
     pool.set_engine_signals("a", None)
     assert pool.view().by_name()["a"].engine is None
+
+
+def test_a_new_address_under_the_same_name_drops_the_old_engine_signals() -> None:
+    from picker.routing.endpoints import EngineSignals
+
+    pool = Pool(PoolConfig.model_validate({"backends": [{"name": "a", "address": "10.0.0.1:8000"}]}))
+    pool.set_engine_signals("a", EngineSignals(waiting=3, running=5))
+    pool.update(PoolConfig.model_validate({"backends": [{"name": "a", "address": "10.0.0.1:8000", "weight": 2}]}))
+    assert pool.view().by_name()["a"].engine is not None
+    pool.update(PoolConfig.model_validate({"backends": [{"name": "a", "address": "10.0.0.2:8000"}]}))
+    assert pool.view().by_name()["a"].engine is None

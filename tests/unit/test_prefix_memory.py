@@ -301,3 +301,18 @@ def test_every_decision_follows_the_rules_and_the_memory_stays_bounded(
         assert all(h in loads for h in held)  # holders not in the view were forgotten
         assert len(s) <= max_entries
         assert [list(s.holders(k)) for k in keys] == [model.memory.get(k[:16], []) for k in keys]
+
+
+def test_the_router_passes_the_memory_keys_to_the_strategy_and_a_reload_changes_them() -> None:
+    from picker.config import Settings
+    from picker.routing.core import Router
+
+    s = Settings.model_validate(
+        {"selection_strategy": "PrefixMemory", "prefix_routing": {"enabled": True, "memory_max_entries": 1234}}
+    )
+    router = Router(s)
+    assert router.rings.config.memory_max_entries == 1234
+    router.reconfigure(
+        s.model_copy(update={"prefix_routing": s.prefix_routing.model_copy(update={"memory_max_entries": 99})})
+    )
+    assert router.rings.config.memory_max_entries == 99
