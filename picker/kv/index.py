@@ -67,8 +67,18 @@ class KvIndex(Protocol):
     def clear(self) -> int: ...
 
 
+class IndexWatcher(Protocol):
+    """Told of every change the feeds make (``picker.kv.placements`` drops the guesses they settle)."""
+
+    def wrote(self, backend: str, keys: Sequence[int]) -> None: ...
+
+    def dropped(self, backend: str | None) -> None: ...  # None: every backend
+
+
 class InMemoryKvIndex:
     """Single-threaded (event-loop) in-memory index. Writers: the feed consumers; reader: the scorer."""
+
+    watcher: IndexWatcher | None = None
 
     def __init__(self, max_entries: int = 100_000, ttl_seconds: float = 600.0) -> None:
         self.max_entries = max_entries
@@ -133,6 +143,8 @@ class InMemoryKvIndex:
     # -- writes --------------------------------------------------------------------------------
     def put(self, backend: str, keys: Sequence[int], tier: StorageTier, now: float | None = None) -> None:
         """The backend holds ``keys`` in ``tier`` (replacing its previous tier for those keys)."""
+        if self.watcher is not None:
+            self.watcher.wrote(backend, keys)
         bid = self._id(backend, time.monotonic() if now is None else now)
         shift = 2 * bid
         both = 3 << shift
@@ -151,6 +163,9 @@ class InMemoryKvIndex:
 
     def remove(self, backend: str, keys: Iterable[int]) -> None:
         """The backend no longer holds ``keys``."""
+        if self.watcher is not None:
+            keys = list(keys)
+            self.watcher.wrote(backend, keys)
         bid = self._ids.get(backend)
         if bid is None:
             return
@@ -202,6 +217,8 @@ class InMemoryKvIndex:
     def drop_backend(self, backend: str) -> int:
         """Forget every entry of ``backend`` in O(1) (restart, AllBlocksCleared, snapshot). Returns
         how many entries it held."""
+        if self.watcher is not None:
+            self.watcher.dropped(backend)
         bid = self._ids.pop(backend, None)
         if bid is None:
             return 0
@@ -218,6 +235,8 @@ class InMemoryKvIndex:
     def clear(self) -> int:
         """Drop everything; returns the number of (block, backend) entries dropped. Every backend's
         feed position is void afterwards (``expirations`` changes)."""
+        if self.watcher is not None:
+            self.watcher.dropped(None)
         n = self._entries
         self._masks.clear()
         for own in self._keys.values():

@@ -12,6 +12,10 @@ Block keys are chained (each key hashes its parent's), so a key placed on an end
 run up to it is there: ``holds`` returns, per endpoint, one past the last consecutive key from block 0
 that it was given.
 
+The index's watcher hook settles each guess: a key the feed then stores or removes on that endpoint is
+the index's again (``wrote``), and an endpoint whose entries the index drops (engine restart, cleared,
+snapshot) loses its guesses too (``dropped``).
+
 Bounds: ``max_entries`` block keys, one endpoint each (the latest placement of a key wins); the oldest
 placement is dropped first (insertion order, refreshed on re-placement); entries older than
 ``ttl_seconds`` are ignored and dropped as the oldest are met.
@@ -65,6 +69,22 @@ class RecentPlacements:
         """An endpoint left the pool: its placements go now."""
         for k in [k for k, (b, _) in self._placed.items() if b == backend]:
             del self._placed[k]
+
+    # -- IndexWatcher: the index's news settles the guesses ----------------------------------------
+    def wrote(self, backend: str, keys: Sequence[int]) -> None:
+        """The feed stored or removed ``keys`` on ``backend``: the index is the truth for them now."""
+        placed = self._placed
+        for k in keys:
+            p = placed.get(k)
+            if p is not None and p[0] == backend:
+                del placed[k]
+
+    def dropped(self, backend: str | None) -> None:
+        """The backend's entries were dropped (restart, cleared, snapshot; None: all): so are its guesses."""
+        if backend is None:
+            self._placed.clear()
+        else:
+            self.forget(backend)
 
 
 def merge(index: MutableMapping[str, BackendHold], placed: Mapping[str, int]) -> None:

@@ -121,8 +121,10 @@ class DecisionRecorder:
         self.decisions[k] = self.decisions.get(k, 0) + 1
         if d.strategy == "PrefixAwareHash":
             self.counts[d.reason] = self.counts.get(d.reason, 0) + 1
-        if d.reason == "kv_aware" or d.reason == "kv_cost":  # a Tier 4 decision (score: overlap, 0..1)
-            self._kv("kv_aware", d.tier, d.score or 0.0)
+        if d.reason == "kv_aware" or (d.reason == "kv_cost" and d.tier is not StorageTier.NONE):
+            self._kv("kv_aware", d.tier, d.score or 0.0)  # sent to a holder (score: the overlap, 0..1)
+        elif d.reason == "kv_cost":  # the cost model chose where nothing of the prefix is held: the seed's fallback
+            self._kv("fallback", StorageTier.NONE, 0.0)
         elif d.kv_fallback_score is not None:
             self._kv("fallback", StorageTier.NONE, d.kv_fallback_score)
         if key is not None:

@@ -37,6 +37,8 @@ class PickerApp:
         )
         observers = (self.tier4.watch,) if self.tier4 is not None else ()
         self.path = RequestPath(settings, self.pool, self.router, self.recorder, holds=self.tier4, observers=observers)
+        if self.tier4 is not None and self.path.placements is not None:  # the feeds settle the placement guesses
+            self.tier4.index.watcher = self.path.placements
         self.open_streams = 0
         self.ready = False
         self.draining = False

@@ -119,3 +119,22 @@ def test_recent_placements_stand_in_for_events_not_yet_received() -> None:
     assert merged == {"a": BackendHold(3, GPU), "c": BackendHold(2, GPU)}
     p.forget("c")
     assert p.holds([7], now=20.0) == {}
+
+
+def test_the_index_settles_placement_guesses() -> None:
+    from picker.kv.index import InMemoryKvIndex
+
+    p = RecentPlacements(max_entries=1000, ttl_seconds=60.0)
+    index = InMemoryKvIndex(1000, 600.0)
+    index.watcher = p
+    p.record("a", [1, 2, 3], now=0.0)
+    p.record("b", [7, 8], now=0.0)
+    index.put("a", [1, 2], StorageTier.GPU_HOT)  # stored as guessed: the index holds them now
+    assert p.holds([1, 2, 3], now=1.0) == {}  # the chain's first keys are the index's again
+    index.remove("b", iter([8]))  # a generator is fine
+    assert p.holds([7, 8], now=1.0) == {"b": 1}
+    index.drop_backend("b")  # restart / cleared: every guess on b goes
+    assert p.holds([7], now=1.0) == {}
+    p.record("a", [5], now=2.0)
+    index.clear()
+    assert len(p) == 0
