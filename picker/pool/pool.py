@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from picker.config import PoolConfig
 from picker.pool.calibration import TtftCalibrator, TtftSample
-from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, PoolView
+from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, PoolView, endpoint_load
 
 log = logging.getLogger("kv_epp.pool")
 
@@ -36,6 +36,9 @@ class _EndpointStats:
     pending_prefill_tokens: int = 0  # this picker's requests there before their first byte: uncached tokens
     decoding: int = 0  # this picker's requests there past their first byte
     engine: EngineSignals | None = None  # the last engine scrape (set by the engine-signal scraper)
+
+    def load(self, mean_tokens: float) -> tuple[int, int, int]:
+        return endpoint_load(self.pending_prefill_tokens, self.in_flight, self.decoding, self.engine, mean_tokens)
 
 
 class Lease:
@@ -154,7 +157,8 @@ class Pool:
         sample = None
         if st is not None:
             if calibrate:
-                sample = TtftSample(st.pending_prefill_tokens + prefill_tokens, st.decoding)
+                ahead, queued, decoding = st.load(self.calibrator.mean_prefill_tokens)
+                sample = TtftSample(ahead + prefill_tokens, decoding, queued, prefill_tokens)
             st.in_flight += 1
             st.pending_prefill_tokens += prefill_tokens
             self._changed(endpoint.name)

@@ -3,30 +3,30 @@
 For each eligible endpoint the scorer estimates this request's time to first token there:
 
     ttft_ms = base_ms
-            + prefill_ms_per_token * (prefill tokens queued ahead of it + its own uncached tokens there)
+            + prefill_ms_per_token * (prefill tokens queued ahead of it + its own uncached tokens there + waste)
+            + queue_ms_per_request * requests queued there for their first token
             + decode_ms_per_seq    * requests decoding there
     (divided by the endpoint's windowed success rate: a failing endpoint costs retries)
 
 - its own uncached tokens = prompt tokens − the leading tokens that endpoint holds (GPU); a StorageWarm
   hold (CPU/disk) still costs ``storage_warm_cost_fraction`` of those tokens' prefill;
-- queued ahead = this picker's requests sent there that have not produced a first byte (their uncached
-  tokens, ``EndpointState.pending_prefill_tokens``), or, when the engine's own ``/metrics`` are scraped
-  and say more (other pickers' traffic, active-active), its waiting requests × the mean uncached
-  tokens of a request; decoding = the larger of this picker's count and the engine's running requests;
-- waste: prefilling again what another endpoint already holds (most cached − cached here) is work that
-  also delays every request queued now, anywhere in the pool; it is charged
-  ``others_delay_weight`` × (requests queued for their first token) × those tokens. On an idle pool
-  only this request's TTFT counts, so a hot prefix whose holder is busy replicates to an idle endpoint;
-  under load the waste dominates and locality wins (replicating would lower the throughput every
-  queued request waits on);
-- the three coefficients come from the pool's online fit of observed first bytes (``PoolView.costs``),
-  else the configured priors.
+- the load (``endpoint_load``): this picker's requests sent there that have not produced a first byte
+  (their count, and their uncached tokens, ``EndpointState.pending_prefill_tokens``) and those decoding;
+  when the engine's own ``/metrics`` are scraped and say more (other pickers' traffic, active-active):
+  its waiting requests (× the mean uncached tokens of a request) and its running requests;
+- waste: prefilling again what another endpoint already holds (most cached − cached here) also delays
+  the requests queued there, and in a pool busy on the whole those that will queue there next; it is
+  charged ``others_delay_weight`` × max(requests queued there, mean queued per endpoint) × those tokens.
+  In a quiet pool only this request's TTFT counts, so a hot prefix whose holder has a queue replicates
+  to an idle endpoint; in a busy pool locality wins (each copy costs the throughput all queues wait on);
+- the four coefficients come from the pool's online fit of observed first bytes (``PoolView.costs``,
+  ``picker.pool.calibration``), else the configured priors.
 
 Every eligible endpoint is a candidate, holders and non-holders: a hot prefix replicates to a second
 endpoint when queueing behind its holder costs more than prefilling it again elsewhere. Endpoints within
 ``near_tie_fraction`` of the cheapest are tied: the one holding the most of the prefix wins (locality is
-worth keeping when it costs little), then a rendezvous hash of the request's prefix key, so every picker
-places a new prefix on the same endpoint and its next requests find it there.
+worth keeping when it costs little), then the cheapest, then (an idle pool: equal costs) a rendezvous
+hash of the request's prefix key, so every picker places a new prefix on the same endpoint.
 
 Pure and synchronous: reads the prepared holds, the prompt length and the pool snapshot, nothing else.
 """
@@ -74,34 +74,27 @@ class CostScorer:
         per_token, per_seq = c.prefill_ms_per_token, c.decode_ms_per_seq
         mean_tokens = c.mean_prefill_tokens
         others = self.cfg.others_delay_weight
+        per_queued = c.queue_ms_per_request
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
-        queued_total = 0  # requests waiting for their first token anywhere in the view
         for st in view.states:
             h = holds.get(st.endpoint.name)
             cached[st.endpoint.name] = min(h.blocks * self.block_size, prompt_tokens) if h and h.blocks > 0 else 0
-            queued = max(0, st.in_flight - st.decoding)
-            if st.engine is not None:
-                queued = max(queued, st.engine.waiting)
-            queued_total += queued
         most_cached = max(cached.values())
+        loads = [st.load(mean_tokens) for st in view.states]
+        mean_queued = sum(q for _, q, _ in loads) / len(loads)
         best_ms = float("inf")
-        for st in view.states:
+        for st, (ahead, queued, decoding) in zip(view.states, loads, strict=True):
             name = st.endpoint.name
             held = cached[name]
             own = prompt_tokens - held
             h = holds.get(name)
             if held and h is not None and h.tier is not StorageTier.GPU_HOT:
                 own += int(warm * held)
-            ahead = st.pending_prefill_tokens
-            decoding = st.decoding
-            eng = st.engine
-            if eng is not None:
-                ahead = max(ahead, int(eng.waiting * mean_tokens))
-                decoding = max(decoding, eng.running)
-            # prefilling again what another endpoint holds is work that delays every request queued now
-            waste = most_cached - held
-            ms = c.base_ms + per_token * (ahead + own + others * queued_total * waste) + per_seq * decoding
+            # prefilling again what another endpoint holds (the waste) delays the requests queued here, and
+            # in a pool that is busy on the whole, the requests that will queue here next
+            waste = (most_cached - held) * others * max(queued, mean_queued)
+            ms = c.base_ms + per_token * (ahead + own + waste) + per_queued * queued + per_seq * decoding
             ms /= max(0.1, min(1.0, st.success_rate))
             predicted[name] = ms
             best_ms = min(best_ms, ms)
@@ -111,7 +104,10 @@ class CostScorer:
             pick = tied[0]
         else:
             k = key or b""
-            pick = max(tied, key=lambda s: (cached[s.endpoint.name], _rendezvous(k, s.endpoint.name)))
+            pick = max(
+                tied,
+                key=lambda s: (cached[s.endpoint.name], -predicted[s.endpoint.name], _rendezvous(k, s.endpoint.name)),
+            )
         name = pick.endpoint.name
         h = holds.get(name)
         tier = h.tier if h is not None and cached[name] else StorageTier.NONE

@@ -15,6 +15,7 @@ __all__ = [
     "EngineSignals",
     "PoolView",
     "StorageTier",
+    "endpoint_load",
 ]
 
 
@@ -39,6 +40,22 @@ class EngineSignals:
     age_s: float = 0.0
 
 
+def endpoint_load(
+    pending_tokens: int, in_flight: int, decoding: int, engine: EngineSignals | None, mean_tokens: float
+) -> tuple[int, int, int]:
+    """(prefill tokens ahead, requests queued for a first token, requests decoding) at one endpoint: this
+    picker's own counts, or the engine's when its scrape says more (other pickers' traffic). The cost model
+    scores with it and the calibration samples it, so both see the same load."""
+    queued = max(0, in_flight - decoding)
+    if engine is not None:
+        return (
+            max(pending_tokens, int(engine.waiting * mean_tokens)),
+            max(queued, engine.waiting),
+            max(decoding, engine.running),
+        )
+    return pending_tokens, queued, decoding
+
+
 @dataclass(slots=True, frozen=True)
 class EndpointState:
     """Load and health of one endpoint at one instant (read-only snapshot for a decision).
@@ -56,12 +73,17 @@ class EndpointState:
     decoding: int = 0
     engine: EngineSignals | None = None
 
+    def load(self, mean_tokens: float) -> tuple[int, int, int]:
+        """``endpoint_load`` of this snapshot: (prefill tokens ahead, queued requests, decoding requests)."""
+        return endpoint_load(self.pending_prefill_tokens, self.in_flight, self.decoding, self.engine, mean_tokens)
+
 
 @dataclass(slots=True, frozen=True)
 class CostCoefficients:
     """The TTFT model's current coefficients (fitted online by the pool's calibrator):
 
-        ttft_ms ≈ base_ms + prefill_ms_per_token * prefill tokens ahead and own + decode_ms_per_seq * decoding
+        ttft_ms ≈ base_ms + prefill_ms_per_token * prefill tokens ahead and own
+                + queue_ms_per_request * requests queued there + decode_ms_per_seq * decoding
 
     ``mean_prefill_tokens``: the mean uncached tokens of a request (turns an engine's queue length into
     tokens); ``samples``: how many first bytes the fit has seen."""
@@ -71,6 +93,7 @@ class CostCoefficients:
     decode_ms_per_seq: float
     mean_prefill_tokens: float = 0.0
     samples: int = 0
+    queue_ms_per_request: float = 0.0  # per request waiting there for its first token (batch limits, slots)
 
 
 class PoolView:
