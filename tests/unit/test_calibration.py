@@ -21,6 +21,19 @@ def test_fit_converges_to_the_generating_coefficients() -> None:
     assert c.samples == 3000
 
 
+def test_fit_separates_queueing_for_a_batch_slot_from_prefill_work() -> None:
+    rng = random.Random(3)
+    cal = TtftCalibrator(base_ms=10.0, prefill_ms_per_token=0.1, decode_ms_per_seq=0.5)
+    for _ in range(4000):  # truth: 20 ms + 0.05 ms/token + 150 ms per request queued ahead + 1 ms per decoding
+        own, queued, dec = rng.randint(20, 6000), rng.randint(0, 8), rng.randint(0, 8)
+        ttft_ms = (20.0 + 0.05 * own + 150.0 * queued + 1.0 * dec) * rng.uniform(0.97, 1.03)
+        cal.observe(TtftSample(own, dec, queued, own), ttft_ms / 1000.0)
+    c = cal.current
+    assert abs(c.queue_ms_per_request - 150.0) < 15.0
+    assert abs(c.prefill_ms_per_token - 0.05) < 0.01
+    assert 2000 < c.mean_prefill_tokens < 4000  # the mean of the requests' own uncached tokens
+
+
 def test_a_per_token_cost_never_reaches_zero_and_disabled_keeps_priors() -> None:
     cal = TtftCalibrator(base_ms=10.0, prefill_ms_per_token=0.1, decode_ms_per_seq=0.5)
     for i in range(500):  # time independent of the work: the fit must keep a positive per-token cost
