@@ -185,7 +185,7 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
         return web.json_response(prefix_routing_stats(app))
 
     async def pool(_: web.Request) -> web.Response:
-        return web.json_response({"backends": app.pool.health_snapshot()})
+        return web.json_response({"backends": app.pool.health_snapshot(), "ttft_model": app.pool.cost_model()})
 
     async def reload(_: web.Request) -> web.Response:
         applied, messages = app.reload()

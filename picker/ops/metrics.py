@@ -157,6 +157,13 @@ class PickerMetrics:
         self.backend_healthy = Gauge(
             "continuum_picker_backend_healthy", "1 when the backend is eligible", ["backend"], registry=r
         )
+        self.ttft_model = Gauge(
+            "continuum_picker_ttft_model",
+            "The cost model's fitted TTFT coefficients (base_ms, prefill_ms_per_token, queue_ms_per_request, "
+            "decode_ms_per_seq), the mean uncached tokens of a request, and the first bytes fitted (samples)",
+            ["coefficient"],
+            registry=r,
+        )
         self.backend_ejections = Counter(
             "continuum_picker_backend_ejections",
             "Backends taken out of rotation by passive health, by reason (error_rate, consecutive_failures)",

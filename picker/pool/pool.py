@@ -289,6 +289,18 @@ class Pool:
         allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
         return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed), full.costs)
 
+    def cost_model(self) -> dict[str, float]:
+        """The TTFT model's current coefficients (``/admin/pool``, the ``continuum_picker_ttft_model`` gauge)."""
+        c = self.calibrator.current
+        return {
+            "base_ms": round(c.base_ms, 3),
+            "prefill_ms_per_token": round(c.prefill_ms_per_token, 6),
+            "queue_ms_per_request": round(c.queue_ms_per_request, 3),
+            "decode_ms_per_seq": round(c.decode_ms_per_seq, 3),
+            "mean_prefill_tokens": round(c.mean_prefill_tokens, 1),
+            "samples": float(c.samples),
+        }
+
     def health_snapshot(self) -> list[dict[str, object]]:
         now = self._clock()
         return [

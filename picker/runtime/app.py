@@ -51,6 +51,8 @@ class PickerApp:
             self.metrics.prefix_routing_backend_distribution.labels(name).set(n)
         for entry in self.pool.health_snapshot():
             self.metrics.backend_healthy.labels(str(entry["backend"])).set(1 if entry["healthy"] else 0)
+        for name, value in self.pool.cost_model().items():
+            self.metrics.ttft_model.labels(name).set(value)
 
     # -- reload -----------------------------------------------------------------------------------
     def reload(self) -> tuple[bool, list[str]]:

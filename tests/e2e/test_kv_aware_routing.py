@@ -105,6 +105,7 @@ def test_picker_stops_preferring_a_replica_that_evicted_the_prefix(kv_stack: KvS
 
 
 def test_kv_index_admin_endpoints(kv_stack: KvStack) -> None:
+    kv_stack.chat(prompt("ttft-model"), "x", max_tokens=4)  # a tokenized request's first byte teaches the TTFT model
     stats = kv_stack.admin("/admin/kv-index/stats")
     assert stats["enabled"] is True and stats["config"]["event_sources_count"] == 2
     assert {e["backend_name"] for e in stats["event_sources"]} == {"sim-0", "sim-1"}
@@ -115,3 +116,6 @@ def test_kv_index_admin_endpoints(kv_stack: KvStack) -> None:
     metrics = http("GET", kv_stack.picker.admin_url + "/metrics").body.decode()
     assert "continuum_kv_index_routing_decisions_total" in metrics
     assert 'continuum_kv_consumer_connected{backend="sim-0"} 1.0' in metrics
+    model = kv_stack.admin("/admin/pool")["ttft_model"]
+    assert model["samples"] > 0 and model["prefill_ms_per_token"] > 0 and model["mean_prefill_tokens"] > 0
+    assert 'continuum_picker_ttft_model{coefficient="samples"}' in metrics
