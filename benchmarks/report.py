@@ -324,13 +324,13 @@ def markdown_table(doc: Mapping[str, Any]) -> str:
         "",
         "| policy | hit rate | vs bound | request share | busy (per replica) | idle while queued "
         "| TTFT from send p50 / p90 / p99 ms | TTFT from arrival p50 / p99 ms | latency p50 / p99 ms "
-        "| achieved / target | success | tokens/s | gateway cached |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| achieved / target | success | tokens/s | picker available / captured | gateway cached |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in doc["policies"].items():
         if not p.get("available"):
             label = p.get("reason", "") if p.get("failed_to_start") else f"not available: {p.get('reason', '')}"
-            lines.append(f"| {name} | {label} |" + "  |" * 11)
+            lines.append(f"| {name} | {label} |" + "  |" * 12)
             continue
         share = " / ".join(f"{100 * v:.1f}" for v in p["request_share"].values()) + " %"
         t, lat, a = p["ttft_ms"], p["latency_ms"], p["ttft_from_arrival_ms"]
@@ -341,9 +341,18 @@ def markdown_table(doc: Mapping[str, Any]) -> str:
             f"| {_num(lat['p50'])} / {_num(lat['p99'])} "
             f"| {_num(p['achieved_rate'], '{:.2f}')} / {_num(p['target_rate'], '{:.2f}')} req/s "
             f"({_pct(p['achieved_rate_ratio'])}) | {_pct(p['success_rate'])} | {_num(p['tokens_per_s'])} "
-            f"| {_pct(p['gateway_cached_share'])} |"
+            f"| {_picker_shares(p)} | {_pct(p['gateway_cached_share'])} |"
         )
     return "\n".join(lines)
+
+
+def _picker_shares(p: Mapping[str, Any]) -> str:
+    """The picker's own cached-token shares over the prompts Tier 4 tokenized: available (the best holder's)
+    and captured (the pick's) — what routing could have had and what it took; '—' without Tier 4."""
+    su = (p.get("picker_stats") or {}).get("sampled_usage") or {}
+    if su.get("available_share") is None:
+        return "—"
+    return f"{_pct(su['available_share'])} / {_pct(su.get('captured_share'))}"
 
 
 def _ratio(x: float | None, base: float | None) -> str:
@@ -497,7 +506,9 @@ def results_markdown(doc: Mapping[str, Any]) -> str:
         "",
         "Times are simulated ms (wall ms / time_scale); achieved rate = successful requests / run duration; "
         "hit rate = Σ Δprefix_cache_hits / Σ Δprefix_cache_queries over all replicas (tokens); "
-        "gateway cached = Σ cached_tokens / Σ prompt_tokens over requests that reported usage; busy = share of "
+        "picker available / captured = the picker's per-decision cached-token counters over the prompts Tier 4 "
+        "tokenized (the best holder's matched tokens / the pick's, as a share of prompt tokens); gateway cached "
+        "(delivered) = Σ cached_tokens / Σ prompt_tokens over requests that reported usage; busy = share of "
         "the run a replica had a request running or waiting; idle while queued = share of the run some replica "
         "had none while another had requests waiting (engines' /metrics polled every "
         f"{_load_period(doc)} ms).",

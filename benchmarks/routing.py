@@ -302,39 +302,44 @@ def picker_cached_token_counters(metrics: str) -> dict[str, Any]:
 
 
 def sampled_usage(metrics: str) -> dict[str, Any]:
-    """The picker's response sample (``kv_epp_sampled_usage_*``, ``kv_epp_responses_observed_total``):
+    """The picker's response sample (``kv_epp_sampled_usage_*``, ``kv_epp_responses_observed_total``) and its
+    per-decision cached-token counters (``continuum_picker_cached_tokens_total``, summed over reason):
     prompt and cached tokens of the sampled responses, their cached share, and how many were sampled."""
     values: dict[str, float] = {}
-    for line in metrics.splitlines():
-        if line.startswith(
-            ("kv_epp_sampled_usage_tokens_total{", "kv_epp_responses_observed_total{", "kv_epp_predicted_tokens_total{")
-        ) or line.startswith("kv_epp_sampled_usage_responses_total "):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    prompt = values.get('kv_epp_sampled_usage_tokens_total{kind="prompt"}', 0.0)
-    cached = values.get('kv_epp_sampled_usage_tokens_total{kind="cached"}', 0.0)
-
-    def predicted(scope: str, kind: str) -> float:
-        return values.get(f'kv_epp_predicted_tokens_total{{kind="{kind}",scope="{scope}"}}', 0.0)
-
-    # difference estimator: Tier 4's predicted cached share over all responses, corrected by the sample's
-    # mean error (delivered − predicted) per prompt token; the prediction is known for every request, the
-    # delivery only for the sample, so only the prediction's error is sampled (far less noisy than the share)
-    s_pred, s_prompt = predicted("sampled", "cached"), predicted("sampled", "prompt")
-    all_pred, all_prompt = predicted("all", "cached"), predicted("all", "prompt")
-    estimate = round(all_pred / all_prompt + (cached - s_pred) / s_prompt, 4) if s_prompt and all_prompt else None
+    tokens: dict[tuple[str, str], float] = {}
+    for name, labels, value in parse_prometheus_text(metrics):
+        if name == "continuum_picker_cached_tokens_total":
+            k = (labels.get("scope", ""), labels.get("kind", ""))
+            tokens[k] = tokens.get(k, 0.0) + value
+        elif name in ("kv_epp_sampled_usage_tokens_total", "kv_epp_responses_observed_total"):
+            values[name + ":" + (labels.get("kind") or labels.get("observed") or "")] = value
+        elif name == "kv_epp_sampled_usage_responses_total":
+            values[name] = value
+    prompt = values.get("kv_epp_sampled_usage_tokens_total:prompt", 0.0)
+    cached = values.get("kv_epp_sampled_usage_tokens_total:cached", 0.0)
+    # difference estimator: Tier 4's predicted (captured) cached share over all decisions, corrected by the
+    # observed responses' mean error (delivered − captured) per prompt token; the prediction is known for every
+    # request, the delivery only for the observed ones, so only the prediction's error is sampled
+    all_pred, all_prompt = tokens.get(("all", "captured"), 0.0), tokens.get(("all", "prompt"), 0.0)
+    o_pred, o_prompt = tokens.get(("observed", "captured"), 0.0), tokens.get(("observed", "prompt"), 0.0)
+    o_delivered = tokens.get(("observed", "delivered"), 0.0)
+    estimate = round(all_pred / all_prompt + (o_delivered - o_pred) / o_prompt, 4) if o_prompt and all_prompt else None
     return {
-        "responses_sampled": values.get('kv_epp_responses_observed_total{observed="sampled"}', 0.0),
+        "responses_sampled": values.get("kv_epp_responses_observed_total:sampled", 0.0),
         "responses_with_usage": values.get("kv_epp_sampled_usage_responses_total", 0.0),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "cached_share": round(cached / prompt, 4) if prompt else None,
         "predicted": {
             "all_prompt": all_prompt,
+            "all_available": tokens.get(("all", "available"), 0.0),
             "all_cached": all_pred,
-            "sampled_prompt": s_prompt,
-            "sampled_cached": s_pred,
+            "sampled_prompt": o_prompt,
+            "sampled_cached": o_pred,
+            "sampled_delivered": o_delivered,
         },
+        "available_share": round(tokens.get(("all", "available"), 0.0) / all_prompt, 4) if all_prompt else None,
+        "captured_share": round(all_pred / all_prompt, 4) if all_prompt else None,
         "calibrated_cached_share": estimate,
     }
 

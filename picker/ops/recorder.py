@@ -246,16 +246,11 @@ class RecorderCollector(Collector):
             "the picker read: sampled, or all in full mode)",
             labels=["reason", "scope", "kind"],
         )
-        compat = [0, 0, 0, 0]  # all prompt, all captured, observed prompt, observed captured
         for reason, t in list(r.cached.items()):
             for i, kind in enumerate(CACHED_KINDS):
                 cached.add_metric([reason, "all", kind], t[i])
             for i, kind in enumerate((*CACHED_KINDS, "delivered")):
                 cached.add_metric([reason, "observed", kind], t[3 + i])
-            compat[0] += t[0]
-            compat[1] += t[2]
-            compat[2] += t[3]
-            compat[3] += t[5]
         yield cached
         predictions = CounterMetricFamily(
             "continuum_picker_observed_predictions",
@@ -268,16 +263,6 @@ class RecorderCollector(Collector):
             for outcome, n in zip(PREDICTION_OUTCOMES, p, strict=True):
                 predictions.add_metric([reason, outcome], n)
         yield predictions
-        legacy = CounterMetricFamily(
-            "kv_epp_predicted_tokens",
-            "Deprecated: continuum_picker_cached_tokens_total summed over reason (kind cached = captured, scope "
-            "sampled = observed); kept while benchmarks/routing.py reads it",
-            labels=["scope", "kind"],
-        )
-        legacy_keys = (("all", "prompt"), ("all", "cached"), ("sampled", "prompt"), ("sampled", "cached"))
-        for (scope, kind), n in zip(legacy_keys, compat, strict=True):
-            legacy.add_metric([scope, kind], n)
-        yield legacy
         h = r.decision_seconds
         yield HistogramMetricFamily(
             "continuum_picker_decision_seconds",

@@ -215,7 +215,7 @@ def test_prediction_outcome_rule() -> None:
 async def test_delivered_tokens_and_the_stale_index_counter_through_the_stream() -> None:
     """Tier 4 predicted 64 of 100 prompt tokens on the pick: a sampled response whose usage says 0 cached books
     the stale-index counter; one that delivers them is a hit; a response read in full mode counts as observed
-    too; an unsampled one only in scope "all". The deprecated kv_epp_predicted_tokens_total is their sum."""
+    too; an unsampled one only in scope "all"."""
     app = PickerApp(
         parse_settings(
             {"pool": {"backends": BACKENDS}, "prefix_routing": {"enabled": True}, "kv_cache_index": {"enabled": True}}
@@ -247,7 +247,5 @@ async def test_delivered_tokens_and_the_stale_index_counter_through_the_stream()
     outcomes = {o: get("continuum_picker_observed_predictions_total", reason="kv_cost", outcome=o) for o in
                 ("hit", "stale", "unpredicted", "miss")}  # fmt: skip
     assert outcomes == {"hit": 2, "stale": 1, "unpredicted": 0, "miss": 0}
-    assert get("kv_epp_predicted_tokens_total", scope="all", kind="cached") == 320
-    assert get("kv_epp_predicted_tokens_total", scope="sampled", kind="prompt") == 300
     assert get("kv_epp_sampled_usage_tokens_total", kind="cached") == 112
     assert get("kv_epp_responses_observed_total", observed="sampled") == 4
