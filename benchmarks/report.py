@@ -554,6 +554,9 @@ def results_markdown(doc: Mapping[str, Any]) -> str:
             cached = (p["picker_stats"].get("cached_token_counters") or {}).get("totals")
             if cached:
                 evidence.append(f"- {name}: picker cached-token counters {json.dumps(cached)}")
+            model = p["picker_stats"].get("ttft_model")
+            if model and model.get("samples"):
+                evidence.append(f"- {name}: the picker's fitted TTFT model {json.dumps(model)}")
             kv = p["picker_stats"].get("kv_index")
             if kv:
                 evidence.append(

@@ -170,7 +170,9 @@ class PolicyStack:
         """The picker's Tier 1 stats, plus the Tier 4 stats under ``kv_index`` when the listener runs."""
         if self.picker is None:
             return None
-        paths = ["/admin/prefix-routing/stats"] + (["/admin/kv-index/stats"] if self.policy.listener else [])
+        paths = ["/admin/prefix-routing/stats", "/admin/pool"] + (
+            ["/admin/kv-index/stats"] if self.policy.listener else []
+        )
         out: dict[str, Any] = {}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
@@ -179,6 +181,8 @@ class PolicyStack:
                         data: dict[str, Any] = await resp.json()
                     if path.startswith("/admin/kv-index"):
                         out["kv_index"] = data
+                    elif path == "/admin/pool":
+                        out["ttft_model"] = data.get("ttft_model")
                     else:
                         out.update(data)
                 async with http.get(f"{self.picker.admin_url}/metrics") as resp:
