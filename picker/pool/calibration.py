@@ -1,6 +1,7 @@
 """The TTFT model's online fit: observed times to first byte → ``CostCoefficients``.
 
-Each request sent with an exact prefill estimate (Tier 4 tokenized all of it) leaves a ``TtftSample``:
+Each request whose prompt Tier 4 counted (tokenized, or a cached tokenized prefix plus the rest at its
+tokens per byte) leaves a ``TtftSample``:
 what its endpoint had to do before this request's first token — the prefill tokens (this picker's
 pending prefill there, or the engine's queue × the mean request, and this request's own uncached
 tokens), the requests queued there for a first token, and the requests decoding there. When its first

@@ -300,8 +300,9 @@ class RequestPath:
             prefill = prepared.prompt_tokens - predicted_cached
         else:  # not tokenized: about 4 bytes of body per prompt token
             prefill = facts.body_bytes // 4
-        exact = prepared.prompt_tokens is not None and getattr(prepared.holds, "exact", True)
-        lease = self.pool.acquire(decision.endpoint, prefill, calibrate=exact)
+        # a prompt Tier 4 counted (tokenized, or a tokenized prefix plus the rest at its tokens per byte) has a
+        # prefill estimate good enough to teach the TTFT model; the body-size guess is not
+        lease = self.pool.acquire(decision.endpoint, prefill, calibrate=prepared.prompt_tokens is not None)
         block_keys = getattr(prepared.holds, "block_keys", None)
         if block_keys and self.placements is not None:
             self.placements.record(decision.endpoint.name, block_keys, _mono())
