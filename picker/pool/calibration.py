@@ -1,40 +1,45 @@
 """The TTFT model's online fit: observed times to first byte → ``CostCoefficients``.
 
 Each request whose prompt Tier 4 counted (tokenized, or a cached tokenized prefix plus the rest at its
-tokens per byte) leaves a ``TtftSample``:
-what its endpoint had to do before this request's first token — the prefill tokens (this picker's
-pending prefill there, or the engine's queue × the mean request, and this request's own uncached
-tokens), the requests queued there for a first token, and the requests decoding there. When its first
-byte arrives the pair (sample, observed time) updates a recursive least-squares fit of
+tokens per byte) leaves a ``TtftSample``: what its endpoint had to do before this request's first
+token — the prefill tokens (this picker's pending prefill there, or the engine's queue × the mean
+request, and this request's own uncached tokens), the requests queued there for a first token, and the
+requests decoding there. When its first byte arrives, the pair (sample, observed time) is added to
+exponentially weighted normal equations (``FORGETTING``: the last few hundred first bytes weigh most)
+of
 
     ttft_ms = base_ms + prefill_ms_per_token * work_tokens + queue_ms_per_request * queued
                       + decode_ms_per_seq * decoding
 
-with exponential forgetting (``FORGETTING``: the last ~500 samples weigh most), so the coefficients
-follow the engines' real speed, their batch limits, the network and the proxy, with no constant tuned
-per workload. A coefficient never goes below its floor (a per-token cost of at least
-``MIN_PREFILL_MS_PER_TOKEN`` keeps the cached prefix worth something), and one observation's pull is
-clipped to a few times the running mean absolute error (a request stalled by something the model does
-not see teaches little).
+and every ``SOLVE_EVERY`` samples the coefficients are re-solved: least squares with a ridge pull
+toward the configured priors (worth ``PRIOR_WEIGHT`` samples, so a feature that never varies keeps its
+prior instead of drifting), each coefficient at least its floor (a per-token cost of at least
+``MIN_PREFILL_MS_PER_TOKEN`` keeps the cached prefix worth something). Non-negativity is exact: with four
+coefficients every choice of which ones sit at their floor is solved and the best feasible one kept.
+One observation's pull is clipped to a few times the running mean absolute error (a request stalled by
+something the model does not see teaches little). So the coefficients follow the engines' real speed,
+their batch limits, the network and the proxy, with no constant tuned per workload.
 
-Bounds: four coefficients, a 4×4 matrix and two running means; nothing grows with traffic.
+Bounds: four coefficients, a 4×4 matrix, a 4-vector and two running means; nothing grows with traffic.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from picker.config import CostModelConfig
 from picker.routing.endpoints import CostCoefficients
 
-FORGETTING = 0.998
+FORGETTING = 0.995  # per sample: the fit's memory is about 1 / (1 − 0.995) = 200 first bytes
+SOLVE_EVERY = 8
+PRIOR_WEIGHT = 5.0  # the priors count as this many samples' worth of evidence (ridge)
 TOKEN_SCALE = 1000.0  # the fit works in thousands of tokens (a well-conditioned matrix)
 MIN_PREFILL_MS_PER_TOKEN = 1e-4
 MAX_MS = 600_000.0
-# prior variances: base_ms², (ms per 1k tokens)², (ms per queued request)², (ms per decoding request)²
-PRIOR_VARIANCE = (100.0**2, 1.0**2, 100.0**2, 10.0**2)
-MAX_TRACE = 1e9  # the matrix is reset to the prior variance past this (windup when inputs stop varying)
 N = 4
+# typical feature magnitudes, to scale the ridge: 1, thousands of tokens, queued requests, decoding requests
+FEATURE_SCALE = (1.0, 4.0, 4.0, 8.0)
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,7 +53,7 @@ class TtftSample:
 
 
 class TtftCalibrator:
-    """Recursive least squares over (1, work_tokens/1000, queued, decoding) → observed TTFT in ms."""
+    """Weighted ridge least squares over (1, work_tokens/1000, queued, decoding) → observed TTFT in ms."""
 
     def __init__(
         self,
@@ -60,8 +65,11 @@ class TtftCalibrator:
     ) -> None:
         self.enabled = enabled
         self.priors = (base_ms, prefill_ms_per_token * TOKEN_SCALE, queue_ms_per_request, decode_ms_per_seq)
+        self.floors = (0.0, MIN_PREFILL_MS_PER_TOKEN * TOKEN_SCALE, 0.0, 0.0)
         self.theta = list(self.priors)
-        self.p = _diag(PRIOR_VARIANCE)
+        self.a = [[0.0] * N for _ in range(N)]  # Σ w φφᵀ
+        self.c = [0.0] * N  # Σ w φ y
+        self.weight = 0.0  # Σ w
         self.samples = 0
         self.mean_abs_error = 0.0
         self.mean_prefill_tokens = 0.0
@@ -82,31 +90,65 @@ class TtftCalibrator:
             self.current = self._coefficients()
             return
         phi = (1.0, sample.work_tokens / TOKEN_SCALE, float(sample.queued), float(sample.decoding))
-        theta, p = self.theta, self.p
-        p_phi = [sum(p[i][j] * phi[j] for j in range(N)) for i in range(N)]
-        denom = FORGETTING + sum(phi[i] * p_phi[i] for i in range(N))
-        gain = [v / denom for v in p_phi]
-        err = y - sum(theta[i] * phi[i] for i in range(N))
+        predicted = sum(t * f for t, f in zip(self.theta, phi, strict=True))
+        err = y - predicted
         if n >= 20 and self.mean_abs_error > 0.0:  # clip one observation's pull (a stall, a GC pause)
             cap = 4.0 * self.mean_abs_error
             err = max(-cap, min(cap, err))
         self.mean_abs_error += (abs(err) - self.mean_abs_error) / min(n + 1, 200)
+        y = predicted + err
+        a, c = self.a, self.c
         for i in range(N):
-            theta[i] += gain[i] * err
-        floors = (0.0, MIN_PREFILL_MS_PER_TOKEN * TOKEN_SCALE, 0.0, 0.0)
-        for i in range(N):
-            theta[i] = min(MAX_MS, max(floors[i], theta[i]))
-        for i in range(N):
+            c[i] = FORGETTING * c[i] + phi[i] * y
             for j in range(N):
-                p[i][j] = (p[i][j] - gain[i] * p_phi[j]) / FORGETTING
-        if sum(p[i][i] for i in range(N)) > MAX_TRACE:
-            self.p = _diag(PRIOR_VARIANCE)
-        self.current = self._coefficients()
+                a[i][j] = FORGETTING * a[i][j] + phi[i] * phi[j]
+        self.weight = FORGETTING * self.weight + 1.0
+        if self.samples % SOLVE_EVERY == 0 or self.samples < SOLVE_EVERY:
+            self.theta = self._solve()
+            self.current = self._coefficients()
+
+    def _solve(self) -> list[float]:
+        """argmin Σw(y − φθ)² + Σ ridge_i (θ_i − prior_i)², θ ≥ floors (every active set of 4 tried)."""
+        ridge = [PRIOR_WEIGHT * s * s for s in FEATURE_SCALE]
+        a = [[self.a[i][j] + (ridge[i] if i == j else 0.0) for j in range(N)] for i in range(N)]
+        c = [self.c[i] + ridge[i] * self.priors[i] for i in range(N)]
+        best: list[float] | None = None
+        best_obj = float("inf")
+        for mask in itertools.product((True, False), repeat=N):  # True: free, False: at its floor
+            theta = list(self.floors)
+            free = [i for i in range(N) if mask[i]]
+            if free:
+                sub = [[a[i][j] for j in free] for i in free]
+                rhs = [c[i] - sum(a[i][j] * theta[j] for j in range(N) if not mask[j]) for i in free]
+                x = _gauss(sub, rhs)
+                if x is None or any(v < self.floors[i] for i, v in zip(free, x, strict=True)):
+                    continue
+                for i, v in zip(free, x, strict=True):
+                    theta[i] = min(MAX_MS, v)
+            obj = sum(theta[i] * a[i][j] * theta[j] for i in range(N) for j in range(N)) - 2 * sum(
+                c[i] * theta[i] for i in range(N)
+            )
+            if obj < best_obj:
+                best, best_obj = theta, obj
+        return best if best is not None else list(self.priors)
 
     def _coefficients(self) -> CostCoefficients:
         t = self.theta if self.enabled else list(self.priors)
         return CostCoefficients(t[0], t[1] / TOKEN_SCALE, t[3], self.mean_prefill_tokens, self.samples, t[2])
 
 
-def _diag(values: tuple[float, ...]) -> list[list[float]]:
-    return [[values[i] if i == j else 0.0 for j in range(len(values))] for i in range(len(values))]
+def _gauss(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Solve m x = v (small, symmetric positive definite with the ridge); None when singular."""
+    n = len(v)
+    aug = [[*row, v[i]] for i, row in enumerate(m)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(aug[r][col]))
+        if abs(aug[piv][col]) < 1e-12:
+            return None
+        aug[col], aug[piv] = aug[piv], aug[col]
+        for r in range(n):
+            if r != col:
+                f = aug[r][col] / aug[col][col]
+                for k in range(col, n + 1):
+                    aug[r][k] -= f * aug[col][k]
+    return [aug[i][n] / aug[i][i] for i in range(n)]
