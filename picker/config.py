@@ -98,6 +98,9 @@ class CostModelConfig(_Section):
     # the pool (1: each counts as much as this request; 0: only this request's TTFT counts, and a loaded
     # holder's prefix is replicated as soon as that is faster for this one request)
     others_delay_weight: float = Field(1.0, ge=0.0, le=100.0)
+    # an endpoint whose engine evicted blocks within this window has a full cache: a new copy of a prefix
+    # there also evicts another prefix, so its waste is charged as if the pool's mean queue waited there
+    eviction_window_seconds: float = Field(60.0, ge=0.0, le=86_400.0)
 
 
 class ScoringConfig(_Section):

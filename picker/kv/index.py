@@ -54,6 +54,8 @@ class KvIndex(Protocol):
 
     max_entries: int
 
+    def evicting(self, within_s: float, now: float | None = None) -> frozenset[str]: ...
+
     async def holds(self, keys: Sequence[int]) -> dict[str, BackendHold]: ...
 
     def put(self, backend: str, keys: Sequence[int], tier: StorageTier, now: float | None = None) -> None: ...
@@ -83,6 +85,9 @@ class InMemoryKvIndex:
     def __init__(self, max_entries: int = 100_000, ttl_seconds: float = 600.0) -> None:
         self.max_entries = max_entries
         self.ttl = float(ttl_seconds)
+        # backend → when the feed last removed blocks there (the engine evicted: its cache is full); bound: one
+        # per live backend, dropped with it (a restarted engine starts empty)
+        self._last_removal: dict[str, float] = {}
         # block key → bitmask of (backend id, tier) bits; bound: one key per entry (≤ max_entries)
         self._masks: dict[int, int] = {}
         # backend id → its keys in write order (oldest first); bound: max_entries in all
@@ -176,6 +181,8 @@ class InMemoryKvIndex:
                 self._unlink(bid, k)
                 n += 1
         self._counters[bid].removals += n
+        if n:
+            self._last_removal[backend] = time.monotonic()
 
     def _unlink(self, bid: int, k: int) -> None:
         """Drop the (k, bid) entry (the caller counts it)."""
@@ -219,6 +226,7 @@ class InMemoryKvIndex:
         how many entries it held."""
         if self.watcher is not None:
             self.watcher.dropped(backend)
+        self._last_removal.pop(backend, None)
         bid = self._ids.pop(backend, None)
         if bid is None:
             return 0
@@ -237,6 +245,7 @@ class InMemoryKvIndex:
         feed position is void afterwards (``expirations`` changes)."""
         if self.watcher is not None:
             self.watcher.dropped(None)
+        self._last_removal.clear()
         n = self._entries
         self._masks.clear()
         for own in self._keys.values():
@@ -349,6 +358,12 @@ class InMemoryKvIndex:
                 tier = StorageTier.GPU_HOT if all_gpu & low else StorageTier.STORAGE_WARM
                 out[names[(low.bit_length() - 1) >> 1]] = BackendHold(blocks, tier)
         return out
+
+    def evicting(self, within_s: float, now: float | None = None) -> frozenset[str]:
+        """Backends whose engine evicted blocks in the last ``within_s`` seconds: their cache is full, so a
+        new copy of a prefix there evicts some other prefix."""
+        t = time.monotonic() if now is None else now
+        return frozenset(b for b, at in self._last_removal.items() if t - at <= within_s)
 
     async def holds(self, keys: Sequence[int]) -> dict[str, BackendHold]:
         """``KvIndex.holds``: the in-memory lookup needs no I/O, so this never waits."""

@@ -47,12 +47,13 @@ class Held(dict[str, BackendHold]):
     every token was known (a request that may calibrate the TTFT model). ``block_keys`` may cover only a
     cached prefix of the prompt (see ``picker.kv.token_cache``)."""
 
-    __slots__ = ("block_keys", "exact", "prompt_tokens")
+    __slots__ = ("block_keys", "evicting", "exact", "prompt_tokens")
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.prompt_tokens: int | None = None
         self.exact = False
+        self.evicting: frozenset[str] = frozenset()  # backends whose cache is full (they evicted recently)
         self.block_keys: Sequence[int] = ()  # the request's block keys (the commit stage remembers the placement)
 
 
@@ -158,6 +159,7 @@ class Tier4:
             held.prompt_tokens = n
             held.exact = exact
             held.block_keys = keys
+            held.evicting = self.index.evicting(self.cfg.scoring.cost.eviction_window_seconds)
             return held
         except TimeoutError:
             self._failed("timeout")

@@ -282,10 +282,11 @@ class RequestPath:
         block_keys = getattr(holds, "block_keys", None)
         if block_keys and self.placements is not None:  # a Held of this request's own: add recent placements
             merge_placements(holds, self.placements.holds(block_keys, _mono()))  # type: ignore[arg-type]
+        evicting: frozenset[str] = getattr(holds, "evicting", frozenset())
         if not self.affinity or not facts.session_id:
-            return Prepared(key, holds, prompt_tokens=tokens)
+            return Prepared(key, holds, prompt_tokens=tokens, evicting=evicting)
         session = session_key(facts.session_id)
-        return Prepared(key, holds, session, self.sessions.get(session, _mono()), tokens)
+        return Prepared(key, holds, session, self.sessions.get(session, _mono()), tokens, evicting)
 
     def decide(self, facts: RequestFacts, prepared: Prepared, subset: Sequence[str] | None) -> Decision | None:
         """Stage 4: the pure decision over the pool's snapshot."""

@@ -51,6 +51,7 @@ class Prepared:
     session: bytes | None = None  # the fixed-size session key, when session affinity is on
     sticky: str | None = None  # the endpoint the session table names (it may be ineligible now)
     prompt_tokens: int | None = None  # the prompt's length in tokens, when Tier 4 tokenized it
+    evicting: frozenset[str] = frozenset()  # endpoints whose cache is full (they evicted recently)
 
 
 NOTHING_PREPARED = Prepared()
@@ -118,7 +119,7 @@ class Router:
         scores: Mapping[str, float] | None = None
         d: Decision | None
         if prepared.holds is not None and self.cost_mode and prepared.prompt_tokens:
-            c = self.cost.score(prepared.holds, prepared.prompt_tokens, view, prepared.key)
+            c = self.cost.score(prepared.holds, prepared.prompt_tokens, view, prepared.key, prepared.evicting)
             if c is None:
                 return None
             share = c.cached_tokens / prepared.prompt_tokens

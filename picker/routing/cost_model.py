@@ -15,10 +15,12 @@ For each eligible endpoint the scorer estimates this request's time to first tok
   when the engine's own ``/metrics`` are scraped and say more (other pickers' traffic, active-active):
   its waiting requests (× the mean uncached tokens of a request) and its running requests;
 - waste: prefilling again what another endpoint already holds (most cached − cached here) also delays
-  the requests queued there, and in a pool busy on the whole those that will queue there next; it is
-  charged ``others_delay_weight`` × max(requests queued there, mean queued per endpoint) × those tokens.
-  In a quiet pool only this request's TTFT counts, so a hot prefix whose holder has a queue replicates
-  to an idle endpoint; in a busy pool locality wins (each copy costs the throughput all queues wait on);
+  the requests queued there; it is charged ``others_delay_weight`` × (requests queued there) × those
+  tokens. Where the engine's cache is full (it evicted blocks within ``eviction_window_seconds``, as
+  the KV events tell), the copy also evicts some other prefix that queued requests will need again: the
+  charge uses max(requests queued there, mean queued per endpoint). So a hot prefix whose holder has a
+  queue replicates to an endpoint with room and time to spare, and in a pool whose caches are full and
+  busy, locality wins (each copy costs the throughput all queues wait on);
 - the four coefficients come from the pool's online fit of observed first bytes (``PoolView.costs``,
   ``picker.pool.calibration``), else the configured priors.
 
@@ -64,7 +66,12 @@ class CostScorer:
         self.priors = CostCoefficients(cfg.prior_base_ms, cfg.prior_prefill_ms_per_token, cfg.prior_decode_ms_per_seq)
 
     def score(
-        self, holds: Mapping[str, BackendHold], prompt_tokens: int, view: PoolView, key: bytes | None
+        self,
+        holds: Mapping[str, BackendHold],
+        prompt_tokens: int,
+        view: PoolView,
+        key: bytes | None,
+        evicting: frozenset[str] = frozenset(),
     ) -> CostResult | None:
         """The cheapest eligible endpoint, or None when nothing is eligible."""
         if not view.states:
@@ -91,9 +98,9 @@ class CostScorer:
             h = holds.get(name)
             if held and h is not None and h.tier is not StorageTier.GPU_HOT:
                 own += int(warm * held)
-            # prefilling again what another endpoint holds (the waste) delays the requests queued here, and
-            # in a pool that is busy on the whole, the requests that will queue here next
-            waste = (most_cached - held) * others * max(queued, mean_queued)
+            # prefilling again what another endpoint holds (the waste) delays the requests queued here; where the
+            # cache is full the copy also evicts another prefix, which the pool's queues will pay for again
+            waste = (most_cached - held) * others * (max(queued, mean_queued) if name in evicting else queued)
             ms = c.base_ms + per_token * (ahead + own + waste) + per_queued * queued + per_seq * decoding
             ms /= max(0.1, min(1.0, st.success_rate))
             predicted[name] = ms

@@ -138,3 +138,28 @@ def test_the_index_settles_placement_guesses() -> None:
     p.record("a", [5], now=2.0)
     index.clear()
     assert len(p) == 0
+
+
+def test_a_full_cache_makes_a_copy_cost_what_the_pools_queues_pay() -> None:
+    # holder b has queued requests; a is idle. With room in a's cache a copy is cheap: a wins. With a's cache
+    # full (it evicted recently) the copy also evicts another prefix: with the pool's mean queue, b keeps it
+    view = PoolView((state("a"), state("b", pending=4_000, queued=8)), COSTS)
+    holds = {"b": BackendHold(190, GPU)}
+    room = scorer().score(holds, 3100, view, b"k")
+    full = scorer().score(holds, 3100, view, b"k", evicting=frozenset({"a"}))
+    assert room is not None and room.best.name == "a"
+    assert full is not None and full.best.name == "b"
+
+
+def test_the_index_tells_which_backends_evicted_recently() -> None:
+    from picker.kv.index import InMemoryKvIndex
+
+    index = InMemoryKvIndex(1000, 600.0)
+    index.put("a", [1, 2, 3], StorageTier.GPU_HOT)
+    index.put("b", [4], StorageTier.GPU_HOT)
+    index.remove("a", [1])
+    index.remove("b", [99])  # nothing it held: not an eviction
+    assert index.evicting(60.0) == frozenset({"a"})
+    assert index.evicting(60.0, now=10**9) == frozenset()  # long ago
+    index.drop_backend("a")  # restarted: an empty cache
+    assert index.evicting(60.0) == frozenset()
