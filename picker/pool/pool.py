@@ -7,6 +7,7 @@ configured endpoint; state for an endpoint removed by a reload is dropped with i
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -17,6 +18,8 @@ from picker.pool.calibration import TtftCalibrator, TtftSample
 from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, PoolView, endpoint_load
 
 log = logging.getLogger("kv_epp.pool")
+
+QUEUE_AVG_S = 5.0  # time constant of each endpoint's mean queue (requests before their first byte)
 
 # (event, backend, reason): "ejected" with reason error_rate | consecutive_failures, "readmitted" with
 # reason cooldown_over. Called synchronously where the transition happens (the request path).
@@ -36,6 +39,8 @@ class _EndpointStats:
     pending_prefill_tokens: int = 0  # this picker's requests there before their first byte: uncached tokens
     decoding: int = 0  # this picker's requests there past their first byte
     engine: EngineSignals | None = None  # the last engine scrape (set by the engine-signal scraper)
+    queued_avg: float = 0.0  # time-weighted mean of this picker's requests there before their first byte
+    queued_avg_at: float = -1.0  # not yet started
 
     def load(self, mean_tokens: float) -> tuple[int, int, int]:
         return endpoint_load(self.pending_prefill_tokens, self.in_flight, self.decoding, self.engine, mean_tokens)
@@ -159,18 +164,29 @@ class Pool:
             if calibrate:
                 ahead, queued, decoding = st.load(self.calibrator.mean_prefill_tokens)
                 sample = TtftSample(ahead + prefill_tokens, decoding, queued, prefill_tokens)
+            self._average_queue(st)
             st.in_flight += 1
             st.pending_prefill_tokens += prefill_tokens
             self._changed(endpoint.name)
         return Lease(self, endpoint, st, prefill_tokens, sample)
 
+    def _average_queue(self, st: _EndpointStats) -> None:
+        """Fold the queue length that held since the last change into its time-weighted mean (``QUEUE_AVG_S``)."""
+        now = self._clock()
+        if st.queued_avg_at >= 0.0:
+            w = 1.0 - math.exp(-max(0.0, now - st.queued_avg_at) / QUEUE_AVG_S)
+            st.queued_avg += w * (max(0, st.in_flight - st.decoding) - st.queued_avg)
+        st.queued_avg_at = now
+
     def _first_byte(self, st: _EndpointStats, prefill_tokens: int) -> None:
+        self._average_queue(st)
         st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill_tokens)
         st.decoding += 1
         if self._stats.get(st.endpoint.name) is st:
             self._changed(st.endpoint.name)
 
     def _release(self, st: _EndpointStats, decoding: bool, prefill_tokens: int) -> None:
+        self._average_queue(st)
         if st.in_flight > 0:
             st.in_flight -= 1
         if decoding:
@@ -279,7 +295,7 @@ class Pool:
                 if snap is None:
                     snap = EndpointState(
                         st.endpoint, st.in_flight, self._rate(st), st.latency_ewma_ms, True,
-                        st.pending_prefill_tokens, st.decoding, st.engine,
+                        st.pending_prefill_tokens, st.decoding, st.engine, round(st.queued_avg, 3),
                     )  # fmt: skip
                     self._snaps[name] = snap
                 states.append(snap)

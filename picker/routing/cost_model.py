@@ -15,8 +15,9 @@ For each eligible endpoint the scorer estimates this request's time to first tok
   when the engine's own ``/metrics`` are scraped and say more (other pickers' traffic, active-active):
   its waiting requests (× the mean uncached tokens of a request) and its running requests;
 - waste: prefilling again what another endpoint already holds (most cached − cached here) also delays
-  the requests queued there; it is charged ``others_delay_weight`` × (requests queued there) × those
-  tokens. Where the engine's cache is full (it evicted blocks within ``eviction_window_seconds``, as
+  the requests queued there; it is charged ``others_delay_weight`` × (requests queued there: now, or
+  their mean over the last seconds when larger — a momentary lull on a busy endpoint is not room) ×
+  those tokens. Where the engine's cache is full (it evicted blocks within ``eviction_window_seconds``, as
   the KV events tell), the copy also evicts some other prefix that queued requests will need again: the
   charge uses max(requests queued there, mean queued per endpoint). So a hot prefix whose holder has a
   queue replicates to an endpoint with room and time to spare, and in a pool whose caches are full and
@@ -100,7 +101,10 @@ class CostScorer:
                 own += int(warm * held)
             # prefilling again what another endpoint holds (the waste) delays the requests queued here; where the
             # cache is full the copy also evicts another prefix, which the pool's queues will pay for again
-            waste = (most_cached - held) * others * (max(queued, mean_queued) if name in evicting else queued)
+            waiting_here = max(queued, st.queued_avg)  # who the copy's prefill delays: the usual queue, not a lull
+            waste = (
+                (most_cached - held) * others * (max(waiting_here, mean_queued) if name in evicting else waiting_here)
+            )
             ms = c.base_ms + per_token * (ahead + own + waste) + per_queued * queued + per_seq * decoding
             ms /= max(0.1, min(1.0, st.success_rate))
             predicted[name] = ms

@@ -137,3 +137,20 @@ def test_a_new_address_under_the_same_name_drops_the_old_engine_signals() -> Non
     assert pool.view().by_name()["a"].engine is not None
     pool.update(PoolConfig.model_validate({"backends": [{"name": "a", "address": "10.0.0.2:8000"}]}))
     assert pool.view().by_name()["a"].engine is None
+
+
+def test_the_mean_queue_remembers_a_busy_endpoint_through_a_lull() -> None:
+    now = [0.0]
+    pool = Pool(
+        PoolConfig.model_validate({"backends": [{"name": "a", "address": "10.0.0.1:8000"}]}), clock=lambda: now[0]
+    )
+    ep = pool.endpoints[0]
+    leases = [pool.acquire(ep, 100) for _ in range(4)]  # 4 queued for 10 s
+    now[0] = 10.0
+    for lease in leases:
+        lease.release()  # a lull: none queued now
+    st = pool.view().by_name()["a"]
+    assert st.in_flight == 0 and 3.0 < st.queued_avg < 4.0  # ~4 over the last 5 s time constant
+    now[0] = 60.0
+    pool.acquire(ep, 100)  # long idle since: the mean has decayed
+    assert pool.view().by_name()["a"].queued_avg < 0.01
