@@ -101,6 +101,9 @@ class CostModelConfig(_Section):
     # an endpoint whose engine evicted blocks within this window has a full cache: a new copy of a prefix
     # there also evicts another prefix, so its waste is charged as if the pool's mean queue waited there
     eviction_window_seconds: float = Field(60.0, ge=0.0, le=86_400.0)
+    # a copy of a prefix held elsewhere serves that prefix's requests over about this horizon: its prefill is
+    # shared among them (rate × horizon ÷ holders); 0 charges every copy in full to the request that makes it
+    copy_horizon_seconds: float = Field(10.0, ge=0.0, le=3600.0)
 
 
 class ScoringConfig(_Section):

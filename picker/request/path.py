@@ -27,6 +27,7 @@ from picker.ops.recorder import DecisionRecorder
 from picker.pool.pool import Lease, Pool
 from picker.request.admission import Admission, overloaded_body
 from picker.request.facts import BadRequest, RequestFacts, api_for_path, error_body, parse_request
+from picker.request.popularity import PrefixRates
 from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key
 from picker.routing.endpoints import BackendHold, Decision
@@ -233,6 +234,7 @@ class RequestPath:
         self.body_observers = tuple(o for o in self.observers if o.wants_body)
         self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
         self.admission = Admission(settings.admission)
+        self.prefix_rates = PrefixRates()  # Tier 4 requests' prefix popularity, for the cost model
         self.configure(settings)
 
     def configure(self, settings: Settings) -> None:
@@ -283,10 +285,11 @@ class RequestPath:
         if block_keys and self.placements is not None:  # a Held of this request's own: add recent placements
             merge_placements(holds, self.placements.holds(block_keys, _mono()))  # type: ignore[arg-type]
         evicting: frozenset[str] = getattr(holds, "evicting", frozenset())
+        rate = self.prefix_rates.hit(key, _mono()) if holds is not None and key is not None else 0.0
         if not self.affinity or not facts.session_id:
-            return Prepared(key, holds, prompt_tokens=tokens, evicting=evicting)
+            return Prepared(key, holds, prompt_tokens=tokens, evicting=evicting, prefix_rate=rate)
         session = session_key(facts.session_id)
-        return Prepared(key, holds, session, self.sessions.get(session, _mono()), tokens, evicting)
+        return Prepared(key, holds, session, self.sessions.get(session, _mono()), tokens, evicting, rate)
 
     def decide(self, facts: RequestFacts, prepared: Prepared, subset: Sequence[str] | None) -> Decision | None:
         """Stage 4: the pure decision over the pool's snapshot."""

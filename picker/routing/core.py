@@ -52,6 +52,7 @@ class Prepared:
     sticky: str | None = None  # the endpoint the session table names (it may be ineligible now)
     prompt_tokens: int | None = None  # the prompt's length in tokens, when Tier 4 tokenized it
     evicting: frozenset[str] = frozenset()  # endpoints whose cache is full (they evicted recently)
+    prefix_rate: float = 0.0  # requests per second for this request's prefix key, lately
 
 
 NOTHING_PREPARED = Prepared()
@@ -119,7 +120,9 @@ class Router:
         scores: Mapping[str, float] | None = None
         d: Decision | None
         if prepared.holds is not None and self.cost_mode and prepared.prompt_tokens:
-            c = self.cost.score(prepared.holds, prepared.prompt_tokens, view, prepared.key, prepared.evicting)
+            c = self.cost.score(
+                prepared.holds, prepared.prompt_tokens, view, prepared.key, prepared.evicting, prepared.prefix_rate
+            )
             if c is None:
                 return None
             share = c.cached_tokens / prepared.prompt_tokens

@@ -73,6 +73,7 @@ class CostScorer:
         view: PoolView,
         key: bytes | None,
         evicting: frozenset[str] = frozenset(),
+        prefix_rate: float = 0.0,
     ) -> CostResult | None:
         """The cheapest eligible endpoint, or None when nothing is eligible."""
         if not view.states:
@@ -89,13 +90,19 @@ class CostScorer:
             h = holds.get(st.endpoint.name)
             cached[st.endpoint.name] = min(h.blocks * self.block_size, prompt_tokens) if h and h.blocks > 0 else 0
         most_cached = max(cached.values())
+        holders = sum(1 for v in cached.values() if v)
         loads = [st.load(mean_tokens) for st in view.states]
         mean_queued = sum(q for _, q, _ in loads) / len(loads)
         best_ms = float("inf")
         for st, (ahead, queued, decoding) in zip(view.states, loads, strict=True):
             name = st.endpoint.name
             held = cached[name]
-            own = prompt_tokens - held
+            # a copy of what others hold is prefilled once here and then serves the prefix's next requests
+            # here: its prefill is shared with those (about rate × horizon ÷ holders after this one)
+            copy = most_cached - held
+            if copy and holders:
+                copy = int(copy / (1.0 + prefix_rate * self.cfg.copy_horizon_seconds / (holders + 1)))
+            own = prompt_tokens - most_cached + copy
             h = holds.get(name)
             if held and h is not None and h.tier is not StorageTier.GPU_HOT:
                 own += int(warm * held)

@@ -163,3 +163,27 @@ def test_the_index_tells_which_backends_evicted_recently() -> None:
     assert index.evicting(60.0, now=10**9) == frozenset()  # long ago
     index.drop_backend("a")  # restarted: an empty cache
     assert index.evicting(60.0) == frozenset()
+
+
+def test_a_hot_prefix_shares_its_copys_prefill_with_the_requests_that_will_find_it() -> None:
+    # b holds a 5,000-token document and has a short queue; a is idle without it. Asked for once, the copy is
+    # not worth it; asked for 5 times a second, the copy's prefill is shared by the next ~50 requests: a wins
+    view = PoolView((state("a"), state("b", pending=200, queued=3, decoding=8)), COSTS)
+    holds = {"b": BackendHold(5000 // 16, GPU)}
+    cold = scorer().score(holds, 5040, view, b"doc", prefix_rate=0.1)
+    hot = scorer().score(holds, 5040, view, b"doc", prefix_rate=5.0)
+    assert cold is not None and cold.best.name == "b"
+    assert hot is not None and hot.best.name == "a"
+
+
+def test_prefix_rates_decay_and_stay_bounded() -> None:
+    from picker.request.popularity import PrefixRates
+
+    r = PrefixRates(max_keys=2, tau_s=10.0)
+    assert r.hit(b"x", 0.0) == 0.1
+    assert abs(r.hit(b"x", 0.0) - 0.2) < 1e-9
+    assert r.hit(b"x", 1000.0) < 0.11  # long quiet: back to about one request's worth
+    r.hit(b"y", 1000.0)
+    r.hit(b"z", 1000.0)
+    assert len(r) == 2  # x, the least recently asked for, is gone
+    assert r.hit(b"x", 1000.0) == 0.1

@@ -1,0 +1,34 @@
+"""How often each prefix is asked for: a decaying request rate per Tier 1 prefix key.
+
+``hit(key, now)`` counts one request and returns the key's rate in requests per second, an exponentially
+decaying average with time constant ``tau_s`` (each request adds ``1/tau_s``; the sum halves every
+``tau_s·ln 2`` seconds without requests). The cost model uses it to share a copy's prefill among the
+requests that will find the copy (a hot prefix is worth a second holder; a prefix asked for once is not).
+
+Bounds: ``max_keys`` keys, least recently asked for dropped first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+
+class PrefixRates:
+    def __init__(self, max_keys: int = 65_536, tau_s: float = 10.0) -> None:
+        self.max_keys = max_keys
+        self.tau = tau_s
+        self._rates: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # key → (rate, at)
+
+    def __len__(self) -> int:
+        return len(self._rates)
+
+    def hit(self, key: bytes, now: float) -> float:
+        prev = self._rates.pop(key, None)
+        rate = 1.0 / self.tau
+        if prev is not None:
+            rate += prev[0] * math.exp(-max(0.0, now - prev[1]) / self.tau)
+        self._rates[key] = (rate, now)
+        if len(self._rates) > self.max_keys:
+            self._rates.popitem(last=False)
+        return rate
