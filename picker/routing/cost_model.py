@@ -9,7 +9,10 @@ For each eligible endpoint the scorer estimates this request's time to first tok
     (divided by the endpoint's windowed success rate: a failing endpoint costs retries)
 
 - its own uncached tokens = prompt tokens − the leading tokens that endpoint holds (GPU); a StorageWarm
-  hold (CPU/disk) still costs ``storage_warm_cost_fraction`` of those tokens' prefill;
+  hold (CPU/disk) still costs ``storage_warm_cost_fraction`` of those tokens' prefill; the part another
+  endpoint holds (a copy made here) is shared with the prefix's next requests that will find it here:
+  divided by 1 + (the prefix's recent request rate × ``copy_horizon_seconds`` ÷ (holders + 1)), so a hot
+  prefix gets a second holder while one asked for now and then stays where it is;
 - the load (``endpoint_load``): this picker's requests sent there that have not produced a first byte
   (their count, and their uncached tokens, ``EndpointState.pending_prefill_tokens``) and those decoding;
   when the engine's own ``/metrics`` are scraped and say more (other pickers' traffic, active-active):
