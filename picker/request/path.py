@@ -234,7 +234,7 @@ class RequestPath:
         self.body_observers = tuple(o for o in self.observers if o.wants_body)
         self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
         self.admission = Admission(settings.admission)
-        self.prefix_rates = PrefixRates()  # Tier 4 requests' prefix popularity, for the cost model
+        self.prefix_rates = PrefixRates()  # how often each held prefix is asked for, for the cost model
         self.configure(settings)
 
     def configure(self, settings: Settings) -> None:
@@ -285,7 +285,11 @@ class RequestPath:
         if block_keys and self.placements is not None:  # a Held of this request's own: add recent placements
             merge_placements(holds, self.placements.holds(block_keys, _mono()))  # type: ignore[arg-type]
         evicting: frozenset[str] = getattr(holds, "evicting", frozenset())
-        rate = self.prefix_rates.hit(key, _mono()) if holds is not None and key is not None else 0.0
+        rate = 0.0
+        if block_keys and holds:  # how often the deepest held prefix is asked for: what a copy would serve
+            deepest = max(h.blocks for h in holds.values())
+            if 0 < deepest <= len(block_keys):
+                rate = self.prefix_rates.hit(block_keys[deepest - 1], _mono())
         if not self.affinity or not facts.session_id:
             return Prepared(key, holds, prompt_tokens=tokens, evicting=evicting, prefix_rate=rate)
         session = session_key(facts.session_id)

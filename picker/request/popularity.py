@@ -1,4 +1,8 @@
-"""How often each prefix is asked for: a decaying request rate per Tier 1 prefix key.
+"""How often each prefix is asked for: a decaying request rate per prefix.
+
+The key is the block key that ends the longest prefix of the request some endpoint holds (chained block
+keys name a whole prefix), so a hot document that every request carries has one key with a high rate,
+while a conversation, whose held prefix grows each turn, has a new key every turn.
 
 ``hit(key, now)`` counts one request and returns the key's rate in requests per second, an exponentially
 decaying average with time constant ``tau_s`` (each request adds ``1/tau_s``; the sum halves every
@@ -12,18 +16,19 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Hashable
 
 
 class PrefixRates:
     def __init__(self, max_keys: int = 65_536, tau_s: float = 10.0) -> None:
         self.max_keys = max_keys
         self.tau = tau_s
-        self._rates: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # key → (rate, at)
+        self._rates: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key → (rate, at)
 
     def __len__(self) -> int:
         return len(self._rates)
 
-    def hit(self, key: bytes, now: float) -> float:
+    def hit(self, key: Hashable, now: float) -> float:
         prev = self._rates.pop(key, None)
         rate = 1.0 / self.tau
         if prev is not None:
