@@ -180,10 +180,11 @@ def test_prefix_rates_decay_and_stay_bounded() -> None:
     from picker.request.popularity import PrefixRates
 
     r = PrefixRates(max_keys=2, tau_s=10.0)
-    assert r.hit(b"x", 0.0) == 0.1
+    assert r.hit(b"x", 0.0) == 0.0  # first seen: no demand yet
+    assert abs(r.hit(b"x", 0.0) - 0.1) < 1e-9
     assert abs(r.hit(b"x", 0.0) - 0.2) < 1e-9
-    assert r.hit(b"x", 1000.0) < 0.11  # long quiet: back to about one request's worth
+    assert r.hit(b"x", 1000.0) < 1e-6  # long quiet: no demand left
     r.hit(b"y", 1000.0)
     r.hit(b"z", 1000.0)
     assert len(r) == 2  # x, the least recently asked for, is gone
-    assert r.hit(b"x", 1000.0) == 0.1
+    assert r.hit(b"x", 1000.0) == 0.0
