@@ -45,6 +45,11 @@ class SimConfig:
     event_drop_rate: float = _f(0.0, "fraction of KV event batches not sent on PUB (fault)")
     seed: int = _f(0, "seed of the fault random generators")
     kv_events_enabled: bool = _f(True, "publish KV events over ZMQ")
+    stream_headers: Literal["admitted", "first_token"] = _f(
+        "admitted",
+        "when a streamed response's headers go out: admitted (as vLLM and SGLang: a StreamingResponse starts "
+        "before the engine has the request, so before prefill) or first_token",
+    )
     engine_label: str = _f("0", "metrics label engine")
 
 

@@ -404,9 +404,14 @@ class EngineSimulator:
         chat: bool,
         include_usage: bool,
     ) -> web.StreamResponse:
-        index, item = await merged.get()  # wait for the first token so errors can still be a status code
-        if item.kind == "error":
-            return error_response(503, item.text, "ServiceUnavailableError")
+        # vLLM and SGLang answer a stream with a StreamingResponse whose generator submits the request to the
+        # engine: the headers go out before prefill (``admitted``); ``first_token`` waits for the first token,
+        # so an engine failure before it can still be a status code
+        admitted = self.config.stream_headers == "admitted"
+        if not admitted:
+            index, item = await merged.get()
+            if item.kind == "error":
+                return error_response(503, item.text, "ServiceUnavailableError")
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -415,6 +420,8 @@ class EngineSimulator:
             }
         )
         await response.prepare(request)
+        if admitted:
+            index, item = await merged.get()
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 

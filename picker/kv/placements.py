@@ -12,6 +12,10 @@ Block keys are chained (each key hashes its parent's), so a key placed on an end
 run up to it is there: ``holds`` returns, per endpoint, one past the last consecutive key from block 0
 that it was given.
 
+The same hook tells when a request's prefill is done: vLLM and SGLang send response headers before prefill
+(a stream) or after the whole answer, so the commit stage ``watch``es the request's last uncached block key
+and the engine's store of that block on its endpoint ends the request's pending prefill (``PrefillWaiter``).
+
 The index's watcher hook settles each guess: a key the feed then stores or removes on that endpoint is
 the index's again (``wrote``), and an endpoint whose entries the index drops (engine restart, cleared,
 snapshot) loses its guesses too (``dropped``).
@@ -24,8 +28,16 @@ placement is dropped first (insertion order, refreshed on re-placement); entries
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Protocol
 
 from picker.routing.endpoints import BackendHold, StorageTier
+
+
+class PrefillWaiter(Protocol):
+    def prefill_done(self) -> None: ...
+
+
+MAX_WAITING_KEYS = 65_536
 
 
 class RecentPlacements:
@@ -33,6 +45,23 @@ class RecentPlacements:
         self.max_entries = max_entries
         self.ttl = ttl_seconds
         self._placed: dict[int, tuple[str, float]] = {}  # block key → (backend, placed at)
+        # block key → the requests whose prefill ends with that block there (``watch``); bound:
+        # MAX_WAITING_KEYS keys, the oldest dropped first (its requests then count as prefilled at their end)
+        self._waiting: dict[int, list[tuple[str, PrefillWaiter]]] = {}
+
+    def watch(self, backend: str, key: int, waiter: PrefillWaiter) -> None:
+        """Tell ``waiter`` when the feed says ``backend`` stored ``key`` (its prefill reached that block)."""
+        self._waiting.setdefault(key, []).append((backend, waiter))
+        while len(self._waiting) > MAX_WAITING_KEYS:
+            del self._waiting[next(iter(self._waiting))]
+
+    def unrecord(self, backend: str, keys: Sequence[int]) -> None:
+        """The request placed there failed or was served elsewhere: its guesses on ``backend`` go."""
+        placed = self._placed
+        for k in keys:
+            p = placed.get(k)
+            if p is not None and p[0] == backend:
+                del placed[k]
 
     def __len__(self) -> int:
         return len(self._placed)
@@ -72,19 +101,38 @@ class RecentPlacements:
 
     # -- IndexWatcher: the index's news settles the guesses ----------------------------------------
     def wrote(self, backend: str, keys: Sequence[int]) -> None:
-        """The feed stored or removed ``keys`` on ``backend``: the index is the truth for them now."""
-        placed = self._placed
+        """The feed stored or removed ``keys`` on ``backend``: the index is the truth for them now, and the
+        requests whose prefill ended with one of them there are prefilled."""
+        placed, waiting = self._placed, self._waiting
         for k in keys:
             p = placed.get(k)
             if p is not None and p[0] == backend:
                 del placed[k]
+            if waiting:
+                ws = waiting.get(k)
+                if ws is not None:
+                    rest = [w for w in ws if w[0] != backend]
+                    if rest:
+                        waiting[k] = rest
+                    else:
+                        del waiting[k]
+                    for b, w in ws:
+                        if b == backend:
+                            w.prefill_done()
 
     def dropped(self, backend: str | None) -> None:
         """The backend's entries were dropped (restart, cleared, snapshot; None: all): so are its guesses."""
         if backend is None:
             self._placed.clear()
+            self._waiting.clear()
         else:
             self.forget(backend)
+            for k in [k for k, ws in self._waiting.items() if any(b == backend for b, _ in ws)]:
+                rest = [w for w in self._waiting[k] if w[0] != backend]
+                if rest:
+                    self._waiting[k] = rest
+                else:
+                    del self._waiting[k]
 
 
 def merge(index: MutableMapping[str, BackendHold], placed: Mapping[str, int]) -> None:

@@ -20,6 +20,7 @@ from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, Poo
 log = logging.getLogger("kv_epp.pool")
 
 QUEUE_AVG_S = 5.0  # time constant of each endpoint's mean queue (requests before their first byte)
+QUEUE_AVG_REFRESH_S = 0.5  # snapshots show each mean at most this old, even for an endpoint no request reaches
 
 # (event, backend, reason): "ejected" with reason error_rate | consecutive_failures, "readmitted" with
 # reason cooldown_over. Called synchronously where the transition happens (the request path).
@@ -51,11 +52,18 @@ class Lease:
     counter it incremented, so an endpoint removed and re-added by reloads meanwhile is not miscounted.
 
     ``prefill_tokens`` (the request's uncached prompt tokens there, as the decision estimated them) count
-    in the endpoint's ``pending_prefill_tokens`` until ``first_byte`` (or the release, whichever comes
-    first); from the first byte to the release the request counts in ``decoding``."""
+    in the endpoint's ``pending_prefill_tokens`` until its prefill is done (or the release, whichever comes
+    first); from then to the release the request counts in ``decoding``.
+
+    When is the prefill done? vLLM and SGLang send a stream's response headers when they admit the request,
+    before prefill, and a non-streamed response's at the very end: the headers say nothing about it. So a
+    lease that ``awaits_kv`` learns it from the engine's KV events (``prefill_done``: the request's last
+    uncached block was stored there), and only those times teach the TTFT model; a lease with nothing to
+    wait for (Tier 4 off, or every keyed block already held) counts as prefilled at its response headers."""
 
     __slots__ = (
-        "_pool", "_stats", "endpoint", "first_byte_seen", "prefill_tokens", "released", "sample", "started",
+        "_pool", "_stats", "awaits_kv", "endpoint", "first_byte_seen", "prefill_tokens", "released", "sample",
+        "started",
     )  # fmt: skip
 
     def __init__(
@@ -71,18 +79,27 @@ class Lease:
         self.endpoint = endpoint
         self.prefill_tokens = prefill_tokens
         self.sample = sample  # what the endpoint had when this request was sent, for the TTFT calibration
-        self.first_byte_seen = False
+        self.awaits_kv = sample is not None
+        self.first_byte_seen = False  # the prefill is done (name kept from when the headers said so)
         self.released = False
         self.started = pool._clock()
 
     def first_byte(self, ok: bool = True) -> None:
-        """The response started: the request's prefill is done (idempotent; nothing after the release).
-        A successful first byte of a calibrated lease teaches the pool's TTFT model."""
+        """The response headers arrived (idempotent; nothing after the release): the prefill counts as done
+        unless the lease awaits the KV events, or the answer failed (``ok`` False: it is not decoding)."""
+        if not self.awaits_kv or not ok:
+            self._prefilled(observe=False)
+
+    def prefill_done(self) -> None:
+        """The engine stored the request's last uncached block: its time since the pick teaches the model."""
+        self._prefilled(observe=True)
+
+    def _prefilled(self, observe: bool) -> None:
         if not self.first_byte_seen and not self.released:
             self.first_byte_seen = True
             if self._stats is not None:
                 self._pool._first_byte(self._stats, self.prefill_tokens)
-            if ok and self.sample is not None:
+            if observe and self.sample is not None:
                 self._pool.calibrator.observe(self.sample, self._pool._clock() - self.started)
 
     def release(self) -> None:
@@ -107,6 +124,7 @@ class Pool:
         self._snaps: dict[str, EndpointState] = {}
         self._full_view: PoolView | None = None
         self._next_readmit = 0.0  # earliest ejected_until among ejected endpoints (0: none ejected)
+        self._averaged_at = 0.0  # when every endpoint's mean queue was last brought up to date
         self.cfg = cfg
         self.health_listener: HealthListener | None = None  # counts transitions (set by the request path)
         self.update(cfg)
@@ -154,9 +172,9 @@ class Pool:
 
     # -- load -----------------------------------------------------------------------------------
     def acquire(self, endpoint: Endpoint, prefill_tokens: int = 0, calibrate: bool = False) -> Lease:
-        """Take an in-flight slot; ``prefill_tokens`` count as pending prefill work until the first byte.
-        ``calibrate``: ``prefill_tokens`` is exact (tokenized), so this request's time to first byte may
-        teach the TTFT model what the endpoint's load at this instant costs."""
+        """Take an in-flight slot; ``prefill_tokens`` count as pending prefill work until the prefill is done.
+        ``calibrate``: the caller will tell the lease when the engine has prefilled it (``prefill_done``, from
+        the KV events), and that time teaches the TTFT model what the endpoint's load at this instant costs."""
         prefill_tokens = max(0, prefill_tokens)
         st = self._stats.get(endpoint.name)
         sample = None
@@ -284,7 +302,14 @@ class Pool:
     # -- snapshots ------------------------------------------------------------------------------
     def view(self, subset: Iterable[str] | None = None) -> PoolView:
         """Eligible endpoints now: healthy and, when the proxy sent a subset hint, inside it."""
-        self._readmit_due(self._clock())
+        now = self._clock()
+        self._readmit_due(now)
+        if now - self._averaged_at >= QUEUE_AVG_REFRESH_S:  # an endpoint nobody sends to still forgets its queue
+            self._averaged_at = now
+            for st in self._stats.values():
+                self._average_queue(st)
+            self._snaps.clear()
+            self._full_view = None
         full = self._full_view
         if full is None:
             states = []

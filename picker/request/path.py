@@ -88,7 +88,7 @@ class Exchange:
 
     __slots__ = (
         "_body_observers", "_ended", "_observers", "available_cached", "decided_at", "decision", "facts",
-        "first_byte_at", "lease", "predicted_cached", "prompt_tokens", "served", "status",
+        "first_byte_at", "lease", "placed", "predicted_cached", "prompt_tokens", "served", "status",
     )  # fmt: skip
 
     def __init__(
@@ -109,6 +109,8 @@ class Exchange:
         self.prompt_tokens: int | None = None  # Tier 4's token count of the prompt, when it tokenized it
         self.predicted_cached = 0  # prompt tokens the index said the chosen endpoint holds (captured)
         self.available_cached = 0  # prompt tokens the index said the best holder holds (>= predicted_cached)
+        # the recent placement this request made (placements, endpoint, block keys), undone if it fails there
+        self.placed: tuple[RecentPlacements, str, Sequence[int]] | None = None
         self._observers = observers
         self._body_observers = body_observers
         self._ended = False
@@ -123,9 +125,12 @@ class Exchange:
         self.status = status
         self.served = served
         self.first_byte_at = _mono()
-        self.lease.first_byte(
-            status is not None and status < 500 and (served is None or served == self.lease.endpoint.address)
-        )
+        ok = status is not None and status < 500 and (served is None or served == self.lease.endpoint.address)
+        self.lease.first_byte(ok)
+        if self.placed is not None and (not ok or status is None or status >= 400):  # not cached there after all
+            placements, name, keys = self.placed
+            placements.unrecord(name, keys)
+            self.placed = None
         for o in self._observers:
             o.on_headers(self, status)
 
@@ -250,10 +255,10 @@ class RequestPath:
         self.tier4 = self.holds is not None and self.router.tier4_active()
         self.block_size = settings.kv_cache_index.tokenizer.block_size
         kv = settings.kv_cache_index
-        if kv.recent_placements_seconds <= 0:
-            self.placements: RecentPlacements | None = None
-        elif getattr(self, "placements", None) is None:
-            self.placements = RecentPlacements(kv.recent_placements_max_entries, kv.recent_placements_seconds)
+        if getattr(self, "placements", None) is None:  # kv_cache_index is restart-required: built once
+            self.placements: RecentPlacements | None = RecentPlacements(
+                kv.recent_placements_max_entries, kv.recent_placements_seconds
+            )
         # request headers the stages read: the protocol layer decodes only these
         self.wanted_headers = frozenset(
             {":path", ":method", "content-length", self.session_header, self.tenant_header, "x-request-id"}
@@ -282,7 +287,7 @@ class RequestPath:
         holds = await self.holds.holds_for(facts) if key is not None and self.tier4 and self.holds else None
         tokens = getattr(holds, "prompt_tokens", None)
         block_keys = getattr(holds, "block_keys", None)
-        if block_keys and self.placements is not None:  # a Held of this request's own: add recent placements
+        if block_keys and self.placements is not None and self.placements.ttl > 0:  # a Held of its own: add guesses
             merge_placements(holds, self.placements.holds(block_keys, _mono()))  # type: ignore[arg-type]
         evicting: frozenset[str] = getattr(holds, "evicting", frozenset())
         rate = 0.0
@@ -308,16 +313,25 @@ class RequestPath:
             prefill = prepared.prompt_tokens - predicted_cached
         else:  # not tokenized: about 4 bytes of body per prompt token
             prefill = facts.body_bytes // 4
-        # a prompt Tier 4 counted (tokenized, or a tokenized prefix plus the rest at its tokens per byte) has a
-        # prefill estimate good enough to teach the TTFT model; the body-size guess is not
-        lease = self.pool.acquire(decision.endpoint, prefill, calibrate=prepared.prompt_tokens is not None)
-        block_keys = getattr(prepared.holds, "block_keys", None)
+        # the engine's KV events tell when the prefill reached the request's last keyed block, if the pick does
+        # not hold it already: that time (from a prompt Tier 4 counted) teaches the TTFT model
+        block_keys: Sequence[int] = getattr(prepared.holds, "block_keys", None) or ()
+        placed = None
+        name = decision.endpoint.name
+        held = prepared.holds.get(name) if prepared.holds else None
+        watch = bool(block_keys) and self.placements is not None and (held.blocks if held else 0) < len(block_keys)
+        lease = self.pool.acquire(decision.endpoint, prefill, calibrate=watch)
         if block_keys and self.placements is not None:
-            self.placements.record(decision.endpoint.name, block_keys, _mono())
+            if self.placements.ttl > 0:
+                self.placements.record(name, block_keys, _mono())
+                placed = (self.placements, name, block_keys)
+            if watch:
+                self.placements.watch(name, block_keys[-1], lease)
         if prepared.session is not None:
             self.sessions.put(prepared.session, decision.endpoint.name, _mono())
         self.recorder.decided(decision, prepared.key)
         ex = Exchange(facts, decision, lease, self.observers, self.body_observers)
+        ex.placed = placed
         if prepared.prompt_tokens is not None:
             ex.prompt_tokens = prompt = prepared.prompt_tokens
             ex.predicted_cached = predicted_cached

@@ -6,8 +6,9 @@ while a conversation, whose held prefix grows each turn, has a new key every tur
 
 ``hit(key, now)`` counts one request and returns the key's rate in requests per second before it, an
 exponentially decaying average with time constant ``tau_s`` (each request adds ``1/tau_s``; the sum
-halves every ``tau_s·ln 2`` seconds without requests): a prefix seen for the first time has rate 0. The cost model uses it to share a copy's prefill among the
-requests that will find the copy (a hot prefix is worth a second holder; a prefix asked for once is not).
+halves every ``tau_s·ln 2`` seconds without requests): a prefix seen for the first time has rate 0.
+The cost model uses it to share a copy's prefill among the requests that will find the copy (a hot
+prefix is worth a second holder; a prefix asked for once is not).
 
 Bounds: ``max_keys`` keys, least recently asked for dropped first.
 """

@@ -188,3 +188,42 @@ def test_prefix_rates_decay_and_stay_bounded() -> None:
     r.hit(b"z", 1000.0)
     assert len(r) == 2  # x, the least recently asked for, is gone
     assert r.hit(b"x", 1000.0) == 0.0
+
+
+def test_the_engines_kv_events_end_a_requests_prefill_not_its_response_headers() -> None:
+    from picker.config import PoolConfig
+    from picker.kv.index import InMemoryKvIndex
+    from picker.pool.pool import Pool
+
+    pool = Pool(PoolConfig.model_validate({"backends": [{"name": "a", "address": "10.0.0.1:8000"}]}))
+    placements = RecentPlacements()
+    index = InMemoryKvIndex(1000, 600.0)
+    index.watcher = placements
+    ep = pool.endpoints[0]
+    lease = pool.acquire(ep, 300, calibrate=True)
+    placements.watch("a", 42, lease)
+    lease.first_byte(True)  # vLLM's stream headers: sent at admission, before prefill
+    st = pool.view().by_name()["a"]
+    assert (st.pending_prefill_tokens, st.decoding) == (300, 0)
+    index.put("b", [42], StorageTier.GPU_HOT)  # the same block stored elsewhere says nothing about a
+    assert pool.view().by_name()["a"].pending_prefill_tokens == 300
+    index.put("a", [41, 42], StorageTier.GPU_HOT)  # a stored the request's last block: prefilled
+    st = pool.view().by_name()["a"]
+    assert (st.pending_prefill_tokens, st.decoding) == (0, 1)
+    assert pool.calibrator.samples == 1
+    # a lease with nothing to wait for counts as prefilled at its headers, and teaches nothing
+    other = pool.acquire(ep, 10)
+    other.first_byte(True)
+    assert pool.view().by_name()["a"].decoding == 2 and pool.calibrator.samples == 1
+    lease.release()
+    other.release()
+    st = pool.view().by_name()["a"]
+    assert (st.in_flight, st.pending_prefill_tokens, st.decoding) == (0, 0, 0)
+
+
+def test_a_failed_answer_undoes_its_placement() -> None:
+    p = RecentPlacements()
+    p.record("a", [1, 2, 3], now=0.0)
+    p.record("b", [9], now=0.0)
+    p.unrecord("a", [1, 2, 3, 9])  # only a's guesses of these keys
+    assert p.holds([1, 2, 3], now=1.0) == {} and p.holds([9], now=1.0) == {"b": 1}

@@ -154,3 +154,18 @@ def test_the_mean_queue_remembers_a_busy_endpoint_through_a_lull() -> None:
     now[0] = 60.0
     pool.acquire(ep, 100)  # long idle since: the mean has decayed
     assert pool.view().by_name()["a"].queued_avg < 0.01
+
+
+def test_an_endpoint_nobody_sends_to_forgets_its_queue() -> None:
+    now = [0.0]
+    cfg = {"backends": [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]}
+    pool = Pool(PoolConfig.model_validate(cfg), clock=lambda: now[0])
+    a = pool.endpoint("a")
+    assert a is not None
+    leases = [pool.acquire(a, 100) for _ in range(8)]
+    now[0] = 30.0
+    for lease in leases:
+        lease.release()
+    assert pool.view().by_name()["a"].queued_avg > 7.0
+    now[0] = 330.0  # five minutes with no request to a: its mean must decay without one
+    assert pool.view().by_name()["a"].queued_avg < 0.01

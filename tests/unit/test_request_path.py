@@ -4,6 +4,7 @@ observers, without Envoy: what each stage hands the next and what it must not do
 from __future__ import annotations
 
 import json
+import time
 
 from picker.config import parse_settings
 from picker.request.facts import RequestFacts
@@ -229,3 +230,43 @@ async def test_cached_token_accounting_books_the_best_holder_and_the_pick() -> N
     ex = await plain.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
     assert isinstance(ex, Exchange) and ex.prompt_tokens is None
     assert cached_tokens(plain, ex.decision.reason, "all", "prompt") is None
+
+
+class KeyedHolds:
+    """Tier 4's answer with the request's block keys (what the commit stage places and watches)."""
+
+    def __init__(self, keys: list[int]) -> None:
+        self.keys = keys
+
+    async def holds_for(self, facts: RequestFacts) -> TokenizedHolds:
+        held = TokenizedHolds({}, prompt_tokens=len(self.keys) * 16)
+        held.block_keys = self.keys  # type: ignore[attr-defined]
+        return held
+
+
+async def test_a_pick_is_placed_and_watched_until_its_kv_events_and_a_failed_one_is_undone() -> None:
+    app = make_app(kv_cache_index={"enabled": True})
+    app.path.holds = KeyedHolds([11, 12, 13])
+    app.path.configure(app.settings)
+    placements = app.path.placements
+    assert placements is not None
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
+    assert isinstance(ex, Exchange) and ex.decision.reason == "kv_cost"
+    name = ex.decision.endpoint.name
+    assert placements.holds([11, 12, 13], time.monotonic()) == {name: 3}  # placed before any KV event
+    ex.response_headers(200)  # headers before prefill (vLLM): still pending
+    st = app.pool.view().by_name()[name]
+    assert st.pending_prefill_tokens == 48 and st.decoding == 0
+    placements.wrote(name, [11, 12, 13])  # the engine stored the request's blocks
+    st = app.pool.view().by_name()[name]
+    assert st.pending_prefill_tokens == 0 and st.decoding == 1 and app.pool.calibrator.samples == 1
+    ex.end(completed=True)
+
+    app.path.holds = KeyedHolds([21, 22])
+    failed = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body("another system prompt")))
+    assert isinstance(failed, Exchange)
+    assert placements.holds([21, 22], time.monotonic()) == {failed.decision.endpoint.name: 2}
+    failed.response_headers(503)  # not cached there after all: the guess goes
+    assert placements.holds([21, 22], time.monotonic()) == {}
+    failed.end(completed=True)
+    assert all(s.in_flight == 0 and s.pending_prefill_tokens == 0 for s in app.pool.view().states)
