@@ -79,16 +79,19 @@ class PrefixRoutingConfig(_Section):
 class CostModelConfig(_Section):
     """Tier 4's cost model: the estimated time to first token on each endpoint,
 
-        base_ms + prefill_ms_per_token * (queued prefill tokens + this request's uncached tokens)
-                + decode_ms_per_seq * requests decoding there
+        base_ms + prefill_ms_per_token * (queued prefill tokens + this request's uncached tokens + waste)
+                + queue_ms_per_request * requests queued there + decode_ms_per_seq * requests decoding there
 
-    The three coefficients start at these priors and are fitted online to the observed times to first
-    byte (``calibrate``); no constant needs tuning per workload."""
+    The four coefficients start at these priors and are fitted online to the observed prefill times
+    (``calibrate``; ``picker.pool.calibration``); no constant needs tuning per workload."""
 
     calibrate: bool = True
     prior_base_ms: float = Field(10.0, ge=0.0, le=60_000.0)
     prior_prefill_ms_per_token: float = Field(0.1, gt=0.0, le=100.0)
     prior_decode_ms_per_seq: float = Field(0.5, ge=0.0, le=10_000.0)
+    prior_queue_ms_per_request: float = Field(20.0, ge=0.0, le=60_000.0)
+    # until requests are counted: the uncached tokens of a request (turns an engine's queue into tokens)
+    prior_mean_prefill_tokens: float = Field(1000.0, ge=0.0, le=1_000_000.0)
     # a hit in CPU/storage tier (StorageWarm) still costs this fraction of the prefill of those tokens
     storage_warm_cost_fraction: float = Field(0.3, ge=0.0, le=1.0)
     # endpoints within this fraction of the cheapest count as tied: the one holding the most of the prefix

@@ -49,7 +49,7 @@ class TtftSample:
     work_tokens: int  # prefill tokens ahead there, this request's own uncached tokens included
     decoding: int  # requests decoding there
     queued: int = 0  # requests there waiting for their first token (before this one)
-    own_tokens: int = 0  # this request's uncached tokens (the mean turns an engine's queue into tokens)
+    own_tokens: int = 0  # this request's uncached tokens
 
 
 class TtftCalibrator:
@@ -62,6 +62,7 @@ class TtftCalibrator:
         decode_ms_per_seq: float = 0.5,
         enabled: bool = True,
         queue_ms_per_request: float = 0.0,
+        mean_prefill_tokens: float = 0.0,
     ) -> None:
         self.enabled = enabled
         self.priors = (base_ms, prefill_ms_per_token * TOKEN_SCALE, queue_ms_per_request, decode_ms_per_seq)
@@ -71,20 +72,33 @@ class TtftCalibrator:
         self.c = [0.0] * N  # Σ w φ y
         self.weight = 0.0  # Σ w
         self.samples = 0
+        self.requests = 0
         self.mean_abs_error = 0.0
-        self.mean_prefill_tokens = 0.0
+        self.mean_prefill_tokens = float(mean_prefill_tokens)
         self.current = self._coefficients()
 
     @classmethod
     def from_config(cls, cfg: CostModelConfig) -> TtftCalibrator:
-        return cls(cfg.prior_base_ms, cfg.prior_prefill_ms_per_token, cfg.prior_decode_ms_per_seq, cfg.calibrate)
+        return cls(
+            cfg.prior_base_ms,
+            cfg.prior_prefill_ms_per_token,
+            cfg.prior_decode_ms_per_seq,
+            cfg.calibrate,
+            cfg.prior_queue_ms_per_request,
+            cfg.prior_mean_prefill_tokens,
+        )
+
+    def note_prefill(self, tokens: int) -> None:
+        """One routed request's uncached tokens (every request Tier 4 counted, not only the observed ones):
+        their running mean turns an engine's queue length into tokens."""
+        self.requests += 1
+        self.mean_prefill_tokens += (tokens - self.mean_prefill_tokens) / min(self.requests, 500)
 
     def observe(self, sample: TtftSample, ttft_s: float) -> None:
         y = ttft_s * 1000.0
         if not (0.0 <= y < MAX_MS):
             return
         n = self.samples
-        self.mean_prefill_tokens += (sample.own_tokens - self.mean_prefill_tokens) / min(n + 1, 500)
         self.samples = n + 1
         if not self.enabled:
             self.current = self._coefficients()

@@ -254,6 +254,7 @@ class RequestPath:
         self.admission.configure(settings.admission)
         self.tier4 = self.holds is not None and self.router.tier4_active()
         self.block_size = settings.kv_cache_index.tokenizer.block_size
+        self.max_prefix_tokens = settings.kv_cache_index.tokenizer.max_prefix_tokens
         kv = settings.kv_cache_index
         if getattr(self, "placements", None) is None:  # kv_cache_index is restart-required: built once
             self.placements: RecentPlacements | None = RecentPlacements(
@@ -311,8 +312,8 @@ class RequestPath:
             hold = prepared.holds.get(decision.endpoint.name) if prepared.holds else None
             predicted_cached = min(hold.blocks * self.block_size, prepared.prompt_tokens) if hold else 0
             prefill = prepared.prompt_tokens - predicted_cached
-        else:  # not tokenized: about 4 bytes of body per prompt token
-            prefill = facts.body_bytes // 4
+        else:  # not tokenized: about 4 bytes of body per prompt token (an image's base64 is not its tokens)
+            prefill = min(facts.body_bytes // 4, self.max_prefix_tokens)
         # the engine's KV events tell when the prefill reached the request's last keyed block, if the pick does
         # not hold it already: that time (from a prompt Tier 4 counted) teaches the TTFT model
         block_keys: Sequence[int] = getattr(prepared.holds, "block_keys", None) or ()
@@ -321,6 +322,8 @@ class RequestPath:
         held = prepared.holds.get(name) if prepared.holds else None
         watch = bool(block_keys) and self.placements is not None and (held.blocks if held else 0) < len(block_keys)
         lease = self.pool.acquire(decision.endpoint, prefill, calibrate=watch)
+        if prepared.prompt_tokens is not None:
+            self.pool.calibrator.note_prefill(prefill)
         if block_keys and self.placements is not None:
             if self.placements.ttl > 0:
                 self.placements.record(name, block_keys, _mono())

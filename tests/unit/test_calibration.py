@@ -23,10 +23,11 @@ def test_fit_converges_to_the_generating_coefficients() -> None:
 
 def test_fit_separates_queueing_for_a_batch_slot_from_prefill_work() -> None:
     rng = random.Random(3)
-    cal = TtftCalibrator(base_ms=10.0, prefill_ms_per_token=0.1, decode_ms_per_seq=0.5)
+    cal = TtftCalibrator(base_ms=10.0, prefill_ms_per_token=0.1, decode_ms_per_seq=0.5, queue_ms_per_request=20.0)
     for _ in range(4000):  # truth: 20 ms + 0.05 ms/token + 150 ms per request queued ahead + 1 ms per decoding
         own, queued, dec = rng.randint(20, 6000), rng.randint(0, 8), rng.randint(0, 8)
         ttft_ms = (20.0 + 0.05 * own + 150.0 * queued + 1.0 * dec) * rng.uniform(0.97, 1.03)
+        cal.note_prefill(own)
         cal.observe(TtftSample(own, dec, queued, own), ttft_ms / 1000.0)
     c = cal.current
     assert abs(c.queue_ms_per_request - 150.0) < 15.0
