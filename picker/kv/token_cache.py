@@ -380,8 +380,10 @@ class CachedTokenizer:
         parent = self.cache.peek(parent_key)
         if parent is None or parent.exact:
             return True
-        n = min(len(parent.packed), len(ids_packed))
-        if parent.packed[:n] == ids_packed[:n]:
+        n = len(parent.packed)
+        if n < 4 * self.block_size and len(ids_packed) >= n:
+            return True  # nothing to compare: no confirmation either
+        if len(ids_packed) >= n and parent.packed == ids_packed[:n]:
             if model in self.trust or len(self.trust) < MAX_MODELS:
                 self.trust[model] = self.trust.get(model, 0) + 1
             self._count("checks", "confirmed")

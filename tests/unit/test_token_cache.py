@@ -528,3 +528,18 @@ async def test_local_tokenizer_works_with_the_cache_off_the_event_loop(tmp_path:
         await local.close()
     assert hows == ["miss", "prefix", "prefix"]
     assert threads and threading.get_ident() not in threads
+
+
+def test_a_check_that_compares_nothing_confirms_nothing_and_a_shorter_rendering_is_a_mismatch() -> None:
+    from picker.kv.token_cache import Entry, _pack
+
+    ct = cached()
+    ct.cache.put(b"tiny", Entry(_pack([1, 2, 3]), 3, 10, exact=False))  # under one block: nothing to compare
+    assert ct._check(MODEL, b"tiny", _pack(list(range(64))))
+    assert ct.trust.get(MODEL, 0) == 0
+    ct.cache.put(b"long", Entry(_pack(list(range(32))), 40, 100, exact=False))
+    assert ct._check(MODEL, b"long", _pack(list(range(48))))  # a real prefix: one confirmation
+    assert ct.trust[MODEL] == 1
+    # a later rendering shorter than the cached prefix (the template dropped earlier content): refused
+    assert not ct._check(MODEL, b"long", _pack(list(range(20))))
+    assert MODEL in ct.refused
