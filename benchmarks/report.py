@@ -453,7 +453,8 @@ def goal_checks(doc: Mapping[str, Any]) -> list[str]:
     elif scenario == "hot-docs":
         v = fig(g, "idle_while_queued")
         lines.append(
-            check(f"{g}: no replica idle while others queue (<= {IDLE_WHILE_QUEUED_GOAL:.0%} of the run)", v,
+            check(f"{g}: no replica idle while others queue (<= {IDLE_WHILE_QUEUED_GOAL:.0%} of the run: the "
+                  "replicas are polled in turn every 100 ms, so an exact 0 is not measurable)", v,
                   IDLE_WHILE_QUEUED_GOAL, False, _pct(v))
         )  # fmt: skip
         ttft_vs(g, rr, "ttft_ms")

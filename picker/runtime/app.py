@@ -85,6 +85,9 @@ class PickerApp:
         self.pool.update(hot.pool)
         self.metrics.forget_backends(gone, keep_feed=[s.backend_name for s in hot.kv_cache_index.event_sources])
         self.recorder.forget_backends(gone)
+        if self.path.placements is not None:
+            for name in gone:  # a backend that left the pool holds nothing this picker placed there
+                self.path.placements.forget(name)
         self.router.reconfigure(hot)
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now, not on a request
         self.path.configure(hot)

@@ -122,7 +122,8 @@ def test_goal_checks_per_scenario() -> None:
         kv_cost=_policy(2100.0, 2050.0, idle_while_queued=IDLE_WHILE_QUEUED_GOAL / 2),
     )
     assert goal_checks(hot) == [
-        "[met] kv_cost: no replica idle while others queue (<= 1% of the run): 0.50%",
+        "[met] kv_cost: no replica idle while others queue (<= 1% of the run: the replicas are polled in turn "
+        "every 100 ms, so an exact 0 is not measurable): 0.50%",
         "[NOT MET] kv_cost TTFT p99 from send <= round_robin's: 2100 vs 2000 ms",
         "[met] kv_cost TTFT p99 from arrival <= round_robin's: 2050 vs 2100 ms",
     ]
@@ -177,6 +178,7 @@ def test_demo_headline_compares_what_users_feel() -> None:
     lines = gains(doc)
     assert lines[0] == (
         "kv_cost vs round robin: TTFT from arrival p50 110 -> 110 ms (+0%); p99 4000 -> 2000 ms (-50%); "
+        "TTFT from send p50 100 -> 100 ms (+0%); p99 2000 -> 1000 ms (-50%); "
         "latency p50 900 -> 450 ms (-50%); throughput 6.00 -> 9.50 req/s (x1.58); hit rate 30.0% -> 62.0%"
     )
     assert lines[1].startswith("prefix_hash vs round robin: TTFT from arrival p50")
