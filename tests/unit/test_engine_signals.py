@@ -489,9 +489,9 @@ async def test_a_reading_is_withdrawn_at_its_deadline_without_another_round() ->
     async with engines(1) as [(engine, address)]:
         pool = Pool(pool_config({"e0": address}))
         scraper = EngineSignalScraper(pool)
-        # a deadline shorter than the timeout (refused by validation; built here so that the scrape's own
-        # success never depends on the machine's speed while the deadline stays short)
-        quick = EngineMetricsConfig.model_construct(**{**pool.cfg.engine_metrics.model_dump(), "stale_after_ms": 300})
+        # a deadline shorter than the default interval (built without validation): long enough that the round
+        # publishes well before it on a busy machine, short enough that no other round runs before it passes
+        quick = EngineMetricsConfig.model_construct(**{**pool.cfg.engine_metrics.model_dump(), "stale_after_ms": 2000})
         try:
             await scraper.scrape_round(quick)
             assert engine_of(pool, "e0") is not None

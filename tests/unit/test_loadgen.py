@@ -152,7 +152,9 @@ async def test_poller_stop_ends_polling() -> None:
         poller.start()
         while not poller.samples:  # the first poll is immediate; wait for it to land
             await asyncio.sleep(0.001)
+        task = poller._task
         samples = await poller.stop()
+        assert task is not None and task.done() and poller._task is None  # the polling task has ended
         count = len(samples)
         await asyncio.sleep(0.01)
         assert len(poller.samples) == count and poller.truncated is False  # nothing after stop
