@@ -130,11 +130,17 @@ class DecisionRecorder:
         if key is not None:
             self._note_prefix(key)
 
-    def cached_tokens(self, reason: str, prompt: int, available: int, captured: int) -> None:
-        """One decision whose prompt Tier 4 tokenized: its prompt, best holder's and chosen endpoint's tokens."""
+    def _cached_row(self, reason: str) -> list[int]:
+        """The cached-token sums of one reason: all (prompt, available, captured), then observed (prompt,
+        available, captured, delivered)."""
         t = self.cached.get(reason)
         if t is None:
             t = self.cached[reason] = [0] * 7
+        return t
+
+    def cached_tokens(self, reason: str, prompt: int, available: int, captured: int) -> None:
+        """One decision whose prompt Tier 4 tokenized: its prompt, best holder's and chosen endpoint's tokens."""
+        t = self._cached_row(reason)
         t[0] += prompt
         t[1] += available
         t[2] += captured
@@ -144,9 +150,7 @@ class DecisionRecorder:
     ) -> str:
         """The usage of an observed response whose prompt Tier 4 tokenized: the decision's figures again, next
         to the engine's cached tokens, and the prediction's outcome (returned)."""
-        t = self.cached.get(reason)
-        if t is None:
-            t = self.cached[reason] = [0] * 7
+        t = self._cached_row(reason)
         t[3] += prompt
         t[4] += available
         t[5] += captured

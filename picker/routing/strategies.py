@@ -159,6 +159,17 @@ class ConsistentHash:
         return Decision(eligible[name].endpoint, self.name, "consistent_hash")
 
 
+def prefix_ring_point(facts: RequestFacts, key: bytes | None) -> int:
+    """Where the prefix strategies look on the ring: the key's first 8 bytes, else the model name's hash."""
+    return ring_hash((facts.model or "").encode()) if key is None else int.from_bytes(key[:8], "big")
+
+
+def keyless_pick(ring: HashRing, facts: RequestFacts, eligible: dict[str, EndpointState], name: str) -> Decision | None:
+    """No prefix key: the model name on the ring, with no load bound (reason ``fallback``)."""
+    owner = ring.first(ring_hash((facts.model or "").encode()), eligible)
+    return None if owner is None else Decision(eligible[owner].endpoint, name, "fallback")
+
+
 class PrefixAwareHash:
     """Tier 1: CHWBL on the prefix key; without a key, the model name on the ring with no bound."""
 
@@ -168,14 +179,13 @@ class PrefixAwareHash:
         self._rings = rings
 
     def ring_point(self, facts: RequestFacts, key: bytes | None) -> int | None:
-        return ring_hash((facts.model or "").encode()) if key is None else int.from_bytes(key[:8], "big")
+        return prefix_ring_point(facts, key)
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
         eligible = view.by_name()
         ring = self._rings.ring
         if key is None:
-            name = ring.first(ring_hash((facts.model or "").encode()), eligible)
-            return None if name is None else Decision(eligible[name].endpoint, self.name, "fallback")
+            return keyless_pick(ring, facts, eligible, self.name)
         picked = bounded_pick(ring, key, view.loads(), self._rings.epsilon)
         if picked is None:
             return None
@@ -232,14 +242,13 @@ class PrefixMemory:
         return self._memory.get(key[: self.KEY_BYTES], ())
 
     def ring_point(self, facts: RequestFacts, key: bytes | None) -> int | None:
-        return ring_hash((facts.model or "").encode()) if key is None else int.from_bytes(key[:8], "big")
+        return prefix_ring_point(facts, key)
 
     def select(self, facts: RequestFacts, key: bytes | None, view: PoolView) -> Decision | None:
         eligible = view.by_name()
         ring = self._rings.ring
         if key is None:
-            name = ring.first(ring_hash((facts.model or "").encode()), eligible)
-            return None if name is None else Decision(eligible[name].endpoint, self.name, "fallback")
+            return keyless_pick(ring, facts, eligible, self.name)
         mkey = key[: self.KEY_BYTES]
         known = self._memory.get(mkey)
         holders = [h for h in known if h in eligible] if known else []
