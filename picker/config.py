@@ -95,7 +95,7 @@ class CostModelConfig(_Section):
     # a hit in CPU/storage tier (StorageWarm) still costs this fraction of the prefill of those tokens
     storage_warm_cost_fraction: float = Field(0.3, ge=0.0, le=1.0)
     # endpoints within this fraction of the cheapest count as tied: the one holding the most of the prefix
-    # wins, then a rendezvous hash of the prefix (every picker places a new prefix on the same endpoint)
+    # wins, then the cheapest, then a rendezvous hash of the prefix (pickers place a new prefix alike)
     near_tie_fraction: float = Field(0.1, ge=0.0, le=1.0)
     # weight of the delay that re-prefilling a prefix another endpoint holds imposes on the requests queued in
     # the pool (1: each counts as much as this request; 0: only this request's TTFT counts, and a loaded

@@ -44,8 +44,9 @@ class Held(dict[str, BackendHold]):
     """Tier 4's answer for one request: backend → the prefix it holds, plus the request's prompt length in
     tokens: the best estimate of the whole prompt's count (exact when the whole prompt was tokenized, else a
     cached prefix's count plus the rest at that prefix's tokens per byte), and ``exact``: True only when
-    every token was known (a request that may calibrate the TTFT model). ``block_keys`` may cover only a
-    cached prefix of the prompt (see ``picker.kv.token_cache``)."""
+    every token was known (reported, not used for routing: the TTFT model learns from KV events, see
+    ``picker.pool.pool.Lease``). ``block_keys`` may cover only a cached prefix of the prompt (see
+    ``picker.kv.token_cache``)."""
 
     __slots__ = ("block_keys", "evicting", "exact", "prompt_tokens")
 

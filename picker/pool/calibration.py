@@ -49,7 +49,7 @@ class TtftSample:
     work_tokens: int  # prefill tokens ahead there, this request's own uncached tokens included
     decoding: int  # requests decoding there
     queued: int = 0  # requests there waiting for their first token (before this one)
-    own_tokens: int = 0  # this request's uncached tokens
+    own_tokens: int = 0  # this request's uncached tokens (a record; the mean comes from ``note_prefill``)
 
 
 class TtftCalibrator:
