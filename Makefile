@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# checkov (the chart's security lint) pins many packages older than ours: it gets a venv of its own.
+TOOLS_VENV ?= .venv-checkov
+TOOLS_STAMP := $(TOOLS_VENV)/.installed-stamp
 
 .PHONY: test lint typecheck unit demo bench-overhead bench-routing envoy-versions protos clean
 
@@ -11,6 +14,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+$(TOOLS_STAMP):
+	$(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TOOLS_VENV)/bin/python -m pip install --quiet 'checkov>=3.2'
+	touch $(TOOLS_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check picker listener benchmarks tests
@@ -26,8 +35,8 @@ unit: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not integration and not e2e" tests
 
 # Everything: lint, types, then every test (unit, integration with the real Envoy, e2e).
-test: lint typecheck
-	$(VENV)/bin/pytest -q tests
+test: lint typecheck $(TOOLS_STAMP)
+	KV_EPP_CHECKOV=$(TOOLS_VENV)/bin/checkov $(VENV)/bin/pytest -q tests
 
 demo: $(STAMP)
 	$(PY) -m benchmarks.demo

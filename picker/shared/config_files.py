@@ -14,14 +14,19 @@ from typing import Annotated, Any
 import yaml
 from pydantic import AfterValidator, ValidationError, WithJsonSchema
 
-BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# A Kubernetes pod name (a DNS-1123 subdomain: up to 253 characters, dots included) plus a data-parallel rank
+# suffix fits; the first character is never a dot, so "." and ".." (path segments) cannot be names.
+BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,259}$")
 MAX_YAML_ALIASES = 100  # a config file reuses a block a few times (`<<: *defaults`), never thousands
 MAX_YAML_DEPTH = 64  # a config is ~5 levels deep; the bound keeps PyYAML's recursive composer far from RecursionError
 
 
 def _check_backend_name(v: str) -> str:
     if not BACKEND_NAME_RE.fullmatch(v):  # match() would let a trailing newline through ($)
-        raise ValueError("must match [A-Za-z0-9_-]{1,64}")
+        raise ValueError(
+            "must be 1-260 characters of letters, digits, '_', '-' and '.', not starting with '.' or '-' "
+            "(a Kubernetes pod name fits)"
+        )
     return v
 
 
