@@ -1,4 +1,9 @@
-"""``kv-listener run --config FILE``: run the listener until SIGTERM/SIGINT, then drain and exit."""
+"""The ``kv-listener`` command.
+
+``kv-listener run --config FILE`` runs the listener until SIGTERM/SIGINT, then drains and exits;
+``kv-listener config validate FILE`` checks a config file the way ``kv-epp config validate`` does
+(``kv-listener check --config FILE`` is an alias of it). ``--log-level`` goes before or after the subcommand.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,11 @@ import sys
 
 from listener.app import ListenerApp, StartupError
 from listener.config import ListenerConfig, ListenerConfigError, load_listener_config
+from picker.shared.config_files import ConfigError, read_yaml_mapping
 
+PROG = "kv-listener"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 GC_THRESHOLDS = (10_000, 10, 1_000)  # gen0 allocations, gen0 runs per gen1, gen1 runs per full collection
 
 
@@ -41,29 +50,94 @@ async def _run(cfg: ListenerConfig) -> int:
     return 0
 
 
+# The picker's own top-level settings (a subset: enough to recognise its file; tests/unit/test_cli_flags.py
+# checks every name is one): `kv-listener config validate` given the picker's config points at its command.
+PICKER_KEYS = frozenset(
+    {"selection_strategy", "prefix_routing", "kv_cache_index", "pool", "extproc", "admin", "admission"}
+)
+
+
+def _other_program_hint(path: str, mine: frozenset[str], theirs: frozenset[str], other: str) -> str | None:
+    """When ``path`` is a mapping with none of this program's top-level keys and some of ``other``'s: the
+    message that points at ``other``'s check (instead of one "Extra inputs are not permitted" per key)."""
+    try:
+        data = read_yaml_mapping(path)
+    except ConfigError:
+        return None
+    keys = set(data)
+    if not keys or keys & mine or not keys & theirs:
+        return None
+    found = ", ".join(sorted(keys & theirs))
+    return f"this is a {other} config ({found}), not a {PROG} one: check it with `{other} config validate {path}`"
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _validate(path: str) -> int:
+    """``config validate FILE`` (and its alias ``check --config FILE``): ``ok: FILE``; or one
+    ``error: <path>: <message>`` line per problem on stderr and exit 2 (the shape of ``kv-epp config validate``)."""
+    try:
+        load_listener_config(path)
+    except ListenerConfigError as exc:
+        hint = _other_program_hint(path, frozenset(ListenerConfig.model_fields), PICKER_KEYS, "kv-epp")
+        for where, msg in [(path, hint)] if hint else exc.problems:
+            sys.stderr.write(f"error: {where}: {_one_line(msg)}\n")
+        return 2
+    sys.stdout.write(f"ok: {path}\n")
+    return 0
+
+
+def _log_level_flag(parser: argparse.ArgumentParser, default: str | None) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS if default is None else default,
+        help="log level (default: INFO); accepted before or after the subcommand",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``kv-listener``'s parser. ``--log-level`` is accepted before the subcommand and after it (every
+    subcommand's parser takes it too, with no default of its own, so one given before is kept)."""
+    parser = argparse.ArgumentParser(prog=PROG, description="KV-cache event listener for kv-epp")
+    _log_level_flag(parser, "INFO")
+    common = argparse.ArgumentParser(add_help=False)
+    _log_level_flag(common, None)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the listener", parents=[common])
+    run.add_argument("--config", required=True, help="YAML config file")
+    config = sub.add_parser("config", help="config tools", parents=[common])
+    csub = config.add_subparsers(dest="config_command", required=True)
+    validate = csub.add_parser(
+        "validate",
+        help="validate a config file: 'ok: FILE', or one 'error: <path>: <message>' line per problem and exit 2",
+        parents=[common],
+    )
+    validate.add_argument("file")
+    check = sub.add_parser(
+        "check", help="alias of `config validate FILE` (kept for existing scripts)", parents=[common]
+    )
+    check.add_argument("--config", required=True, help="YAML config file")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kv-listener`` console script."""
-    parser = argparse.ArgumentParser(prog="kv-listener", description="KV-cache event listener for kv-epp")
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the listener")
-    run.add_argument("--config", required=True, help="YAML config file")
-    run.add_argument("--log-level", default="INFO")
-    check = sub.add_parser("check", help="validate a config file and exit")
-    check.add_argument("--config", required=True)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "config":
+        return _validate(args.file)
+    if args.command == "check":
+        return _validate(args.config)
     try:
         cfg = load_listener_config(args.config)
     except ListenerConfigError as exc:
         problems = "; ".join(f"{path}: {msg}" for path, msg in exc.problems)
-        sys.stderr.write(f"error: {' '.join(problems.split())}\n")  # one line, however many problems
+        sys.stderr.write(f"error: {_one_line(problems)}\n")  # one line, however many problems
         return 2
-    if args.command == "check":
-        sys.stdout.write(f"ok: {len(cfg.sources)} source(s)\n")
-        return 0
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     # The tracker holds hundreds of thousands of small objects; CPython's default thresholds run a full
     # collection over all of them every few hundred thousand allocations, a 0.3-0.5 s pause of the loop
     # (measured: benchmarks.publisher_hostile, /healthz max 465-585 ms with the defaults, 148-156 ms

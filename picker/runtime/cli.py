@@ -11,9 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from picker.config import ConfigError, config_warnings, load_settings, settings_json_schema
+from picker.config import ConfigError, Settings, config_warnings, load_settings, settings_json_schema
 from picker.runtime.envoy_config import RESPONSE_MODES, EnvoyOptions, bootstrap_yaml
+from picker.shared.config_files import read_yaml_mapping
 
+PROG = "kv-epp"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 
 
@@ -58,18 +61,42 @@ def _serve(args: argparse.Namespace) -> int:
         return 130
 
 
+# The kv-listener's own top-level settings (a subset: enough to recognise its file; tests/unit/test_cli_flags.py
+# checks every name is one): `kv-epp config validate` given the listener's config points at its command.
+LISTENER_KEYS = frozenset({"listen", "key_block_size", "sources", "state", "feed", "grpc", "limits"})
+
+
+def _other_program_hint(path: str, mine: frozenset[str], theirs: frozenset[str], other: str) -> str | None:
+    """When ``path`` is a mapping with none of this program's top-level keys and some of ``other``'s: the
+    message that points at ``other``'s check (instead of one "Extra inputs are not permitted" per key)."""
+    try:
+        data = read_yaml_mapping(path)
+    except ConfigError:
+        return None
+    keys = set(data)
+    if not keys or keys & mine or not keys & theirs:
+        return None
+    found = ", ".join(sorted(keys & theirs))
+    return f"this is a {other} config ({found}), not a {PROG} one: check it with `{other} config validate {path}`"
+
+
 def _validate(args: argparse.Namespace) -> int:
+    """``config validate FILE``: warnings, then ``ok: FILE``; or one ``error: <path>: <message>`` line per
+    problem on stderr and exit 2 (the same shape as ``kv-listener config validate``)."""
     try:
         settings = load_settings(args.file)
     except ConfigError as exc:
-        for path, msg in exc.problems:
-            print(f"error: {path}: {msg}", file=sys.stderr)
-        print(f"{args.file}: invalid ({len(exc.problems)} error(s))", file=sys.stderr)
+        hint = _other_program_hint(args.file, frozenset(Settings.model_fields), LISTENER_KEYS, "kv-listener")
+        problems = [(args.file, hint)] if hint else exc.problems
+        for path, msg in problems:
+            print(f"error: {path}: {_one_line(msg)}", file=sys.stderr)
         return 2
-    warnings = config_warnings(settings)
-    for path, msg in warnings:
-        print(f"warning: {path}: {msg}")
-    print(f"{args.file}: valid ({len(warnings)} warning(s))")
+    except Exception as exc:  # e.g. a malformed KV_EPP_* value: still one line
+        print(f"error: {args.file}: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    for path, msg in config_warnings(settings):
+        print(f"warning: {path}: {_one_line(msg)}")
+    print(f"ok: {args.file}")
     return 0
 
 
@@ -167,24 +194,45 @@ def _envoy_backends(args: argparse.Namespace) -> tuple[str, ...] | str:
     return tuple(found)
 
 
+def _log_level_flag(parser: argparse.ArgumentParser, default: str | None) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS if default is None else default,
+        help="log level (default: INFO); accepted before or after the subcommand",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kv-epp", description="KV-cache-aware endpoint picker (Envoy ext_proc)")
-    p.add_argument("--log-level", default="INFO")
+    """``kv-epp``'s parser. The global flags (``--log-level``) are accepted before the subcommand and after
+    it: every subcommand's parser takes them too, with no default of its own, so one given before is kept."""
+    p = argparse.ArgumentParser(prog=PROG, description="KV-cache-aware endpoint picker (Envoy ext_proc)")
+    _log_level_flag(p, "INFO")
+    common = argparse.ArgumentParser(add_help=False)
+    _log_level_flag(common, None)
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run the picker")
+    s = sub.add_parser("serve", help="run the picker", parents=[common])
     s.add_argument("--config", help="YAML config file (hot-reloaded on change or SIGHUP)")
     s.set_defaults(func=_serve)
 
-    c = sub.add_parser("config", help="config tools")
+    c = sub.add_parser("config", help="config tools", parents=[common])
     csub = c.add_subparsers(dest="config_command", required=True)
-    v = csub.add_parser("validate", help="validate a config file; print warnings; exit 2 on errors")
+    v = csub.add_parser(
+        "validate",
+        help="validate a config file: warnings, then 'ok: FILE'; or one 'error: <path>: <message>' line per"
+        " problem and exit 2",
+        parents=[common],
+    )
     v.add_argument("file")
     v.set_defaults(func=_validate)
-    sc = csub.add_parser("schema", help="print the JSON Schema of the config file (draft-07, for values.schema.json)")
+    sc = csub.add_parser(
+        "schema", help="print the JSON Schema of the config file (draft-07, for values.schema.json)", parents=[common]
+    )
     sc.set_defaults(func=_schema)
 
-    e = sub.add_parser("envoy-config", help="print an Envoy bootstrap for kv-epp")
+    e = sub.add_parser("envoy-config", help="print an Envoy bootstrap for kv-epp", parents=[common])
     e.add_argument("--mode", choices=["sidecar", "standalone", "no-picker"], default="sidecar")
     e.add_argument("--picker", help="ext_proc address host:port (default 127.0.0.1:9002 in sidecar mode)")
     e.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED")
@@ -240,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT, stream=sys.stderr)
     rc: int = args.func(args)
     return rc
 
