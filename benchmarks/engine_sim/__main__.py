@@ -1,6 +1,10 @@
 """``kv-sim`` / ``python -m benchmarks.engine_sim``: run one simulated vLLM replica.
 
-Every flag comes from ``SimConfig`` and ``KvEventsSettings`` (``--kv-events-...``). When ready it
+Every flag comes from ``SimConfig`` and ``KvEventsSettings`` (``--kv-events-...``). The command's own
+defaults (``CLI_DEFAULTS``) are those of the first engine of ``examples/`` (``make up``): vLLM's port 8000,
+its KV event endpoints ``tcp://*:5557`` (replay ``tcp://*:5558``) and the served model name ``SERVED_MODEL``
+(tests/unit/test_examples.py holds the examples to them); a second engine takes ``--name vllm-1
+--port 8001 --kv-events-endpoint tcp://*:5567 --kv-events-replay-endpoint tcp://*:5568``. When ready it
 prints one JSON line on stdout, ``{"event": "kv_sim_ready", "name", "url", "port",
 "kv_events_endpoint", "replay_endpoint"}``, which ``benchmarks.engine_sim.process`` reads to learn the
 ports it bound (use ``--port 0`` and ``--kv-events-endpoint tcp://127.0.0.1:0`` for free ports).
@@ -21,6 +25,17 @@ from benchmarks.engine_sim.kv_events import KvEventsSettings
 from benchmarks.engine_sim.server import EngineSimulator
 
 KV_PREFIX = "kv-events-"
+# The one place for the model name the examples and `make up` use: the simulator serves it by default.
+SERVED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+# The command's defaults where they differ from SimConfig's and KvEventsSettings' (which the harnesses use:
+# free ports, every flag given explicitly by benchmarks.engine_sim.process): the first engine of examples/.
+CLI_DEFAULTS: dict[str, object] = {
+    "name": "vllm-0",
+    "model": SERVED_MODEL,
+    "port": 8000,
+    "kv_events_endpoint": "tcp://*:5557",
+    "kv_events_replay_endpoint": "tcp://*:5558",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_arguments(parser, SimConfig)
     add_dataclass_arguments(parser.add_argument_group("KV events"), KvEventsSettings, KV_PREFIX)  # type: ignore[arg-type]
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    for action in parser._actions:  # the help text names the default: keep it true
+        if action.dest in CLI_DEFAULTS and action.help:
+            old = repr(action.default)
+            action.default = CLI_DEFAULTS[action.dest]
+            action.help = action.help.replace(f"(default: {old})", f"(default: {action.default!r})")
     return parser
 
 
