@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +80,21 @@ class Discovery(Protocol):
     def status(self) -> dict[str, object]:
         """JSON-ready state for /admin and /readyz: source, synced, backends, last error, counters."""
         ...
+
+
+if TYPE_CHECKING:
+    from picker.shared.discovery.config import BackendsFileRef, InferencePoolRef
+
+
+def make_discovery(ref: InferencePoolRef | BackendsFileRef, count: Count | None = None) -> Discovery:
+    """The discovery source a ref names: ``KubernetesPoolDiscovery`` for an ``InferencePoolRef``,
+    ``FileDiscovery`` for a ``BackendsFileRef`` (imported here, so that importing this package stays cheap)."""
+    from picker.shared.discovery.config import InferencePoolRef
+
+    if isinstance(ref, InferencePoolRef):
+        from picker.shared.discovery.kubernetes import KubernetesPoolDiscovery
+
+        return KubernetesPoolDiscovery(ref, count)
+    from picker.shared.discovery.files import FileDiscovery
+
+    return FileDiscovery(ref, count)

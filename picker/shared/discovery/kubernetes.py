@@ -1,0 +1,697 @@
+"""InferencePool discovery: follow an ``inference.networking.k8s.io/v1`` InferencePool and the Pods it selects.
+
+The pool is listed by name (``fieldSelector=metadata.name=NAME``: the list's resourceVersion is current, so
+the watch that follows starts from a version the server still has, unlike a single object's) and watched;
+its ``selector.matchLabels`` and ``targetPorts`` decide which pods, and which ports of each, are backends. The
+pods are listed with that label selector (in pages of LIST_PAGE_SIZE) and watched from the list's
+resourceVersion with bookmarks and a server-side timeout; 410 Gone (an ERROR event or an HTTP status) means
+the version was compacted: the pods are listed again (a resync). A change of the pool's selector or ports
+lists the pods again.
+
+A pod is live when it has an IP, its Ready condition is True and it is not being deleted; each live pod is one
+backend per target port (``backend_name``). A snapshot is published on the first complete list and then on
+every change of the live set, coalesced per event-loop turn (a burst read in one chunk is one publication).
+Errors (unreachable server, 5xx, a dropped watch) are retried with capped exponential backoff and keep the
+last snapshot: an API outage never empties the pool. Only a pool deleted while watched publishes an empty one.
+
+Credentials come from lightkube's kubeconfig support (in-cluster service account, $KUBECONFIG, ~/.kube/config;
+token files re-read when rotated, exec plugins, client certificates) and the HTTP client it builds from them.
+The list/watch requests themselves are made here on that client: lightkube's ``watch()`` cannot ask for
+bookmarks (no ``allowWatchBookmarks`` parameter) and reconnects by itself, hiding 410s and dropped streams
+that this module must count and act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import orjson
+from lightkube.config import client_adapter
+from lightkube.config.kubeconfig import KubeConfig, SingleConfig
+from lightkube.config.models import Cluster, User
+from lightkube.core.exceptions import ConfigError as LightkubeConfigError
+
+from picker.shared.config_files import BACKEND_NAME_RE
+from picker.shared.discovery import Count, DiscoveredBackend, PoolSnapshot, Publish, backend_name
+from picker.shared.discovery.config import InferencePoolRef
+
+log = logging.getLogger("kv_epp.discovery")
+
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+DEFAULT_KUBECONFIG = "~/.kube/config"
+POOL_API = "apis/inference.networking.k8s.io/v1"
+LIST_PAGE_SIZE = 500  # pods per list page (limit/continue): bounds one response's size
+MAX_EVENT_BYTES = 16 << 20  # one watch event (a JSON line); etcd caps an object at 1.5 MiB
+MAX_BODY_BYTES = 256 << 20  # one list page's body
+MAX_ERROR_BODY_BYTES = 64 << 10  # the part of an error answer read for its Status message
+REQUEST_TIMEOUT_SECONDS = 10.0  # connect/write/pool, and read for a list page
+WATCH_READ_GRACE_SECONDS = 60.0  # a watch stream silent this long past timeoutSeconds is taken as dead
+BACKOFF_FIRST_SECONDS = 0.1
+OVER_LIMIT_LOG_EVERY = 1000  # log the first pod ignored past max_pods, then every this many
+
+
+class KubeConfigError(Exception):
+    """No usable Kubernetes credentials (kubeconfig missing, unreadable, or naming an unknown context)."""
+
+
+class _Gone(Exception):
+    """410: the resourceVersion (or continue token) is too old; list again."""
+
+
+class _ApiError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        super().__init__(f"HTTP {code}: {message}" if code else message)
+
+
+class _BadPool(Exception):
+    """The InferencePool's spec cannot be used (the CRD's validation should make this unreachable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KubeAccess:
+    """Where the API server is and how to authenticate, and the namespace to use when the ref names none."""
+
+    config: SingleConfig
+    namespace: str
+    origin: str  # "in-cluster service account" or the kubeconfig file's path
+
+
+def load_kube_access(
+    ref: InferencePoolRef,
+    *,
+    service_account_dir: str = SERVICE_ACCOUNT_DIR,
+    environ: Mapping[str, str] | None = None,
+) -> KubeAccess:
+    """Credentials the way kubectl finds them: ``ref.kubeconfig`` if given; else the in-cluster service account
+    (its token file and KUBERNETES_SERVICE_HOST/PORT); else the first existing file of $KUBECONFIG (a
+    ``os.pathsep`` list; kubectl merges them, here the first file must hold the context); else ~/.kube/config.
+    The namespace: ``ref.namespace``, else the service account's, else the context's, else "default".
+    Blocking file reads: call it off the event loop. Raises KubeConfigError saying what is missing."""
+    env = os.environ if environ is None else environ
+    sa = Path(service_account_dir)
+    try:
+        if ref.kubeconfig is not None:
+            path = Path(ref.kubeconfig).expanduser()
+            config, origin = _from_file(path, ref.context), str(path)
+        elif (sa / "token").is_file() and env.get("KUBERNETES_SERVICE_HOST") and env.get("KUBERNETES_SERVICE_PORT"):
+            config = _service_account_config(sa, env)
+            origin = "in-cluster service account"
+        else:
+            candidates = [p for p in env.get("KUBECONFIG", "").split(os.pathsep) if p] or [DEFAULT_KUBECONFIG]
+            existing = [Path(p).expanduser() for p in candidates if Path(p).expanduser().is_file()]
+            if not existing:
+                raise KubeConfigError(
+                    f"no Kubernetes credentials: no service account token in {sa}, and no kubeconfig at "
+                    f"{', '.join(candidates)} (set pool.inference_pool.kubeconfig or KUBECONFIG)"
+                )
+            config, origin = _from_file(existing[0], ref.context), str(existing[0])
+    except KubeConfigError:
+        raise
+    except (LightkubeConfigError, OSError, KeyError, ValueError, TypeError) as exc:
+        raise KubeConfigError(f"cannot use the Kubernetes credentials: {type(exc).__name__}: {exc}") from None
+    namespace = ref.namespace
+    if namespace is None:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            namespace = (sa / "namespace").read_text().strip() or None
+    return KubeAccess(config, namespace or config.context.namespace or "default", origin)
+
+
+def _from_file(path: Path, context: str | None) -> SingleConfig:
+    if not path.is_file():
+        raise KubeConfigError(f"kubeconfig {path} not found")
+    config = KubeConfig.from_file(path).get(context)
+    if config is None:  # only with a default, which is not passed
+        raise KubeConfigError(f"kubeconfig {path} has no current context")
+    return config
+
+
+def _service_account_config(sa: Path, env: Mapping[str, str]) -> SingleConfig:
+    """The in-cluster configuration: the API server from KUBERNETES_SERVICE_HOST/PORT, its CA and the token
+    file of the service account (re-read by the client when a 401 says it was rotated)."""
+    host, port = env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    token_file = sa / "token"
+    cluster = Cluster(server=f"https://{host}:{port}", certificate_auth=str(sa / "ca.crt"))
+    user = User(token=token_file.read_text().strip(), token_file=str(token_file))
+    config = KubeConfig.from_one(cluster=cluster, user=user, context_name="in-cluster").get()
+    assert config is not None
+    return config
+
+
+def make_http_client(access: KubeAccess) -> httpx2.AsyncClient:
+    """An HTTP client for the API server (base URL, TLS verification, client certificate and auth from the
+    kubeconfig). Reads certificate files: call it off the event loop."""
+    config = access.config
+    if config.user is None:  # a context without a user: no authentication, as kubectl does
+        config = config._replace(user=User())
+    params = client_adapter.ConnectionParams(timeout=httpx2.Timeout(REQUEST_TIMEOUT_SECONDS))
+    client = client_adapter.AsyncClient(config, params)
+    client.headers["Accept"] = "application/json"
+    client.headers["User-Agent"] = "kv-epp-discovery"
+    return client
+
+
+@dataclass(frozen=True, slots=True)
+class _PoolSpec:
+    match_labels: tuple[tuple[str, str], ...]  # sorted by key
+    target_ports: tuple[int, ...]
+
+    @property
+    def label_selector(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.match_labels)
+
+
+def parse_pool_spec(obj: Mapping[str, Any]) -> _PoolSpec:
+    """The selector and ports of an InferencePool object; _BadPool naming the bad field."""
+    spec = obj.get("spec")
+    if not isinstance(spec, dict):
+        raise _BadPool("spec: missing")
+    selector = spec.get("selector")
+    labels = selector.get("matchLabels") if isinstance(selector, dict) else None
+    if not isinstance(labels, dict) or not labels:
+        raise _BadPool("spec.selector.matchLabels: missing or empty (a pool selecting every pod is refused)")
+    for k, v in labels.items():
+        if not isinstance(k, str) or not isinstance(v, str) or "," in k + v or "=" in k + v or "!" in k:
+            raise _BadPool(f"spec.selector.matchLabels.{k}: not a label key and value")
+    ports = spec.get("targetPorts")
+    if not isinstance(ports, list) or not 1 <= len(ports) <= 8:
+        raise _BadPool("spec.targetPorts: must list 1 to 8 ports")
+    numbers: list[int] = []
+    for i, p in enumerate(ports):
+        n = p.get("number") if isinstance(p, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 < n < 65536 or n in numbers:
+            raise _BadPool(f"spec.targetPorts[{i}].number: must be a unique port in 1..65535")
+        numbers.append(n)
+    return _PoolSpec(tuple(sorted(labels.items())), tuple(numbers))
+
+
+@dataclass(frozen=True, slots=True)
+class _Pod:
+    ip: str | None  # None: no usable IP yet
+    live: bool
+    annotations: tuple[tuple[str, str], ...]
+
+    def view(self) -> tuple[str, tuple[tuple[str, str], ...]] | None:
+        """What the published backends depend on: nothing unless live."""
+        return (self.ip, self.annotations) if self.live and self.ip is not None else None
+
+
+def parse_pod(obj: Mapping[str, Any]) -> tuple[str, _Pod]:
+    """(pod name, what discovery keeps of it); ValueError when the object has no usable name."""
+    meta = obj.get("metadata") or {}
+    name = meta.get("name")
+    if not isinstance(name, str) or not BACKEND_NAME_RE.fullmatch(name):
+        raise ValueError(f"pod name {name!r} is not a usable backend name")
+    status = obj.get("status") or {}
+    ip: str | None = status.get("podIP") or None
+    if ip is not None:
+        try:
+            ip = str(ipaddress.ip_address(ip))
+        except ValueError:
+            ip = None
+    conditions = status.get("conditions") or ()
+    ready = any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    raw = meta.get("annotations") or {}
+    annotations = tuple(sorted((str(k), str(v)) for k, v in raw.items())) if isinstance(raw, dict) else ()
+    live = ip is not None and ready and not meta.get("deletionTimestamp")
+    return name, _Pod(ip, live, annotations)
+
+
+class _Backoff:
+    """Capped exponential backoff with jitter: BACKOFF_FIRST_SECONDS doubling up to ``cap``."""
+
+    def __init__(self, cap: float) -> None:
+        self._cap = cap
+        self._next = min(BACKOFF_FIRST_SECONDS, cap)
+
+    def reset(self) -> None:
+        self._next = min(BACKOFF_FIRST_SECONDS, self._cap)
+
+    async def sleep(self) -> None:
+        delay = self._next * random.uniform(0.5, 1.0)
+        self._next = min(self._cap, self._next * 2)
+        await asyncio.sleep(delay)
+
+
+class KubernetesPoolDiscovery:
+    """Follows one InferencePool and its pods (see the module docstring); implements ``Discovery``.
+
+    Bounds: the pod map holds at most ``ref.max_pods`` pods (a pod past it is ignored until a slot frees and the
+    pod changes or the pods are listed again; counted as "pod_over_limit" and logged); one list page is
+    LIST_PAGE_SIZE pods, one watch event at most MAX_EVENT_BYTES. Counters ("list", "watch", "watch_event",
+    "bookmark", "gone", "resync", "error", "pod_over_limit") go to ``count`` and to ``status()``."""
+
+    def __init__(
+        self,
+        ref: InferencePoolRef,
+        count: Count | None = None,
+        *,
+        service_account_dir: str = SERVICE_ACCOUNT_DIR,
+    ) -> None:
+        self._ref = ref
+        self._count_cb = count
+        self._sa_dir = service_account_dir
+        self._namespace: str | None = ref.namespace
+        self._synced = False
+        self._publish: Publish | None = None
+        self._counts: dict[str, int] = {}  # keys: the fixed set of counter names above
+        self._last_error: str | None = None
+        self._failing = False  # a failure was logged and no success since
+        self._pool_found: bool | None = None  # None: not read yet
+        self._target: _PoolSpec | None = None  # the pool's spec as last read
+        self._spec: _PoolSpec | None = None  # the spec the pod map was listed with
+        self._pods: dict[str, _Pod] = {}
+        self._pods_rv = ""
+        self._pool_rv = ""
+        self._ignored = 0  # pods ignored past max_pods since the last list
+        self._published: tuple[DiscoveredBackend, ...] | None = None
+        self._flush_pending = False
+
+    # --- Discovery ---
+
+    @property
+    def synced(self) -> bool:
+        return self._synced
+
+    @property
+    def source(self) -> str:
+        return f"inference_pool {self._namespace or '?'}/{self._ref.name}"
+
+    def status(self) -> dict[str, object]:
+        pool: dict[str, object] | None = None
+        if self._target is not None:
+            pool = {"match_labels": dict(self._target.match_labels), "target_ports": list(self._target.target_ports)}
+        return {
+            "source": self.source,
+            "synced": self._synced,
+            "backends": len(self._published or ()),
+            "pods": len(self._pods),
+            "live_pods": sum(1 for p in self._pods.values() if p.live),
+            "pods_ignored": self._ignored,
+            "pool_found": self._pool_found,
+            "pool": pool,
+            "resource_version": self._pods_rv,
+            "pool_resource_version": self._pool_rv,
+            "last_error": self._last_error,
+            "counts": dict(self._counts),
+        }
+
+    async def run(self, publish: Publish) -> None:
+        self._publish = publish
+        backoff = _Backoff(self._ref.retry_max_seconds)
+        while True:
+            try:
+                access = await asyncio.to_thread(load_kube_access, self._ref, service_account_dir=self._sa_dir)
+                client = await asyncio.to_thread(make_http_client, access)
+            except Exception as exc:  # a bad kubeconfig: keep retrying, it may be mounted or fixed
+                self._fail(f"{exc}")
+                await backoff.sleep()
+                continue
+            self._namespace = access.namespace
+            log.info("event=discovery_start source=%r credentials=%r", self.source, access.origin)
+            async with client:
+                await self._follow_pool(client)
+
+    # --- the pool ---
+
+    def _pools_path(self) -> str:
+        return f"{POOL_API}/namespaces/{self._namespace}/inferencepools"
+
+    def _pods_path(self) -> str:
+        return f"api/v1/namespaces/{self._namespace}/pods"
+
+    async def _follow_pool(self, http: httpx2.AsyncClient) -> None:
+        """List and watch the pool for ever; start, restart or stop the pod follower as its spec changes."""
+        backoff = _Backoff(self._ref.retry_max_seconds)
+        pods_task: asyncio.Task[None] | None = None
+        rv = ""
+        params = {"fieldSelector": f"metadata.name={self._ref.name}"}
+        try:
+            while True:
+                try:
+                    if not rv:
+                        body = await self._get_json(http, self._pools_path(), params)
+                        self._count("list")
+                        rv = str(body["metadata"]["resourceVersion"])
+                        items = body.get("items") or []
+                        pods_task = await self._set_pool(http, items[0] if items else None, pods_task)
+                        self._pool_rv = rv
+                        self._ok()
+                    started, events = time.monotonic(), 0
+                    watch_params = {**params, "allowWatchBookmarks": "true"}
+                    async with contextlib.aclosing(self._watch(http, self._pools_path(), watch_params, rv)) as stream:
+                        async for etype, obj in stream:
+                            events += 1
+                            rv = _resource_version(obj) or rv
+                            self._pool_rv = rv
+                            if etype == "BOOKMARK":
+                                self._count("bookmark")
+                                continue
+                            self._count("watch_event")
+                            pods_task = await self._set_pool(http, None if etype == "DELETED" else obj, pods_task)
+                    if events or time.monotonic() - started >= 1.0:
+                        backoff.reset()
+                    else:  # a server that ends every watch at once must not make this loop spin
+                        await backoff.sleep()
+                except _Gone as exc:
+                    self._count("gone")
+                    self._count("resync")
+                    log.info("event=discovery_gone what=inferencepool source=%r detail=%r", self.source, str(exc))
+                    rv = ""
+                except Exception as exc:
+                    self._fail(f"inferencepool {self._namespace}/{self._ref.name}: {_describe(exc)}")
+                    await backoff.sleep()
+        finally:
+            if pods_task is not None:
+                pods_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pods_task
+
+    async def _set_pool(
+        self, http: httpx2.AsyncClient, obj: Mapping[str, Any] | None, pods_task: asyncio.Task[None] | None
+    ) -> asyncio.Task[None] | None:
+        """Apply the pool as read (None: it does not exist); returns the pod follower now running."""
+        if obj is None:
+            was_found = self._pool_found
+            self._pool_found = False
+            self._target = None
+            self._last_error = f"inferencepool {self._namespace}/{self._ref.name} not found"
+            if pods_task is not None:
+                pods_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pods_task
+            if was_found:  # deleted while watched: the pool is empty now (the only empty publication)
+                log.warning("event=inferencepool_deleted source=%r", self.source)
+                self._pods, self._spec, self._ignored = {}, None, 0
+                self._flush()
+            elif was_found is None:
+                log.warning("event=inferencepool_not_found source=%r", self.source)
+            return None
+        try:
+            spec = parse_pool_spec(obj)
+        except _BadPool as exc:  # keep following what we had
+            self._fail(f"inferencepool {self._namespace}/{self._ref.name}: {exc}")
+            return pods_task
+        self._pool_found = True
+        if spec == self._target and pods_task is not None and not pods_task.done():
+            return pods_task
+        if self._target is not None and spec != self._target:
+            log.info(
+                "event=inferencepool_changed source=%r selector=%r target_ports=%s",
+                self.source,
+                spec.label_selector,
+                list(spec.target_ports),
+            )
+        self._target = spec
+        if pods_task is not None:
+            pods_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pods_task
+        return asyncio.create_task(self._follow_pods(http, spec), name=f"discovery-pods-{self._ref.name}")
+
+    # --- the pods ---
+
+    async def _follow_pods(self, http: httpx2.AsyncClient, spec: _PoolSpec) -> None:
+        """List the pods the spec selects, then watch them; list again after 410 Gone. For ever."""
+        backoff = _Backoff(self._ref.retry_max_seconds)
+        rv = ""
+        relist = self._spec is not None  # a first list for this spec after another one is a resync too
+        params = {
+            "labelSelector": spec.label_selector,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(self._ref.watch_timeout_seconds),
+        }
+        while True:
+            try:
+                if not rv:
+                    if relist:
+                        self._count("resync")
+                    rv = await self._list_pods(http, spec)
+                    relist = True
+                    backoff.reset()
+                started, events = time.monotonic(), 0
+                async with contextlib.aclosing(self._watch(http, self._pods_path(), params, rv)) as stream:
+                    async for etype, obj in stream:
+                        events += 1
+                        rv = _resource_version(obj) or rv
+                        self._pods_rv = rv
+                        if etype == "BOOKMARK":
+                            self._count("bookmark")
+                            continue
+                        self._count("watch_event")
+                        self._apply_pod_event(etype, obj)
+                # the server ended the watch (timeoutSeconds): renew it from rv; one that ends at once backs off
+                if events or time.monotonic() - started >= 1.0:
+                    backoff.reset()
+                else:
+                    await backoff.sleep()
+            except _Gone as exc:
+                self._count("gone")
+                log.info("event=discovery_gone what=pods source=%r detail=%r", self.source, str(exc))
+                rv = ""
+            except Exception as exc:
+                self._fail(f"pods of {self.source}: {_describe(exc)}")
+                await backoff.sleep()
+
+    async def _list_pods(self, http: httpx2.AsyncClient, spec: _PoolSpec) -> str:
+        """List every selected pod (page by page) and replace the pod map at once; returns the list's version."""
+        pods: dict[str, _Pod] = {}
+        ignored = 0
+        rv = ""
+        cont = ""
+        while True:
+            params = {"labelSelector": spec.label_selector, "limit": str(LIST_PAGE_SIZE)}
+            if cont:
+                params["continue"] = cont
+            body = await self._get_json(http, self._pods_path(), params)
+            meta = body.get("metadata") or {}
+            rv = str(meta.get("resourceVersion") or rv)
+            for item in body.get("items") or ():
+                try:
+                    name, pod = parse_pod(item)
+                except ValueError as exc:
+                    self._fail(f"pods of {self.source}: {exc}", log_it=False)
+                    continue
+                if name not in pods and len(pods) >= self._ref.max_pods:
+                    ignored += 1
+                    continue
+                pods[name] = pod
+            cont = str(meta.get("continue") or "")
+            if not cont:
+                break
+        self._count("list")
+        self._pods, self._spec, self._pods_rv = pods, spec, rv
+        self._ignored = 0
+        for _ in range(ignored):
+            self._over_limit()
+        self._synced = True
+        self._ok()
+        self._flush()
+        return rv
+
+    def _apply_pod_event(self, etype: str, obj: Mapping[str, Any]) -> None:
+        try:
+            name, pod = parse_pod(obj)
+        except ValueError as exc:
+            self._fail(f"pods of {self.source}: {exc}", log_it=False)
+            return
+        old = self._pods.get(name)
+        if etype == "DELETED":
+            if old is not None:
+                del self._pods[name]
+                if old.view() is not None:
+                    self._schedule_flush()
+            return
+        if old is None and len(self._pods) >= self._ref.max_pods:
+            self._over_limit()
+            return
+        self._pods[name] = pod
+        if (old.view() if old is not None else None) != pod.view():
+            self._schedule_flush()
+
+    def _over_limit(self) -> None:
+        self._ignored += 1
+        self._count("pod_over_limit")
+        if self._ignored % OVER_LIMIT_LOG_EVERY == 1 or OVER_LIMIT_LOG_EVERY == 1:
+            log.warning(
+                "event=discovery_pods_over_limit source=%r max_pods=%d ignored=%d",
+                self.source,
+                self._ref.max_pods,
+                self._ignored,
+            )
+
+    # --- publication ---
+
+    def _schedule_flush(self) -> None:
+        """Publish on the next loop turn: the events already read in the same chunk coalesce into one."""
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if not self._synced or self._publish is None:
+            return
+        backends = self._backends()
+        if backends == self._published:
+            return
+        self._published = backends
+        snapshot = PoolSnapshot(backends, source=self.source, version=self._pods_rv)
+        try:
+            self._publish(snapshot)
+        except Exception:  # the consumer's bug must not stop discovery
+            log.exception("event=discovery_publish_failed source=%r", self.source)
+
+    def _backends(self) -> tuple[DiscoveredBackend, ...]:
+        spec = self._spec
+        if spec is None:
+            return ()
+        ports = spec.target_ports
+        out = [
+            DiscoveredBackend(
+                name=backend_name(name, rank, len(ports)),
+                ip=pod.ip,
+                port=port,
+                rank=rank,
+                pod=name,
+                namespace=self._namespace or "",
+                annotations=pod.annotations,
+            )
+            for name, pod in self._pods.items()
+            if pod.live and pod.ip is not None
+            for rank, port in enumerate(ports)
+        ]
+        out.sort(key=lambda b: b.name)
+        return tuple(out)
+
+    # --- HTTP ---
+
+    async def _get_json(self, http: httpx2.AsyncClient, path: str, params: dict[str, str]) -> dict[str, Any]:
+        async with http.stream("GET", path, params=params) as resp:
+            if resp.status_code != 200:
+                await _raise_for(resp)
+            body = bytearray()
+            async for chunk in resp.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise _ApiError(0, f"GET {path}: the answer is over {MAX_BODY_BYTES} bytes")
+        data = orjson.loads(body)
+        if not isinstance(data, dict):
+            raise _ApiError(0, f"GET {path}: the answer is not a JSON object")
+        return data
+
+    async def _watch(
+        self, http: httpx2.AsyncClient, path: str, params: dict[str, str], rv: str
+    ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        """One watch request from ``rv``: yields (type, object) for ADDED, MODIFIED, DELETED and BOOKMARK;
+        raises _Gone on 410 (status or ERROR event), _ApiError on another error; returns when the server ends
+        the stream."""
+        self._count("watch")
+        timeout = httpx2.Timeout(
+            REQUEST_TIMEOUT_SECONDS, read=self._ref.watch_timeout_seconds + WATCH_READ_GRACE_SECONDS
+        )
+        query = {**params, "watch": "1", "resourceVersion": rv}
+        async with http.stream("GET", path, params=query, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                await _raise_for(resp)
+            self._ok()
+            buf = bytearray()
+            async for chunk in resp.aiter_bytes():
+                buf += chunk
+                start = 0
+                while (end := buf.find(b"\n", start)) >= 0:
+                    if end > start:
+                        yield _decode_event(bytes(buf[start:end]))
+                    start = end + 1
+                del buf[:start]
+                if len(buf) > MAX_EVENT_BYTES:
+                    raise _ApiError(0, f"a watch event over {MAX_EVENT_BYTES} bytes")
+            if buf.strip():
+                yield _decode_event(bytes(buf))
+
+    # --- bookkeeping ---
+
+    def _count(self, name: str) -> None:
+        self._counts[name] = self._counts.get(name, 0) + 1
+        if self._count_cb is not None:
+            try:
+                self._count_cb(name)
+            except Exception:
+                log.exception("event=discovery_count_failed name=%s", name)
+
+    def _fail(self, message: str, *, log_it: bool = True) -> None:
+        self._count("error")
+        self._last_error = message
+        if log_it and not self._failing:
+            log.warning(
+                "event=discovery_error source=%r error=%r (retrying; the last snapshot is kept)", self.source, message
+            )
+        elif log_it:
+            log.debug("event=discovery_error source=%r error=%r", self.source, message)
+        self._failing = self._failing or log_it
+
+    def _ok(self) -> None:
+        """A request succeeded: the trouble is over (a missing pool stays the reported error)."""
+        if self._failing:
+            log.info("event=discovery_recovered source=%r", self.source)
+        self._failing = False
+        if self._pool_found is not False:
+            self._last_error = None
+
+
+def _resource_version(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata")
+    return str(meta.get("resourceVersion") or "") if isinstance(meta, dict) else ""
+
+
+def _decode_event(line: bytes) -> tuple[str, dict[str, Any]]:
+    event = orjson.loads(line)
+    etype = event.get("type") if isinstance(event, dict) else None
+    obj = event.get("object") if isinstance(event, dict) else None
+    if not isinstance(obj, dict):
+        raise _ApiError(0, f"a watch event without an object: {line[:200]!r}")
+    if etype == "ERROR":
+        code = obj.get("code")
+        message = str(obj.get("message") or obj.get("reason") or "")
+        if code == 410:
+            raise _Gone(message)
+        raise _ApiError(code if isinstance(code, int) else 0, f"watch ERROR event: {message}")
+    if etype not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
+        raise _ApiError(0, f"unknown watch event type {etype!r}")
+    return etype, obj
+
+
+async def _raise_for(resp: httpx2.Response) -> None:
+    body = bytearray()
+    async for chunk in resp.aiter_bytes():
+        body += chunk
+        if len(body) > MAX_ERROR_BODY_BYTES:
+            break
+    message = bytes(body[:500]).decode("utf-8", "replace").strip()
+    with contextlib.suppress(ValueError):
+        data = orjson.loads(body)
+        if isinstance(data, dict) and data.get("message"):
+            message = str(data["message"])
+    if resp.status_code == 410:
+        raise _Gone(message)
+    raise _ApiError(resp.status_code, f"{resp.request.method} {resp.request.url.path}: {message}")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, _ApiError):
+        return str(exc)
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
