@@ -7,6 +7,21 @@ feed subscriptions, send ``close: draining`` to every consumer and give them
 ``drain_deadline_seconds`` to go, cancel the source and gauge tasks (bounded), close the sources and
 the HTTP server. A crashed task makes the listener not ready for good (see
 ``picker.shared.supervisor``).
+
+Discovery (``discovery`` in the config, instead of ``sources``): the discovery source runs as the supervised
+task ``discovery`` and publishes pool snapshots; the task ``discovery-apply`` applies the newest one (older ones
+are superseded: one pending snapshot at most). Applying diffs the wanted sources (each backend's source
+rendered from ``discovery.source_template`` and its pod's annotations, see ``listener.config.SourceTemplate``)
+against the live ones: a source whose backend left, or whose rendered config changed (a new address is a new
+engine), is dropped at once — removed from the feed maps (new subscriptions get 404 / NOT_FOUND), its feed
+retired (a ``clear`` then ``close: backend_gone`` to every subscriber), forgotten by the state file — then its
+task is cancelled and awaited (bounded by ``TASK_STOP_SECONDS``), its sockets closed and its metric series
+removed; then sources of new backends are created, restored from the state file when it holds their state,
+opened and started. A backend whose source cannot be made (a bad annotation, a template that does not fit it)
+is skipped, logged and counted once while the problem lasts. Bound: at most ``discovery.max_sources`` sources
+(the discovery source also caps pods: ``inference_pool.max_pods``). ``/readyz`` is not ready until the first
+snapshot is applied. Sources of discovered backends run as tasks of their own (they come and go), supervised
+the same way: a crash is logged, counted and makes the listener not ready.
 """
 
 from __future__ import annotations
@@ -14,23 +29,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
+from collections.abc import Awaitable, Callable
 
 import zmq.asyncio
 from aiohttp import web
 
 from listener.block_chains import BlockChainTracker
-from listener.config import ListenerConfig, SourceConfig
-from listener.feed import BackendFeed
+from listener.config import DiscoveryConfig, ListenerConfig, SourceConfig, TemplateError
+from listener.feed import COUNT_BITS, EPOCH_BITS, BackendFeed
 from listener.feed_server import build_app
 from listener.grpc_feed import GrpcFeedServer, GrpcFeedSetupError
 from listener.metrics import ListenerMetrics
 from listener.state_store import StatePersister
 from listener.trtllm_source import TrtllmHttpSource
 from listener.zmq_source import Z, ZmqEventSource
+from picker.shared.discovery import Discovery, PoolSnapshot, make_discovery
 from picker.shared.supervisor import TaskFailure, TaskSupervisor
 
 log = logging.getLogger("kv_listener.app")
 TASK_STOP_SECONDS = 5.0  # sources wait only on their own sockets and polls
+GONE = "backend_gone"  # the clear and close reason a removed backend's subscribers get
+MAX_SOURCE_FAILURES = 64  # crashed discovered-source tasks remembered (one is enough to be not ready)
+Source = ZmqEventSource | TrtllmHttpSource
 
 
 class StartupError(Exception):
@@ -60,12 +81,29 @@ class _CountingSink:
 class ListenerApp:
     """Lifecycle: ``start()`` → serve → ``drain_and_stop()`` or ``stop()`` (see the module docstring)."""
 
-    def __init__(self, cfg: ListenerConfig, metrics: ListenerMetrics | None = None) -> None:
+    def __init__(
+        self, cfg: ListenerConfig, metrics: ListenerMetrics | None = None, discovery: Discovery | None = None
+    ) -> None:
+        """``discovery`` replaces the source ``cfg.discovery`` names (tests); it needs ``cfg.discovery``."""
+        if discovery is not None and cfg.discovery is None:
+            raise ValueError("a discovery object needs cfg.discovery (its source_template)")
         self.cfg = cfg
         self.metrics = metrics or ListenerMetrics()
+        # the maps the feed servers read: entries come and go with discovery (changed only between awaits)
         self.feeds: dict[str, BackendFeed] = {}
         self.trackers: dict[str, BlockChainTracker] = {}
-        self.sources: dict[str, ZmqEventSource | TrtllmHttpSource] = {}
+        self.sources: dict[str, Source] = {}
+        self.discovery = discovery  # built at start() from cfg.discovery when None
+        self.applied: PoolSnapshot | None = None  # the last snapshot applied (None: not yet: not ready)
+        self.snapshots_applied = 0
+        self._pending: PoolSnapshot | None = None  # newest published, not yet applied (bound: one)
+        self._wake = asyncio.Event()
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # discovered sources' tasks (static: the supervisor's)
+        self._ending: set[asyncio.Task[None]] = set()  # cancelled, not yet ended
+        self._failures: list[TaskFailure] = []  # crashed discovered sources (bound: MAX_SOURCE_FAILURES)
+        # backend → (event, why) of the current snapshot's backends without a source (bound: the snapshot)
+        self.skipped: dict[str, tuple[str, str]] = {}
+        self._open_failed: dict[str, tuple[SourceConfig, str]] = {}  # bound: the snapshot's backends
         self.started = False
         self.draining = False  # not ready: /readyz 503 (set first)
         self.refusing = False  # new feed subscriptions refused, /healthz 503 (set after propagation)
@@ -82,7 +120,7 @@ class ListenerApp:
             zmq_sources = [src for src in self.sources.values() if isinstance(src, ZmqEventSource)]
             self.persister = StatePersister(cfg.state, list(zmq_sources), self._state_saved)
 
-    def _add_source(self, s: SourceConfig) -> None:
+    def _add_source(self, s: SourceConfig, base_id: int | None = None) -> None:
         name = s.backend_name
         m = self.metrics
 
@@ -95,6 +133,7 @@ class ListenerApp:
         feed = BackendFeed(
             name,
             self.cfg.feed,
+            base_id,
             on_overflow=on_overflow,
             model=s.model,
             engine=s.engine,
@@ -121,8 +160,13 @@ class ListenerApp:
         self.metrics.background_task_failures.labels(failure.task).inc()
 
     @property
+    def healthy(self) -> bool:
+        """No supervised task and no discovered source has crashed."""
+        return self.supervisor.healthy and not self._failures
+
+    @property
     def ready(self) -> bool:
-        return self.started and not self.draining and self.supervisor.healthy
+        return self.readiness()[0]
 
     def readiness(self) -> tuple[bool, str]:
         """(ready, why not): what /readyz answers."""
@@ -130,7 +174,11 @@ class ListenerApp:
             return False, "draining"
         if not self.started:
             return False, "starting"
-        return self.supervisor.healthy, self.supervisor.reason or "ready"
+        if not self.healthy:
+            return False, self.supervisor.reason or self._failures[0].reason
+        if self.cfg.discovery is not None and self.applied is None:
+            return False, "discovery not synced: no pool snapshot applied yet"
+        return True, "ready"
 
     def health(self) -> dict[str, object]:
         """Status: draining, task_failed, degraded (a source stale, or not connected past
@@ -150,15 +198,33 @@ class ListenerApp:
                 "last_event_id": self.feeds[name].last_id,
                 "subscribers": len(self.feeds[name].subscribers),
             }
-        status = "draining" if self.draining else "task_failed" if not self.supervisor.healthy else "ok"
-        if status == "ok" and degraded:
+        status = "draining" if self.draining else "task_failed" if not self.healthy else "ok"
+        unsynced = self.cfg.discovery is not None and self.applied is None
+        if status == "ok" and (degraded or unsynced):
             status = "degraded"
-        return {
+        out: dict[str, object] = {
             "status": status,
             "degraded_sources": degraded,
-            "failed_tasks": {f.task: repr(f.error) for f in self.supervisor.failures},
+            "failed_tasks": {f.task: repr(f.error) for f in [*self.supervisor.failures, *self._failures]},
             "sources": sources,
         }
+        if self.cfg.discovery is not None:
+            out["discovery"] = self.discovery_status()
+        return out
+
+    def discovery_status(self) -> dict[str, object]:
+        """The discovery source's status() plus what the listener made of its snapshots."""
+        status: dict[str, object] = dict(self.discovery.status()) if self.discovery is not None else {}
+        applied = self.applied
+        status["applied"] = (
+            None
+            if applied is None
+            else {"source": applied.source, "version": applied.version, "backends": len(applied.backends)}
+        )
+        status["snapshots_applied"] = self.snapshots_applied
+        status["live_sources"] = len(self.sources)
+        status["skipped_backends"] = {name: {"event": ev, "why": why} for name, (ev, why) in self.skipped.items()}
+        return status
 
     def _update_gauges(self) -> None:
         for name, t in self.trackers.items():
@@ -183,11 +249,19 @@ class ListenerApp:
         if self.persister is not None:
             restored = await self.persister.restore()
             log.info("event=state_loaded path=%s sources_restored=%d", self.persister.path, restored)
+            if self.cfg.discovery is None:
+                self.persister.forget_unclaimed()  # static sources: a saved one not configured now is gone
         for name, src in self.sources.items():
             self.supervisor.spawn(f"source-{name}", src.run)
         self.supervisor.spawn("gauges", self._gauge_loop)
         if self.persister is not None:
             self.supervisor.spawn("state", self.persister.run)
+        if self.cfg.discovery is not None:
+            if self.discovery is None:
+                self.discovery = self._make_discovery(self.cfg.discovery)
+            self.supervisor.spawn("discovery", self._run_discovery)
+            self.supervisor.spawn("discovery-apply", self._apply_loop)
+        self.metrics.sources.set(len(self.sources))
         self.started = True
         log.info("event=listener_started listen=%s sources=%d", self.listen_address, len(self.sources))
 
@@ -268,11 +342,203 @@ class ListenerApp:
             if hurry is not None and hurry.is_set():
                 break
             await asyncio.sleep(0.02)
-        stuck = await self.supervisor.stop(TASK_STOP_SECONDS)
+        stuck = await self.supervisor.stop(TASK_STOP_SECONDS)  # discovery first: no source is added after
+        stuck += await self._stop_tasks(list(self._tasks.values()))
         if self.persister is not None and self.started:
             await self.persister.save()
         await self._close()
         log.info("event=listener_stopped stuck_tasks=%d", len(stuck))
+
+    # -- discovery ---------------------------------------------------------------------------------
+    def _make_discovery(self, d: DiscoveryConfig) -> Discovery:
+        ref = d.inference_pool or d.backends_file
+        assert ref is not None  # validated: one of the two
+        return make_discovery(ref, count=self.metrics.discovery_event)
+
+    async def _run_discovery(self) -> None:
+        assert self.discovery is not None
+        await self.discovery.run(self.publish)
+
+    def publish(self, snapshot: PoolSnapshot) -> None:
+        """The discovery's callback: keep the newest snapshot for the apply task (an older one not yet applied
+        is superseded: each snapshot is the whole pool)."""
+        self._pending = snapshot
+        self._wake.set()
+
+    async def _apply_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            snapshot, self._pending = self._pending, None
+            if snapshot is not None:
+                await self.apply_snapshot(snapshot)
+
+    def _wanted(self, snapshot: PoolSnapshot, d: DiscoveryConfig) -> dict[str, SourceConfig]:
+        """The source of each backend of ``snapshot`` that can have one; the others go to ``self.skipped``
+        (logged and counted when their problem is new)."""
+        wanted: dict[str, SourceConfig] = {}
+        skipped: dict[str, tuple[str, str]] = {}
+        for b in sorted(snapshot.backends, key=lambda b: b.name):
+            if b.name in wanted or b.name in skipped:
+                skipped[b.name] = ("duplicate_backend", "the snapshot names it twice")
+                wanted.pop(b.name, None)
+                continue
+            if len(wanted) >= d.max_sources:
+                skipped[b.name] = ("over_max_sources", f"discovery.max_sources is {d.max_sources}")
+                continue
+            try:
+                wanted[b.name] = d.template.render(b, d.annotation_prefix)
+            except TemplateError as exc:
+                skipped[b.name] = (exc.kind, str(exc))
+        for name, scfg in list(wanted.items()):
+            failed = self._open_failed.get(name)
+            if failed is not None and failed[0] == scfg:
+                skipped[name] = ("source_open_failed", failed[1])
+                del wanted[name]
+        self._open_failed = {n: f for n, f in self._open_failed.items() if n in skipped}
+        for name, (event, why) in skipped.items():
+            if self.skipped.get(name) != (event, why):
+                log.warning("event=discovery_backend_skipped backend=%s reason=%s why=%r", name, event, why)
+                if event != "source_open_failed":  # counted when the open failed
+                    self.metrics.discovery_event(event)
+        self.skipped = skipped
+        return wanted
+
+    async def apply_snapshot(self, snapshot: PoolSnapshot) -> None:
+        """Make the live sources those of ``snapshot`` (see the module docstring)."""
+        d = self.cfg.discovery
+        assert d is not None
+        wanted = self._wanted(snapshot, d)
+        gone = [name for name, src in self.sources.items() if wanted.get(name) != src.cfg]
+        epochs = await self._drop_sources(gone)
+        added = 0
+        for name, scfg in wanted.items():
+            if name not in self.sources and not self.draining:
+                added += self._start_source(scfg, epochs.get(name))
+        first = self.applied is None
+        self.applied = snapshot
+        self.snapshots_applied += 1
+        self.metrics.sources.set(len(self.sources))
+        self.metrics.discovery_event("snapshot_applied")
+        if first and self.persister is not None:
+            forgotten = self.persister.forget_unclaimed()
+            if forgotten:
+                log.info("event=state_forgotten sources=%s reason=not_in_pool", ",".join(forgotten))
+        log.info(
+            "event=discovery_applied source=%s version=%s backends=%d sources=%d added=%d removed=%d skipped=%d",
+            snapshot.source,
+            snapshot.version,
+            len(snapshot.backends),
+            len(self.sources),
+            added,
+            len(gone),
+            len(self.skipped),
+        )
+
+    async def _drop_sources(self, names: list[str]) -> dict[str, int]:
+        """Drop these sources at once (see the module docstring), then end their tasks (bounded) and close
+        them; returns the feed id epoch each used (a re-created feed takes another)."""
+        epochs: dict[str, int] = {}
+        dropped: list[Source] = []
+        for name in names:
+            src = self.sources.pop(name)
+            self.trackers.pop(name, None)
+            feed = self.feeds.pop(name)
+            epochs[name] = feed.last_id >> COUNT_BITS
+            subscribers = len(feed.subscribers)
+            feed.retire(GONE)
+            if self.persister is not None:
+                self.persister.remove(name)
+            task = self._tasks.pop(name, None)
+            if task is not None:
+                task.cancel()
+                self._ending.add(task)
+            dropped.append(src)
+            self.metrics.discovery_event("source_removed")
+            log.info(
+                "event=source_removed source=%s endpoint=%s subscribers=%d reason=%s",
+                name,
+                src.cfg.zmq_endpoint or src.cfg.http_endpoint,
+                subscribers,
+                GONE,
+            )
+        if not dropped:
+            return epochs
+        await self._stop_tasks([t for t in self._ending if not t.done()])
+        for src in dropped:
+            if isinstance(src, ZmqEventSource):
+                src.close()  # the task's own finally closed it already unless it was stuck
+            self.metrics.forget_source(src.name)
+        return epochs
+
+    async def _stop_tasks(self, tasks: list[asyncio.Task[None]]) -> list[str]:
+        """Cancel and await discovered sources' tasks, at most TASK_STOP_SECONDS; returns the names still
+        running (logged, abandoned)."""
+        for t in tasks:
+            t.cancel()
+            self._ending.add(t)
+        pending = [t for t in self._ending if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=TASK_STOP_SECONDS)
+        stuck = [t.get_name() for t in self._ending if not t.done()]
+        for name in stuck:
+            log.warning("event=task_stop_timeout task=%s timeout_s=%.1f", name, TASK_STOP_SECONDS)
+        self._ending = {t for t in self._ending if not t.done()}  # bound: the stuck ones
+        return stuck
+
+    def _start_source(self, scfg: SourceConfig, old_epoch: int | None) -> int:
+        """Create, restore, open and start the source of a discovered backend; 1 if it runs, 0 if it could not
+        be opened (logged, counted, skipped while its config stays the same)."""
+        name = scfg.backend_name
+        epoch = secrets.randbits(EPOCH_BITS)
+        while epoch == old_epoch:  # a consumer's id from the dropped feed must not look like one of the new one
+            epoch = secrets.randbits(EPOCH_BITS)
+        self._add_source(scfg, base_id=epoch << COUNT_BITS)
+        src = self.sources[name]
+        restored = False
+        try:
+            if isinstance(src, ZmqEventSource):
+                if self.persister is not None:
+                    restored = self.persister.add(src)
+                src.open()
+        except Z.ZMQError as exc:
+            if isinstance(src, ZmqEventSource):
+                src.close()
+            for table in (self.sources, self.trackers, self.feeds):
+                table.pop(name, None)
+            if self.persister is not None:
+                self.persister.remove(name)
+            self._open_failed[name] = (scfg, str(exc))
+            self.skipped[name] = ("source_open_failed", str(exc))
+            self.metrics.discovery_event("source_open_failed")
+            self.metrics.forget_source(name)
+            log.warning("event=discovery_backend_skipped backend=%s reason=source_open_failed why=%r", name, str(exc))
+            return 0
+        self._tasks[name] = asyncio.create_task(self._guarded(name, src.run), name=f"source-{name}")
+        self.metrics.discovery_event("source_added")
+        log.info(
+            "event=source_added source=%s engine=%s endpoint=%s replay=%s restored=%s",
+            name,
+            scfg.engine,
+            scfg.zmq_endpoint or scfg.http_endpoint,
+            scfg.replay_endpoint,
+            restored,
+        )
+        return 1
+
+    async def _guarded(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        """A discovered source's task, supervised like the supervisor's own: a crash is logged, counted and
+        makes the listener not ready (not restarted)."""
+        try:
+            await run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            failure = TaskFailure(f"source-{name}", exc)
+            if len(self._failures) < MAX_SOURCE_FAILURES:
+                self._failures.append(failure)
+            log.error("event=task_failed task=%s error=%r", failure.task, exc, exc_info=exc)
+            self._task_failed(failure)
 
     async def _close(self) -> None:
         for src in self.sources.values():

@@ -1,17 +1,33 @@
 """Listener configuration (``kv-listener run --config FILE``): pydantic models, every default here.
 
 A bad key or value raises :class:`ListenerConfigError` naming its dotted path (``sources[0].engine``).
+
+Sources are either a static list (``sources``) or follow the pool (``discovery``): each discovered backend
+gets a source rendered from ``discovery.source_template`` (see :class:`SourceTemplate`), overridden per pod by
+annotations. The two are mutually exclusive.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import string
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from picker.shared.config_files import BackendName, ConfigError, read_yaml_mapping, validation_problems
+from picker.shared.discovery import DiscoveredBackend
+from picker.shared.discovery.config import BackendsFileRef, InferencePoolRef
 
 Engine = Literal["vllm", "sglang", "trtllm"]
 
@@ -79,6 +95,231 @@ class SourceConfig(_Model):
         return self
 
 
+# -- discovery: one source per discovered backend, rendered from a template ---------------------------------
+PLACEHOLDERS = ("ip", "port", "rank", "pod", "namespace", "name")
+# Per-pod overrides, each under DiscoveryConfig.annotation_prefix (kv-epp.io/zmq-endpoint, ...).
+ANNOTATIONS = ("zmq-endpoint", "replay-endpoint", "http-endpoint", "model", "engine")
+ENGINES: tuple[Engine, ...] = ("vllm", "sglang", "trtllm")
+MAX_ANNOTATION_CHARS = 1024
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SAMPLE = DiscoveredBackend(name="pod-0", ip="10.0.0.1", port=8000, rank=0, pod="pod-0", namespace="default")
+
+
+class TemplateError(ValueError):
+    """A discovered backend whose source cannot be made; ``kind`` is ``bad_annotation`` (a pod annotation is
+    unusable) or ``bad_backend`` (the template does not give this backend a valid source)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _parse_template(template: str) -> list[tuple[str, str | None]]:
+    """(literal text, placeholder or None) pieces; ValueError on a malformed or unknown placeholder, a format
+    spec or a conversion (only the bare names of PLACEHOLDERS are accepted)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"{template!r}: {exc} (write {{{{ and }}}} for literal braces)") from None
+    out: list[tuple[str, str | None]] = []
+    for literal, name, spec, conversion in parsed:
+        if name is not None and (name not in PLACEHOLDERS or spec or conversion):
+            known = ", ".join(f"{{{p}}}" for p in PLACEHOLDERS)
+            raise ValueError(f"{template!r}: unknown placeholder {{{name}}} (known: {known})")
+        out.append((literal, name))
+    return out
+
+
+def placeholders(template: str) -> set[str]:
+    """The placeholder names ``template`` uses (ValueError as for rendering)."""
+    return {name for _, name in _parse_template(template) if name is not None}
+
+
+def fill(template: str, values: dict[str, str]) -> str:
+    """``template`` with its placeholders replaced by ``values`` (ValueError on a bad placeholder)."""
+    return "".join(literal + (values[name] if name is not None else "") for literal, name in _parse_template(template))
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint data-parallel rank ``rank`` publishes on when the engine was given ``endpoint``: vLLM's and
+    SGLang's ZmqEventPublisher offset it by the rank (``offset_endpoint_port`` in vllm/distributed/kv_events.py
+    and sglang/srt/disaggregation/kv_events.py, applied to the publisher and the replay endpoint alike): a tcp
+    port + rank, an ipc/inproc name + ``_dp<rank>``. ValueError when there is no port or it passes 65535."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{rank}"
+    head, sep, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not sep or not port.isdigit():
+        raise ValueError(f"{endpoint!r}: no tcp port to offset by data-parallel rank {rank}")
+    if int(port) + rank > 65_535:
+        raise ValueError(f"{endpoint!r}: port + data-parallel rank {rank} passes 65535")
+    return f"{head}:{int(port) + rank}"
+
+
+def _values(b: DiscoveredBackend, bare_ip: bool) -> dict[str, str]:
+    try:
+        ip = ipaddress.ip_address(b.ip)
+        host = ip.compressed if bare_ip or ip.version == 4 else f"[{ip.compressed}]"
+    except ValueError:  # a host name (a backends file may give one)
+        host = b.ip
+    return {
+        "ip": host,
+        "port": str(b.port),
+        "rank": str(b.rank),
+        "pod": b.pod or b.name,
+        "namespace": b.namespace,
+        "name": b.name,
+    }
+
+
+class SourceTemplate(_Model):
+    """The event source of every discovered backend (``discovery.source_template``).
+
+    ``zmq_endpoint``, ``replay_endpoint``, ``http_endpoint``, ``topic`` and ``allowed_publishers`` take the
+    placeholders ``{ip}`` (the pod IP; IPv6 in brackets, bare in ``allowed_publishers``), ``{port}`` (the pool's
+    target port of this backend), ``{rank}`` (its index in ``targetPorts``: the data-parallel rank), ``{pod}``,
+    ``{namespace}`` and ``{name}`` (the backend name). Data-parallel ranks: vLLM and SGLang offset the port of
+    the publisher and the replay endpoint by the rank, so for rank i > 0 the rendered ``zmq_endpoint`` and
+    ``replay_endpoint`` get port + i, unless the string uses ``{rank}`` or ``{port}`` (then it already says which
+    port each rank has). Pod annotations ``<annotation_prefix>zmq-endpoint``, ``replay-endpoint`` (empty: none),
+    ``http-endpoint``, ``model`` and ``engine`` override the template for that pod (same placeholders and rule).
+    """
+
+    engine: Engine = "vllm"
+    model: str = Field(min_length=1, max_length=MAX_ANNOTATION_CHARS)
+    block_size: int | None = Field(None, ge=1, le=65_536)  # informational, as in SourceConfig
+    zmq_endpoint: str = "tcp://{ip}:5557"
+    # The listener connects to each pod's publisher; bind mode (the engines connect to the listener) gives no
+    # per-pod address to follow.
+    zmq_mode: Literal["connect"] = "connect"
+    topic: str = ""
+    replay_endpoint: str | None = "tcp://{ip}:5558"
+    replay_timeout_ms: int = Field(2000, ge=10, le=60_000)
+    http_endpoint: str = "http://{ip}:{port}"  # engine trtllm
+    poll_interval_ms: int = Field(200, ge=10, le=60_000)
+    allowed_publishers: tuple[str, ...] = ()  # e.g. ["{ip}"]: only the pod itself may publish
+    treat_eviction_as_offload: bool = False
+
+    @field_validator("zmq_endpoint", "replay_endpoint", "http_endpoint", "topic")
+    @classmethod
+    def _known_placeholders(cls, v: str | None) -> str | None:
+        if v is not None:
+            placeholders(v)
+        return v
+
+    @field_validator("allowed_publishers")
+    @classmethod
+    def _known_placeholders_each(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for item in v:
+            placeholders(item)
+        return v
+
+    @model_validator(mode="after")
+    def _renders(self) -> SourceTemplate:
+        try:
+            self.render(_SAMPLE, "")
+        except TemplateError as exc:
+            raise ValueError(f"does not make a valid source (for pod IP 10.0.0.1, port 8000): {exc}") from None
+        return self
+
+    def render(self, b: DiscoveredBackend, annotation_prefix: str) -> SourceConfig:
+        """The source of backend ``b`` (its pod's annotations under ``annotation_prefix`` override); raises
+        :class:`TemplateError`."""
+        ann: dict[str, str] = {}
+        for key, value in b.annotations:
+            short = key[len(annotation_prefix) :] if annotation_prefix and key.startswith(annotation_prefix) else ""
+            if short in ANNOTATIONS:
+                if len(value) > MAX_ANNOTATION_CHARS or _CONTROL.search(value):
+                    raise TemplateError("bad_annotation", f"{key}: longer than {MAX_ANNOTATION_CHARS} or control chars")
+                ann[short] = value.strip()
+        kind = "bad_annotation" if ann else "bad_backend"
+        engine = ann.get("engine", self.engine)
+        if engine not in ENGINES:
+            raise TemplateError("bad_annotation", f"{annotation_prefix}engine: {engine!r} is not one of {ENGINES}")
+        model = ann.get("model", self.model)
+        if not model:
+            raise TemplateError("bad_annotation", f"{annotation_prefix}model: empty")
+        values, bare = _values(b, bare_ip=False), _values(b, bare_ip=True)
+
+        def endpoint(name: str, template: str | None, offset: bool) -> str | None:
+            what = f"{annotation_prefix}{name}" if name in ann else f"source_template.{name.replace('-', '_')}"
+            if name in ann:
+                template = ann[name] or None  # an empty replay-endpoint annotation: no replay endpoint
+            if template is None:
+                return None
+            try:
+                out = fill(template, values)
+                if offset and not placeholders(template) & {"rank", "port"}:
+                    out = offset_endpoint(out, b.rank)
+            except ValueError as exc:
+                raise TemplateError("bad_annotation" if name in ann else "bad_backend", f"{what}: {exc}") from None
+            return out
+
+        fields: dict[str, Any] = {
+            "backend_name": b.name,
+            "engine": engine,
+            "model": model,
+            "block_size": self.block_size,
+            "replay_timeout_ms": self.replay_timeout_ms,
+            "poll_interval_ms": self.poll_interval_ms,
+            "treat_eviction_as_offload": self.treat_eviction_as_offload,
+        }
+        try:
+            fields["topic"] = fill(self.topic, values)
+            fields["allowed_publishers"] = tuple(fill(p, bare) for p in self.allowed_publishers)
+        except ValueError as exc:
+            raise TemplateError("bad_backend", str(exc)) from None
+        if engine == "trtllm":
+            fields["http_endpoint"] = endpoint("http-endpoint", self.http_endpoint, offset=False)
+        else:
+            fields["zmq_endpoint"] = endpoint("zmq-endpoint", self.zmq_endpoint, offset=True)
+            fields["replay_endpoint"] = endpoint("replay-endpoint", self.replay_endpoint, offset=True)
+        try:
+            return SourceConfig(**fields)
+        except ValidationError as exc:
+            problems = "; ".join(f"{path}: {msg}" for path, msg in validation_problems(exc))
+            raise TemplateError(kind, problems) from None
+
+
+class DiscoveryConfig(_Model):
+    """The listener follows the pool: exactly one of ``inference_pool`` (a Kubernetes InferencePool) or
+    ``backends_file``; one source per discovered backend, from ``source_template``. Bound: at most
+    ``max_sources`` sources (and ``inference_pool.max_pods`` pods); backends beyond it, by name order, are skipped
+    (logged, counted ``over_max_sources``)."""
+
+    inference_pool: InferencePoolRef | None = None
+    backends_file: BackendsFileRef | None = None
+    annotation_prefix: str = Field("kv-epp.io/", pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/$")
+    max_sources: int = Field(1024, ge=1, le=100_000)
+    source_template: SourceTemplate | None = Field(None, validate_default=True)
+
+    @field_validator("backends_file")
+    @classmethod
+    def _one_source(cls, v: BackendsFileRef | None, info: ValidationInfo) -> BackendsFileRef | None:
+        if v is not None and info.data.get("inference_pool") is not None:
+            raise ValueError("inference_pool and backends_file are exclusive: set one")
+        return v
+
+    @field_validator("source_template")
+    @classmethod
+    def _template_required(cls, v: SourceTemplate | None) -> SourceTemplate | None:
+        if v is None:
+            raise ValueError("discovery needs a source_template (engine, model, endpoints)")
+        return v
+
+    @model_validator(mode="after")
+    def _some_source(self) -> DiscoveryConfig:
+        if self.inference_pool is None and self.backends_file is None:
+            raise ValueError("discovery needs inference_pool or backends_file")
+        return self
+
+    @property
+    def template(self) -> SourceTemplate:
+        assert self.source_template is not None  # validated
+        return self.source_template
+
+
 class FeedConfig(_Model):
     """Bounds of the listener→picker stream."""
 
@@ -142,6 +383,14 @@ class ListenerConfig(_Model):
     connect_grace_seconds: float = Field(10.0, ge=0, le=3600)
     grpc: GrpcFeedConfig = GrpcFeedConfig()
     sources: tuple[SourceConfig, ...] = ()
+    discovery: DiscoveryConfig | None = None  # instead of sources: follow the pool
+
+    @field_validator("discovery")
+    @classmethod
+    def _sources_or_discovery(cls, v: DiscoveryConfig | None, info: ValidationInfo) -> DiscoveryConfig | None:
+        if v is not None and info.data.get("sources"):
+            raise ValueError("sources and discovery are exclusive: a static list or the discovered pool")
+        return v
 
     @field_validator("listen")
     @classmethod

@@ -21,6 +21,12 @@ Bounds against careless or hostile subscribers:
 - a subscriber's pending live records are bounded in count (``subscriber_queue_size``) and in bytes
   (``subscriber_queue_bytes``); past either it is closed with ``buffer_overflow``;
 - every write has a deadline (``write_timeout_seconds``; the transports enforce it).
+
+A backend that leaves the pool (discovery) is retired: :meth:`BackendFeed.retire` publishes one ``clear``
+(reason ``backend_gone``) and ends every subscriber right after it: what it had not yet been sent (the rest of a
+snapshot, history, live records) is skipped, the clear is written, then ``close: backend_gone``. A consumer
+that applies the clear holds none of the backend's blocks; its reconnection finds no such backend (404 /
+NOT_FOUND) until the backend is discovered again.
 """
 
 from __future__ import annotations
@@ -143,6 +149,7 @@ class Subscriber:
 
     __slots__ = (
         "close_reason",
+        "ending",
         "max_pending",
         "max_pending_bytes",
         "pending",
@@ -165,6 +172,7 @@ class Subscriber:
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
         self.close_reason: str | None = None
+        self.ending: str | None = None  # finish(): the close reason once the pending records are written
         self.wake = asyncio.Event()
 
     @property
@@ -176,7 +184,7 @@ class Subscriber:
         return n
 
     def push(self, record: Record) -> bool:
-        if self.close_reason is not None:
+        if self.close_reason is not None or self.ending is not None:
             return False
         size = record.size
         if len(self.pending) >= self.max_pending or self.pending_bytes + size > self.max_pending_bytes:
@@ -196,9 +204,26 @@ class Subscriber:
             self.snapshot = None
         self.wake.set()
 
+    def finish(self, last: Record, reason: str) -> None:
+        """End after ``last``: whatever was not yet handed to the transport is dropped, ``last`` is written,
+        then the subscriber closes with ``reason`` (the backend is gone: ``last`` is its clear)."""
+        if self.close_reason is not None or self.ending is not None:
+            return
+        self.snapshot = None
+        self.replay = []
+        self.pending.clear()
+        self.pending.append(last)
+        self.pending_bytes = last.size
+        self.ending = reason
+        self.wake.set()
+
+    def _stop_early(self) -> bool:
+        return self.close_reason is not None or self.ending is not None
+
     async def batches(self, keepalive_seconds: float) -> AsyncIterator[list[Record]]:
         """What to write, in order, until closed: snapshot, replay, live records; ``[]`` = a keepalive is due.
-        Yields to the event loop between snapshot chunks even when writes never block."""
+        Yields to the event loop between snapshot chunks even when writes never block. After ``finish``
+        the rest of a snapshot (its end included) and of the replay is skipped."""
         snap = self.snapshot
         if snap is not None:
             self.snapshot = None
@@ -206,13 +231,16 @@ class Subscriber:
             for i in range(snap.chunks):
                 if self.close_reason is not None:
                     return
+                if self.ending is not None:
+                    break
                 yield snap.chunk(i)
                 await asyncio.sleep(0)
-            yield [Record(SNAPSHOT_END, snap.last_id)]
+            else:
+                yield [Record(SNAPSHOT_END, snap.last_id)]
             del snap
         replay = deque(self.replay)
         self.replay = []
-        while replay and self.close_reason is None:
+        while replay and not self._stop_early():
             yield _take(replay)
         del replay
         while self.close_reason is None:
@@ -221,6 +249,9 @@ class Subscriber:
                 self.pending_bytes -= sum(r.size for r in batch)
                 yield batch
                 continue
+            if self.ending is not None:
+                self.close_reason = self.ending
+                return
             self.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), keepalive_seconds)
@@ -340,6 +371,19 @@ class BackendFeed:
     def close_all(self, reason: str) -> None:
         for sub in list(self.subscribers):
             sub.close(reason)
+
+    def retire(self, reason: str) -> None:
+        """The backend left the pool: one ``clear`` record (``reason``), then every subscriber ends after it
+        (see the module docstring); the state, history and shared snapshot are freed. Nothing is published
+        after this (the feed is no longer reachable)."""
+        self.state = {}
+        self._snapshot = None
+        self.last_id += 1
+        rec = Record(CLEAR, self.last_id, text=reason)
+        self.history.clear()
+        self.records_published += 1
+        for sub in list(self.subscribers):
+            sub.finish(rec, reason)
 
 
 def open_subscription(feeds: Mapping[str, BackendFeed], backend: str, last_event_id: int | None) -> Subscriber:

@@ -1,8 +1,18 @@
-"""Listener counters at ``/metrics``. Labels: configured source names and fixed reason sets only."""
+"""Listener counters at ``/metrics``. Labels: source names (configured or discovered) and fixed reason sets only.
+
+A discovered backend that leaves the pool has its series removed (:meth:`ListenerMetrics.forget_source`), so the
+series follow the live sources, not every pod the listener ever saw.
+"""
 
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.metrics import MetricWrapperBase
+
+MAX_DISCOVERY_EVENTS = 32  # distinct discovery event names counted; others count as "other"
+_EVENT_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
 
 class ListenerMetrics:
@@ -79,9 +89,56 @@ class ListenerMetrics:
         self.feed_records = Counter(
             "kv_listener_feed_records", "Index delta records published", ["backend"], registry=r
         )
+        self.discovery_events = Counter(
+            "continuum_listener_discovery_events",
+            "Discovery events: the source's own (list, watch_event, bookmark, gone, error, ...) and the listener's "
+            "(snapshot_applied, source_added, source_removed, bad_annotation, bad_backend, over_max_sources, "
+            "source_open_failed)",
+            ["event"],
+            registry=r,
+        )
+        self.sources = Gauge("continuum_listener_sources", "Live event sources", registry=r)
+        self._event_names: set[str] = set()
         self.background_task_failures = Counter(
             "kv_listener_background_task_failures",
             "Background tasks that crashed, by task name (sources and gauges); the listener is not ready after one",
             ["task"],
             registry=r,
         )
+
+    def discovery_event(self, event: str, n: int = 1) -> None:
+        """Count one discovery event; names are checked and capped (MAX_DISCOVERY_EVENTS) to bound the series."""
+        if event not in self._event_names:
+            if not _EVENT_NAME.fullmatch(event) or len(self._event_names) >= MAX_DISCOVERY_EVENTS:
+                event = "other"
+            self._event_names.add(event)
+        self.discovery_events.labels(event).inc(n)
+
+    def _per_source(self) -> list[tuple[MetricWrapperBase, tuple[str, ...]]]:
+        """(metric, its label names) of every metric labelled by source; the first label names the source."""
+        src, reason = ("source",), ("source", "reason")
+        return [
+            (self.messages_received, src), (self.events_received, src), (self.events_processed, src),
+            (self.events_dropped, reason), (self.block_notes, reason), (self.gaps, src),
+            (self.replays, ("source", "result")), (self.restarts, src),
+            (self.incarnation_checks, ("source", "verdict")), (self.backlog_bytes, src), (self.clears, reason),
+            (self.tracked_blocks, src), (self.retained_tokens, src), (self.subscribers, ("backend",)),
+            (self.feed_overflows, ("backend",)), (self.feed_records, ("backend",)),
+        ]  # fmt: skip
+
+    def forget_source(self, name: str) -> int:
+        """Remove every series of source ``name`` (it left the pool); returns how many."""
+        removed = 0
+        for metric, labels in self._per_source():
+            seen: set[tuple[str, ...]] = set()
+            for family in metric.collect():
+                for sample in family.samples:
+                    if sample.labels.get(labels[0]) == name:
+                        seen.add(tuple(sample.labels[n] for n in labels))
+            for values in seen:
+                try:
+                    metric.remove(*values)
+                    removed += 1
+                except KeyError:
+                    pass
+        return removed

@@ -98,6 +98,11 @@ def split_replay_reply(frames: list[bytes]) -> tuple[bytes, bytes] | None:
     return None
 
 
+def _ipv6(endpoint: str | None) -> bool:
+    """A tcp endpoint whose host is an IPv6 literal (``tcp://[ip]:port``)."""
+    return bool(endpoint) and "://[" in (endpoint or "")
+
+
 def fingerprint(cfg: SourceConfig) -> str:
     """What identifies the engine behind a source (persisted state of another engine is not restored)."""
     return f"{cfg.engine}|{cfg.zmq_endpoint}|{cfg.topic}|{cfg.model}"
@@ -165,6 +170,8 @@ class ZmqEventSource:
         """Create and bind/connect the SUB socket and its monitor (synchronous: callers learn the port)."""
         sock = self.ctx.socket(Z.SUB)
         sock.setsockopt(Z.LINGER, 0)
+        if _ipv6(self.cfg.zmq_endpoint):
+            sock.setsockopt(Z.IPV6, 1)  # libzmq refuses an IPv6 address unless asked (a discovered pod's may be one)
         sock.setsockopt(Z.RCVHWM, rcv_hwm(self.limits))
         sock.setsockopt(Z.MAXMSGSIZE, self.limits.max_message_bytes)
         sock.setsockopt(Z.SUBSCRIBE, self.cfg.topic.encode())
@@ -405,6 +412,8 @@ class ZmqEventSource:
         assert self.cfg.replay_endpoint
         dealer = self.ctx.socket(Z.DEALER)
         dealer.setsockopt(Z.LINGER, 0)
+        if _ipv6(self.cfg.replay_endpoint):
+            dealer.setsockopt(Z.IPV6, 1)
         dealer.setsockopt(Z.MAXMSGSIZE, self.limits.max_message_bytes)
         timeout_ms = self.cfg.replay_timeout_ms
         try:

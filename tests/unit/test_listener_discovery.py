@@ -1,0 +1,225 @@
+"""The listener's discovery config: source templates (placeholders, data-parallel ranks, IPv6), pod annotations
+(overrides, bad ones), and the config checks with their dotted paths. The feed's retirement of a backend that
+left the pool (a clear, then the end of the stream) is checked here too; applying snapshots to a running
+listener is in test_listener_discovery_apply.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from listener.config import (
+    DiscoveryConfig,
+    FeedConfig,
+    ListenerConfigError,
+    SourceConfig,
+    SourceTemplate,
+    TemplateError,
+    offset_endpoint,
+    parse_listener_config,
+)
+from listener.feed import BackendFeed
+from picker.shared.discovery import DiscoveredBackend
+from picker.shared.feed_records import CLEAR, PUT, SNAPSHOT_BEGIN, SNAPSHOT_END
+
+PREFIX = "kv-epp.io/"
+POOL = {"inference_pool": {"name": "pool"}}
+
+
+def backend(
+    rank: int = 0, ip: str = "10.1.2.3", port: int = 8000, pod: str = "vllm-7f9c", **ann: str
+) -> DiscoveredBackend:
+    name = pod if rank == 0 and not ann.pop("_dp", "") else f"{pod}.rank{rank}"
+    annotations = tuple(sorted((PREFIX + k.replace("_", "-"), v) for k, v in ann.items()))
+    return DiscoveredBackend(name=name, ip=ip, port=port, rank=rank, pod=pod, namespace="ns", annotations=annotations)
+
+
+def render(b: DiscoveredBackend, **template: Any) -> SourceConfig:
+    return SourceTemplate(model="m", **template).render(b, PREFIX)
+
+
+def test_defaults_give_the_vllm_ports_of_rank_0() -> None:
+    s = render(backend())
+    assert (s.backend_name, s.engine, s.model) == ("vllm-7f9c", "vllm", "m")
+    assert s.zmq_endpoint == "tcp://10.1.2.3:5557" and s.replay_endpoint == "tcp://10.1.2.3:5558"
+    assert s.http_endpoint is None and s.zmq_mode == "connect"
+
+
+@pytest.mark.parametrize("rank", [1, 2, 7])
+def test_data_parallel_rank_offsets_publisher_and_replay_ports(rank: int) -> None:
+    """vLLM's (and SGLang's) ZmqEventPublisher binds base port + data-parallel rank, replay too."""
+    s = render(backend(rank=rank))
+    assert s.backend_name == f"vllm-7f9c.rank{rank}"
+    assert s.zmq_endpoint == f"tcp://10.1.2.3:{5557 + rank}"
+    assert s.replay_endpoint == f"tcp://10.1.2.3:{5558 + rank}"
+
+
+def test_explicit_rank_or_port_in_the_template_is_not_offset() -> None:
+    s = render(backend(rank=3), zmq_endpoint="tcp://{ip}:600{rank}", replay_endpoint="tcp://{ip}:{port}")
+    assert s.zmq_endpoint == "tcp://10.1.2.3:6003" and s.replay_endpoint == "tcp://10.1.2.3:8000"
+
+
+def test_offset_follows_vllm_for_tcp_ipc_and_inproc() -> None:
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_endpoint("tcp://[fd00::1]:5557", 1) == "tcp://[fd00::1]:5558"
+    assert offset_endpoint("inproc://cache", 2) == "inproc://cache_dp2"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+    for bad in ("tcp://host", "tcp://host:65535"):
+        with pytest.raises(ValueError):
+            offset_endpoint(bad, 1)
+
+
+def test_ipv6_in_brackets_in_urls_and_bare_in_allowed_publishers() -> None:
+    s = render(backend(ip="fd00:0:0::7"), allowed_publishers=("{ip}",), topic="kv.{namespace}.{pod}")
+    assert s.zmq_endpoint == "tcp://[fd00::7]:5557" and s.allowed_publishers == ("fd00::7",)
+    assert s.topic == "kv.ns.vllm-7f9c"
+    t = render(backend(ip="fd00::7", port=8001), engine="trtllm")
+    assert t.http_endpoint == "http://[fd00::7]:8001" and t.zmq_endpoint is None
+
+
+def test_annotations_override_the_template_per_pod() -> None:
+    b = backend(
+        rank=1,
+        zmq_endpoint="tcp://{ip}:7000",
+        replay_endpoint="",
+        model="llama-3-8b",
+        engine="sglang",
+    )
+    s = render(b)
+    assert s.engine == "sglang" and s.model == "llama-3-8b"
+    assert s.zmq_endpoint == "tcp://10.1.2.3:7001"  # the annotation is a base endpoint: the rank still offsets it
+    assert s.replay_endpoint is None  # empty: no replay endpoint
+    other = DiscoveredBackend(
+        name="p", ip="10.0.0.9", port=1, annotations=(("example.com/model", "x"), ("kv-epp.io/unrelated", "y"))
+    )
+    assert render(other).model == "m"  # another prefix, or a key not ours: ignored
+    trt = render(backend(engine="trtllm", http_endpoint="https://{ip}:9443"))
+    assert trt.engine == "trtllm" and trt.http_endpoint == "https://10.1.2.3:9443"
+
+
+@pytest.mark.parametrize(
+    ("annotations", "says"),
+    [
+        ({"engine": "tgi"}, "kv-epp.io/engine"),
+        ({"zmq_endpoint": "tcp://{host}:1"}, "unknown placeholder"),
+        ({"zmq_endpoint": "http://x:1"}, "zmq_endpoint"),
+        ({"zmq_endpoint": "tcp://{ip}:{ip.__class__}"}, "unknown placeholder"),
+        ({"zmq_endpoint": "tcp://{ip}:5557\n"}, "control"),
+        ({"model": "x" * 2000}, "longer than"),
+        ({"engine": "trtllm", "http_endpoint": "ftp://{ip}"}, "http_endpoint"),
+        ({"_dp": "1", "zmq_endpoint": "tcp://{ip}:65535"}, "passes 65535"),
+    ],
+)
+def test_a_bad_annotation_is_refused_with_what_is_wrong(annotations: dict[str, str], says: str) -> None:
+    rank = int(annotations.get("_dp", "0"))
+    with pytest.raises(TemplateError) as exc:
+        render(backend(rank=rank, **annotations))
+    assert exc.value.kind == "bad_annotation" and says in str(exc.value), str(exc.value)
+
+
+def test_a_template_that_does_not_fit_one_backend_is_bad_backend() -> None:
+    t = SourceTemplate(model="m", zmq_endpoint="tcp://{ip}:65535", replay_endpoint=None)
+    assert t.render(backend(), PREFIX).zmq_endpoint == "tcp://10.1.2.3:65535"
+    with pytest.raises(TemplateError) as exc:
+        t.render(backend(rank=1), PREFIX)
+    assert exc.value.kind == "bad_backend"
+
+
+def test_literal_braces_are_escaped_like_str_format() -> None:
+    assert render(backend(), topic="{{kv}}.{pod}").topic == "{kv}.vllm-7f9c"
+
+
+def refused(data: dict[str, Any]) -> list[tuple[str, str]]:
+    with pytest.raises(ListenerConfigError) as exc:
+        parse_listener_config(data)
+    return exc.value.problems
+
+
+def test_config_errors_name_their_path() -> None:
+    source = {"backend_name": "e1", "model": "m", "zmq_endpoint": "tcp://127.0.0.1:1"}
+    template = {"model": "m"}
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"sources": [source], "discovery": {**POOL, "source_template": template}}, "discovery", "exclusive"),
+        ({"discovery": POOL}, "discovery.source_template", "needs a source_template"),
+        ({"discovery": {"source_template": template}}, "discovery", "inference_pool or backends_file"),
+        (
+            {"discovery": {**POOL, "backends_file": {"path": "b.yaml"}, "source_template": template}},
+            "discovery.backends_file",
+            "exclusive",
+        ),
+        (
+            {"discovery": {**POOL, "source_template": {**template, "zmq_endpoint": "tcp://{host}:5557"}}},
+            "discovery.source_template.zmq_endpoint",
+            "unknown placeholder {host}",
+        ),
+        (
+            {"discovery": {**POOL, "source_template": {**template, "zmq_mode": "bind"}}},
+            "discovery.source_template.zmq_mode",
+            "connect",
+        ),
+        (
+            {"discovery": {**POOL, "source_template": {**template, "engine": "trtllm", "http_endpoint": "{ip}"}}},
+            "discovery.source_template",
+            "http_endpoint",
+        ),
+        ({"discovery": {**POOL, "source_template": {}}}, "discovery.source_template.model", "required"),
+        (
+            {"discovery": {**POOL, "annotation_prefix": "Kv/", "source_template": template}},
+            "discovery.annotation_prefix",
+            "",
+        ),
+        (
+            {"discovery": {"inference_pool": {"name": "Pool"}, "source_template": template}},
+            "discovery.inference_pool.name",
+            "",
+        ),
+    ]
+    for data, path, says in cases:
+        problems = refused(data)
+        assert any(p == path and says in m for p, m in problems), (data, problems)
+
+
+def test_a_valid_discovery_config() -> None:
+    cfg = parse_listener_config(
+        {
+            "discovery": {
+                "backends_file": {"path": "backends.yaml"},
+                "annotation_prefix": "example.com/",
+                "source_template": {"engine": "sglang", "model": "qwen", "allowed_publishers": ["{ip}"]},
+            }
+        }
+    )
+    d = cfg.discovery
+    assert isinstance(d, DiscoveryConfig) and cfg.sources == ()
+    assert d.template.engine == "sglang" and d.max_sources == 1024
+
+
+# -- the feed of a backend that left the pool ------------------------------------------------------------
+async def test_retire_mid_snapshot_skips_the_rest_and_ends_after_the_clear() -> None:
+    feed = BackendFeed("a", FeedConfig(max_keys_per_record=2, history_size=16), base_id=1 << 40)
+    feed.emit(PUT, list(range(1, 11)), "gpu_hot")  # 10 keys: a 5-chunk snapshot
+    sub = feed.subscribe(None)
+    it = sub.batches(keepalive_seconds=60)
+    first = await anext(it)
+    assert first[0].kind == SNAPSHOT_BEGIN
+    assert (await anext(it))[0].kind == PUT
+    feed.retire("backend_gone")
+    clear_id = feed.last_id
+    feed.emit(PUT, [99], "gpu_hot")  # a late record of the stopping source reaches nobody
+    rest = [batch async for batch in it]
+    kinds = [r.kind for batch in rest for r in batch]
+    assert kinds == [CLEAR] and rest[0][0].text == "backend_gone" and rest[0][0].id == clear_id
+    assert SNAPSHOT_END not in kinds and sub.close_reason == "backend_gone"
+
+
+async def test_retire_replaces_pending_live_records_with_the_clear() -> None:
+    feed = BackendFeed("a", FeedConfig(), base_id=5 << 40)
+    sub = feed.subscribe(feed.last_id)  # resumed: no snapshot
+    feed.emit(PUT, [1, 2], "gpu_hot")
+    feed.emit(PUT, [3], "gpu_hot")
+    feed.retire("backend_gone")
+    batches = [batch async for batch in sub.batches(keepalive_seconds=60)]
+    assert [[r.kind for r in b] for b in batches] == [[CLEAR]]
+    assert sub.close_reason == "backend_gone"
