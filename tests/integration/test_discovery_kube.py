@@ -461,3 +461,20 @@ def test_the_thread_hosted_fake_serves_a_discovery_run_elsewhere(tmp_path: Path)
             with contextlib.suppress(asyncio.CancelledError):
                 loop.run_until_complete(task)
             loop.close()
+
+
+async def test_watches_ended_by_timeout_seconds_are_renewed_without_a_list(
+    fake: FakeKubeApiServer, kubeconfig: Path
+) -> None:
+    fake.put_pool(POOL, NS, APP, [8000])
+    pod(fake, "a", "10.1.0.1")
+    async with running(kubeconfig, watch_timeout_seconds=1) as run:
+        await run.names("a")
+        await async_wait_until(
+            lambda: len(requests_for(fake, PODS_PATH, watch=True)) >= 3, timeout=DEADLINE, what="renewed watches"
+        )
+        pod(fake, "b", "10.1.0.2")
+        await run.names("a", "b")
+        assert all(q["timeoutSeconds"] == "1" for q in requests_for(fake, PODS_PATH, watch=True))
+        assert len(requests_for(fake, PODS_PATH, watch=False)) == 1
+        assert "error" not in run.discovery.status()["counts"]  # type: ignore[operator]

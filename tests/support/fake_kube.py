@@ -179,6 +179,7 @@ class FakeKubeApiServer:
         self._fail: int | bool = False
         self._runner: web.AppRunner | None = None
         self._port = 0
+        self._stopping = False
 
     # --- lifecycle ---
 
@@ -194,13 +195,15 @@ class FakeKubeApiServer:
             ]
         )
         # handler_cancellation: a watch handler ends when its client disconnects
-        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
+        # shutdown_timeout: stop() does not wait long for a handler still running
+        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         self._port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     async def stop(self) -> None:
+        self._stopping = True  # a request arriving on a kept-alive connection meanwhile gets 503
         for w in self._watches:
             w.offer("close")
         if self._runner is not None:
@@ -382,6 +385,8 @@ class FakeKubeApiServer:
         self.requests.append((request.method, request.path, dict(request.query)))
         if len(self.requests) > MAX_REQUESTS_RECORDED:
             del self.requests[: MAX_REQUESTS_RECORDED // 2]
+        if self._stopping:
+            return _status_response(503, "ServiceUnavailable", "the fake API server is stopping")
         if self._fail is True or (not isinstance(self._fail, bool) and self._fail > 0):
             if not isinstance(self._fail, bool):
                 self._fail -= 1

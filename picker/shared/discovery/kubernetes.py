@@ -351,7 +351,11 @@ class KubernetesPoolDiscovery:
                         self._pool_rv = rv
                         self._ok()
                     started, events = time.monotonic(), 0
-                    watch_params = {**params, "allowWatchBookmarks": "true"}
+                    watch_params = {
+                        **params,
+                        "allowWatchBookmarks": "true",
+                        "timeoutSeconds": str(self._ref.watch_timeout_seconds),
+                    }
                     async with contextlib.aclosing(self._watch(http, self._pools_path(), watch_params, rv)) as stream:
                         async for etype, obj in stream:
                             events += 1
