@@ -13,12 +13,14 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_origin
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from picker.shared.config_files import BackendName, ConfigError, read_yaml_mapping, validation_problems
+from picker.shared.discovery.config import BackendsFileRef, InferencePoolRef
 
 STRATEGIES = (
     "RoundRobin",
@@ -41,6 +43,8 @@ StrategyName = Literal[
     "PrefixMemory",
 ]
 HOT_RELOADABLE = frozenset({"prefix_routing", "selection_strategy", "pool", "session_affinity", "admission"})
+# keys of hot-reloadable sections that are not: where the pool comes from (the discovery task is started once)
+RESTART_REQUIRED_KEYS = (("pool", "inference_pool"), ("pool", "backends_file"))
 ENV_PREFIX = "KV_EPP_"
 ENV_NESTED_DELIMITER = "__"
 NOT_IMPLEMENTED = "accepted, not implemented yet"
@@ -164,6 +168,50 @@ class EventSourceConfig(_Section):
         return self
 
 
+BACKEND_PLACEHOLDER = "{name}"
+
+
+class EventSourceTemplate(_Section):
+    """The listener feed of every backend of a discovered pool (``pool.inference_pool`` or
+    ``pool.backends_file``): an ``event_sources`` entry without ``backend_name``, which comes from each
+    discovered backend. An SSE ``endpoint`` names the backend with ``{name}`` (e.g.
+    ``http://127.0.0.1:7817/events/{name}``); a ``grpc://host:port`` or ``grpcs://host:port`` endpoint takes no
+    placeholder (the subscription names the backend)."""
+
+    endpoint: str
+    reconnect_interval_ms: int = Field(1000, ge=10, le=600_000)
+    read_timeout_ms: int = Field(45_000, ge=100, le=3_600_000)
+    ca_file: str | None = None
+    token_file: str | None = None
+
+    @model_validator(mode="after")
+    def _renders(self) -> EventSourceTemplate:
+        grpc_endpoint = self.endpoint.startswith(("grpc://", "grpcs://"))
+        if grpc_endpoint and BACKEND_PLACEHOLDER in self.endpoint:
+            raise ValueError("a grpc:// or grpcs:// endpoint takes no {name}: the subscription names the backend")
+        if not grpc_endpoint and BACKEND_PLACEHOLDER not in self.endpoint:
+            raise ValueError(
+                "an http(s) endpoint must contain {name} (the backend's feed path, e.g. /events/{name}): "
+                "without it every backend would read the same feed"
+            )
+        try:
+            self.for_backend("backend-0")
+        except ValidationError as exc:
+            raise ValueError("; ".join(m.removeprefix("Value error, ") for _, m in validation_problems(exc))) from None
+        return self
+
+    def for_backend(self, name: str) -> EventSourceConfig:
+        """The event source of backend ``name`` (a valid backend name: checked where it is discovered)."""
+        return EventSourceConfig(
+            backend_name=name,
+            endpoint=self.endpoint.replace(BACKEND_PLACEHOLDER, name),
+            reconnect_interval_ms=self.reconnect_interval_ms,
+            read_timeout_ms=self.read_timeout_ms,
+            ca_file=self.ca_file,
+            token_file=self.token_file,
+        )
+
+
 class TokenizerConfig(_Section):
     """Where the picker gets a request's token ids for Tier 4 block keys, and the tokenization cache
     (``picker.kv.token_cache``) that keeps the tokenizer off the request path for a seen prefix.
@@ -204,6 +252,9 @@ class FeedChecksConfig(_Section):
     self_check: bool = True  # probe every backend with a feed once its feed is connected
     self_check_model: str | None = None  # the probe's model; default: the model the listener keys with
     self_check_timeout_seconds: float = Field(15.0, gt=0, le=600)
+    # readiness waits for each live backend's feed to catch up (its initial snapshot or resume applied) at most
+    # this long after the backend appeared; then it counts as stale and readiness stops waiting for it
+    ready_grace_seconds: float = Field(10.0, ge=0, le=3600)
 
 
 class KvCacheIndexConfig(_Section):
@@ -215,7 +266,8 @@ class KvCacheIndexConfig(_Section):
     entry_ttl_seconds: int = Field(600, ge=1, le=86_400)
     scoring: ScoringConfig = ScoringConfig()
     storage_offloading: StorageOffloadingConfig = StorageOffloadingConfig()
-    event_sources: tuple[EventSourceConfig, ...] = ()
+    event_sources: tuple[EventSourceConfig, ...] = ()  # a static pool's feeds, one per backend
+    event_source_template: EventSourceTemplate | None = None  # a discovered pool's feed, for every backend
     tokenizer: TokenizerConfig = TokenizerConfig()
     # A request's model → the (base model, LoRA adapter) the engine keys its blocks with. ``lora_adapters``:
     # adapter name (what a request sends as ``model``) → its base model; ``model_aliases``: another name a
@@ -319,7 +371,15 @@ class EngineMetricsConfig(_Section):
 
 
 class PoolConfig(_Section):
+    """The pool: a static list (``backends``), or discovered: an InferencePool (``inference_pool``, also
+    ``KV_EPP_POOL__INFERENCE_POOL__NAME`` / ``__NAMESPACE``) or a YAML file of backends (``backends_file``).
+    At most one of the three. A discovered pool's backends are named after their pods, weight 1; the source
+    is restart-required, the other keys hot-reloadable (a reloaded config cannot list ``backends`` beside
+    a discovery source: it is refused like any other bad file)."""
+
     backends: tuple[BackendConfig, ...] = ()
+    inference_pool: InferencePoolRef | None = None
+    backends_file: BackendsFileRef | None = None
     health: HealthConfig = HealthConfig()
     engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
     latency_ewma_alpha: float = Field(0.2, gt=0.0, le=1.0)
@@ -339,6 +399,19 @@ class PoolConfig(_Section):
         if dup:
             raise ValueError(f"duplicate backend addresses: {sorted(dup)}")
         return self
+
+    @property
+    def source(self) -> str:
+        """Where the pool comes from: ``static``, ``inference_pool`` or ``backends_file``."""
+        if self.inference_pool is not None:
+            return "inference_pool"
+        if self.backends_file is not None:
+            return "backends_file"
+        return "static"
+
+    @property
+    def discovered(self) -> bool:
+        return self.inference_pool is not None or self.backends_file is not None
 
 
 class SessionAffinityConfig(_Section):
@@ -488,15 +561,57 @@ def _control_characters(value: Any, path: str) -> Iterator[tuple[str, str]]:
 
 
 def _cross_section_problems(s: Settings) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
     if s.admission.max_buffered_body_bytes < s.extproc.max_body_bytes:
-        return [
+        out.append(
             (
                 "admission.max_buffered_body_bytes",
                 f"{s.admission.max_buffered_body_bytes} is below extproc.max_body_bytes "
                 f"({s.extproc.max_body_bytes}): a body of the allowed size could never be admitted",
             )
-        ]
-    return []
+        )
+    return out + _pool_source_problems(s)
+
+
+def _pool_source_problems(s: Settings) -> list[tuple[str, str]]:
+    """At most one pool source; feeds that match it (a static list for a static pool, a template for a
+    discovered one)."""
+    pool, kv = s.pool, s.kv_cache_index
+    given = [
+        key
+        for key, on in (
+            ("backends", bool(pool.backends)),
+            ("inference_pool", pool.inference_pool is not None),
+            ("backends_file", pool.backends_file is not None),
+        )
+        if on
+    ]
+    out: list[tuple[str, str]] = []
+    if len(given) > 1:
+        out.append(
+            (
+                f"pool.{given[1]}",
+                f"the pool has one source: pool.{given[0]} is set already (set one of pool.backends, "
+                "pool.inference_pool, pool.backends_file)",
+            )
+        )
+    if pool.discovered and kv.event_sources:
+        out.append(
+            (
+                "kv_cache_index.event_sources",
+                f"the pool is discovered (pool.{pool.source}): its backends' feeds come from "
+                "kv_cache_index.event_source_template, e.g. {endpoint: 'http://listener:7817/events/{name}'}",
+            )
+        )
+    if not pool.discovered and kv.event_source_template is not None:
+        out.append(
+            (
+                "kv_cache_index.event_source_template",
+                "applies to a discovered pool (pool.inference_pool or pool.backends_file); a static pool lists "
+                "kv_cache_index.event_sources",
+            )
+        )
+    return out
 
 
 def _environment_problems(otherwise: str) -> list[tuple[str, str]]:
@@ -524,12 +639,20 @@ def _parsed_as_json(var: str) -> bool:
         info = model.model_fields.get(part)
         if info is None:
             return False
-        ann = info.annotation
+        ann = _without_none(info.annotation)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             model = ann
         else:
             field = ann
     return field is None or get_origin(field) in (tuple, list, dict)
+
+
+def _without_none(ann: Any) -> Any:
+    """``X`` for ``X | None`` (an optional section is still a section), else ``ann``."""
+    args = [a for a in get_args(ann) if a is not type(None)]
+    if get_origin(ann) in (Union, UnionType) and len(args) == 1:
+        return args[0]
+    return ann
 
 
 def load_settings(path: str | Path | None) -> Settings:
@@ -575,11 +698,12 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
                 "Tier 4 runs only when prefix_routing.enabled is also true",
             )
         )
-    if kv.enabled and not kv.event_sources:
-        out.append(("kv_cache_index.event_sources", "no event sources: the KV index stays empty"))
+    if kv.enabled and not kv.event_sources and kv.event_source_template is None:
+        key = "event_source_template" if s.pool.discovered else "event_sources"
+        out.append((f"kv_cache_index.{key}", "no event sources: the KV index stays empty"))
     if kv.enabled and kv.tokenizer.source == "none":
         out.append(("kv_cache_index.tokenizer.source", "source none: requests have no block keys"))
-    if not s.pool.backends:
+    if not s.pool.backends and not s.pool.discovered:
         out.append(("pool.backends", "no backends: every request is answered 503"))
     out.extend(not_implemented_warnings(s))
     if s.admin.enabled and s.admin.host not in ("127.0.0.1", "::1", "localhost") and not s.admin.bearer_token:
@@ -640,9 +764,14 @@ def settings_json_schema() -> dict[str, Any]:
 
 
 def restart_required_changes(old: Settings, new: Settings) -> list[str]:
-    """Top-level sections that changed but cannot be applied without a restart."""
-    return [
+    """What changed but cannot be applied without a restart: top-level sections (``kv_cache_index``, ...),
+    then keys of hot sections (``pool.inference_pool``, ``pool.backends_file``: the discovery source)."""
+    out = [
         name
         for name in Settings.model_fields
         if name not in HOT_RELOADABLE and getattr(old, name) != getattr(new, name)
     ]
+    for section, key in RESTART_REQUIRED_KEYS:
+        if getattr(getattr(old, section), key) != getattr(getattr(new, section), key):
+            out.append(f"{section}.{key}")
+    return out
