@@ -62,12 +62,15 @@ class FeedWatch:
     wants_body = False
 
     def __init__(self) -> None:
-        self.served: dict[str, int] = {}  # bound: pool backends (names from decisions)
+        # bound: the backends with a feed (FeedChecks adds and removes them)
+        self.served: dict[str, int] = {}
 
     def on_headers(self, ex: Exchange, status: int | None) -> None:
         if status is not None and status < 500:
             name = ex.decision.endpoint.name
-            self.served[name] = self.served.get(name, 0) + 1
+            n = self.served.get(name)
+            if n is not None:  # only backends with a feed are counted (FeedChecks adds and removes them)
+                self.served[name] = n + 1
 
     def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:
         return None
@@ -101,8 +104,28 @@ class FeedChecks:
         self._progress: dict[str, _Progress] = {b: _Progress() for b in backends}
         self._g_state = metrics_state
         self._g_check = metrics_check
+        self.on_change: Callable[[str], None] | None = None  # told (backend) when its feed state changes
         for b in backends:
+            watch.served.setdefault(b, 0)
             self._export(b)
+
+    def add(self, backend: str) -> None:
+        """A backend with a feed joined the pool (or its name now points at a new engine): judged afresh,
+        self-checked again."""
+        self.state[backend] = "connecting"
+        self.self_check[backend] = "pending" if self.cfg.self_check else "skipped"
+        self.detail.pop(backend, None)
+        self._progress[backend] = _Progress()
+        self.watch.served[backend] = 0
+        self._export(backend)
+
+    def remove(self, backend: str) -> None:
+        """A backend left the pool: its state goes (the caller removes its metric series)."""
+        self.state.pop(backend, None)
+        self.self_check.pop(backend, None)
+        self.detail.pop(backend, None)
+        self._progress.pop(backend, None)
+        self.watch.served.pop(backend, None)
 
     def _export(self, backend: str) -> None:
         if self._g_state is not None:
@@ -115,7 +138,9 @@ class FeedChecks:
     def judge(self, backend: str, connected: bool, records: int, now: float | None = None) -> str:
         """Update and return ``backend``'s feed state from its consumer's connection and record count."""
         t = time.monotonic() if now is None else now
-        p = self._progress[backend]
+        p = self._progress.get(backend)
+        if p is None:  # left the pool meanwhile
+            return "disconnected"
         served = self.watch.served.get(backend, 0)
         if records != p.records:  # the feed moved (or first look): traffic is measured from here
             p.records, p.served_then, p.since = records, served, t
@@ -136,9 +161,13 @@ class FeedChecks:
             )
             self.state[backend] = state
             self._export(backend)
+            if self.on_change is not None:
+                self.on_change(backend)
         return state
 
     def set_self_check(self, backend: str, result: str, detail: str = "") -> None:
+        if backend not in self.state:  # left the pool while its probe ran
+            return
         self.self_check[backend] = result
         self.detail[backend] = detail
         level = logging.INFO if result in ("ok", "skipped") else logging.WARNING

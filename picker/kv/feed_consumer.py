@@ -15,6 +15,12 @@ SSE (``http(s)://.../events/{backend}``, :class:`KvFeedConsumer`) and gRPC (``gr
   ``key_block_size_mismatch``) instead of filling the index with keys no request can match.
 - Everything received while connected (records, keepalives) tells the index the feed is live
   (``index.confirm(backend)``).
+- **Caught up** (``ConsumerStats.caught_up``, readiness): the hello names the feed's newest record id when the
+  subscription started (``last_id``) and whether a snapshot follows (``resumed`` false); the consumer is caught
+  up once that snapshot is swapped in and the records up to that id are applied. It stays caught up while the
+  connection lasts; ``on_change`` is told of every change (on the event loop, synchronously).
+- The set of consumers follows the pool (``KvFeedConsumers.add`` / ``retire``): a retired consumer's task is
+  cancelled at once, applies nothing more, closes its own connection and touches no metric again.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -76,6 +83,8 @@ class ConsumerStats:
     source_model: str | None = None
     source_engine: str | None = None
     key_block_size: int | None = None
+    caught_up: bool = False  # this connection applied the feed's initial snapshot / resume (see the module doc)
+    ever_caught_up: bool = False  # some connection of this consumer did
 
     def as_dict(self) -> dict[str, object]:
         at = None
@@ -123,6 +132,12 @@ class KvFeedConsumer:
         self._expirations = index.expirations(self.backend)
         self._current: asyncio.Task[None] | None = None  # the connection being consumed
         self._interrupted = False
+        # catching up: the hello's last_id (None: no hello on this connection yet) and whether its snapshot is due
+        self._catch_up_to: int | None = None
+        self._snapshot_due = False
+        self.on_change: Callable[[str], None] | None = None  # told (backend) when caught_up changes
+        self.retired = False  # left the pool: no more metrics, the task is being cancelled
+        self.added_at = time.monotonic()  # when this backend's feed was wanted (readiness grace)
 
     @property
     def last_event_id(self) -> int | None:
@@ -156,19 +171,54 @@ class KvFeedConsumer:
 
     def _set_connected(self, value: bool) -> None:
         self.stats.connected = value
-        if self.metrics is not None:
+        if not value:
+            self._catch_up_to = None
+            self._set_caught_up(False)
+        if self.metrics is not None and not self.retired:
             self.metrics.kv_consumer_connected.labels(self.backend).set(1 if value else 0)
+
+    def _set_caught_up(self, value: bool) -> None:
+        if self.stats.caught_up != value:
+            self.stats.caught_up = value
+            if value:
+                self.stats.ever_caught_up = True
+                log.info("event=feed_caught_up backend=%s last_event_id=%s", self.backend, self.stats.last_event_id)
+            if self.on_change is not None and not self.retired:
+                self.on_change(self.backend)
+
+    def _check_caught_up(self) -> None:
+        """Caught up once the hello was seen, its snapshot (if any) swapped in and its last_id applied."""
+        target = self._catch_up_to
+        if target is None or self.stats.caught_up or self._snapshot_due or self._staged is not None:
+            return
+        if (self.stats.last_event_id or 0) >= target:
+            self._set_caught_up(True)
 
     def _dropped(self, n: int = 1) -> None:
         self.stats.events_dropped += n
-        if self.metrics is not None:
+        if self.metrics is not None and not self.retired:
             self.metrics.kv_event_dropped.labels(self.backend).inc(n)
 
+    def retire(self) -> None:
+        """The backend left the pool: cancel the task now (nothing more is applied to the index once this
+        returns: the task resumes only to unwind), and never touch this backend's metrics again."""
+        self.retired = True
+        if self._task is not None:
+            self._task.cancel()
+
     async def run(self) -> None:
-        """Connect, consume, back off, repeat; never raises except on cancellation."""
+        """Connect, consume, back off, repeat; never raises except on cancellation (then it closes its
+        connection and session itself: a retired consumer is never stopped by anyone else)."""
+        try:
+            await self._setup()
+            await self._loop()
+        finally:
+            with contextlib.suppress(Exception):
+                await self._teardown()
+
+    async def _loop(self) -> None:
         base = self.source.reconnect_interval_ms / 1000
         delay = base
-        await self._setup()
         while True:
             self._delivered = False
             try:
@@ -267,11 +317,14 @@ class KvFeedConsumer:
                 hello = orjson.loads(data)
                 if not isinstance(hello, dict):
                     raise ValueError("hello is not an object")
+                resumed = hello.get("resumed")
                 self.on_hello(
                     str(hello.get("backend", self.backend)),
                     str(hello.get("model", "")),
                     str(hello.get("engine", "")),
                     int(hello.get("key_block_size") or 0),
+                    int(hello.get("last_id") or 0),
+                    None if resumed is None else bool(resumed),
                 )
             except (ValueError, TypeError) as exc:
                 self._dropped()
@@ -292,6 +345,7 @@ class KvFeedConsumer:
                 self.stats.last_event_id = int(rec_id)
             except ValueError:
                 self._dropped()
+        self._check_caught_up()
 
     def _apply(self, event: str, payload: dict[str, object]) -> None:
         if event == "put":
@@ -308,7 +362,18 @@ class KvFeedConsumer:
             raise ValueError(f"unknown record type {event!r}")
 
     # -- the apply logic both transports share (synchronous: no await between receive and apply) ----------
-    def on_hello(self, backend: str, model: str, engine: str, key_block_size: int) -> None:
+    def on_hello(
+        self,
+        backend: str,
+        model: str,
+        engine: str,
+        key_block_size: int,
+        last_id: int = 0,
+        resumed: bool | None = None,
+    ) -> None:
+        """The subscription's first record. ``last_id``: the feed's newest id when it started; ``resumed``
+        False: a snapshot follows (None: a listener that does not say; caught up at the hello unless a
+        snapshot begins)."""
         self.stats.source_model, self.stats.source_engine = model[:128], engine[:128]
         self.stats.key_block_size = key_block_size or None
         # ``backend`` is the listener's source name; an SSE endpoint may name another source than backend_name
@@ -320,6 +385,9 @@ class KvFeedConsumer:
                 self.key_block_size,
             )
             raise FeedClosed("key_block_size_mismatch")
+        self._catch_up_to = max(0, last_id)
+        self._snapshot_due = resumed is False
+        self._check_caught_up()
 
     def apply_put(self, keys: list[int], tier: StorageTier) -> None:
         if self._staged is not None:
@@ -342,6 +410,7 @@ class KvFeedConsumer:
 
     def snapshot_end(self) -> None:
         staged, self._staged = self._staged or [], None
+        self._snapshot_due = False
         self.index.drop_backend(self.backend)
         for keys, tier in staged:
             self.index.put(self.backend, keys, tier)
@@ -438,7 +507,7 @@ class GrpcFeedConsumer(KvFeedConsumer):
             raise FeedClosed(rec.close.reason[:64] or "closed")
         if kind == "hello":
             h = rec.hello
-            self.on_hello(h.backend, h.model, h.engine, h.key_block_size)
+            self.on_hello(h.backend, h.model, h.engine, h.key_block_size, h.last_id, h.resumed)
             return
         self._received()
         try:
@@ -463,6 +532,7 @@ class GrpcFeedConsumer(KvFeedConsumer):
             return
         if rec.id:
             self.stats.last_event_id = rec.id
+        self._check_caught_up()
 
 
 def _raw(b: bytes) -> bytes:
@@ -482,7 +552,9 @@ def make_consumer(
 
 
 class KvFeedConsumers:
-    """All consumers of a picker (one per configured event source) plus the index TTL sweep."""
+    """All consumers of a picker plus the index TTL sweep. The set follows the pool: ``add`` starts a
+    consumer (at once when ``run`` is running, else when it starts), ``retire`` ends one. Bound: one
+    consumer per feed the pool needs."""
 
     def __init__(
         self,
@@ -494,20 +566,54 @@ class KvFeedConsumers:
     ) -> None:
         self.index = index
         self.metrics = metrics
-        self.consumers = {s.backend_name: make_consumer(s, index, metrics, key_block_size) for s in sources}
+        self.key_block_size = key_block_size
+        self.consumers: dict[str, KvFeedConsumer] = {}
         self.sweep_interval_s = sweep_interval_s
+        self.on_change: Callable[[str], None] | None = None  # a consumer's caught_up changed (backend)
+        self._group: asyncio.TaskGroup | None = None  # while run() runs
+        for s in sources:
+            self.add(s)
+
+    def add(self, source: EventSourceConfig) -> KvFeedConsumer:
+        """A consumer for ``source`` (replacing none: the caller retires a previous one of that name first)."""
+        if source.backend_name in self.consumers:
+            raise ValueError(f"a feed consumer for {source.backend_name!r} exists already")
+        c = make_consumer(source, self.index, self.metrics, self.key_block_size)
+        c.on_change = self._changed
+        self.consumers[source.backend_name] = c
+        if self._group is not None:
+            self._start(c)
+        return c
+
+    def retire(self, backend: str) -> KvFeedConsumer | None:
+        """End ``backend``'s consumer now (synchronous: its task is cancelled and applies nothing more)."""
+        c = self.consumers.pop(backend, None)
+        if c is not None:
+            c.retire()
+        return c
+
+    def _start(self, c: KvFeedConsumer) -> None:
+        assert self._group is not None
+        c._task = self._group.create_task(c.run(), name=f"kv-feed-{c.backend}")
+
+    def _changed(self, backend: str) -> None:
+        if self.on_change is not None:
+            self.on_change(backend)
 
     async def run(self) -> None:
         """Run every consumer and the index sweep until cancelled. They run in one task group: if one
         of them dies (a bug: consumers retry every expected failure themselves), the others are
-        cancelled and the error propagates to the process's supervisor, which flips readiness."""
+        cancelled and the error propagates to the process's supervisor, which flips readiness. A retired
+        consumer's cancellation is not an error."""
         try:
             async with asyncio.TaskGroup() as group:
+                self._group = group
                 for c in self.consumers.values():
-                    group.create_task(c.run(), name=f"kv-feed-{c.backend}")
+                    self._start(c)
                 group.create_task(self._sweep_loop(), name="kv-index-sweep")
         finally:
-            for c in self.consumers.values():
+            self._group = None
+            for c in list(self.consumers.values()):
                 await c.stop()  # closes each consumer's HTTP session or gRPC channel
 
     async def _sweep_loop(self) -> None:

@@ -98,7 +98,9 @@ class InMemoryKvIndex:
         self._counters: dict[int, _BackendCounters] = {}
         self._contact: dict[int, float] = {}  # live id → monotonic time of the last write or confirm
         self._next_expiry = float("inf")  # the earliest contact + ttl of any live backend
-        self._expirations: dict[str, int] = {}  # backend name → expiries and clears (a resume is void)
+        # backend name → expiries and clears (a resume is void); bound: names of live or voided backends
+        # (``forget_backend`` removes a name that left the pool)
+        self._expirations: dict[str, int] = {}
         # retired ids and their keys, scrubbed in bounded steps; bound: the keys they held
         self._dead: list[tuple[int, list[int]]] = []
         self._scrub_pos = 0
@@ -239,6 +241,22 @@ class InMemoryKvIndex:
         self._gpu_bits &= ~(1 << (2 * bid))
         self._dead.append((bid, list(own)))
         return len(own)
+
+    def forget_backend(self, backend: str) -> int:
+        """``backend`` left the pool: drop its entries now and forget it altogether (its feed position too:
+        a backend of that name that comes back later is a new engine, subscribed afresh). Returns the
+        entries dropped."""
+        n = self.drop_backend(backend)
+        self._expirations.pop(backend, None)
+        return n
+
+    def void_backend(self, backend: str) -> int:
+        """``backend``'s entries are no longer its engine's (the name now points at another address): drop
+        them now and void its feed position (``expirations`` changes), so its consumer resubscribes for a
+        snapshot. Returns the entries dropped."""
+        n = self.drop_backend(backend)
+        self._expirations[backend] = self._expirations.get(backend, 0) + 1
+        return n
 
     def clear(self) -> int:
         """Drop everything; returns the number of (block, backend) entries dropped. Every backend's

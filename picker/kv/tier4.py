@@ -10,15 +10,24 @@ listener's function) looked up in the index (the one round trip an I/O-backed in
 gives an empty mapping: the core then falls back to the strategy; a request is never failed because of
 Tier 4. The feed consumers, the TTL sweep and the cache's fills run as background tasks; scoring is the
 routing core's (``picker.routing.kv_scorer``).
+
+Feeds and the pool: a static pool's feeds are ``kv_cache_index.event_sources``, fixed for the process (as the
+section is restart-required). A discovered pool's feeds come from ``event_source_template``, one per backend,
+and follow the pool (``follow_pool``): a backend that leaves loses its feed, its index entries and its checks
+at once; one that joins is subscribed; one whose address changed is another engine (its entries are dropped
+and its feed resubscribes for a snapshot). ``feed_readiness`` says, per live backend, whether its feed has
+caught up, which readiness waits for (``checks.ready_grace_seconds`` at most).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import aiohttp
 
@@ -38,6 +47,9 @@ log = logging.getLogger("kv_epp.tier4")
 
 NOTHING_HELD: Mapping[str, BackendHold] = {}
 MAX_UNMATCHED_MODELS = 32
+# more backends than this leaving (or readdressed) at once: the recent-placement guesses are cleared in one pass
+# (they are short-lived guesses) instead of one pass over them per backend
+BULK_FORGET = 8
 
 
 class Held(dict[str, BackendHold]):
@@ -69,6 +81,9 @@ class Tier4:
         self.consumers = KvFeedConsumers(
             cfg.event_sources, self.index, metrics, key_block_size=cfg.tokenizer.block_size
         )
+        self.static_feeds = frozenset(s.backend_name for s in cfg.event_sources)  # never follow the pool
+        self.on_change: Callable[[], None] | None = None  # a feed's readiness may have changed (the app's hook)
+        self.consumers.on_change = self._feed_changed
         # the models the listener's sources key with (their hellos), refreshed by the check loop; a request
         # whose model resolves to none of them can never match
         self.known_models: frozenset[str] = frozenset()
@@ -103,7 +118,83 @@ class Tier4:
             metrics.kv_feed_state,
             metrics.kv_self_check,
         )
+        self.checks.on_change = self._feed_changed
         self.check_interval_s = 1.0
+        self._probed: set[str] = set()  # backends whose self-check ran or runs (bound: the feeds)
+        self._probes: dict[str, asyncio.Task[str]] = {}  # running self-checks by backend
+
+    # -- the feeds follow the pool ---------------------------------------------------------------------
+    def _feed_changed(self, _backend: str) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def follow_pool(self, added: Collection[str], gone: Collection[str], readdressed: Collection[str]) -> None:
+        """Apply a pool change to the feeds and the index in one synchronous step (see the module doc).
+        Static ``event_sources`` keep their consumers; their backends' entries are still dropped when the
+        name moved to another address (another engine: the feed resubscribes for a snapshot)."""
+        template = self.cfg.event_source_template
+        watcher = self.index.watcher
+        bulk = watcher is not None and len(gone) + len(readdressed) > BULK_FORGET
+        if bulk:
+            self.index.watcher = None  # one pass below, not one per backend
+        try:
+            for name in gone:
+                if name in self.static_feeds:
+                    continue
+                self.consumers.retire(name)
+                self._forget_checks(name)
+                self.index.forget_backend(name)
+            for name in readdressed:
+                if name not in self.consumers.consumers:
+                    self.index.forget_backend(name)  # no feed: nothing will refill it
+                    continue
+                self.index.void_backend(name)
+                self.consumers.consumers[name].interrupt()
+                self._forget_checks(name)
+                self.checks.add(name)
+            if template is not None:
+                for name in added:
+                    if name not in self.consumers.consumers:
+                        self.consumers.add(template.for_backend(name))
+                        self.checks.add(name)
+        finally:
+            self.index.watcher = watcher
+        if bulk and watcher is not None:
+            watcher.dropped(None)
+        self.metrics.kv_index_entries.set(self.index.entry_count)
+
+    def _forget_checks(self, name: str) -> None:
+        self.checks.remove(name)
+        self._probed.discard(name)
+        probe = self._probes.pop(name, None)
+        if probe is not None:
+            probe.cancel()
+
+    def feed_readiness(self, live: Iterable[str], now: float | None = None) -> tuple[dict[str, str], float | None]:
+        """Per live backend with a feed: ``caught_up`` (connected, its initial snapshot or resume applied),
+        ``stale`` (readiness no longer waits for it: the checks' stale mark, no catch-up within
+        ``checks.ready_grace_seconds`` of its arrival, or a feed lost after it had caught up) or
+        ``connecting`` (readiness waits). Also the earliest time (monotonic) a ``connecting`` one turns
+        ``stale`` by the grace, or None."""
+        t = time.monotonic() if now is None else now
+        grace = self.cfg.checks.ready_grace_seconds
+        consumers, state = self.consumers.consumers, self.checks.state
+        out: dict[str, str] = {}
+        due: float | None = None
+        for name in live:
+            c = consumers.get(name)
+            if c is None:
+                continue
+            st = c.stats
+            if st.caught_up:
+                out[name] = "caught_up"
+            elif st.ever_caught_up or state.get(name) == "stale" or t - c.added_at >= grace:
+                out[name] = "stale"
+            else:
+                out[name] = "connecting"
+                at = c.added_at + grace
+                due = at if due is None or at < due else due
+        return out, due
 
     def resolve_model(self, model: str, lora_name: str | None) -> tuple[str, str | None]:
         """A request's model → (the model the listener keys with, LoRA adapter): an adapter named as the
@@ -205,12 +296,11 @@ class Tier4:
     async def _check_loop(self) -> None:
         """Every second: judge each feed (stale while traffic flows?); once a feed is connected, probe
         its backend once (the self-check). Errors are logged, never raised: checks only report."""
-        probed: set[str] = set()
-        probes: set[asyncio.Task[str]] = set()
+        probed, probes = self._probed, self._probes
         timeout = aiohttp.ClientTimeout(total=self.cfg.checks.self_check_timeout_seconds)
         async with contextlib.AsyncExitStack() as stack:
             session = await stack.enter_async_context(aiohttp.ClientSession(timeout=timeout))
-            stack.callback(lambda: [t.cancel() for t in probes])  # no probe outlives the loop or its session
+            stack.callback(lambda: [t.cancel() for t in probes.values()])  # no probe outlives the loop or session
             while True:
                 self.known_models = frozenset(
                     c.stats.source_model for c in self.consumers.consumers.values() if c.stats.source_model
@@ -229,14 +319,18 @@ class Tier4:
                     if self.cfg.checks.self_check and st.connected and name not in probed:
                         probed.add(name)
                         task = asyncio.create_task(self._self_check(name, session), name=f"kv-self-check-{name}")
-                        probes.add(task)
-                        task.add_done_callback(probes.discard)
+                        probes[name] = task
+                        task.add_done_callback(functools.partial(self._probe_done, name))
                 await asyncio.sleep(self.check_interval_s)
 
+    def _probe_done(self, name: str, task: asyncio.Task[str]) -> None:
+        if self._probes.get(name) is task:
+            del self._probes[name]
+
     async def _self_check(self, backend: str, session: aiohttp.ClientSession) -> str:
-        consumer = self.consumers.consumers[backend]
+        consumer = self.consumers.consumers.get(backend)
         endpoint = self.pool.endpoint(backend)
-        if endpoint is None:
+        if endpoint is None or consumer is None:
             self.checks.set_self_check(backend, "skipped", "the backend is not in the pool")
             return "skipped"
         model = self.cfg.checks.self_check_model or getattr(consumer.stats, "source_model", None)
