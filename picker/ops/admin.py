@@ -171,21 +171,27 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
         return web.json_response({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        body: dict[str, object] = {"status": "ready"}
+        """200 or 503 with ``PickerApp.readiness``'s detail: status, reason, pool, feeds (caught_up, stale,
+        connecting per live backend); with Tier 4 also the feed checks (``kv_feeds``), which never decide."""
+        r = app.readiness()
+        body = dict(r.body)
         if app.tier4 is not None:  # detail only: a wrong feed costs Tier 4, never the picker's routing
             body["kv_feeds"] = app.tier4.checks.report()
             if app.tier4.unmatched_models:
                 body["kv_unmatched_models"] = app.tier4.unmatched_report()
-        if app.ready and not app.draining:
-            return web.json_response(body)
-        body["status"] = "draining" if app.draining else "starting"
-        return web.json_response(body, status=503)
+        return web.json_response(body, status=200 if r.ready else 503)
 
     async def prefix_stats(_: web.Request) -> web.Response:
         return web.json_response(prefix_routing_stats(app))
 
     async def pool(_: web.Request) -> web.Response:
-        return web.json_response({"backends": app.pool.health_snapshot(), "ttft_model": app.pool.cost_model()})
+        body = {
+            "backends": app.pool.health_snapshot(),
+            "ttft_model": app.pool.cost_model(),
+            "pool": app.pool_status(),
+            "discovery": app.discovery.status() if app.discovery is not None else None,
+        }
+        return web.json_response(body)
 
     async def reload(_: web.Request) -> web.Response:
         applied, messages = app.reload()

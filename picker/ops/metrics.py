@@ -1,6 +1,7 @@
 """Prometheus metrics, the seed's names. One registry per picker process (tests make their own).
 
-Label values come only from fixed sets or configured backend names, so cardinality is bounded.
+Label values come only from fixed sets or the pool's backend names (configured or discovered; a backend that
+leaves the pool loses its series, ``forget_backends``), so cardinality is bounded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class PickerMetrics:
     """Every metric the picker exports, created against one registry."""
 
     MAX_CHILDREN = 10_000  # cached labelled children; cleared when exceeded (label values are bounded anyway)
+    MAX_DISCOVERY_EVENTS = 32  # distinct discovery event names counted; more count as "other"
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, cached: the request path skips prometheus_client's label lookup."""
@@ -46,6 +48,16 @@ class PickerMetrics:
             for key in [k for k in self._children if k[0] == id(metric) and k[1][at] in drop]:
                 del self._children[key]
 
+    def discovery_event(self, event: str) -> None:
+        """Count one event of the pool's discovery source (its ``count`` callback); names are the source's
+        short fixed words, capped at ``MAX_DISCOVERY_EVENTS`` distinct ones all the same."""
+        event = event[:64]
+        if event not in self._discovery_events:
+            if len(self._discovery_events) >= self.MAX_DISCOVERY_EVENTS:
+                event = "other"
+            self._discovery_events.add(event)
+        self.child(self.discovery_events, event).inc()
+
     def _per_backend(self) -> list[Any]:
         """The labelled metrics that carry a ``backend`` label."""
         return [
@@ -56,6 +68,7 @@ class PickerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._discovery_events: set[str] = set()  # bound: MAX_DISCOVERY_EVENTS (+ "other")
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         # Tier 1
@@ -178,6 +191,25 @@ class PickerMetrics:
         )
         self.config_reloads = Counter(
             "continuum_picker_config_reloads", "Config reloads by result", ["result"], registry=r
+        )
+        # the pool and readiness (issue 10)
+        self.discovery_events = Counter(
+            "continuum_picker_discovery_events",
+            "Events of the pool's discovery source (list, watch_event, bookmark, gone, error, resync, ...)",
+            ["event"],
+            registry=r,
+        )
+        self.pool_backends = Gauge("continuum_picker_pool_backends", "Backends in the pool", registry=r)
+        self.pool_synced = Gauge(
+            "continuum_picker_pool_synced",
+            "1 once the pool is known: at once for a static pool, after the discovery's first complete list",
+            registry=r,
+        )
+        self.ready = Gauge(
+            "continuum_picker_ready",
+            "1 while the picker is ready (started, not draining, no task crashed, pool synced, Tier 4 feeds caught "
+            "up or stale): what /readyz and the gRPC readiness services say",
+            registry=r,
         )
         self.background_task_failures = Counter(
             "continuum_picker_background_task_failures",

@@ -1,7 +1,9 @@
-"""The backend pool: static endpoints, in-flight load, windowed health and latency EWMA.
+"""The backend pool: its endpoints (configured or discovered), in-flight load, windowed health and latency EWMA.
 
 Bounds: one in-flight counter, one health window (``health.window_size`` booleans) and one EWMA per
-configured endpoint; state for an endpoint removed by a reload is dropped with it.
+endpoint; state for an endpoint removed by a reload or a discovery snapshot is dropped with it. An endpoint whose
+address changed under the same name is another engine: its health, latency and engine signals start afresh
+(its in-flight counters stay, the open leases still release them).
 """
 
 from __future__ import annotations
@@ -130,21 +132,26 @@ class Pool:
         self.update(cfg)
 
     # -- membership -----------------------------------------------------------------------------
-    def update(self, cfg: PoolConfig) -> None:
-        """Apply a (re)loaded pool config, keeping live counters of endpoints that stay."""
+    def update(self, cfg: PoolConfig, members: Iterable[Endpoint] | None = None) -> None:
+        """Apply a (re)loaded pool config, keeping live counters of endpoints that stay. ``members``: the
+        endpoints when the pool is discovered (``cfg.backends`` otherwise); names are unique (the first wins)."""
         old = self._stats
         new: dict[str, _EndpointStats] = {}
-        for b in cfg.backends:
-            ep = Endpoint(b.name, b.address, b.weight)
-            prev = old.get(b.name)
+        eps = members if members is not None else (Endpoint(b.name, b.address, b.weight) for b in cfg.backends)
+        for ep in eps:
+            if ep.name in new:
+                continue
+            prev = old.get(ep.name)
+            if prev is not None and prev.endpoint.address != ep.address:  # another engine now
+                prev.engine = None  # its last scrape was not of it
+                prev.window.clear()
+                prev.ejected_until, prev.consecutive_failures, prev.latency_ewma_ms = 0.0, 0, None
             window: deque[bool] = deque(prev.window if prev else (), maxlen=cfg.health.window_size)
             if prev is not None:  # the same object: open leases keep decrementing the live counter
-                if prev.endpoint.address != ep.address:  # another engine now: its last scrape was not of it
-                    prev.engine = None
                 prev.endpoint, prev.window = ep, window
-                new[b.name] = prev
+                new[ep.name] = prev
             else:
-                new[b.name] = _EndpointStats(ep, 0, window)
+                new[ep.name] = _EndpointStats(ep, 0, window)
         self.cfg = cfg
         self._stats = new
         self._by_address = {s.endpoint.address: name for name, s in new.items()}
@@ -162,6 +169,10 @@ class Pool:
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._stats)
+
+    def addresses(self) -> dict[str, str]:
+        """Name → address of every endpoint."""
+        return {name: st.endpoint.address for name, st in self._stats.items()}
 
     def name_for_address(self, address: str) -> str | None:
         return self._by_address.get(address)

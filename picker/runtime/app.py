@@ -1,11 +1,31 @@
-"""PickerApp: the picker's live state (settings, pool, router, request path, metrics, Tier 4) and reload."""
+"""PickerApp: the picker's live state (settings, pool, router, request path, metrics, Tier 4), reload, the
+discovered pool's snapshots, and readiness.
+
+The pool changes in one synchronous step (``_set_members``), whether a config reload or a discovery snapshot
+changed it: the pool, the router's ring (rebuilt once, not per backend), the metric series and recorder rows of
+backends that left, this picker's recent placements, and with Tier 4 the feeds and the KV index
+(``Tier4.follow_pool``). Nothing in between is visible to a request: the event loop runs no request meanwhile.
+
+Readiness (``readiness``) is a pure function of that state, evaluated by the server when an input changes
+(``on_readiness_inputs``) and by ``/readyz``; never on the request path.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from picker.config import ConfigError, Settings, config_warnings, load_settings, restart_required_changes
+from picker.config import (
+    ConfigError,
+    PoolConfig,
+    Settings,
+    config_warnings,
+    load_settings,
+    restart_required_changes,
+)
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.ops.recorder import DecisionRecorder
@@ -13,8 +33,22 @@ from picker.pool.calibration import TtftCalibrator
 from picker.pool.pool import Pool
 from picker.request.path import RequestPath
 from picker.routing.core import Router
+from picker.routing.endpoints import Endpoint
+from picker.shared.discovery import Discovery, PoolSnapshot
 
 log = logging.getLogger("kv_epp.app")
+
+MAX_NAMED_WAITING = 8  # feeds named in a not-ready reason (the detail lists them all)
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """One evaluation: ``ready``, the ``/readyz`` body, and when (monotonic) it may change by itself (a feed's
+    grace ends), else None."""
+
+    ready: bool
+    body: dict[str, object] = field(default_factory=dict)
+    due: float | None = None
 
 
 class PickerApp:
@@ -22,7 +56,11 @@ class PickerApp:
     (when ``kv_cache_index.enabled``) enters the request path as its holds source, nothing is attached later."""
 
     def __init__(
-        self, settings: Settings, metrics: PickerMetrics | None = None, config_path: str | Path | None = None
+        self,
+        settings: Settings,
+        metrics: PickerMetrics | None = None,
+        config_path: str | Path | None = None,
+        discovery: Discovery | None = None,
     ) -> None:
         self.settings = settings
         self.config_path = Path(config_path) if config_path else None
@@ -40,8 +78,23 @@ class PickerApp:
         if self.tier4 is not None and self.path.placements is not None:  # the feeds settle the placement guesses
             self.tier4.index.watcher = self.path.placements
         self.open_streams = 0
-        self.ready = False
+        # readiness inputs besides the pool and the feeds (set by the server)
+        self.ready = False  # started: every port listens
         self.draining = False
+        self.task_failure: str | None = None  # why a background task crashed (the first one)
+        self.on_readiness_inputs: Callable[[], None] | None = None  # the server re-evaluates readiness
+        if self.tier4 is not None:
+            self.tier4.on_change = self._readiness_inputs_changed
+        # the pool's source: static (synced at once) or a discovery that publishes snapshots
+        self.discovery = discovery
+        self.pool_source = settings.pool.source
+        self.pool_synced = not settings.pool.discovered
+        self.pool_version = ""
+        if settings.pool.discovered and discovery is None:
+            log.warning("event=pool_discovery_missing source=%s (the pool stays empty)", self.pool_source)
+        self.metrics.pool_backends.set(len(self.pool.names()))
+        self.metrics.pool_synced.set(1 if self.pool_synced else 0)
+        self.metrics.ready.set(0)
         for path, msg in config_warnings(settings):
             log.warning("event=config_warning path=%s message=%r", path, msg)
 
@@ -53,6 +106,102 @@ class PickerApp:
             self.metrics.backend_healthy.labels(str(entry["backend"])).set(1 if entry["healthy"] else 0)
         for name, value in self.pool.cost_model().items():
             self.metrics.ttft_model.labels(name).set(value)
+
+    # -- the pool's members ----------------------------------------------------------------------
+    def _set_members(self, cfg: PoolConfig, members: Iterable[Endpoint] | None) -> tuple[int, int, int]:
+        """The pool becomes ``members`` (``cfg.backends`` when None); every structure that names backends
+        follows in this one synchronous step. Returns (added, gone, readdressed) counts."""
+        before = self.pool.addresses()
+        self.pool.update(cfg, members)
+        after = self.pool.addresses()
+        gone = before.keys() - after.keys()
+        added = [n for n in after if n not in before]
+        readdressed = [n for n in after if n in before and before[n] != after[n]]
+        tier4 = self.tier4
+        # a static event source's consumer keeps running (kv_cache_index is restart-required): its series stay
+        static_feeds = frozenset(s.backend_name for s in self.settings.kv_cache_index.event_sources)
+        self.metrics.forget_backends(gone, keep_feed=static_feeds)
+        self.recorder.forget_backends(gone)
+        if tier4 is not None:
+            tier4.follow_pool(added, gone, readdressed)  # feeds, index and their placements (index watcher)
+        placements = self.path.placements
+        if placements is not None:
+            for name in gone if tier4 is None else gone & static_feeds:
+                placements.forget(name)  # a backend that left the pool holds nothing this picker placed there
+            if tier4 is None:
+                for name in readdressed:
+                    placements.forget(name)
+        self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now (once), not on a request
+        self.metrics.pool_backends.set(len(after))
+        return len(added), len(gone), len(readdressed)
+
+    def apply_snapshot(self, snapshot: PoolSnapshot) -> None:
+        """A discovery snapshot: the pool becomes exactly its backends (weight 1); the first one syncs the
+        pool. Synchronous, on the event loop (``Discovery.run`` calls it)."""
+        members = [Endpoint(b.name, b.address, 1) for b in snapshot.backends]
+        added, gone, moved = self._set_members(self.settings.pool, members)
+        first = not self.pool_synced
+        self.pool_synced = True
+        self.pool_version = snapshot.version
+        self.metrics.pool_synced.set(1)
+        log.info(
+            "event=pool_snapshot_applied source=%r version=%r backends=%d added=%d gone=%d readdressed=%d first=%s",
+            snapshot.source, snapshot.version, len(snapshot.backends), added, gone, moved, first,
+        )  # fmt: skip
+        self._readiness_inputs_changed()
+
+    async def follow_discovery(self) -> None:
+        """Background (supervised): the discovery source publishes snapshots into ``apply_snapshot``."""
+        if self.discovery is None:
+            return
+        await self.discovery.run(self.apply_snapshot)
+
+    def pool_status(self) -> dict[str, object]:
+        """``/admin/pool`` and ``/readyz``: where the pool comes from and whether it is known."""
+        return {
+            "source": self.pool_source,
+            "synced": self.pool_synced,
+            "backends": len(self.pool.names()),
+            "version": self.pool_version,
+        }
+
+    # -- readiness -------------------------------------------------------------------------------
+    def _readiness_inputs_changed(self) -> None:
+        if self.on_readiness_inputs is not None:
+            self.on_readiness_inputs()
+
+    def readiness(self, now: float | None = None) -> Readiness:
+        """Ready when started, not draining, no background task crashed, the pool synced (a static pool at
+        once, a discovered one after its first complete list) and, with Tier 4, every live backend's feed has
+        caught up or is stale (``Tier4.feed_readiness``). O(backends): evaluated when an input changes and by
+        ``/readyz``, never per request."""
+        t = time.monotonic() if now is None else now
+        feeds: dict[str, str] = {}
+        due = None
+        if self.tier4 is not None:
+            feeds, due = self.tier4.feed_readiness(self.pool.names(), t)
+        reason: str | None = None
+        if self.draining:
+            reason = "draining"
+        elif not self.ready:
+            reason = "starting"
+        elif self.task_failure is not None:
+            reason = self.task_failure
+        elif not self.pool_synced:
+            reason = f"pool not synced yet (source {self.pool_source}: waiting for its first complete list)"
+        else:
+            waiting = [name for name, state in feeds.items() if state == "connecting"]
+            if waiting:
+                named = ", ".join(waiting[:MAX_NAMED_WAITING]) + (", ..." if len(waiting) > MAX_NAMED_WAITING else "")
+                reason = f"waiting for {len(waiting)} KV feed(s) to catch up: {named}"
+        pool = {"source": self.pool_source, "synced": self.pool_synced, "backends": len(self.pool.names())}
+        body: dict[str, object] = {
+            "status": "ready" if reason is None else "not_ready",
+            "reason": reason,
+            "pool": pool,
+            "feeds": feeds,
+        }
+        return Readiness(reason is None, body, due if reason is not None else None)
 
     # -- reload -----------------------------------------------------------------------------------
     def reload(self) -> tuple[bool, list[str]]:
@@ -72,26 +221,32 @@ class PickerApp:
         return True, self.apply(new)
 
     def apply(self, new: Settings) -> list[str]:
-        """Apply hot-reloadable sections of ``new``; restart-required changes are reported only."""
+        """Apply hot-reloadable sections of ``new``; restart-required changes are reported only.
+
+        The pool's source (``pool.inference_pool``, ``pool.backends_file``) is restart-required: when it
+        changed, the running pool's membership (its static ``backends`` or its discovery) stays and only the
+        pool's other keys apply. While the pool is discovered a reloaded file cannot list ``backends`` (the
+        config check refuses it), so the discovered members stay whatever the file says."""
         messages = []
-        restart = restart_required_changes(self.settings, new)
+        old = self.settings
+        restart = restart_required_changes(old, new)
         for section in restart:
             messages.append(f"{section}: changed, restart required (not applied)")
             log.warning("event=config_restart_required section=%s", section)
-        hot = new.model_copy(update={name: getattr(self.settings, name) for name in restart})
+        hot = new.model_copy(update={name: getattr(old, name) for name in restart if "." not in name})
+        if any(name.startswith("pool.") for name in restart):  # keep the running pool's source and members
+            keep = {k: getattr(old.pool, k) for k in ("backends", "inference_pool", "backends_file")}
+            hot = hot.model_copy(update={"pool": hot.pool.model_copy(update=keep)})
         for path, msg in config_warnings(hot):
             log.warning("event=config_warning path=%s message=%r", path, msg)
-        gone = set(self.pool.names()) - {b.name for b in hot.pool.backends}
-        self.pool.update(hot.pool)
-        self.metrics.forget_backends(gone, keep_feed=[s.backend_name for s in hot.kv_cache_index.event_sources])
-        self.recorder.forget_backends(gone)
-        if self.path.placements is not None:
-            for name in gone:  # a backend that left the pool holds nothing this picker placed there
-                self.path.placements.forget(name)
+        if hot.pool.discovered:  # the members stay the discovered ones; the pool's other keys apply
+            self.pool.update(hot.pool, self.pool.endpoints)
+        else:
+            self._set_members(hot.pool, None)
         self.router.reconfigure(hot)
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now, not on a request
         self.path.configure(hot)
         self.settings = hot
         self.metrics.config_reloads.labels("applied").inc()
-        log.info("event=config_reloaded backends=%d strategy=%s", len(hot.pool.backends), hot.selection_strategy)
+        log.info("event=config_reloaded backends=%d strategy=%s", len(self.pool.names()), hot.selection_strategy)
         return messages

@@ -20,6 +20,12 @@ SIGTERM or SIGINT drains, in this order:
 A second signal skips the remaining waits. SIGHUP (or a changed config file) reloads the
 hot-reloadable sections. A crashed background task makes the picker not ready for good (see
 ``picker.shared.supervisor``).
+
+Readiness (``PickerApp.readiness``: started, not draining, no crashed task, the pool synced, Tier 4 feeds caught
+up or stale) is published to the gRPC readiness services, ``continuum_picker_ready`` and ``/readyz`` by the
+supervised ``readiness`` task, which re-evaluates it when an input changes (a snapshot applied, a feed's state)
+or when a feed's grace ends, never on the request path. ``kv-epp.accepting`` (Envoy's health check) does not
+follow it: SERVING from start until the drain.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -157,9 +164,10 @@ class PickerServer:
         self._drain_task: asyncio.Task[None] | None = None
         self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []  # extra long-running coroutines
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
-        # Why the picker is not ready besides draining (a crashed task). Kept here, not on PickerApp;
-        # /readyz reads it through the middleware added in _start_admin.
-        self.not_ready_reason: str | None = None
+        self._readiness_inputs = asyncio.Event()  # set when something readiness depends on changed
+        self._published_ready: bool | None = None  # what the readiness services say now (None: not yet set)
+        self._publishing = asyncio.Lock()  # one publication at a time: a stale one never overwrites a newer one
+        app.on_readiness_inputs = self._readiness_inputs.set
         self.extproc_port = 0
         self.health_port = 0
         self.admin_port = 0
@@ -175,17 +183,20 @@ class PickerServer:
             raise
         if self.app.config_path is not None:
             self.supervisor.spawn("config-watcher", self._watch_config)
+        if self.app.discovery is not None:
+            self.supervisor.spawn("pool-discovery", self.app.follow_discovery)
         for coro in self.background:
             self.supervisor.spawn(self._task_name(coro), coro)
         await self.health.set("liveness", SERVING)
-        self.app.ready = self.supervisor.healthy  # a task may already have crashed while we awaited
+        self.app.ready = True
         self._started = True
         await self._publish_readiness()
+        self.supervisor.spawn("readiness", self._follow_readiness)
         s = self.app.settings
         log.info(
-            "event=picker_started extproc_port=%d health_port=%d admin_port=%d strategy=%s backends=%d %s",
-            self.extproc_port, self.health_port, self.admin_port, s.selection_strategy, len(s.pool.backends),
-            self._tls_fields(),
+            "event=picker_started extproc_port=%d health_port=%d admin_port=%d strategy=%s pool=%s backends=%d %s",
+            self.extproc_port, self.health_port, self.admin_port, s.selection_strategy, self.app.pool_source,
+            len(self.app.pool.names()), self._tls_fields(),
         )  # fmt: skip
 
     def _tls_fields(self) -> str:
@@ -228,15 +239,6 @@ class PickerServer:
     async def _start_admin(self) -> None:
         s = self.app.settings.admin
         admin_app = build_admin_app(self.app, self._admin_extra)
-
-        @web.middleware
-        async def readiness_reason(request: web.Request, handler: Any) -> web.StreamResponse:
-            if request.path == "/readyz" and self.not_ready_reason is not None and not self.app.draining:
-                return web.json_response({"status": "not_ready", "reason": self.not_ready_reason}, status=503)
-            result: web.StreamResponse = await handler(request)
-            return result
-
-        admin_app.middlewares.append(readiness_reason)
         self._admin = web.AppRunner(admin_app, access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, s.host, s.port)
@@ -279,20 +281,42 @@ class PickerServer:
                 self.app.reload()
 
     # -- readiness --------------------------------------------------------------------------------
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why a background task made the picker not ready (the first crash), or None."""
+        return self.app.task_failure
+
     async def _task_failed(self, failure: TaskFailure) -> None:
         self.app.metrics.background_task_failures.labels(failure.task).inc()
-        if self.not_ready_reason is None:
-            self.not_ready_reason = failure.reason
-        self.app.ready = False
+        if self.app.task_failure is None:
+            self.app.task_failure = failure.reason
         await self._publish_readiness()
 
-    async def _publish_readiness(self) -> None:
-        """Readiness services SERVING only while started, not draining and no task has crashed."""
-        ready = self.app.ready and not self.app.draining and self.supervisor.healthy
-        for svc in READINESS_SERVICES:
-            await self.health.set(svc, SERVING if ready else NOT_SERVING)
-        accepting = self._started and not self.app.draining
-        await self.health.set(ACCEPTING_SERVICE, SERVING if accepting else NOT_SERVING)
+    async def _publish_readiness(self) -> float | None:
+        """Evaluate readiness (``PickerApp.readiness``) and publish it where it changed: the readiness
+        services, ``continuum_picker_ready``; ``kv-epp.accepting`` SERVING from start until the drain.
+        Returns when readiness may change by itself (a feed's grace ends), or None."""
+        async with self._publishing:
+            r = self.app.readiness()
+            ready = r.ready and self._started and self.supervisor.healthy
+            if ready != self._published_ready:
+                self._published_ready = ready
+                for svc in READINESS_SERVICES:
+                    await self.health.set(svc, SERVING if ready else NOT_SERVING)
+                self.app.metrics.ready.set(1 if ready else 0)
+                log.info("event=readiness ready=%s reason=%r", ready, r.body.get("reason"))
+            accepting = self._started and not self.app.draining
+            await self.health.set(ACCEPTING_SERVICE, SERVING if accepting else NOT_SERVING)
+            return r.due
+
+    async def _follow_readiness(self) -> None:
+        """Background (supervised): re-publish readiness whenever an input changed or a grace ends."""
+        while True:
+            self._readiness_inputs.clear()
+            due = await self._publish_readiness()
+            timeout = None if due is None else max(0.0, due - time.monotonic()) + 0.005
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._readiness_inputs.wait(), timeout)
 
     # -- drain and stop ---------------------------------------------------------------------------
     async def _pause(self, seconds: float, until: Coroutine[Any, Any, None] | None = None) -> None:

@@ -1,19 +1,29 @@
-"""Builds a PickerServer from Settings: the app (pool, router, request path, Tier 4) and its tasks."""
+"""Builds a PickerServer from Settings: the app (pool, router, request path, Tier 4), the pool's discovery
+source when the pool is discovered, and the background tasks."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from picker.config import Settings
+from picker.config import PoolConfig, Settings
 from picker.ops.metrics import PickerMetrics
 from picker.pool.engine_signals import EngineSignalScraper
 from picker.runtime.app import PickerApp
 from picker.runtime.lifecycle import PickerServer
+from picker.shared.discovery import Count, Discovery, make_discovery
+
+
+def pool_discovery(pool: PoolConfig, count: Count | None = None) -> Discovery | None:
+    """The discovery source ``pool`` names (None for a static pool)."""
+    ref = pool.inference_pool or pool.backends_file
+    return make_discovery(ref, count) if ref is not None else None
 
 
 def build_server(settings: Settings, config_path: str | Path | None = None) -> PickerServer:
-    app = PickerApp(settings, PickerMetrics(), config_path)
-    server = PickerServer(app)
+    metrics = PickerMetrics()
+    discovery = pool_discovery(settings.pool, metrics.discovery_event)
+    app = PickerApp(settings, metrics, config_path, discovery)
+    server = PickerServer(app)  # runs the discovery (supervised) when there is one
     # engine signals: always supervised; it reads pool.engine_metrics (hot-reloadable) each round and idles
     # while that says enabled: false
     scraper = EngineSignalScraper(app.pool, app.metrics)
@@ -25,4 +35,4 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     return server
 
 
-__all__ = ["build_server"]
+__all__ = ["build_server", "pool_discovery"]

@@ -54,7 +54,8 @@ async def test_readiness_follows_lifecycle() -> None:
         assert (await client.get("/readyz")).status == 200
         app.draining = True
         r = await client.get("/readyz")
-        assert r.status == 503 and (await r.json())["status"] == "draining"
+        body = await r.json()
+        assert r.status == 503 and body["status"] == "not_ready" and body["reason"] == "draining"
     finally:
         await client.close()
 

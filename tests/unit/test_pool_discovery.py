@@ -1,0 +1,335 @@
+"""The picker follows a discovered pool: config (sources, env, template), snapshot application (pool, ring,
+metrics, recorder, placements, KV index, feeds), static reloads beside it, and the discovery task."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from picker.config import ConfigError, parse_settings, restart_required_changes
+from picker.ops.admin import build_admin_app
+from picker.routing.endpoints import Decision, Endpoint
+from picker.runtime.app import PickerApp
+from picker.runtime.lifecycle import PickerServer
+from picker.shared.discovery import DiscoveredBackend, PoolSnapshot, Publish
+from picker.shared.tiers import StorageTier
+from tests.support.poll import async_wait_until
+
+POOL = {"inference_pool": {"name": "vllm", "namespace": "serving"}}
+TEMPLATE = {"endpoint": "http://127.0.0.1:1/events/{name}", "reconnect_interval_ms": 60_000}
+
+
+def discovered_settings(kv: bool = False, **extra: Any) -> Any:
+    cfg: dict[str, Any] = {
+        "selection_strategy": "PrefixAwareHash",
+        "prefix_routing": {"enabled": True},
+        "pool": {**POOL, "engine_metrics": {"enabled": False}},
+        **extra,
+    }
+    if kv:
+        cfg["kv_cache_index"] = {
+            "enabled": True,
+            "event_source_template": TEMPLATE,
+            "checks": {"self_check": False},
+            "tokenizer": {"source": "none"},
+        }
+    return parse_settings(cfg)
+
+
+def snap(*backends: tuple[str, str], version: str = "1") -> PoolSnapshot:
+    """A snapshot of (name, ip:port) backends."""
+    out = []
+    for name, addr in backends:
+        ip, port = addr.rsplit(":", 1)
+        out.append(DiscoveredBackend(name=name, ip=ip, port=int(port), pod=name, namespace="serving"))
+    return PoolSnapshot(tuple(sorted(out, key=lambda b: b.name)), source="fake inference_pool", version=version)
+
+
+class FakeDiscovery:
+    """A discovery source the test drives: ``push`` publishes a snapshot (synced from the first one)."""
+
+    def __init__(self) -> None:
+        self._synced = False
+        self._publish: Publish | None = None
+        self.ready = asyncio.Event()
+
+    @property
+    def synced(self) -> bool:
+        return self._synced
+
+    async def run(self, publish: Publish) -> None:
+        self._publish = publish
+        self.ready.set()
+        await asyncio.Event().wait()  # until cancelled
+
+    def push(self, snapshot: PoolSnapshot) -> None:
+        assert self._publish is not None
+        self._synced = True
+        self._publish(snapshot)
+
+    def status(self) -> dict[str, object]:
+        return {"source": "fake", "synced": self._synced}
+
+
+def series(app: PickerApp, backend: str) -> list[str]:
+    """Every exported sample that names ``backend``."""
+    out = []
+    for family in app.metrics.registry.collect():
+        for s in family.samples:
+            if s.labels.get("backend") == backend:
+                out.append(s.name)
+    return out
+
+
+# -- config -------------------------------------------------------------------------------------------------
+
+
+def test_inference_pool_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KV_EPP_POOL__INFERENCE_POOL__NAME", "vllm-llama")
+    monkeypatch.setenv("KV_EPP_POOL__INFERENCE_POOL__NAMESPACE", "serving")
+    s = parse_settings({"pool": {"health": {"window_size": 20}}})  # merged with the file's pool section
+    assert s.pool.inference_pool is not None
+    assert (s.pool.inference_pool.name, s.pool.inference_pool.namespace) == ("vllm-llama", "serving")
+    assert s.pool.health.window_size == 20 and s.pool.source == "inference_pool" and s.pool.discovered
+
+
+def test_the_pool_has_one_source() -> None:
+    static = {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}
+    for extra, key in (
+        (POOL, "pool.inference_pool"),
+        ({"backends_file": {"path": "/tmp/b.yaml"}}, "pool.backends_file"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            parse_settings({"pool": {**static, **extra}})
+        assert [p for p, _ in info.value.problems] == [key]
+    with pytest.raises(ConfigError) as info:
+        parse_settings({"pool": {**POOL, "backends_file": {"path": "/tmp/b.yaml"}}})
+    assert info.value.problems[0][0] == "pool.backends_file"
+    assert parse_settings({"pool": {"backends_file": {"path": "/tmp/b.yaml"}}}).pool.source == "backends_file"
+
+
+def test_feeds_match_the_pool_source() -> None:
+    source = {"backend_name": "a", "endpoint": "http://127.0.0.1:1/events/a"}
+    with pytest.raises(ConfigError) as info:
+        parse_settings({"pool": POOL, "kv_cache_index": {"enabled": True, "event_sources": [source]}})
+    assert info.value.problems[0][0] == "kv_cache_index.event_sources"
+    static = {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}
+    with pytest.raises(ConfigError) as info:
+        parse_settings({"pool": static, "kv_cache_index": {"event_source_template": TEMPLATE}})
+    assert info.value.problems[0][0] == "kv_cache_index.event_source_template"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "why"),
+    [
+        ("http://127.0.0.1:7817/events/all", "must contain {name}"),
+        ("grpc://127.0.0.1:7818/{name}", "takes no {name}"),
+        ("ftp://127.0.0.1/{name}", "endpoint must be an http"),
+    ],
+)
+def test_a_bad_template_is_refused_with_its_path(endpoint: str, why: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_settings({"pool": POOL, "kv_cache_index": {"event_source_template": {"endpoint": endpoint}}})
+    (path, msg), *_ = info.value.problems
+    assert path == "kv_cache_index.event_source_template" and why in msg
+
+
+def test_a_template_renders_each_backend() -> None:
+    s = parse_settings({"pool": POOL, "kv_cache_index": {"event_source_template": TEMPLATE}})
+    t = s.kv_cache_index.event_source_template
+    assert t is not None
+    src = t.for_backend("vllm-7d9f.rank1")
+    assert (src.backend_name, src.endpoint) == ("vllm-7d9f.rank1", "http://127.0.0.1:1/events/vllm-7d9f.rank1")
+    grpc = parse_settings({"pool": POOL, "kv_cache_index": {"event_source_template": {"endpoint": "grpc://h:7818"}}})
+    g = grpc.kv_cache_index.event_source_template
+    assert g is not None and g.for_backend("p").endpoint == "grpc://h:7818"
+
+
+def test_the_pool_source_is_restart_required_the_rest_of_pool_is_not() -> None:
+    a = parse_settings({"pool": POOL})
+    b = parse_settings({"pool": {**POOL, "health": {"window_size": 9}}})
+    c = parse_settings({"pool": {"inference_pool": {"name": "other", "namespace": "serving"}}})
+    assert restart_required_changes(a, b) == []
+    assert restart_required_changes(a, c) == ["pool.inference_pool"]
+
+
+# -- applying snapshots ---------------------------------------------------------------------------------------
+
+
+def test_the_pool_becomes_exactly_the_snapshot() -> None:
+    app = PickerApp(discovered_settings())
+    assert app.pool.names() == () and not app.pool_synced and not app.readiness().ready
+    app.apply_snapshot(snap(("p-a", "10.0.0.1:8000"), ("p-b", "10.0.0.2:8000")))
+    assert app.pool.addresses() == {"p-a": "10.0.0.1:8000", "p-b": "10.0.0.2:8000"}
+    assert {ep.weight for ep in app.pool.endpoints} == {1}
+    assert app.router.ring().names == ("p-a", "p-b")
+    lease = app.pool.acquire(app.pool.endpoint("p-a"))  # type: ignore[arg-type]
+    app.apply_snapshot(snap(("p-a", "10.0.0.1:8000"), ("p-c", "10.0.0.3:8000"), version="2"))
+    assert app.pool.names() == ("p-a", "p-c") and app.router.ring().names == ("p-a", "p-c")
+    assert app.pool.in_flight()["p-a"] == 1  # a backend that stays keeps its live counters
+    lease.release()
+    assert app.pool.in_flight()["p-a"] == 0
+    assert app.pool_status() == {"source": "inference_pool", "synced": True, "backends": 2, "version": "2"}
+    assert app.metrics.pool_backends._value.get() == 2 and app.metrics.pool_synced._value.get() == 1
+
+
+def test_a_gone_backend_is_forgotten_everywhere_at_once() -> None:
+    app = PickerApp(discovered_settings())
+    app.apply_snapshot(snap(("p-a", "10.0.0.1:8000"), ("p-b", "10.0.0.2:8000")))
+    app.recorder.decided(Decision(Endpoint("p-b", "10.0.0.2:8000"), "PrefixAwareHash", "prefix_hash"), None)
+    app.recorder.response("p-b", 200)
+    app.refresh_gauges()
+    placements = app.path.placements
+    assert placements is not None
+    placements.record("p-b", [1, 2, 3], 0.0)
+    assert series(app, "p-b")
+    app.apply_snapshot(snap(("p-a", "10.0.0.1:8000")))
+    app.refresh_gauges()
+    assert series(app, "p-b") == [] and series(app, "p-a")
+    assert all("p-b" not in key for key in app.recorder.decisions) and len(placements) == 0
+
+
+def test_a_rescheduled_pod_is_a_new_engine() -> None:
+    """Same name, new address: its health and engine signals start afresh (its in-flight count stays)."""
+    app = PickerApp(discovered_settings())
+    app.apply_snapshot(snap(("p-a", "10.0.0.1:8000"), ("p-b", "10.0.0.2:8000")))
+    for _ in range(10):
+        app.pool.record_response("p-a", False)
+    assert "p-a" not in {s.endpoint.name for s in app.pool.view().states}  # ejected
+    app.apply_snapshot(snap(("p-a", "10.0.0.9:8000"), ("p-b", "10.0.0.2:8000")))
+    assert app.pool.endpoint("p-a") == Endpoint("p-a", "10.0.0.9:8000", 1)
+    assert "p-a" in {s.endpoint.name for s in app.pool.view().states}
+    assert app.pool.name_for_address("10.0.0.9:8000") == "p-a" and app.pool.name_for_address("10.0.0.1:8000") is None
+
+
+async def test_tier4_feeds_and_index_follow_the_pool() -> None:
+    """New backends are subscribed (the template), gone ones retired with their index entries, a readdressed
+    one loses its entries and its feed position (the next subscription asks for a snapshot)."""
+    app = PickerApp(discovered_settings(kv=True))
+    tier4 = app.tier4
+    assert tier4 is not None and tier4.consumers.consumers == {}
+    task = asyncio.create_task(tier4.consumers.run())
+    try:
+        app.apply_snapshot(snap(("p-a", "10.0.0.1:8000"), ("p-b", "10.0.0.2:8000"), ("p-c", "10.0.0.3:8000")))
+        consumers = dict(tier4.consumers.consumers)
+        assert sorted(consumers) == ["p-a", "p-b", "p-c"]
+        assert consumers["p-b"].source.endpoint == "http://127.0.0.1:1/events/p-b"
+        await async_wait_until(lambda: all(c._task is not None for c in consumers.values()), what="tasks started")
+        for name in consumers:
+            tier4.index.put(name, [10, 11], StorageTier.GPU_HOT)
+        consumers["p-c"].stats.last_event_id = 42  # a resume position
+        assert tier4.checks.state.keys() == {"p-a", "p-b", "p-c"}
+        app.apply_snapshot(snap(("p-a", "10.0.0.1:8000"), ("p-c", "10.0.0.33:8000"), ("p-d", "10.0.0.4:8000")))
+        # at once, in the same synchronous step
+        assert sorted(tier4.consumers.consumers) == ["p-a", "p-c", "p-d"]
+        assert consumers["p-b"].retired and tier4.index.backend_entries() == {"p-a": 2}
+        assert "p-b" not in tier4.checks.state and "p-b" not in tier4.watch.served
+        assert tier4.consumers.consumers["p-c"] is consumers["p-c"]  # kept, its position void:
+        consumers["p-c"]._position()
+        assert consumers["p-c"].stats.last_event_id is None
+        old_task = consumers["p-b"]._task
+        assert old_task is not None
+        await async_wait_until(old_task.done, what="the retired consumer's task ended")
+        assert old_task.cancelled()
+        assert all(name != "continuum_kv_consumer_connected" for name in series(app, "p-b"))
+        assert not task.done()  # a retired consumer's cancellation is not the group's failure
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_applying_a_thousand_backends_is_one_step_and_bounded() -> None:
+    """1,000 backends in, then all but 10 gone: one consumer per live backend, no leftover state."""
+    app = PickerApp(discovered_settings(kv=True))
+    tier4 = app.tier4
+    assert tier4 is not None
+    many = [(f"pod-{i:04d}", f"10.1.{i // 250}.{i % 250 + 1}:8000") for i in range(1000)]
+    app.apply_snapshot(snap(*many))
+    assert len(app.pool.names()) == 1000 and len(tier4.consumers.consumers) == 1000
+    assert len(app.router.ring().names) == 1000
+    for name, _ in many[:50]:
+        tier4.index.put(name, [1, 2], StorageTier.GPU_HOT)
+    placements = app.path.placements
+    assert placements is not None
+    placements.record("pod-0000", [7, 8], 0.0)
+    app.apply_snapshot(snap(*many[:10]))
+    assert len(app.pool.names()) == 10 and len(tier4.consumers.consumers) == 10
+    assert set(tier4.index.backend_entries()) == {name for name, _ in many[:10]}
+    assert set(tier4.checks.state) == {name for name, _ in many[:10]} and len(placements) == 0
+
+
+def test_a_static_reload_keeps_working_and_cannot_switch_the_source() -> None:
+    static = {"backends": [{"name": "a", "address": "10.0.0.1:80"}, {"name": "b", "address": "10.0.0.2:80"}]}
+    app = PickerApp(parse_settings({"pool": static}))
+    assert app.pool_synced and app.pool_source == "static"
+    messages = app.apply(parse_settings({"pool": {"backends": static["backends"][:1]}}))
+    assert messages == [] and app.pool.names() == ("a",)
+    # static -> discovered is restart-required: the static members stay, the pool's other keys apply
+    messages = app.apply(parse_settings({"pool": {**POOL, "health": {"window_size": 7}}}))
+    assert messages == ["pool.inference_pool: changed, restart required (not applied)"]
+    assert app.pool.names() == ("a",) and app.settings.pool.inference_pool is None
+    assert app.settings.pool.health.window_size == 7
+
+
+def test_a_reload_while_discovered_keeps_the_discovered_members() -> None:
+    app = PickerApp(discovered_settings())
+    app.apply_snapshot(snap(("p-a", "10.0.0.1:8000")))
+    app.apply(discovered_settings(selection_strategy="RoundRobin"))
+    assert app.pool.names() == ("p-a",) and app.settings.selection_strategy == "RoundRobin"
+    # discovered -> static: restart-required, the discovered members stay
+    messages = app.apply(parse_settings({"pool": {"backends": [{"name": "x", "address": "10.9.9.9:80"}]}}))
+    assert messages == ["pool.inference_pool: changed, restart required (not applied)"]
+    assert app.pool.names() == ("p-a",) and app.settings.pool.discovered and app.settings.pool.backends == ()
+
+
+# -- the discovery task --------------------------------------------------------------------------------------
+
+
+async def test_discovery_runs_supervised_and_admin_shows_it() -> None:
+    settings = discovered_settings(
+        extproc={"host": "127.0.0.1", "port": 0, "health_port": None, "tls": {"mode": "plaintext"}},
+        admin={"port": 0},
+    )
+    discovery = FakeDiscovery()
+    app = PickerApp(settings, discovery=discovery)
+    server = PickerServer(app)
+    await server.start()
+    client = TestClient(TestServer(build_admin_app(app)))
+    await client.start_server()
+    try:
+        assert "pool-discovery" in server.supervisor.names
+        await asyncio.wait_for(discovery.ready.wait(), 30)
+        r = await client.get("/readyz")
+        body = await r.json()
+        assert r.status == 503 and body["pool"] == {"source": "inference_pool", "synced": False, "backends": 0}
+        assert "pool not synced" in body["reason"]
+        discovery.push(snap(("p-a", "10.0.0.1:8000")))
+        r = await client.get("/readyz")
+        assert r.status == 200 and (await r.json())["pool"]["synced"] is True
+        pool = await (await client.get("/admin/pool")).json()
+        assert pool["discovery"] == {"source": "fake", "synced": True}
+        assert [b["backend"] for b in pool["backends"]] == ["p-a"] and pool["pool"]["synced"] is True
+        app.metrics.discovery_event("watch_event")
+        text = await (await client.get("/metrics")).text()
+        for line in (
+            'continuum_picker_discovery_events_total{event="watch_event"} 1.0',
+            "continuum_picker_pool_backends 1.0",
+            "continuum_picker_pool_synced 1.0",
+        ):
+            assert line in text
+        await async_wait_until(lambda: app.metrics.ready._value.get() == 1, timeout=30, what="ready gauge")
+    finally:
+        await client.close()
+        await server.stop()
+
+
+def test_discovery_event_names_are_bounded() -> None:
+    app = PickerApp(discovered_settings())
+    for i in range(100):
+        app.metrics.discovery_event(f"e{i}")
+    labels = {s.labels["event"] for f in app.metrics.registry.collect() for s in f.samples if "event" in s.labels}
+    assert len(labels) <= app.metrics.MAX_DISCOVERY_EVENTS + 1 and "other" in labels
