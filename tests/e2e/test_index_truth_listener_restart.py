@@ -97,7 +97,8 @@ def stack() -> Iterator[Stack]:
         ref_listener = start_listener(ref_cfg, workdir, name="ref-listener")
         procs.append(ref_listener)
 
-        picker = start_picker(kv_picker_config(sims, listener_url), workdir)
+        # started before its listener: readiness (what start_picker waits for) waits for the feeds' grace
+        picker = start_picker(kv_picker_config(sims, listener_url, checks={"ready_grace_seconds": 2}), workdir)
         procs.append(picker)
         ref_picker = start_picker(kv_picker_config(sims, ref_listener.url), workdir, name="ref-picker")
         procs.append(ref_picker)
