@@ -23,6 +23,7 @@ variant with the oldest and newest wheel; 1.36 and 1.37 refuse override_host's `
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -88,6 +89,17 @@ class EnvoyOptions:
     # dead host is only found out after the body has started, too late to continue without it).
     picker_health_interval_s: float = 1.0  # 0: no health checks
     request_timeout_s: int = 60  # the whole request (headers and body) from the client
+    # Kubernetes (the Helm chart): the pool as the DNS name of a headless Service whose records are the pool's
+    # ready pods (selector = the InferencePool's matchLabels, publishNotReadyAddresses false) instead of
+    # ``backends``: a STRICT_DNS cluster with one endpoint per (pod IP, port of ``pool_ports``), so override_host
+    # finds every ready pod the picker can name while pods come and go. See ``_pool_dns_cluster``.
+    pool_dns: str | None = None
+    pool_ports: Sequence[int] = field(default_factory=tuple)  # the InferencePool's targetPorts
+    pool_dns_refresh_ms: int = 1000  # re-resolution period (Envoy's default, 5 s, would hide a new pod longer)
+    # A second listener on ``listen_address:stats_port`` that serves only GET /ready and /stats/prometheus of
+    # the admin interface (which stays on ``admin_address``): for kubelet probes and Prometheus, never the
+    # admin's mutating endpoints. None: no such listener.
+    stats_port: int | None = None
 
 
 def _addr(host_port: str) -> dict[str, Any]:
@@ -248,13 +260,65 @@ def _typed(name: str, type_url: str, **config: Any) -> dict[str, Any]:
     return {"name": name, "typed_config": {"@type": f"type.googleapis.com/{type_url}", **config}}
 
 
-def _pool_cluster(o: EnvoyOptions, thresholds: dict[str, Any]) -> dict[str, Any]:
-    """The pool: its endpoints, routed by override_host from the picker's metadata (never a header)."""
+def _check_pool(o: EnvoyOptions) -> None:
+    """The pool's endpoints are static ip:port backends, or (``pool_dns``) a headless Service's name and ports."""
+    if o.pool_dns is not None:
+        if o.backends:
+            raise ValueError("pool_dns replaces backends: give one or the other")
+        name = o.pool_dns
+        if not name or len(name) > 253 or _is_ip(f"{name}:0") or not _DNS_NAME.fullmatch(name):
+            raise ValueError(f"pool_dns must be a DNS name (a headless Service), got {name!r}")
+        if not o.pool_ports:
+            raise ValueError("pool_dns needs pool_ports (the InferencePool's targetPorts)")
+        bad_ports = [p for p in o.pool_ports if not 0 < p < 65536]
+        if bad_ports or len(set(o.pool_ports)) != len(o.pool_ports):
+            raise ValueError(f"pool_ports must be unique ports in 1..65535, got {list(o.pool_ports)}")
+        if o.pool_dns_refresh_ms < 100:
+            raise ValueError("pool_dns_refresh_ms must be at least 100")
+        return
     bad = [b for b in o.backends if not _is_ip(b)]
     if bad:
         raise ValueError(f"backends must be ip:port (the picker names endpoints by address): {bad}")
     if not o.backends:
         raise ValueError("no backends: the upstream cluster needs the pool's endpoints (ip:port)")
+
+
+_DNS_NAME = re.compile(r"(?=.{1,253}$)([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)(\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*\.?")
+
+
+def _pool_endpoints(o: EnvoyOptions) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The upstream cluster's discovery type (``type`` or ``cluster_type``) and its ``load_assignment``.
+
+    ``pool_dns``: STRICT_DNS, because Envoy makes one host of every address a STRICT_DNS name resolves to and
+    keeps the set in step with DNS (a pod that is no longer ready leaves the headless Service's records, a new
+    one joins), which override_host needs: it only routes to hosts of the cluster. LOGICAL_DNS would use the
+    first address only (one host for the whole pool); ORIGINAL_DST cannot take the override_host policy;
+    EDS needs a control plane. Both address families are kept (``ALL``): the picker names a pod by the IP the
+    API server reports, whichever family that is. Until DNS shows a new pod, override_host skips it for the
+    next ranked endpoint (the picker's fallbacks), so a new pod costs no request, only its first seconds."""
+    if o.pool_dns is None:
+        return {"type": "STATIC"}, {
+            "cluster_name": "inference_pool",
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(b)}} for b in o.backends]}],
+        }
+    refresh = f"{o.pool_dns_refresh_ms / 1000:.3f}s"
+    dns = {
+        "dns_refresh_rate": refresh,
+        "dns_failure_refresh_rate": {"base_interval": refresh, "max_interval": "10s"},
+        "respect_dns_ttl": False,
+        "dns_lookup_family": "ALL",
+    }
+    lb_endpoints = [
+        {"endpoint": {"address": {"socket_address": {"address": o.pool_dns, "port_value": p}}}} for p in o.pool_ports
+    ]
+    # the DNS cluster extension: STRICT_DNS without Cluster's deprecated dns_* fields
+    kind = {"cluster_type": _typed("envoy.cluster.dns", "envoy.extensions.clusters.dns.v3.DnsCluster", **dns)}
+    return kind, {"cluster_name": "inference_pool", "endpoints": [{"lb_endpoints": lb_endpoints}]}
+
+
+def _pool_cluster(o: EnvoyOptions, thresholds: dict[str, Any]) -> dict[str, Any]:
+    """The pool: its endpoints, routed by override_host from the picker's metadata (never a header)."""
+    _check_pool(o)
     override_host = {
         "override_host_sources": [{"metadata": {"key": LB_NAMESPACE, "path": [{"key": DEST_HEADER}]}}],
         "selected_host_key": {"key": LB_NAMESPACE, "path": [{"key": SERVED_KEY}]},
@@ -275,16 +339,14 @@ def _pool_cluster(o: EnvoyOptions, thresholds: dict[str, Any]) -> dict[str, Any]
         **override_host,
     )
     retry_thresholds = {"thresholds": [{**thresholds["thresholds"][0], "max_retries": o.max_requests}]}
+    kind, load_assignment = _pool_endpoints(o)
     return {
         "name": "inference_pool",
-        "type": "STATIC",
+        **kind,
         "connect_timeout": "2s",
         "load_balancing_policy": {"policies": [{"typed_extension_config": lb_policy}]},
         "circuit_breakers": retry_thresholds,
-        "load_assignment": {
-            "cluster_name": "inference_pool",
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(b)}} for b in o.backends]}],
-        },
+        "load_assignment": load_assignment,
     }
 
 
@@ -408,17 +470,16 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
         if o.picker_health_interval_s > 0:
             clusters[-1].update(_picker_health_checks(o))
     else:
+        _check_pool(o)
+        kind, load_assignment = _pool_endpoints(o)
         clusters.append(
             {
                 "name": "inference_pool",
-                "type": "STATIC",
+                **kind,
                 "lb_policy": "ROUND_ROBIN",
                 "connect_timeout": "2s",
                 "circuit_breakers": thresholds,
-                "load_assignment": {
-                    "cluster_name": "inference_pool",
-                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(b)}} for b in o.backends]}],
-                },
+                "load_assignment": load_assignment,
             }
         )
     route: dict[str, Any] = {"cluster": "inference_pool", "timeout": f"{o.route_timeout_s}s"}
@@ -453,22 +514,76 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
         },
         "http_filters": http_filters,
     }
+    listeners = [
+        {
+            "name": "inference_listener",
+            "address": _addr(f"{o.listen_address}:{o.listen_port}"),
+            "per_connection_buffer_limit_bytes": o.buffer_limit_bytes,
+            "filter_chains": [
+                {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+            ],
+        }
+    ]
+    if o.stats_port is not None:
+        listener, cluster = _stats_listener(o)
+        listeners.append(listener)
+        clusters.append(cluster)
     return {
         "admin": {"address": _addr(f"{o.admin_address}:{o.admin_port}")},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "inference_listener",
-                    "address": _addr(f"{o.listen_address}:{o.listen_port}"),
-                    "per_connection_buffer_limit_bytes": o.buffer_limit_bytes,
-                    "filter_chains": [
-                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
-                    ],
-                }
-            ],
-            "clusters": clusters,
+        "static_resources": {"listeners": listeners, "clusters": clusters},
+    }
+
+
+STATS_PATHS = ("/ready", "/stats/prometheus")  # what the stats listener passes to the admin interface
+
+
+def _stats_listener(o: EnvoyOptions) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A listener that exposes the admin's readiness and Prometheus stats only (GET; anything else 404), and
+    the cluster it reaches the admin interface through (loopback when the admin listens on every address)."""
+    assert o.stats_port is not None
+    if o.stats_port in (o.listen_port, o.admin_port):
+        raise ValueError("stats_port must differ from listen_port and admin_port")
+    admin_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(o.admin_address, o.admin_address)
+    get = {"name": ":method", "string_match": {"exact": "GET"}}
+    routes: list[dict[str, Any]] = [
+        {"match": {"path": path, "headers": [get]}, "route": {"cluster": "envoy_admin", "timeout": "5s"}}
+        for path in STATS_PATHS
+    ]
+    routes.append({"match": {"prefix": "/"}, "direct_response": {"status": 404}})
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager",
+        "stat_prefix": "kv_epp_stats",
+        "codec_type": "AUTO",
+        "request_headers_timeout": "10s",
+        "route_config": {
+            "name": "stats",
+            "virtual_hosts": [{"name": "stats", "domains": ["*"], "routes": routes}],
+        },
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+            }
+        ],
+    }
+    listener = {
+        "name": "stats_listener",
+        "address": _addr(f"{o.listen_address}:{o.stats_port}"),
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+        ],
+    }
+    cluster = {
+        "name": "envoy_admin",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": "envoy_admin",
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(f"{admin_host}:{o.admin_port}")}}]}],
         },
     }
+    return listener, cluster
 
 
 def bootstrap_yaml(o: EnvoyOptions) -> str:
