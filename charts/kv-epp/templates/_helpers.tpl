@@ -1,0 +1,183 @@
+{{/* Names, labels and the configs the chart computes. */}}
+
+{{- define "kv-epp.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The prefix of every object name; at most 40 characters so that "<fullname>-picker" etc. stay valid. */}}
+{{- define "kv-epp.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kv-epp.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kv-epp.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Labels of an object: dict "root" $ "component" "picker" */}}
+{{- define "kv-epp.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "kv-epp.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: kv-epp
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "kv-epp.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kv-epp.envoyImage" -}}
+{{- $i := .Values.envoy.image -}}
+{{- if $i.digest -}}
+{{- printf "%s@%s" $i.repository $i.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $i.repository $i.tag -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kv-epp.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kv-epp.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kv-epp.poolName" -}}
+{{- required "inferencePool.name is required (the InferencePool the picker follows)" .Values.inferencePool.name -}}
+{{- end -}}
+
+{{- define "kv-epp.poolNamespace" -}}
+{{- default .Release.Namespace .Values.inferencePool.namespace -}}
+{{- end -}}
+
+{{- define "kv-epp.adminSecretName" -}}
+{{- default (printf "%s-admin-token" (include "kv-epp.fullname" .)) .Values.admin.token.existingSecret -}}
+{{- end -}}
+
+{{/* How Envoy reaches the picker: off | unverified | verified (charts/generate.py picker_tls). */}}
+{{- define "kv-epp.pickerTls" -}}
+{{- if eq .Values.tls.mode "plaintext" -}}off
+{{- else if and (eq .Values.tls.mode "existingSecret") .Values.tls.verify -}}verified
+{{- else -}}unverified
+{{- end -}}
+{{- end -}}
+
+{{/* Combinations the schema cannot express: refused with a message saying what to change. */}}
+{{- define "kv-epp.validate" -}}
+{{- $_ := include "kv-epp.poolName" . -}}
+{{- if not .Values.inferencePool.selector -}}
+{{- fail "inferencePool.selector is required: the matchLabels of the model-server pods (e.g. --set inferencePool.selector.app=vllm)" -}}
+{{- end -}}
+{{- if and (eq .Values.envoy.responseMode "sampled") (ne .Values.envoy.bodyMode "BUFFERED") -}}
+{{- fail "envoy.responseMode sampled needs envoy.bodyMode BUFFERED (Envoy ignores a mode override in full-duplex mode)" -}}
+{{- end -}}
+{{- if and (eq .Values.tls.mode "existingSecret") (not .Values.tls.existingSecret) -}}
+{{- fail "tls.mode existingSecret needs tls.existingSecret (a kubernetes.io/tls Secret)" -}}
+{{- end -}}
+{{- if and .Values.tls.verify (ne .Values.tls.mode "existingSecret") -}}
+{{- fail "tls.verify needs tls.mode existingSecret (its ca.crt is what Envoy verifies against)" -}}
+{{- end -}}
+{{- if and .Values.listener.enabled (not .Values.listener.sourceTemplate.model) -}}
+{{- fail "listener.enabled needs listener.sourceTemplate.model (the model name the engines serve)" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kv-epp.listenerUrl" -}}
+{{- printf "http://%s-listener.%s.svc.%s:%d" (include "kv-epp.fullname" .) .Release.Namespace .Values.clusterDomain (int .Values.listener.port) -}}
+{{- end -}}
+
+{{/* The picker's config file: .Values.picker.config under the keys the chart owns. */}}
+{{- define "kv-epp.pickerConfig" -}}
+{{- $tls := dict "mode" "tls" -}}
+{{- if eq .Values.tls.mode "plaintext" -}}
+{{- $tls = dict "mode" "plaintext" -}}
+{{- else if eq .Values.tls.mode "existingSecret" -}}
+{{- $tls = dict "mode" "tls" "cert_file" "/etc/kv-epp/tls/tls.crt" "key_file" "/etc/kv-epp/tls/tls.key" -}}
+{{- end -}}
+{{- $pool := dict "inference_pool" (dict "name" (include "kv-epp.poolName" .) "namespace" (include "kv-epp.poolNamespace" .)) -}}
+{{- if ne .Values.envoy.mode "none" -}}
+{{- $_ := set $pool "fallbacks" (int .Values.envoy.retries) -}}
+{{- end -}}
+{{- $forced := dict
+  "extproc" (dict "host" "0.0.0.0" "port" (int .Values.picker.ports.extproc) "health_port" (int .Values.picker.ports.health) "tls" $tls)
+  "admin" (dict "enabled" true "host" "0.0.0.0" "port" (int .Values.picker.ports.admin))
+  "pool" $pool
+-}}
+{{- if .Values.listener.enabled -}}
+{{- $template := dict "endpoint" (printf "%s/events/{name}" (include "kv-epp.listenerUrl" .)) -}}
+{{- $_ := set $forced "kv_cache_index" (dict "enabled" true "event_source_template" $template) -}}
+{{- $_ := set $forced "prefix_routing" (dict "enabled" true) -}}
+{{- end -}}
+{{- toYaml (mustMergeOverwrite (deepCopy .Values.picker.config) $forced) -}}
+{{- end -}}
+
+{{/* The listener's config file: .Values.listener.config under the keys the chart owns. */}}
+{{- define "kv-epp.listenerConfig" -}}
+{{- $discovery := dict
+  "inference_pool" (dict "name" (include "kv-epp.poolName" .) "namespace" (include "kv-epp.poolNamespace" .))
+  "source_template" .Values.listener.sourceTemplate
+-}}
+{{- $forced := dict "listen" (printf "0.0.0.0:%d" (int .Values.listener.port)) "discovery" $discovery -}}
+{{- if .Values.listener.state.enabled -}}
+{{- $_ := set $forced "state" (dict "path" "/var/lib/kv-listener/state.bin") -}}
+{{- end -}}
+{{- toYaml (mustMergeOverwrite (deepCopy .Values.listener.config) $forced) -}}
+{{- end -}}
+
+{{/* Pod anti-affinity: dict "root" $ "component" "picker" "mode" "soft" */}}
+{{- define "kv-epp.antiAffinity" -}}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (include "kv-epp.selectorLabels" . | fromYaml)) -}}
+{{- if eq .mode "hard" -}}
+podAntiAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    - {{ toYaml $term | nindent 6 | trim }}
+{{- else if eq .mode "soft" -}}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        {{- toYaml $term | nindent 8 }}
+{{- end -}}
+{{- end -}}
+
+{{/* The restricted security context of every container. */}}
+{{- define "kv-epp.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "kv-epp.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+fsGroup: 65532
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}

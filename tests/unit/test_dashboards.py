@@ -1,0 +1,92 @@
+"""The Grafana dashboards (charts/kv-epp/dashboards/*.json) and the alert rules: every PromQL expression parses
+(promql-parser), the dashboards are well-formed Grafana JSON, and they cover what the issue asks them to show.
+Whether the metric names exist on live processes is tests/integration/test_dashboard_metrics.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import promql_parser
+import pytest
+
+from charts import chart_variants as cv
+from charts.dashboards import DASHBOARDS
+
+EXPRESSIONS = cv.dashboard_expressions() + cv.rule_expressions()
+
+
+@pytest.mark.parametrize(("where", "expr"), EXPRESSIONS, ids=[w for w, _ in EXPRESSIONS])
+def test_every_expression_parses(where: str, expr: str) -> None:
+    promql_parser.parse(expr)
+    assert cv.metric_names(expr), f"{where}: selects no metric"
+    assert "$" not in expr, f"{where}: a Grafana variable was not substituted"
+
+
+def test_a_broken_expression_is_refused() -> None:
+    """The parse above can fail."""
+    with pytest.raises(ValueError):
+        promql_parser.parse("sum by (reason (rate(continuum_picker_requests_total[5m]))")
+
+
+def boards() -> dict[str, dict[str, Any]]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted((cv.CHART / "dashboards").glob("*.json"))}
+
+
+def test_the_dashboard_files_are_the_generated_ones() -> None:
+    assert boards() == {name: json.loads(json.dumps(make())) for name, make in DASHBOARDS.items()}
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_dashboards_are_well_formed(name: str) -> None:
+    board = boards()[name]
+    assert board["uid"] == name and board["title"].startswith("kv-epp / ")
+    assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "namespace"}
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    occupied: set[tuple[int, int]] = set()
+    for p in board["panels"]:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
+        cells = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & occupied, f"{p['title']} overlaps another panel"
+        occupied |= cells
+        if p["type"] != "row":
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert p["description"] and p["targets"], p["title"]
+            for t in p["targets"]:
+                assert 'namespace=~"$namespace"' in t["expr"], (p["title"], t["expr"])
+
+
+def test_the_dashboards_show_what_the_issue_asks_for() -> None:
+    names = {name for _, expr in cv.dashboard_expressions() for name in cv.metric_names(expr)}
+    wanted = {
+        "routing decisions by reason and tier": {"continuum_kv_index_routing_decisions_total",
+                                                 "continuum_picker_decisions_total"},
+        "cached tokens available/captured/delivered": {"continuum_picker_cached_tokens_total"},
+        "decision and ext_proc latency": {"continuum_picker_decision_seconds_bucket",
+                                          "envoy_http_ext_proc_streams_started"},
+        "per-replica load and health": {"continuum_prefix_routing_backend_distribution",
+                                        "continuum_engine_requests_waiting", "continuum_picker_backend_healthy"},
+        "index size and feed lag": {"continuum_kv_index_entries", "kv_listener_backlog_bytes"},
+        "listener events and drops": {"kv_listener_events_received_total", "kv_listener_events_dropped_total"},
+        "discovery and readiness": {"continuum_picker_discovery_events_total",
+                                    "continuum_listener_discovery_events_total", "continuum_picker_ready",
+                                    "continuum_picker_pool_synced"},
+    }  # fmt: skip
+    for what, metrics in wanted.items():
+        assert metrics <= names, f"{what}: missing {metrics - names}"
+    kinds = {e for _, e in cv.dashboard_expressions() if "continuum_picker_cached_tokens_total" in e}
+    for kind in ("available", "captured", "delivered", "prompt"):
+        assert any(f'kind="{kind}"' in e for e in kinds), kind
+
+
+def test_the_alerts_cover_what_the_issue_asks_for() -> None:
+    alerts = dict(cv.rule_expressions())
+    assert "continuum_kv_feed_state" in alerts["KvEppFeedStale"] and 'state="stale"' in alerts["KvEppFeedStale"]
+    empty = alerts["KvEppIndexEmptyWhileTrafficFlows"]
+    assert {"continuum_kv_index_entries", "continuum_picker_requests_total"} <= cv.metric_names(empty)
+    assert 'outcome=~"error|no_backend"' in alerts["KvEppErrorRate"]
+    assert 'decision="fallback"' in alerts["KvEppHighFallbackRate"]
+    assert "continuum_picker_ready" in alerts["KvEppPickerNotReady"]
+    assert all(f'namespace="{cv.NAMESPACE}"' in e for e in alerts.values())  # scoped to the release
