@@ -31,6 +31,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,7 +75,7 @@ class IndexWatcher(Protocol):
 
     def wrote(self, backend: str, keys: Sequence[int]) -> None: ...
 
-    def dropped(self, backend: str | None) -> None: ...  # None: every backend
+    def dropped(self, backend: str | AbstractSet[str] | None) -> None: ...  # a backend, several, or None: all
 
 
 class InMemoryKvIndex:

@@ -28,6 +28,7 @@ placement is dropped first (insertion order, refreshed on re-placement); entries
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from picker.routing.endpoints import BackendHold, StorageTier
@@ -96,7 +97,11 @@ class RecentPlacements:
 
     def forget(self, backend: str) -> None:
         """An endpoint left the pool: its placements go now."""
-        for k in [k for k, (b, _) in self._placed.items() if b == backend]:
+        self.forget_many({backend})
+
+    def forget_many(self, backends: AbstractSet[str]) -> None:
+        """Endpoints left the pool: their placements go now, in one pass over the guesses."""
+        for k in [k for k, (b, _) in self._placed.items() if b in backends]:
             del self._placed[k]
 
     # -- IndexWatcher: the index's news settles the guesses ----------------------------------------
@@ -120,19 +125,21 @@ class RecentPlacements:
                         if b == backend:
                             w.prefill_done()
 
-    def dropped(self, backend: str | None) -> None:
-        """The backend's entries were dropped (restart, cleared, snapshot; None: all): so are its guesses."""
+    def dropped(self, backend: str | AbstractSet[str] | None) -> None:
+        """The backends' entries were dropped (restart, cleared, snapshot, left the pool; None: all): so are
+        their guesses, in one pass whatever the number of backends."""
         if backend is None:
             self._placed.clear()
             self._waiting.clear()
-        else:
-            self.forget(backend)
-            for k in [k for k, ws in self._waiting.items() if any(b == backend for b, _ in ws)]:
-                rest = [w for w in self._waiting[k] if w[0] != backend]
-                if rest:
-                    self._waiting[k] = rest
-                else:
-                    del self._waiting[k]
+            return
+        gone = {backend} if isinstance(backend, str) else backend
+        self.forget_many(gone)
+        for k in [k for k, ws in self._waiting.items() if any(b in gone for b, _ in ws)]:
+            rest = [w for w in self._waiting[k] if w[0] not in gone]
+            if rest:
+                self._waiting[k] = rest
+            else:
+                del self._waiting[k]
 
 
 def merge(index: MutableMapping[str, BackendHold], placed: Mapping[str, int]) -> None:

@@ -160,7 +160,7 @@ class Tier4:
         finally:
             self.index.watcher = watcher
         if bulk and watcher is not None:
-            watcher.dropped(None)
+            watcher.dropped(frozenset(gone) | frozenset(readdressed))
         self.metrics.kv_index_entries.set(self.index.entry_count)
 
     def _forget_checks(self, name: str) -> None:

@@ -255,11 +255,13 @@ async def test_applying_a_thousand_backends_is_one_step_and_bounded() -> None:
         tier4.index.put(name, [1, 2], StorageTier.GPU_HOT)
     placements = app.path.placements
     assert placements is not None
-    placements.record("pod-0000", [7, 8], 0.0)
+    placements.record("pod-0000", [7, 8], 0.0)  # stays in the pool: its guesses stay
+    placements.record("pod-0500", [9], 0.0)  # leaves: its guess goes (one pass for the 990 gone)
     app.apply_snapshot(snap(*many[:10]))
     assert len(app.pool.names()) == 10 and len(tier4.consumers.consumers) == 10
     assert set(tier4.index.backend_entries()) == {name for name, _ in many[:10]}
-    assert set(tier4.checks.state) == {name for name, _ in many[:10]} and len(placements) == 0
+    assert set(tier4.checks.state) == {name for name, _ in many[:10]}
+    assert len(placements) == 2  # pod-0000's two keys; pod-0500's one is gone
 
 
 def test_a_static_reload_keeps_working_and_cannot_switch_the_source() -> None:
