@@ -6,11 +6,11 @@ module: SSE records (below) and the gRPC ``kvfeed.v1.KvFeed`` service's protobuf
                                               "last_id": N, "resumed": bool}   (first, every subscription)
     id: <int>   event: put             data: {"keys": ["<hex>", ...], "tier": "gpu_hot"|"storage_warm"}
     id: <int>   event: del             data: {"keys": ["<hex>", ...]}
-    id: <int>   event: clear           data: {"reason": "restart"|"all_blocks_cleared"|"gap"|...}
+    id: <int>   event: clear           data: {"reason": "restart"|"all_blocks_cleared"|"gap"|"backend_gone"|...}
                 event: snapshot_begin  data: {"last_id": N, "entries": M}
                 event: put ...         (snapshot records carry no id)
     id: N       event: snapshot_end    data: {}
-                event: close           data: {"reason": "buffer_overflow"|"draining"}   then EOF
+                event: close           data: {"reason": "buffer_overflow"|"draining"|"backend_gone"}   then EOF
     : keepalive
 
 A block key is written as 16 lowercase hex digits; a reader accepts 1 to 16. Every line and every
