@@ -165,6 +165,10 @@ def _envoy_config(args: argparse.Namespace) -> int:
         first_byte_timeout_s=args.first_byte_timeout_s,
         retries=args.retries,
         route_timeout_s=args.route_timeout_s,
+        pool_dns=args.pool_dns,
+        pool_ports=tuple(args.pool_port or ()),
+        pool_dns_refresh_ms=args.pool_dns_refresh_ms,
+        stats_port=args.stats_port,
     )
     try:
         text = bootstrap_yaml(opts)
@@ -177,19 +181,32 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
 def _envoy_backends(args: argparse.Namespace) -> tuple[str, ...] | str:
     """The pool's endpoints for Envoy's upstream cluster: every --backend, then the backends of
-    --picker-config (the picker's own config file); an error message when there are none."""
+    --picker-config (the picker's own config file); none with --pool-dns (the cluster is a DNS name then);
+    an error message when there are none, or both kinds."""
     found: list[str] = list(args.backend or ())
     if args.picker_config is not None:
         try:
             settings = load_settings(args.picker_config)
         except (ConfigError, OSError, ValueError) as exc:
             return f"--picker-config {args.picker_config}: {_one_line(exc)}"
+        if settings.pool.discovered and args.pool_dns is None:
+            return (
+                f"--picker-config {args.picker_config}: its pool is discovered ({settings.pool.source}), so its "
+                "members are not in the file: give --pool-dns NAME --pool-port PORT (a headless Service of the "
+                "pool's pods, as the Helm chart creates) or --backend IP:PORT"
+            )
         found.extend(b.address for b in settings.pool.backends if b.address not in found)
+    if args.pool_dns is not None:
+        if found:
+            return "--pool-dns replaces --backend and --picker-config's pool.backends: give one or the other"
+        return ()
+    if args.pool_port:
+        return "--pool-port goes with --pool-dns"
     if not found:
         return (
-            "no backends: give --backend IP:PORT (repeatable) or --picker-config FILE (its pool.backends); "
-            "Envoy's upstream cluster holds the pool's endpoints: the picker's pick, the retries and fail-open "
-            "route only to them"
+            "no backends: give --backend IP:PORT (repeatable), --picker-config FILE (its pool.backends) or "
+            "--pool-dns NAME --pool-port PORT; Envoy's upstream cluster holds the pool's endpoints: the picker's "
+            "pick, the retries and fail-open route only to them"
         )
     return tuple(found)
 
@@ -259,6 +276,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend", action="append", help="ip:port of a pool endpoint (repeatable; required unless --picker-config)"
     )
     e.add_argument("--picker-config", metavar="FILE", help="the picker's config file: its pool.backends are used")
+    e.add_argument(
+        "--pool-dns",
+        metavar="NAME",
+        help="the pool as a headless Service's DNS name (Kubernetes, a discovered pool): a STRICT_DNS cluster of its"
+        " ready pods; replaces --backend",
+    )
+    e.add_argument(
+        "--pool-port", type=int, action="append", metavar="PORT",
+        help="with --pool-dns: a target port of the pool (repeatable: data-parallel ranks)",
+    )  # fmt: skip
+    e.add_argument("--pool-dns-refresh-ms", type=int, default=1000, help="with --pool-dns: how often it re-resolves")
+    e.add_argument(
+        "--stats-port", type=int, metavar="PORT",
+        help="a listener serving only GET /ready and /stats/prometheus of Envoy's admin (probes, Prometheus)",
+    )  # fmt: skip
     e.add_argument(
         "--first-byte-timeout-s",
         type=float,

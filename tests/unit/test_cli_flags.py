@@ -165,3 +165,25 @@ def test_the_recognised_keys_are_the_other_programs_settings() -> None:
     picker_keys, listener_keys = set(Settings.model_fields), set(ListenerConfig.model_fields)
     assert picker_keys >= listener_cli.PICKER_KEYS and not listener_cli.PICKER_KEYS & listener_keys
     assert listener_keys >= picker_cli.LISTENER_KEYS and not picker_cli.LISTENER_KEYS & picker_keys
+
+
+def test_envoy_config_takes_the_pool_as_a_headless_service(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--pool-dns NAME --pool-port P...: a STRICT_DNS cluster (the chart's Envoy); exclusive with listed backends,
+    and the way out for a picker config whose pool is discovered (its members are not in the file)."""
+    argv = ["envoy-config", "--pool-dns", "kv-epp-pool.ns.svc.cluster.local", "--pool-port", "8000"]
+    assert picker_cli.main([*argv, "--pool-port", "8001", "--stats-port", "9902"]) == 0
+    out = capsys.readouterr().out
+    assert "envoy.cluster.dns" in out and "kv-epp-pool.ns.svc.cluster.local" in out and "8001" in out and "9902" in out
+    discovered = tmp_path / "picker.yaml"
+    discovered.write_text("pool: {inference_pool: {name: llama-pool, namespace: ns}}\n")
+    assert picker_cli.main(["envoy-config", "--picker-config", str(discovered)]) == 2
+    assert "give --pool-dns NAME --pool-port PORT" in capsys.readouterr().err
+    assert picker_cli.main(["envoy-config", "--picker-config", str(discovered), *argv[1:]]) == 0
+    capsys.readouterr()
+    for bad, message in [
+        ([*argv, "--backend", "10.0.0.1:8000"], "--pool-dns replaces --backend"),
+        (["envoy-config", "--backend", "10.0.0.1:8000", "--pool-port", "8000"], "--pool-port goes with --pool-dns"),
+        (["envoy-config", "--pool-dns", "kv-epp-pool"], "pool_dns needs pool_ports"),
+    ]:
+        assert picker_cli.main(bad) == 2, bad
+        assert message in capsys.readouterr().err
