@@ -54,6 +54,16 @@ def variants() -> dict[str, EnvoyOptions]:
     out["sidecar-buffered-response-full"] = replace(out["sidecar-buffered"], response_mode="full")
     out["sidecar-buffered-response-sampled"] = replace(out["sidecar-buffered"], response_mode="sampled")
     out["no-picker"] = EnvoyOptions(picker_address=None, backends=BACKENDS)
+    # Kubernetes (the Helm chart): the pool as a headless Service's pods (two data-parallel ports), the stats
+    # listener for probes and Prometheus; sidecar and standalone Envoy
+    for where in pickers:
+        out[f"{where}-pool-dns"] = replace(
+            out[f"{where}-full_duplex_streamed"],
+            backends=(),
+            pool_dns="kv-epp-pool.default.svc.cluster.local",
+            pool_ports=(8000, 8001),
+            stats_port=9902,
+        )
     return out
 
 
