@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 TOOLS_VENV ?= .venv-checkov
 TOOLS_STAMP := $(TOOLS_VENV)/.installed-stamp
 
-.PHONY: install test lint typecheck unit demo up down status bench-overhead bench-routing envoy-versions protos clean
+.PHONY: install test lint typecheck unit demo up down status bench-overhead bench-routing envoy-versions protos chart clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,12 +25,12 @@ $(TOOLS_STAMP):
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check picker listener benchmarks tests
-	$(VENV)/bin/ruff format --check picker listener benchmarks tests
+	$(VENV)/bin/ruff check picker listener benchmarks charts tests
+	$(VENV)/bin/ruff format --check picker listener benchmarks charts tests
 	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy picker listener benchmarks
+	$(VENV)/bin/mypy picker listener benchmarks charts
 
 # Unit tests only (in-process, under a minute): integration and e2e tests are marked by directory
 # in tests/conftest.py.
@@ -80,6 +80,11 @@ bench-routing: $(STAMP)
 # tests/unit/test_feed_protos.py fails when they are stale).
 protos: $(STAMP)
 	$(PY) protos/generate.py
+
+# The chart's generated files (Envoy bootstrap template, values.schema.json, dashboards, the values table in its
+# README) from the generator and the settings schemas; tests/unit/test_chart*.py fail when they are stale.
+chart: $(STAMP)
+	$(PY) charts/generate.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
