@@ -189,6 +189,9 @@ class PickerApp:
             reason = self.task_failure
         elif not self.pool_synced:
             reason = f"pool not synced yet (source {self.pool_source}: waiting for its first complete list)"
+            error = self.discovery.status().get("last_error") if self.discovery is not None else None
+            if error:
+                reason += f"; last error: {str(error)[:200]}"  # e.g. "inferencepool ns/name not found"
         else:
             waiting = [name for name, state in feeds.items() if state == "connecting"]
             if waiting:

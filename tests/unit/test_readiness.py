@@ -167,6 +167,15 @@ def test_a_discovered_pool_is_not_ready_before_its_first_snapshot_then_waits_for
     assert app.readiness().ready
 
 
+def test_the_not_synced_reason_names_the_discovery_s_last_error() -> None:
+    discovery = FakeDiscovery()
+    app = PickerApp(discovered_settings(), discovery=discovery)
+    app.ready = True
+    assert "last error" not in str(app.readiness().body["reason"])
+    discovery.status = lambda: {"source": "fake", "synced": False, "last_error": "inferencepool ns/p not found"}
+    assert str(app.readiness().body["reason"]).endswith("last error: inferencepool ns/p not found")
+
+
 # -- publication -----------------------------------------------------------------------------------------
 
 
