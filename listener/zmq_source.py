@@ -208,7 +208,10 @@ class ZmqEventSource:
             peer = frame.get("Peer-Address")
         except (Z.ZMQError, AttributeError, TypeError):
             return False  # ipc/inproc expose no peer address: an allow-list cannot be satisfied
-        return str(peer) in self._allowed
+        peer = str(peer)
+        if peer.startswith("::ffff:") and "." in peer:  # an IPv4 peer on a dual-stack socket: its IPv4 form counts
+            return peer in self._allowed or peer[7:] in self._allowed
+        return peer in self._allowed
 
     # -- persisted state -------------------------------------------------------------------------
     def restore(self, state: SourceState) -> None:
