@@ -580,7 +580,8 @@ def chart_values_schema() -> dict[str, Any]:
                 "The picker's admin API.",
                 {
                     "token": _obj(
-                        "Bearer token of /admin/* (env KV_EPP_ADMIN__BEARER_TOKEN from a Secret).",
+                        "Bearer token of /admin/*: a Secret mounted in the picker as its admin.bearer_token_file "
+                        "(re-read on each config reload).",
                         {
                             "existingSecret": _s(
                                 "string",

@@ -16,7 +16,16 @@ from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from picker.shared.config_files import BackendName, ConfigError, read_yaml_mapping, validation_problems
@@ -487,11 +496,61 @@ class AdmissionConfig(_Section):
     retry_after_seconds: int = Field(1, ge=1, le=3600)  # the Retry-After header of a 429
 
 
+ADMIN_TOKEN_FILE_MAX_BYTES = 4096  # a bearer token is short: a larger file is refused, never read whole
+
+
 class AdminConfig(_Section):
+    """The admin HTTP server. ``/admin/*`` needs ``Authorization: Bearer <token>`` when a token is set, either
+    inline (``bearer_token``, also ``KV_EPP_ADMIN__BEARER_TOKEN``) or as a file (``bearer_token_file``: its
+    content with surrounding whitespace removed, e.g. a mounted Kubernetes Secret), never both. The file is
+    read when the admin server starts (unreadable or empty: the picker does not start) and again after every
+    applied config reload (``read_bearer_token``)."""
+
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(9090, ge=0, le=65535)
     bearer_token: str | None = None  # required for /admin/* when set
+    bearer_token_file: str | None = Field(None, min_length=1)  # a file holding the token instead
+
+    @field_validator("bearer_token_file")
+    @classmethod
+    def _one_token_source(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("bearer_token") is not None:
+            raise ValueError(
+                "admin.bearer_token is set too (in the file or as KV_EPP_ADMIN__BEARER_TOKEN): set one of "
+                "admin.bearer_token, admin.bearer_token_file"
+            )
+        return v
+
+    @property
+    def has_token(self) -> bool:
+        """A token guards /admin/* (inline, or the file's)."""
+        return bool(self.bearer_token) or self.bearer_token_file is not None
+
+    def read_bearer_token(self) -> str | None:
+        """The token /admin/* requires (None: none); ``bearer_token_file`` is read now. Raises ConfigError
+        naming ``admin.bearer_token_file`` when the file cannot be read, is empty, too large, not UTF-8, or
+        holds a control character inside the token (several lines)."""
+        path = self.bearer_token_file
+        if path is None:
+            return self.bearer_token or None
+        key = "admin.bearer_token_file"
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(ADMIN_TOKEN_FILE_MAX_BYTES + 1)
+        except OSError as exc:
+            raise ConfigError([(key, f"{path}: cannot read it ({exc.strerror or exc})")]) from None
+        if len(raw) > ADMIN_TOKEN_FILE_MAX_BYTES:
+            raise ConfigError([(key, f"{path}: larger than {ADMIN_TOKEN_FILE_MAX_BYTES} bytes, not a token")])
+        try:
+            token = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ConfigError([(key, f"{path}: not UTF-8 text")]) from None
+        if not token:
+            raise ConfigError([(key, f"{path}: empty (the token is the file's content)")])
+        if CONTROL_CHARS.search(token):  # the token itself is never echoed
+            raise ConfigError([(key, f"{path}: the token holds a control character (one line expected)")])
+        return token
 
 
 class Settings(BaseSettings):
@@ -706,7 +765,7 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
     if not s.pool.backends and not s.pool.discovered:
         out.append(("pool.backends", "no backends: every request is answered 503"))
     out.extend(not_implemented_warnings(s))
-    if s.admin.enabled and s.admin.host not in ("127.0.0.1", "::1", "localhost") and not s.admin.bearer_token:
+    if s.admin.enabled and s.admin.host not in ("127.0.0.1", "::1", "localhost") and not s.admin.has_token:
         out.append(("admin.bearer_token", "admin listens beyond loopback without a bearer token"))
     x = s.extproc
     if x.tls.mode == "plaintext" and x.host not in ("127.0.0.1", "::1", "localhost") and not x.auth.token_file:

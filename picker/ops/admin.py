@@ -1,7 +1,9 @@
 """Admin HTTP (aiohttp, 127.0.0.1 by default): /metrics, /healthz, /readyz and the seed's /admin/*.
 
-When ``admin.bearer_token`` is set, every /admin/* route needs ``Authorization: Bearer <token>`` (the
-scheme in any case). A state-changing /admin/* request must be ``application/json`` and carry no Origin
+When ``admin.bearer_token`` or ``admin.bearer_token_file`` is set, every /admin/* route needs
+``Authorization: Bearer <token>`` (the scheme in any case). The file is read when the admin app is built (the
+picker does not start without it) and again at the first /admin/* request after each applied config reload
+(``AdminToken``). A state-changing /admin/* request must be ``application/json`` and carry no Origin
 but the admin's own: a web page cannot POST to a loopback admin cross-site.
 Extra route groups (e.g. the KV index's) are registered through ``AdminRoutes`` providers.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
@@ -17,11 +20,13 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from picker.config import ConfigError, Settings
 from picker.kv.admin import kv_index_backends, kv_index_clear, kv_index_stats
 
 if TYPE_CHECKING:
     from picker.runtime.app import PickerApp
 
+log = logging.getLogger("kv_epp.admin")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -147,14 +152,59 @@ def _own_origin(request: web.Request, origin: str, admin_host: str) -> bool:
         return False
 
 
+class AdminToken:
+    """The token /admin/* requires, from ``admin.bearer_token`` or ``admin.bearer_token_file``.
+
+    The file is read at construction (``ConfigError`` naming ``admin.bearer_token_file`` when it cannot be) and
+    again once after each applied config reload: a reload replaces ``app.settings``, and ``current`` notices it
+    at the next /admin/* request (the reload handler asks at once). A reload whose file cannot be read keeps the
+    token in force and logs ``event=admin_token_reload_failed`` (the token is never logged)."""
+
+    def __init__(self, app: PickerApp) -> None:
+        self.app = app
+        self._settings: Settings = app.settings
+        self._token = app.settings.admin.read_bearer_token()
+
+    def current(self) -> str | None:
+        """The token in force (None: /admin/* is open); re-read when the settings were reloaded."""
+        self.refresh()
+        return self._token
+
+    def refresh(self) -> str | None:
+        """Re-read the token if the settings changed since the last read; the problem when that failed."""
+        settings = self.app.settings
+        if settings is self._settings:
+            return None
+        self._settings = settings
+        try:
+            self._token = settings.admin.read_bearer_token()
+        except ConfigError as exc:
+            problem = "; ".join(f"{path}: {msg}" for path, msg in exc.problems)
+            log.error("event=admin_token_reload_failed problem=%r (the previous token stays)", problem)
+            return f"{problem} (the previous token stays)"
+        return None
+
+
+def _admin_token(app: PickerApp) -> AdminToken:
+    """The app's AdminToken; an unreadable token file stops the start-up with one line naming the key."""
+    try:
+        return AdminToken(app)
+    except ConfigError as exc:
+        from picker.runtime.lifecycle import StartupError  # late: the lifecycle imports this module
+
+        raise StartupError("; ".join(f"{path}: {msg}" for path, msg in exc.problems)) from None
+
+
 def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> web.Application:
-    token = app.settings.admin.bearer_token
+    """The admin app; raises ``StartupError`` when ``admin.bearer_token_file`` cannot be read."""
+    token = _admin_token(app)
     admin_host = app.settings.admin.host
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/admin"):
-            if token and not bearer_token_matches(request.headers.get("Authorization", ""), token):
+            required = token.current()
+            if required and not bearer_token_matches(request.headers.get("Authorization", ""), required):
                 return web.json_response({"error": "unauthorized"}, status=401)
             if request.method in STATE_CHANGING:
                 problem = cross_site_problem(request, admin_host)
@@ -195,6 +245,9 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
 
     async def reload(_: web.Request) -> web.Response:
         applied, messages = app.reload()
+        problem = token.refresh()  # the token file is re-read with the reload, not at the next request only
+        if problem is not None:
+            messages = [*messages, problem]
         return web.json_response({"success": applied, "messages": messages}, status=200 if applied else 400)
 
     web_app = web.Application(middlewares=[auth], client_max_size=1 << 20)

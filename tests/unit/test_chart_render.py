@@ -315,8 +315,9 @@ def test_the_configs_pass_the_programs_own_validation(
     variant: str, rendered: dict[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     objs = rendered[variant]
-    monkeypatch.setenv("KV_EPP_ADMIN__BEARER_TOKEN", "from-the-secret")  # as the Deployment sets it
+    monkeypatch.delenv("KV_EPP_ADMIN__BEARER_TOKEN", raising=False)  # the token comes from the mounted Secret
     settings = parse_settings(config_of(objs, "kv-epp-picker", "picker.yaml"))
+    assert settings.admin.bearer_token is None and settings.admin.bearer_token_file == "/etc/kv-epp/admin/token"
     warnings = [path for path, _ in config_warnings(settings)]
     assert warnings == (["extproc.tls.mode"] if variant == "tls-plaintext" else [])
     assert settings.admin.host == "0.0.0.0" and settings.extproc.host == "0.0.0.0"  # probes and scrapes reach them
@@ -372,8 +373,18 @@ def test_pickers_are_replicated_spread_and_probed_on_the_grpc_health_services(
     health_port = config_of(objs, "kv-epp-picker", "picker.yaml")["extproc"]["health_port"]
     assert container["livenessProbe"]["grpc"] == {"port": health_port, "service": "liveness"}
     assert container["readinessProbe"]["grpc"] == {"port": health_port, "service": "readiness"}
-    env = {e["name"]: e for e in container["env"]}
-    assert env["KV_EPP_ADMIN__BEARER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "kv-epp-admin-token"
+    assert "env" not in container  # no secret in the environment (checkov CKV_K8S_35): the token is a file
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "admin-token"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "admin-token"]
+    token_file = config_of(objs, "kv-epp-picker", "picker.yaml")["admin"]["bearer_token_file"]
+    assert mount["readOnly"] and token_file == f"{mount['mountPath']}/token"
+    assert volume["secret"]["secretName"] == "kv-epp-admin-token"
+    assert volume["secret"]["items"] == [{"key": "token", "path": "token"}]
+    existing = cv.objects(cv.merge(cv.REQUIRED, {"admin": {"token": {"existingSecret": "mine", "key": "admin"}}}))
+    existing_spec = cv.find(existing, "Deployment", "kv-epp-picker")["spec"]["template"]["spec"]
+    (volume,) = [v for v in existing_spec["volumes"] if v["name"] == "admin-token"]
+    assert volume["secret"]["secretName"] == "mine" and volume["secret"]["items"] == [{"key": "admin", "path": "token"}]
+    assert not [o for o in existing if o["kind"] == "Secret"]  # the existing one is used, none is created
     assert [c["name"] for c in spec["containers"]] == ["picker", "envoy"]  # sidecar by default
     hard = cv.objects(cv.merge(cv.REQUIRED, {"picker": {"antiAffinity": "hard"}}))
     hard_spec = cv.find(hard, "Deployment", "kv-epp-picker")["spec"]["template"]["spec"]

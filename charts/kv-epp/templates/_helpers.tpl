@@ -74,6 +74,11 @@ app.kubernetes.io/part-of: kv-epp
 {{- default (printf "%s-admin-token" (include "kv-epp.fullname" .)) .Values.admin.token.existingSecret -}}
 {{- end -}}
 
+{{/* Where the picker container mounts the admin token Secret (its key as the file "token"). */}}
+{{- define "kv-epp.adminTokenDir" -}}
+/etc/kv-epp/admin
+{{- end -}}
+
 {{/* How Envoy reaches the picker: off | unverified | verified (charts/generate.py picker_tls). */}}
 {{- define "kv-epp.pickerTls" -}}
 {{- if eq .Values.tls.mode "plaintext" -}}off
@@ -120,7 +125,7 @@ app.kubernetes.io/part-of: kv-epp
 {{- end -}}
 {{- $forced := dict
   "extproc" (dict "host" "0.0.0.0" "port" (int .Values.picker.ports.extproc) "health_port" (int .Values.picker.ports.health) "tls" $tls)
-  "admin" (dict "enabled" true "host" "0.0.0.0" "port" (int .Values.picker.ports.admin))
+  "admin" (dict "enabled" true "host" "0.0.0.0" "port" (int .Values.picker.ports.admin) "bearer_token_file" (printf "%s/token" (include "kv-epp.adminTokenDir" .)))
   "pool" $pool
 -}}
 {{- if .Values.listener.enabled -}}
