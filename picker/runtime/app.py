@@ -82,6 +82,7 @@ class PickerApp:
         self.ready = False  # started: every port listens
         self.draining = False
         self.task_failure: str | None = None  # why a background task crashed (the first one)
+        self.serving_since_sync = False  # was ready once: feeds of backends that join later do not hold it back
         self.on_readiness_inputs: Callable[[], None] | None = None  # the server re-evaluates readiness
         if self.tier4 is not None:
             self.tier4.on_change = self._readiness_inputs_changed
@@ -192,7 +193,9 @@ class PickerApp:
             error = self.discovery.status().get("last_error") if self.discovery is not None else None
             if error:
                 reason += f"; last error: {str(error)[:200]}"  # e.g. "inferencepool ns/name not found"
-        else:
+        elif not self.serving_since_sync:
+            # Only the first readiness waits for the feeds: once serving, a pod joining the pool must not take
+            # every picker replica out of its Service while its feed connects (it routes on load until then).
             waiting = [name for name, state in feeds.items() if state == "connecting"]
             if waiting:
                 named = ", ".join(waiting[:MAX_NAMED_WAITING]) + (", ..." if len(waiting) > MAX_NAMED_WAITING else "")
@@ -204,6 +207,8 @@ class PickerApp:
             "pool": pool,
             "feeds": feeds,
         }
+        if reason is None:
+            self.serving_since_sync = True
         return Readiness(reason is None, body, due if reason is not None else None)
 
     # -- reload -----------------------------------------------------------------------------------

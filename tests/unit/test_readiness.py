@@ -153,18 +153,21 @@ def test_tier4_waits_for_every_live_feed_to_catch_up_or_go_stale() -> None:
     assert app.readiness(now=t0).body["feeds"] == {"a": "stale", "b": "connecting"}
 
 
-def test_a_discovered_pool_is_not_ready_before_its_first_snapshot_then_waits_for_new_feeds() -> None:
+def test_a_discovered_pool_is_not_ready_before_its_first_snapshot_then_waits_for_its_feeds_once() -> None:
     app = PickerApp(discovered_settings(kv=True))
     app.ready = True
     r = app.readiness()
     assert not r.ready and r.body["pool"] == {"source": "inference_pool", "synced": False, "backends": 0}
-    app.apply_snapshot(snap())  # an empty pool, synced: ready (nothing to wait for)
-    assert app.readiness().ready
-    app.apply_snapshot(snap(("p-a", "10.0.0.1:8000")))
+    app.apply_snapshot(snap(("p-a", "10.0.0.1:8000")))  # the first sync: its feeds are waited for
     r = app.readiness()
     assert not r.ready and r.body["feeds"] == {"p-a": "connecting"}
     app.apply_snapshot(snap())  # gone again: nothing to wait for
     assert app.readiness().ready
+    # once serving, a pod that joins does not take readiness away while its feed connects (every picker replica
+    # would otherwise leave its Service at each scale-out); /readyz still shows the feed connecting
+    app.apply_snapshot(snap(("p-b", "10.0.0.2:8000")))
+    r = app.readiness()
+    assert r.ready and r.body["feeds"] == {"p-b": "connecting"} and r.body["reason"] is None
 
 
 def test_the_not_synced_reason_names_the_discovery_s_last_error() -> None:
