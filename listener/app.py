@@ -468,7 +468,7 @@ class ListenerApp:
         for src in dropped:
             if isinstance(src, ZmqEventSource):
                 src.close()  # the task's own finally closed it already unless it was stuck
-            self.metrics.forget_source(src.name)
+        self.metrics.forget_sources({src.name for src in dropped})  # one pass, however many left
         return epochs
 
     async def _stop_tasks(self, tasks: list[asyncio.Task[None]]) -> list[str]:

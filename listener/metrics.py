@@ -7,6 +7,7 @@ series follow the live sources, not every pod the listener ever saw.
 from __future__ import annotations
 
 import re
+from collections.abc import Set as AbstractSet
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics import MetricWrapperBase
@@ -128,17 +129,18 @@ class ListenerMetrics:
 
     def forget_source(self, name: str) -> int:
         """Remove every series of source ``name`` (it left the pool); returns how many."""
+        return self.forget_sources({name})
+
+    def forget_sources(self, names: AbstractSet[str]) -> int:
+        """Remove every series of the sources ``names`` (they left the pool) in one pass over each metric's
+        series, whatever the number of sources (a deleted pool drops up to ``discovery.max_sources`` at once);
+        returns how many."""
+        if not names:
+            return 0
         removed = 0
         for metric, labels in self._per_source():
-            seen: set[tuple[str, ...]] = set()
-            for family in metric.collect():
-                for sample in family.samples:
-                    if sample.labels.get(labels[0]) == name:
-                        seen.add(tuple(sample.labels[n] for n in labels))
-            for values in seen:
-                try:
-                    metric.remove(*values)
-                    removed += 1
-                except KeyError:
-                    pass
+            at = list(metric._labelnames).index(labels[0])
+            for values in [v for v in list(metric._metrics) if v[at] in names]:
+                metric.remove(*values)
+                removed += 1
         return removed

@@ -430,3 +430,18 @@ async def test_backends_file_discovery_from_the_config(tmp_path: Path, engines: 
         assert app.sources == {}
     finally:
         await app.stop()
+
+
+def test_forgetting_many_sources_removes_only_their_series() -> None:
+    """One pass over each metric's series, whatever the number of sources (a deleted pool drops them all)."""
+    from listener.metrics import ListenerMetrics
+
+    m = ListenerMetrics()
+    for n in ("a", "b", "c"):
+        m.messages_received.labels(n).inc()
+        m.events_dropped.labels(n, "gap").inc()
+        m.feed_records.labels(n).inc()
+    assert m.forget_sources({"a", "b"}) == 6
+    left = {s.labels.get("source") or s.labels.get("backend") for f in m.registry.collect() for s in f.samples}
+    assert "c" in left and not {"a", "b"} & left
+    assert m.forget_source("c") == 3 and m.forget_sources(set()) == 0
