@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
 from hashlib import blake2b
 
 
@@ -24,10 +23,8 @@ def ring_hash(data: bytes) -> int:
     return int.from_bytes(blake2b(data, digest_size=8).digest(), "big")
 
 
-@lru_cache(maxsize=2048)
 def _name_points(name: str, virtual_nodes: int) -> tuple[int, ...]:
-    """The ring positions of ``name``'s virtual nodes. Memoised so that a pool change (a discovered pod added
-    or gone) rehashes only the names that are new: bound 2,048 names (~11 MB at 150 virtual nodes), LRU."""
+    """The ring positions of ``name``'s virtual nodes."""
     return tuple(ring_hash(f"{name}#{i}".encode()) for i in range(virtual_nodes))
 
 
@@ -37,23 +34,29 @@ _OWNER_BITS = 24  # a point and its owner's index sort as one int: (point << 24)
 class HashRing:
     """An immutable ring over endpoint names; rebuild to change membership or virtual_nodes."""
 
-    __slots__ = ("_names", "_owners", "_points", "_succ", "virtual_nodes")
+    __slots__ = ("_by_name", "_names", "_owners", "_points", "_succ", "virtual_nodes")
     MEMO_MAX = 65_536  # memoised ring positions (~180 B each, ~12 MB at most); cleared when full
 
     WALK_MEMO = 9  # distinct owners memoised per ring position: the pick + up to pool.fallbacks (<= 8)
 
-    def __init__(self, names: Sequence[str], virtual_nodes: int) -> None:
+    def __init__(self, names: Sequence[str], virtual_nodes: int, previous: HashRing | None = None) -> None:
+        """``previous``: the ring this one replaces; the points of the names they share are reused, so a pool
+        change (a discovered pod added or gone) hashes only the new names."""
         if virtual_nodes < 1:
             raise ValueError("virtual_nodes must be >= 1")
         self.virtual_nodes = virtual_nodes
         self._names = tuple(names)
         if len(self._names) >= 1 << _OWNER_BITS:
             raise ValueError(f"at most {(1 << _OWNER_BITS) - 1} endpoints")
-        packed = sorted(
-            (point << _OWNER_BITS) | idx
-            for idx, name in enumerate(self._names)
-            for point in _name_points(name, virtual_nodes)
-        )
+        known: dict[str, tuple[int, ...]] = {}
+        if previous is not None and previous.virtual_nodes == virtual_nodes:
+            known = previous._by_name
+        # each member's points (bound: the members; a ring keeps no name it does not hold)
+        self._by_name: dict[str, tuple[int, ...]] = {
+            name: known.get(name) or _name_points(name, virtual_nodes) for name in self._names
+        }
+        by_name = self._by_name
+        packed = sorted((point << _OWNER_BITS) | idx for idx, name in enumerate(self._names) for point in by_name[name])
         mask = (1 << _OWNER_BITS) - 1
         self._points = [v >> _OWNER_BITS for v in packed]
         self._owners = [v & mask for v in packed]

@@ -96,7 +96,7 @@ class Router:
         """The configured endpoint names: the ring spans all of them, eligible or not."""
         if names != self._pool_names or not len(self.rings.ring):
             self._pool_names = names
-            self.rings.ring = HashRing(names, self.settings.prefix_routing.virtual_nodes)
+            self.rings.ring = HashRing(names, self.settings.prefix_routing.virtual_nodes, previous=self.rings.ring)
 
     def ring(self) -> HashRing:
         return self.rings.ring

@@ -81,3 +81,15 @@ def test_no_eligible_endpoint() -> None:
     ring = HashRing(NAMES, 150)
     assert bounded_pick(ring, k(1), {}, 0.25) is None
     assert ring.first(1, {}) is None
+
+
+def test_a_ring_built_from_its_predecessor_is_the_same_ring_and_rehashes_only_new_names() -> None:
+    old = HashRing([f"pod-{i}" for i in range(20)], 50)
+    names = [f"pod-{i}" for i in range(1, 20)] + ["pod-new"]
+    new = HashRing(names, 50, previous=old)
+    fresh = HashRing(names, 50)
+    assert new._points == fresh._points and new._owners == fresh._owners
+    assert new._by_name["pod-3"] is old._by_name["pod-3"]  # reused, not rehashed
+    assert "pod-0" not in new._by_name  # a ring keeps only its members' points
+    other = HashRing(names, 60, previous=new)  # another virtual_nodes: nothing reused
+    assert len(other) == 60 * len(names) and other._points == HashRing(names, 60)._points
