@@ -36,10 +36,9 @@ def share(num: str, den: str) -> str:
     return f"{num} / {den}"
 
 
-def quantiles(bucket: str, *matchers: str, scale: str = "") -> list[Target]:
+def quantiles(bucket: str, *matchers: str, scale: str = "", qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> list[Target]:
     return [
-        (f"histogram_quantile({q}, sum by (le) ({rate(bucket, *matchers)})){scale}", f"p{int(q * 100)}")
-        for q in (0.5, 0.9, 0.99)
+        (f"histogram_quantile({q}, sum by (le) ({rate(bucket, *matchers)})){scale}", f"p{round(q * 100)}") for q in qs
     ]
 
 
@@ -300,9 +299,18 @@ def routing() -> dict[str, Any]:
         "s",
     )
     b.panel(
+        "Routing latency (ext_proc, the picker's view)",
+        'continuum_picker_route_seconds{outcome="routed"}: from the request headers message received to the '
+        "routing answer (destination + envoy.lb metadata) sent, per routed request; with a request body it includes "
+        "the body's arrival (the pick needs the whole body). Refusals are outcome bad_request, overloaded, "
+        "no_backend, error.",
+        quantiles("continuum_picker_route_seconds_bucket", 'outcome="routed"', qs=(0.5, 0.99)),
+        "s",
+    )
+    b.panel(
         "Request time through Envoy",
-        "envoy_http_downstream_rq_time (client's request, whole exchange): the "
-        "gap to the upstream time below is what Envoy and the picker add (body, ext_proc).",
+        "envoy_http_downstream_rq_time: the client's whole exchange (request, routing, the engine's answer) as "
+        "Envoy times it; compare with the engines' share (upstream time) and the routing latency.",
         quantiles("envoy_http_downstream_rq_time_bucket", 'envoy_http_conn_manager_prefix="kv_epp"'),
         "ms",
     )

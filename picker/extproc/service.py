@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from picker.extproc.sampling import ResponseSampling
 from picker.extproc.stream import RESPONSE_PHASES, RequestStream, error_body, immediate
+from picker.ops.metrics import RouteSeconds
 
 if TYPE_CHECKING:
     from picker.runtime.app import PickerApp
@@ -30,6 +32,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, app: PickerApp) -> None:
         self.app = app
         self.sampling = ResponseSampling.of(app)
+        self.route_seconds: RouteSeconds = app.metrics.route_seconds
         self.admitting = True  # turned off by the lifecycle once the drain's propagation delay is over
         self.refused = 0  # streams refused while draining (logged at stop)
         self._open = 0
@@ -60,7 +63,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if not admission.open_stream():  # over admission.max_open_streams: 429 at the first message
             answer = self.app.path.overloaded(f"{admission.cfg.max_open_streams} requests are open")
             async for _ in request_iterator:  # an ImmediateResponse must answer a message of Envoy's
+                received = time.monotonic()
                 yield immediate(answer.status, answer.body, answer.details, answer.headers)
+                self.route_seconds.observe("overloaded", time.monotonic() - received)
                 return
             return
         stream = RequestStream(self.app, self.sampling)
@@ -78,12 +83,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 except Exception:  # a bug must cost one request, never the process
                     log.exception("event=extproc_error path=%r", stream.path)  # client text: escaped
                     self.app.recorder.refused("error")
+                    stream.answer = "error"  # counted unless the routing answer was sent already
                     yield immediate(
                         500, error_body("internal picker error", "picker_error", "api_error"), "kv_epp_error"
                     )
+                    stream.answer_sent()
                     return
                 for r in responses:
                     yield r
+                    if stream.answer is not None:  # that was the routing answer (always the first of its batch)
+                        stream.answer_sent()
                 if stream.answered_itself:
                     return  # immediate response sent: nothing more to process
         finally:

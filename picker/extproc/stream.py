@@ -27,10 +27,15 @@ Response side (Envoy's ``response_body_mode``, announced in ``protocol_config``)
   duplex); the body's ``end_of_stream`` ends the request. Its last bytes are kept for the usage, as a sample's.
 The in-flight slot is released at the end of the response or when the stream closes; never twice, never
 leaked.
+
+Routing latency (``continuum_picker_route_seconds{outcome}``): the stream stamps the request-headers message
+(one monotonic clock read) and names the outcome of its routing answer (``answer``); the servicer calls
+``answer_sent`` once it has handed that answer to gRPC (the second clock read): one sample per answered request.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -55,6 +60,7 @@ from picker.extproc.messages import (
     subset_hint,
 )
 from picker.extproc.sampling import TAIL_BYTES, ResponseSampling
+from picker.ops.metrics import STATUS_OUTCOMES
 from picker.request.facts import BadRequest, error_body
 from picker.request.path import Answer, Exchange, Inbound
 from picker.routing.endpoints import Decision
@@ -64,6 +70,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_STREAMED_CHUNK", "RESPONSE_PHASES", "Phase", "RequestStream", "error_body", "immediate"]
 
+_mono = time.monotonic
 RESPONSE_PHASES = frozenset({"response_headers", "response_body", "response_trailers"})
 ROUTE_AT_HEADERS_MODES = frozenset({processing_mode_pb2.ProcessingMode.NONE, STREAMED, BUFFERED_PARTIAL})
 _NOTHING: tuple[pb.ProcessingResponse, ...] = ()
@@ -91,8 +98,8 @@ class RequestStream:
     """State of one ext_proc stream (one HTTP request)."""
 
     __slots__ = (
-        "app", "body", "body_len", "exchange", "headers", "mode", "opted_in", "path", "phase", "reserved", "resp_mode",
-        "sampled", "sampling", "subset", "tail",
+        "answer", "app", "body", "body_len", "exchange", "headers", "headers_at", "mode", "opted_in", "path", "phase",
+        "reserved", "resp_mode", "sampled", "sampling", "subset", "tail",
     )  # fmt: skip
 
     def __init__(self, app: PickerApp, sampling: ResponseSampling | None = None) -> None:
@@ -111,6 +118,8 @@ class RequestStream:
         self.resp_mode = self.mode
         self.subset: list[str] | None = None
         self.exchange: Exchange | None = None
+        self.headers_at = 0.0  # monotonic time the request headers arrived; 0.0 once the routing answer is counted
+        self.answer: str | None = None  # the outcome of a routing answer built and not yet sent (ROUTE_OUTCOMES)
 
     @property
     def done(self) -> bool:
@@ -159,8 +168,18 @@ class RequestStream:
         self._end_response()  # response_trailers
         return (_RESPONSE_TRAILERS_OK,)
 
+    def answer_sent(self) -> None:
+        """The servicer handed the routing answer to gRPC: one ``continuum_picker_route_seconds`` sample, once
+        per request (a later answer, e.g. an error after the pick, adds none)."""
+        outcome = self.answer
+        self.answer = None
+        if outcome is not None and self.headers_at:
+            self.app.metrics.route_seconds.observe(outcome, _mono() - self.headers_at)
+            self.headers_at = 0.0
+
     # -- request phases ---------------------------------------------------------------------------
     async def _request_headers(self, msg: pb.HttpHeaders) -> Sequence[pb.ProcessingResponse]:
+        self.headers_at = _mono()
         wanted = self.app.path.wanted_headers
         opt_in = self.sampling.header if self.sampling is not None else None
         for h in msg.headers.headers:
@@ -255,11 +274,13 @@ class RequestStream:
             return (self._answer_itself(result),)
         self.exchange = result
         self.phase = Phase.ROUTED
+        self.answer = "routed"
         return self._pick(result.decision.destinations(), body or b"", at_headers, body_eos)
 
     def _answer_itself(self, a: Answer) -> pb.ProcessingResponse:
         self._release_body()
         self.phase = Phase.DONE
+        self.answer = STATUS_OUTCOMES.get(a.status, "answered")
         return immediate(a.status, a.body, a.details, a.headers)
 
     def _pick(self, dest: str, body: bytes, at_headers: bool, body_eos: bool) -> Sequence[pb.ProcessingResponse]:

@@ -6,12 +6,76 @@ leaves the pool loses its series, ``forget_backends``), so cardinality is bounde
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 SCORE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# 50 us (a bodyless pick) to 5 s (a large body uploaded slowly, a slow tokenizer): 1-2.5-5 steps, 16 buckets
+ROUTE_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+# The outcomes of continuum_picker_requests_total that answer a request, and "answered": another answer of the
+# picker's own (a status outside STATUS_OUTCOMES; none today). "draining" is a gRPC error before any answer.
+ROUTE_OUTCOMES = ("routed", "bad_request", "overloaded", "no_backend", "error", "answered")
+STATUS_OUTCOMES = {400: "bad_request", 429: "overloaded", 503: "no_backend", 500: "error"}
+_ROUTE_BUCKET_LABELS = (*map(str, ROUTE_BUCKETS), "+Inf")
+
+
+class RouteSeconds:
+    """``continuum_picker_route_seconds{outcome}``: the ext_proc routing latency as the picker sees it, from the
+    request-headers message received to the routing answer sent (the destination and ``envoy.lb`` metadata, or
+    the picker's own answer). With a request body (BUFFERED, FULL_DUPLEX_STREAMED) it includes the body's
+    arrival: the pick needs the whole body.
+
+    Plain counts (``observe`` is a bisect and two additions, no lock, no label lookup), exported at scrape time by
+    ``RouteSecondsCollector``. Bounded: ``ROUTE_OUTCOMES`` x (16 buckets + Inf)."""
+
+    __slots__ = ("counts", "sums")
+
+    def __init__(self) -> None:
+        self.counts = {o: [0] * (len(ROUTE_BUCKETS) + 1) for o in ROUTE_OUTCOMES}  # the last slot is +Inf
+        self.sums = dict.fromkeys(ROUTE_OUTCOMES, 0.0)
+
+    def observe(self, outcome: str, seconds: float) -> None:
+        """One answer sent; ``outcome`` one of ``ROUTE_OUTCOMES``."""
+        self.counts[outcome][bisect_left(ROUTE_BUCKETS, seconds)] += 1
+        self.sums[outcome] += seconds
+
+    def count(self, outcome: str) -> int:
+        return sum(self.counts[outcome])
+
+
+class RouteSecondsCollector(Collector):
+    """``RouteSeconds`` as a histogram family: ``routed`` always, the other outcomes once they have a sample."""
+
+    def __init__(self, hist: RouteSeconds) -> None:
+        self.hist = hist
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            "continuum_picker_route_seconds",
+            "ext_proc routing latency as the picker sees it: from the request headers message received to the "
+            "routing answer sent (the destination, or the picker's own answer), by outcome (routed, bad_request, "
+            "overloaded, no_backend, error); includes the request body's arrival when the pick needs the body",
+            labels=["outcome"],
+        )
+        h = self.hist
+        for outcome in ROUTE_OUTCOMES:
+            counts = h.counts[outcome]
+            if outcome != "routed" and not any(counts):
+                continue
+            buckets: list[tuple[str, float]] = []
+            total = 0
+            for bound, n in zip(_ROUTE_BUCKET_LABELS, counts, strict=True):
+                total += n
+                buckets.append((bound, total))
+            family.add_metric([outcome], buckets, h.sums[outcome])
+        yield family
 
 
 class PickerMetrics:
@@ -165,6 +229,9 @@ class PickerMetrics:
             "Bytes booked by the tokenization cache (bound: cache_max_bytes)",
             registry=r,
         )
+        # ext_proc: the routing latency (observed by picker.extproc; plain counts, exported at scrape time)
+        self.route_seconds = RouteSeconds()
+        r.register(RouteSecondsCollector(self.route_seconds))
         # Request path: continuum_picker_requests/decisions/backend_responses/decision_seconds and
         # continuum_prefix_routing_requests are exported by picker.ops.recorder (plain counters, read at scrape)
         self.backend_healthy = Gauge(

@@ -254,6 +254,28 @@ def test_every_metric_has_samples_after_traffic_unless_listed(scraped: tuple[set
     assert not unused, f"NO_SAMPLE_HERE lists names no dashboard or rule uses: {unused}"
 
 
+def sample_values(text: str, name: str) -> dict[str, float]:
+    """``{labels}`` text -> value of every sample named ``name`` in a Prometheus text exposition."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            series, _, value = line.rpartition(" ")
+            out[series[len(name) :]] = float(value)
+    return out
+
+
+def test_the_routing_latency_counts_every_answered_request(stack: Stack, scraped: tuple[set[str], set[str]]) -> None:
+    """continuum_picker_route_seconds (the dashboard's routing latency panel): after the traffic above, a
+    routed sample per routed request and a bad_request sample for the refused one, as the requests counter says."""
+    text = scrape(stack.picker.admin_url + "/metrics")
+    counts = sample_values(text, "continuum_picker_route_seconds_count")
+    requests = sample_values(text, "continuum_picker_requests_total")
+    assert counts['{outcome="routed"}'] >= 14  # warm-up, 8 shared-prefix, 4 growing chats, /v1/models
+    assert counts['{outcome="routed"}'] == requests['{outcome="routed"}']
+    assert counts['{outcome="bad_request"}'] == requests['{outcome="bad_request"}'] >= 1
+    assert sample_values(text, "continuum_picker_route_seconds_sum")['{outcome="routed"}'] > 0
+
+
 def test_the_stats_listener_exposes_nothing_else(stack: Stack) -> None:
     """The chart binds the stats listener on every interface: only readiness and Prometheus stats pass."""
     assert http("GET", stack.stats_url + "/ready").status == 200

@@ -65,6 +65,7 @@ def test_the_dashboards_show_what_the_issue_asks_for() -> None:
                                                  "continuum_picker_decisions_total"},
         "cached tokens available/captured/delivered": {"continuum_picker_cached_tokens_total"},
         "decision and ext_proc latency": {"continuum_picker_decision_seconds_bucket",
+                                          "continuum_picker_route_seconds_bucket",
                                           "envoy_http_ext_proc_streams_started"},
         "per-replica load and health": {"continuum_prefix_routing_backend_distribution",
                                         "continuum_engine_requests_waiting", "continuum_picker_backend_healthy"},
@@ -76,6 +77,9 @@ def test_the_dashboards_show_what_the_issue_asks_for() -> None:
     }  # fmt: skip
     for what, metrics in wanted.items():
         assert metrics <= names, f"{what}: missing {metrics - names}"
+    routing = [e for _, e in cv.dashboard_expressions() if "continuum_picker_route_seconds_bucket" in e]
+    assert [e.split(",", 1)[0] for e in routing] == ["histogram_quantile(0.5", "histogram_quantile(0.99"]
+    assert all('outcome="routed"' in e for e in routing)
     kinds = {e for _, e in cv.dashboard_expressions() if "continuum_picker_cached_tokens_total" in e}
     for kind in ("available", "captured", "delivered", "prompt"):
         assert any(f'kind="{kind}"' in e for e in kinds), kind

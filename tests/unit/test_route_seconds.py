@@ -1,0 +1,214 @@
+"""``continuum_picker_route_seconds{outcome}``: one sample per answered request, from the request headers received
+to the routing answer sent, with the answer's outcome.
+
+Real gRPC: the picker's ``ExternalProcessor`` on a loopback port (port 0), a gRPC client playing Envoy's part of
+one stream per request (headers, body, then the response phases), the histogram read from the picker's registry
+once the stream has ended. The response phases must not add samples.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from picker.config import parse_settings
+from picker.extproc.messages import BUFFERED, DEST_HEADER, FULL_DUPLEX, RESPONSE_NONE
+from picker.extproc.service import ExternalProcessor
+from picker.ops.metrics import ROUTE_BUCKETS, ROUTE_OUTCOMES
+from picker.request.path import Exchange
+from picker.runtime.app import PickerApp
+
+BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
+CHAT = "/v1/chat/completions"
+BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 200}]}).encode()
+
+
+def make_app(backends: list[dict[str, str]] = BACKENDS, **admission: Any) -> PickerApp:
+    return PickerApp(parse_settings({"pool": {"backends": backends}, "admission": admission}))
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Any]:
+    """``await serve(app)`` -> a stub of a real gRPC server running the app's ExternalProcessor (stopped after)."""
+    servers: list[grpc.aio.Server] = []
+    channels: list[grpc.aio.Channel] = []
+
+    async def start(app: PickerApp) -> pb_grpc.ExternalProcessorStub:
+        server = grpc.aio.server()
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(app), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        channels.append(channel)
+        return pb_grpc.ExternalProcessorStub(channel)
+
+    try:
+        yield start
+    finally:
+        for channel in channels:
+            await channel.close()
+        for server in servers:
+            await server.stop(grace=None)
+
+
+def request_headers(
+    path: str = CHAT, method: str = "POST", eos: bool = False, body_mode: int = FULL_DUPLEX
+) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    for k, v in ((":path", path), (":method", method)):
+        msg.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+    msg.request_headers.end_of_stream = eos
+    msg.protocol_config.request_body_mode = body_mode  # type: ignore[assignment]
+    msg.protocol_config.response_body_mode = RESPONSE_NONE  # type: ignore[assignment]
+    return msg
+
+
+def request_body(body: bytes) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    msg.request_body.body = body
+    msg.request_body.end_of_stream = True
+    return msg
+
+
+def response_headers(status: int = 200) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    msg.response_headers.headers.headers.add(key=":status", raw_value=str(status).encode())
+    return msg
+
+
+async def exchange(
+    stub: pb_grpc.ExternalProcessorStub, *messages: pb.ProcessingRequest, answers_before_response: int = 1
+) -> list[pb.ProcessingResponse]:
+    """One stream: the request messages, ``answers_before_response`` answers read, then (when routed) the response
+    headers and trailers as Envoy sends them; the stream is half-closed and read to its end."""
+    call = stub.Process()
+    out: list[pb.ProcessingResponse] = []
+    for m in messages:
+        await call.write(m)
+    for _ in range(answers_before_response):
+        out.append(await call.read())
+    if not any(r.HasField("immediate_response") for r in out):
+        await call.write(response_headers())
+        out.append(await call.read())
+        trailers = pb.ProcessingRequest()
+        trailers.response_trailers.SetInParent()
+        await call.write(trailers)
+        out.append(await call.read())
+    await call.done_writing()
+    while (r := await call.read()) is not grpc.aio.EOF:
+        out.append(r)
+    assert await call.code() == grpc.StatusCode.OK
+    return out
+
+
+def counts(app: PickerApp) -> dict[str, float]:
+    """outcome -> samples of continuum_picker_route_seconds, as the registry exports them."""
+    reg = app.metrics.registry
+    return {
+        o: reg.get_sample_value("continuum_picker_route_seconds_count", {"outcome": o}) or 0.0 for o in ROUTE_OUTCOMES
+    }
+
+
+def only(outcome: str, n: int = 1) -> dict[str, float]:
+    return {o: float(n) if o == outcome else 0.0 for o in ROUTE_OUTCOMES}
+
+
+def destination(r: pb.ProcessingResponse) -> str | None:
+    common = r.request_headers.response if r.HasField("request_headers") else r.request_body.response
+    for h in common.header_mutation.set_headers:
+        if h.header.key == DEST_HEADER:
+            return h.header.raw_value.decode()
+    return None
+
+
+async def test_a_routed_request_observes_exactly_one_routed_sample(serve: Any) -> None:
+    app = make_app()
+    stub = await serve(app)
+    assert counts(app) == only("routed", 0)  # exported from the start, empty
+    # full duplex: headers unanswered, then the pick (deferred headers answer) and the body echoed
+    out = await exchange(stub, request_headers(), request_body(BODY), answers_before_response=2)
+    assert destination(out[0]) is not None
+    assert counts(app) == only("routed")
+    reg = app.metrics.registry
+    le = {str(b): reg.get_sample_value("continuum_picker_route_seconds_bucket", {"outcome": "routed", "le": str(b)})
+          for b in ROUTE_BUCKETS}  # fmt: skip
+    assert sorted(le.values()) == list(le.values()) and le[str(ROUTE_BUCKETS[-1])] <= 1  # cumulative
+    inf = reg.get_sample_value("continuum_picker_route_seconds_bucket", {"outcome": "routed", "le": "+Inf"})
+    assert inf == 1 and (reg.get_sample_value("continuum_picker_route_seconds_sum", {"outcome": "routed"}) or 0) > 0
+
+
+async def test_buffered_and_bodyless_requests_observe_one_sample_each(serve: Any) -> None:
+    app = make_app()
+    stub = await serve(app)
+    # BUFFERED: the headers answer strips the client's destination header (not the routing answer), the body's
+    # answer carries the pick
+    out = await exchange(stub, request_headers(body_mode=BUFFERED), request_body(BODY), answers_before_response=2)
+    assert destination(out[0]) is None and destination(out[1]) is not None
+    assert counts(app) == only("routed")
+    out = await exchange(stub, request_headers("/v1/models", "GET", eos=True))  # routed at the headers
+    assert destination(out[0]) is not None
+    assert counts(app) == only("routed", 2)
+
+
+async def test_the_pickers_own_answers_are_counted_by_outcome(serve: Any) -> None:
+    app = make_app()
+    stub = await serve(app)
+    out = await exchange(stub, request_headers(), request_body(b"{not json"))
+    assert out[0].immediate_response.status.code == 400
+    assert counts(app) == only("bad_request")
+    empty = make_app(backends=[])
+    stub = await serve(empty)
+    out = await exchange(stub, request_headers(), request_body(BODY))
+    assert out[0].immediate_response.status.code == 503
+    assert counts(empty) == only("no_backend")
+
+
+async def test_a_refused_stream_counts_as_overloaded(serve: Any) -> None:
+    app = make_app(max_open_streams=1)
+    stub = await serve(app)
+    held = stub.Process()  # holds the only stream slot: headers sent, the body never
+    await held.write(request_headers())
+    try:
+        out = await exchange(stub, request_headers(), request_body(BODY))
+        assert out[0].immediate_response.status.code == 429
+        assert counts(app) == only("overloaded")
+    finally:
+        held.cancel()
+
+
+async def test_a_failure_before_the_pick_is_an_error_sample_and_after_it_none(
+    serve: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app()
+    stub = await serve(app)
+
+    def broken_headers(self: Exchange, status: int | None, served: str | None = None) -> None:
+        raise RuntimeError("injected fault in a response observer")
+
+    monkeypatch.setattr(Exchange, "response_headers", broken_headers)  # fails after the pick was sent
+    call = stub.Process()
+    await call.write(request_headers())
+    await call.write(request_body(BODY))
+    assert destination(await call.read()) is not None
+    await call.read()  # the body echoed
+    await call.write(response_headers())
+    assert (await call.read()).immediate_response.status.code == 500
+    await call.done_writing()
+    while await call.read() is not grpc.aio.EOF:
+        pass
+    assert counts(app) == only("routed")  # the routing answer was counted; the error after it adds nothing
+
+    async def broken_route(*_: Any) -> None:
+        raise RuntimeError("injected fault in the request path")
+
+    monkeypatch.setattr(app.path, "route", broken_route)
+    out = await exchange(stub, request_headers(), request_body(BODY))
+    assert out[0].immediate_response.status.code == 500
+    assert counts(app) == {**only("routed"), "error": 1.0}
