@@ -351,11 +351,11 @@ def _list(description: str) -> dict[str, Any]:
     return {"type": "array", "description": description}
 
 
-def _image(what: str) -> dict[str, Any]:
+def _image(what: str, repository: str = "Image repository.") -> dict[str, Any]:
     return _obj(
         f"The {what} image.",
         {
-            "repository": _s("string", "Image repository.", minLength=1),
+            "repository": _s("string", repository, minLength=1),
             "tag": _s("string", "Image tag (the kv-epp image defaults to the chart's appVersion)."),
             "digest": _s(
                 "string",
@@ -411,7 +411,11 @@ def chart_values_schema() -> dict[str, Any]:
             "fullnameOverride": _s("string", "Replaces the release-chart prefix of object names."),
             "clusterDomain": _s("string", "The cluster's DNS domain (Service names Envoy resolves).", minLength=1),
             "commonLabels": _free("Labels added to every object."),
-            "image": _image("kv-epp (picker and listener)"),
+            "image": _image(
+                "kv-epp (picker and listener)",
+                "Image repository of the image built from the repository's Dockerfile (not published: "
+                "docker build -t <registry>/kv-epp:<tag> . and docker push; README, 'The image').",
+            ),
             "imagePullSecrets": _list("Image pull secrets of every pod ([{name: ...}])."),
             "inferencePool": _obj(
                 "The InferencePool (inference.networking.k8s.io/v1) the picker and the listener follow.",

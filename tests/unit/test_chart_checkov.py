@@ -1,6 +1,6 @@
-"""checkov (a security lint for Kubernetes manifests) on every documented variant of the rendered chart: no
-failed check except the ones the chart README justifies (its "Security lint" table, read here), and every row of
-that table still fires (no stale justification).
+"""checkov (a security lint) on every documented variant of the rendered chart and on the image's Dockerfile (the
+repository root's, which the chart's image is built from): no failed check except the ones the chart README
+justifies (its "Security lint" table, read here), and every row of that table still fires (no stale justification).
 
 checkov lives in its own venv (it pins older packages than the project): ``$KV_EPP_CHECKOV`` (``make test`` sets
 it), else ``.venv-checkov/bin/checkov``; without either the test is skipped, naming ``make test``."""
@@ -21,6 +21,7 @@ from charts import chart_variants as cv
 
 ROOT = Path(__file__).resolve().parents[2]
 README = cv.CHART / "README.md"
+DOCKERFILE = ROOT / "Dockerfile"
 
 
 def checkov_binary() -> str:
@@ -49,15 +50,19 @@ def findings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
     out_dir = tmp_path_factory.mktemp("manifests")
     for name in cv.VARIANTS:
         (out_dir / f"{name}.yaml").write_text(yaml.safe_dump_all(cv.objects(cv.values_of(name))))
+    (out_dir / "Dockerfile").write_text(DOCKERFILE.read_text())
     run = subprocess.run(
-        [binary, "-d", str(out_dir), "--framework", "kubernetes", "-o", "json", "--compact", "--quiet",
-         "--skip-download"],
+        [binary, "-d", str(out_dir), "--framework", "kubernetes", "dockerfile", "-o", "json", "--compact",
+         "--quiet", "--skip-download"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: some check failed
     reports: Any = json.loads(run.stdout)
     reports = reports if isinstance(reports, list) else [reports]
-    assert reports and reports[0]["summary"]["resource_count"] > 0 and reports[0]["summary"]["parsing_errors"] == 0
+    scanned = {r["check_type"]: r["summary"] for r in reports}
+    assert set(scanned) == {"kubernetes", "dockerfile"}, scanned  # both frameworks found their files
+    for summary in scanned.values():
+        assert summary["resource_count"] > 0 and summary["parsing_errors"] == 0, summary
     failed: dict[str, set[str]] = {}
     for report in reports:
         for check in report["results"]["failed_checks"]:

@@ -60,7 +60,11 @@ def test_every_variant_renders_and_the_readme_documents_it(rendered: dict[str, l
     for name, objs in rendered.items():
         assert of(objs, "Deployment"), name
         assert f"`{name}`" in variants, f"variant {name} is missing from the README's Variants section"
-    assert "helm install kv-epp ./charts/kv-epp -n <namespace> --set inferencePool.name=" in text
+    assert (
+        "helm install kv-epp ./charts/kv-epp -n <namespace> --set image.repository=<registry>/kv-epp "
+        "--set image.tag=<tag>" in text
+    )
+    assert "docker build -t <registry>/kv-epp:<tag> ." in text and "not published" in text  # the image to build
 
 
 def test_helm_lint_passes() -> None:
