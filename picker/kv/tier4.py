@@ -12,11 +12,15 @@ Tier 4. The feed consumers, the TTL sweep and the cache's fills run as backgroun
 routing core's (``picker.routing.kv_scorer``).
 
 Feeds and the pool: a static pool's feeds are ``kv_cache_index.event_sources``, fixed for the process (as the
-section is restart-required). A discovered pool's feeds come from ``event_source_template``, one per backend,
-and follow the pool (``follow_pool``): a backend that leaves loses its feed, its index entries and its checks
-at once; one that joins is subscribed; one whose address changed is another engine (its entries are dropped
-and its feed resubscribes for a snapshot). ``feed_readiness`` says, per live backend, whether its feed has
-caught up, which readiness waits for (``checks.ready_grace_seconds`` at most).
+section is restart-required). A discovered pool's feeds come from ``event_source_template``, one per backend
+of the snapshot, ready or not (readiness gates routing only: an engine that briefly fails its readiness probe
+keeps its feed and its index entries), and follow it (``follow_pool``): a backend that leaves the snapshot
+loses its feed, its index entries and its checks at once; one that joins is subscribed; one whose address
+changed is another engine (its entries are dropped and its feed resubscribes for a snapshot). The index's
+entries of a backend that is not routed to (not Ready) are kept but never used: ``holds_for`` answers for the
+routing pool's backends only, and its self-check waits until it is routed to. ``feed_readiness`` says, per
+routed backend, whether its feed has caught up, which readiness waits for (``checks.ready_grace_seconds`` at
+most); feeds of unready backends do not hold readiness back.
 """
 
 from __future__ import annotations
@@ -129,9 +133,10 @@ class Tier4:
             self.on_change()
 
     def follow_pool(self, added: Collection[str], gone: Collection[str], readdressed: Collection[str]) -> None:
-        """Apply a pool change to the feeds and the index in one synchronous step (see the module doc).
-        Static ``event_sources`` keep their consumers; their backends' entries are still dropped when the
-        name moved to another address (another engine: the feed resubscribes for a snapshot)."""
+        """Apply a change of the backends to follow (every backend of the snapshot, ready or not; not the routing
+        pool's) to the feeds and the index in one synchronous step (see the module doc). Static
+        ``event_sources`` keep their consumers; their backends' entries are still dropped when the name moved to
+        another address (another engine: the feed resubscribes for a snapshot)."""
         template = self.cfg.event_source_template
         watcher = self.index.watcher
         bulk = watcher is not None and len(gone) + len(readdressed) > BULK_FORGET
@@ -171,11 +176,11 @@ class Tier4:
             probe.cancel()
 
     def feed_readiness(self, live: Iterable[str], now: float | None = None) -> tuple[dict[str, str], float | None]:
-        """Per live backend with a feed: ``caught_up`` (connected, its initial snapshot or resume applied),
-        ``stale`` (readiness no longer waits for it: the checks' stale mark, no catch-up within
-        ``checks.ready_grace_seconds`` of its arrival, or a feed lost after it had caught up) or
-        ``connecting`` (readiness waits). Also the earliest time (monotonic) a ``connecting`` one turns
-        ``stale`` by the grace, or None."""
+        """Per live backend (the routing pool's: an unready backend's feed never holds readiness back) with a
+        feed: ``caught_up`` (connected, its initial snapshot or resume applied), ``stale`` (readiness no longer
+        waits for it: the checks' stale mark, no catch-up within ``checks.ready_grace_seconds`` of its arrival, or
+        a feed lost after it had caught up) or ``connecting`` (readiness waits). Also the earliest time
+        (monotonic) a ``connecting`` one turns ``stale`` by the grace, or None."""
         t = time.monotonic() if now is None else now
         grace = self.cfg.checks.ready_grace_seconds
         consumers, state = self.consumers.consumers, self.checks.state
@@ -247,7 +252,7 @@ class Tier4:
                     self._failed("unavailable")
                     return NOTHING_HELD
                 keys, n, exact = got.keys, got.prompt_tokens, got.exact
-            held = Held(await self.index.holds(keys)) if keys else Held()
+            held = Held(self._routed(await self.index.holds(keys))) if keys else Held()
             held.prompt_tokens = n
             held.exact = exact
             held.block_keys = keys
@@ -259,6 +264,12 @@ class Tier4:
             log.warning("event=block_keys_failed error=%r", exc)
             self._failed("error")
         return NOTHING_HELD
+
+    def _routed(self, holds: Mapping[str, BackendHold]) -> dict[str, BackendHold]:
+        """The holds of backends the pool routes to: an unready backend's entries are kept for when it is back,
+        never offered to a decision (nor counted as what the index says is available)."""
+        endpoint = self.pool.endpoint
+        return {name: h for name, h in holds.items() if endpoint(name) is not None}
 
     def _unmatched(self, model: str) -> None:
         self.metrics.kv_model_unmatched.inc()
@@ -316,7 +327,8 @@ class Tier4:
                             f"the listener keys blocks of {st.key_block_size} tokens, the picker of "
                             f"{self.cfg.tokenizer.block_size} (kv_cache_index.tokenizer.block_size): feed refused",
                         )
-                    if self.cfg.checks.self_check and st.connected and name not in probed:
+                    routed = self.pool.endpoint(name) is not None  # an unready backend is probed once it is back
+                    if self.cfg.checks.self_check and st.connected and name not in probed and routed:
                         probed.add(name)
                         task = asyncio.create_task(self._self_check(name, session), name=f"kv-self-check-{name}")
                         probes[name] = task

@@ -4,6 +4,12 @@ Bounds: one in-flight counter, one health window (``health.window_size`` boolean
 endpoint; state for an endpoint removed by a reload or a discovery snapshot is dropped with it. An endpoint whose
 address changed under the same name is another engine: its health, latency and engine signals start afresh
 (its in-flight counters stay, the open leases still release them).
+
+Standby endpoints: a discovered backend whose pod is not Ready is not routed to (it is in no view, no name list,
+no address map), but its state is kept aside (``update(..., standby=...)``), so the requests still running
+there keep their in-flight counts and an engine that briefly failed its readiness probe comes back with its
+live load and health, not as an idle newcomer. Bound: one state per backend of the snapshot; its engine signals
+are cleared when it goes to standby (the scraper follows routed endpoints only).
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ class Pool:
         self._clock = clock
         self.calibrator = calibrator or TtftCalibrator()
         self._stats: dict[str, _EndpointStats] = {}
+        self._standby: dict[str, _EndpointStats] = {}  # not routed to (see the module docstring)
         self._by_address: dict[str, str] = {}
         # Snapshot cache: one EndpointState per endpoint, rebuilt only when that endpoint changes, and
         # the full (unfiltered) view. Bound: one entry per configured endpoint.
@@ -132,28 +139,38 @@ class Pool:
         self.update(cfg)
 
     # -- membership -----------------------------------------------------------------------------
-    def update(self, cfg: PoolConfig, members: Iterable[Endpoint] | None = None) -> None:
+    def update(
+        self, cfg: PoolConfig, members: Iterable[Endpoint] | None = None, standby: Iterable[Endpoint] = ()
+    ) -> None:
         """Apply a (re)loaded pool config, keeping live counters of endpoints that stay. ``members``: the
-        endpoints when the pool is discovered (``cfg.backends`` otherwise); names are unique (the first wins)."""
+        endpoints when the pool is discovered (``cfg.backends`` otherwise); names are unique (the first wins).
+        ``standby``: discovered endpoints not routed to now (not Ready), whose state is kept aside (a name also in
+        ``members`` is a member)."""
         old = self._stats
+        parked = self._standby
         new: dict[str, _EndpointStats] = {}
+        aside: dict[str, _EndpointStats] = {}
         eps = members if members is not None else (Endpoint(b.name, b.address, b.weight) for b in cfg.backends)
-        for ep in eps:
-            if ep.name in new:
-                continue
-            prev = old.get(ep.name)
-            if prev is not None and prev.endpoint.address != ep.address:  # another engine now
-                prev.engine = None  # its last scrape was not of it
-                prev.window.clear()
-                prev.ejected_until, prev.consecutive_failures, prev.latency_ewma_ms = 0.0, 0, None
-            window: deque[bool] = deque(prev.window if prev else (), maxlen=cfg.health.window_size)
-            if prev is not None:  # the same object: open leases keep decrementing the live counter
-                prev.endpoint, prev.window = ep, window
-                new[ep.name] = prev
-            else:
-                new[ep.name] = _EndpointStats(ep, 0, window)
+        for table, group in ((new, eps), (aside, standby)):
+            for ep in group:
+                if ep.name in new or ep.name in aside:
+                    continue
+                prev = old.get(ep.name) or parked.get(ep.name)
+                if prev is not None and prev.endpoint.address != ep.address:  # another engine now
+                    prev.engine = None  # its last scrape was not of it
+                    prev.window.clear()
+                    prev.ejected_until, prev.consecutive_failures, prev.latency_ewma_ms = 0.0, 0, None
+                window: deque[bool] = deque(prev.window if prev else (), maxlen=cfg.health.window_size)
+                if prev is not None:  # the same object: open leases keep decrementing the live counter
+                    prev.endpoint, prev.window = ep, window
+                    table[ep.name] = prev
+                else:
+                    table[ep.name] = _EndpointStats(ep, 0, window)
+        for st in aside.values():
+            st.engine = None  # not scraped while on standby: a stale report must not come back with it
         self.cfg = cfg
         self._stats = new
+        self._standby = aside
         self._by_address = {s.endpoint.address: name for name, s in new.items()}
         self._snaps.clear()
         self._full_view = None
@@ -180,6 +197,18 @@ class Pool:
     def endpoint(self, name: str) -> Endpoint | None:
         st = self._stats.get(name)
         return st.endpoint if st is not None else None
+
+    @property
+    def standby_endpoints(self) -> tuple[Endpoint, ...]:
+        return tuple(s.endpoint for s in self._standby.values())
+
+    def standby(self) -> dict[str, str]:
+        """Name → address of every standby endpoint (discovered, not Ready: not routed to)."""
+        return {name: st.endpoint.address for name, st in self._standby.items()}
+
+    def standby_in_flight(self) -> dict[str, int]:
+        """In-flight requests of standby endpoints (sent before their pod stopped being Ready)."""
+        return {name: s.in_flight for name, s in self._standby.items()}
 
     # -- load -----------------------------------------------------------------------------------
     def acquire(self, endpoint: Endpoint, prefill_tokens: int = 0, calibrate: bool = False) -> Lease:

@@ -6,6 +6,12 @@ changed it: the pool, the router's ring (rebuilt once, not per backend), the met
 backends that left, this picker's recent placements, and with Tier 4 the feeds and the KV index
 (``Tier4.follow_pool``). Nothing in between is visible to a request: the event loop runs no request meanwhile.
 
+Readiness of a discovered backend (its pod's Ready condition) gates routing only: the routing pool (its members,
+the ring, every view a decision reads) holds the ready backends; an unready one is on standby in the pool (its
+in-flight counts and health kept aside, see ``picker.pool.pool``) and Tier 4 keeps following it (its feed and
+index entries stay, never used while it is unready), so a Ready flap of a busy engine loses no KV state. A
+backend that leaves the snapshot is dropped everywhere at once.
+
 Readiness (``readiness``) is a pure function of that state, evaluated by the server when an input changes
 (``on_readiness_inputs``) and by ``/readyz``; never on the request path.
 """
@@ -105,19 +111,29 @@ class PickerApp:
             self.metrics.prefix_routing_backend_distribution.labels(name).set(n)
         for entry in self.pool.health_snapshot():
             self.metrics.backend_healthy.labels(str(entry["backend"])).set(1 if entry["healthy"] else 0)
+        for name, n in self.pool.standby_in_flight().items():  # discovered, not Ready: not eligible
+            self.metrics.prefix_routing_backend_distribution.labels(name).set(n)
+            self.metrics.backend_healthy.labels(name).set(0)
         for name, value in self.pool.cost_model().items():
             self.metrics.ttft_model.labels(name).set(value)
 
     # -- the pool's members ----------------------------------------------------------------------
-    def _set_members(self, cfg: PoolConfig, members: Iterable[Endpoint] | None) -> tuple[int, int, int]:
-        """The pool becomes ``members`` (``cfg.backends`` when None); every structure that names backends
-        follows in this one synchronous step. Returns (added, gone, readdressed) counts."""
-        before = self.pool.addresses()
-        self.pool.update(cfg, members)
-        after = self.pool.addresses()
-        gone = before.keys() - after.keys()
+    def _set_members(
+        self, cfg: PoolConfig, members: Iterable[Endpoint] | None, standby: Iterable[Endpoint] = ()
+    ) -> tuple[int, int, int]:
+        """The pool becomes ``members`` (``cfg.backends`` when None) with ``standby`` (discovered, not Ready: not
+        routed to, still followed by Tier 4); every structure that names backends follows in this one
+        synchronous step. Returns (added, gone, readdressed) counts of the backends followed (members and
+        standby): a backend going from one to the other is neither added nor gone."""
+        before_routed = self.pool.addresses()
+        before = {**self.pool.standby(), **before_routed}
+        self.pool.update(cfg, members, standby)
+        after_routed = self.pool.addresses()
+        after = {**self.pool.standby(), **after_routed}
+        gone = before.keys() - after.keys()  # left the pool altogether
         added = [n for n in after if n not in before]
         readdressed = [n for n in after if n in before and before[n] != after[n]]
+        unrouted = before_routed.keys() - after_routed.keys() - gone  # still followed, no longer routed to
         tier4 = self.tier4
         # a static event source's consumer keeps running (kv_cache_index is restart-required): its series stay
         static_feeds = frozenset(s.backend_name for s in self.settings.kv_cache_index.event_sources)
@@ -127,27 +143,31 @@ class PickerApp:
             tier4.follow_pool(added, gone, readdressed)  # feeds, index and their placements (index watcher)
         placements = self.path.placements
         if placements is not None:
-            for name in gone if tier4 is None else gone & static_feeds:
-                placements.forget(name)  # a backend that left the pool holds nothing this picker placed there
+            forget = set(gone if tier4 is None else gone & static_feeds)  # they hold nothing this picker placed
             if tier4 is None:
-                for name in readdressed:
-                    placements.forget(name)
+                forget.update(readdressed)
+            forget.update(unrouted)  # guesses are short-lived; the index keeps the truth for when it is back
+            if forget:
+                placements.forget_many(forget)
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now (once), not on a request
-        self.metrics.pool_backends.set(len(after))
+        self.metrics.pool_backends.set(len(after_routed))
         return len(added), len(gone), len(readdressed)
 
     def apply_snapshot(self, snapshot: PoolSnapshot) -> None:
-        """A discovery snapshot: the pool becomes exactly its backends (weight 1); the first one syncs the
-        pool. Synchronous, on the event loop (``Discovery.run`` calls it)."""
-        members = [Endpoint(b.name, b.address, 1) for b in snapshot.backends]
-        added, gone, moved = self._set_members(self.settings.pool, members)
+        """A discovery snapshot: the pool routes to exactly its ready backends (weight 1), its unready ones are
+        on standby (followed by Tier 4, not routed to); the first one syncs the pool. Synchronous, on the event
+        loop (``Discovery.run`` calls it)."""
+        members = [Endpoint(b.name, b.address, 1) for b in snapshot.backends if b.ready]
+        standby = [Endpoint(b.name, b.address, 1) for b in snapshot.backends if not b.ready]
+        added, gone, moved = self._set_members(self.settings.pool, members, standby)
         first = not self.pool_synced
         self.pool_synced = True
         self.pool_version = snapshot.version
         self.metrics.pool_synced.set(1)
         log.info(
-            "event=pool_snapshot_applied source=%r version=%r backends=%d added=%d gone=%d readdressed=%d first=%s",
-            snapshot.source, snapshot.version, len(snapshot.backends), added, gone, moved, first,
+            "event=pool_snapshot_applied source=%r version=%r backends=%d ready=%d added=%d gone=%d readdressed=%d"
+            " first=%s",
+            snapshot.source, snapshot.version, len(snapshot.backends), len(members), added, gone, moved, first,
         )  # fmt: skip
         self._readiness_inputs_changed()
 
@@ -162,7 +182,9 @@ class PickerApp:
         return {
             "source": self.pool_source,
             "synced": self.pool_synced,
-            "backends": len(self.pool.names()),
+            "backends": len(self.pool.names()),  # routed to
+            "unready": sorted(self.pool.standby())[:MAX_NAMED_WAITING],  # followed, not routed to (the first few)
+            "unready_count": len(self.pool.standby()),
             "version": self.pool_version,
         }
 
@@ -247,8 +269,8 @@ class PickerApp:
             hot = hot.model_copy(update={"pool": hot.pool.model_copy(update=keep)})
         for path, msg in config_warnings(hot):
             log.warning("event=config_warning path=%s message=%r", path, msg)
-        if hot.pool.discovered:  # the members stay the discovered ones; the pool's other keys apply
-            self.pool.update(hot.pool, self.pool.endpoints)
+        if hot.pool.discovered:  # the members (and standby) stay the discovered ones; the pool's other keys apply
+            self.pool.update(hot.pool, self.pool.endpoints, self.pool.standby_endpoints)
         else:
             self._set_members(hot.pool, None)
         self.router.reconfigure(hot)

@@ -1,9 +1,11 @@
 """The picker follows a discovered pool: config (sources, env, template), snapshot application (pool, ring,
-metrics, recorder, placements, KV index, feeds), static reloads beside it, and the discovery task."""
+metrics, recorder, placements, KV index, feeds), readiness gating routing only (an unready backend is on standby:
+not routed to, its feed and index entries kept), static reloads beside it, and the discovery task."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,10 +13,14 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import ConfigError, parse_settings, restart_required_changes
 from picker.ops.admin import build_admin_app
+from picker.request.facts import RequestFacts
 from picker.routing.endpoints import Decision, Endpoint
 from picker.runtime.app import PickerApp
 from picker.runtime.lifecycle import PickerServer
+from picker.shared.block_keys import chain_block_keys, root_key
 from picker.shared.discovery import DiscoveredBackend, PoolSnapshot, Publish
+from picker.shared.discovery.config import BackendsFileRef
+from picker.shared.discovery.files import FileDiscovery, load_backends_file
 from picker.shared.tiers import StorageTier
 from tests.support.poll import async_wait_until
 
@@ -39,12 +45,15 @@ def discovered_settings(kv: bool = False, **extra: Any) -> Any:
     return parse_settings(cfg)
 
 
-def snap(*backends: tuple[str, str], version: str = "1") -> PoolSnapshot:
-    """A snapshot of (name, ip:port) backends."""
+def snap(*backends: tuple[str, str], version: str = "1", unready: tuple[str, ...] = ()) -> PoolSnapshot:
+    """A snapshot of (name, ip:port) backends; those named in ``unready`` are not Ready."""
     out = []
     for name, addr in backends:
         ip, port = addr.rsplit(":", 1)
-        out.append(DiscoveredBackend(name=name, ip=ip, port=int(port), pod=name, namespace="serving"))
+        b = DiscoveredBackend(
+            name=name, ip=ip, port=int(port), pod=name, namespace="serving", ready=name not in unready
+        )
+        out.append(b)
     return PoolSnapshot(tuple(sorted(out, key=lambda b: b.name)), source="fake inference_pool", version=version)
 
 
@@ -172,7 +181,14 @@ def test_the_pool_becomes_exactly_the_snapshot() -> None:
     assert app.pool.in_flight()["p-a"] == 1  # a backend that stays keeps its live counters
     lease.release()
     assert app.pool.in_flight()["p-a"] == 0
-    assert app.pool_status() == {"source": "inference_pool", "synced": True, "backends": 2, "version": "2"}
+    assert app.pool_status() == {
+        "source": "inference_pool",
+        "synced": True,
+        "backends": 2,
+        "unready": [],
+        "unready_count": 0,
+        "version": "2",
+    }
     assert app.metrics.pool_backends._value.get() == 2 and app.metrics.pool_synced._value.get() == 1
 
 
@@ -262,6 +278,147 @@ async def test_applying_a_thousand_backends_is_one_step_and_bounded() -> None:
     assert set(tier4.index.backend_entries()) == {name for name, _ in many[:10]}
     assert set(tier4.checks.state) == {name for name, _ in many[:10]}
     assert len(placements) == 2  # pod-0000's two keys; pod-0500's one is gone
+
+
+# -- readiness gates routing only -------------------------------------------------------------------------------
+
+
+A, B, C = ("p-a", "10.0.0.1:8000"), ("p-b", "10.0.0.2:8000"), ("p-c", "10.0.0.3:8000")
+
+
+def held_by(app: PickerApp, ids: list[int]) -> dict[str, int]:
+    """Tier 4's answer for a completions prompt of token ids (block size 16 by default): backend → blocks."""
+    assert app.tier4 is not None
+    facts = RequestFacts(api="completions", model="m", prompt_token_ids=tuple(ids))
+    return {name: h.blocks for name, h in asyncio.run(app.tier4.holds_for(facts)).items()}
+
+
+def test_an_unready_backend_leaves_routing_only() -> None:
+    """A Ready flap: out of the pool, the ring, every view and the feed readiness; its feed, checks and index
+    entries stay (never offered to a decision); its live counters wait on standby; Ready again: all back."""
+    app = PickerApp(discovered_settings(kv=True))
+    tier4, placements = app.tier4, app.path.placements
+    assert tier4 is not None and placements is not None
+    app.apply_snapshot(snap(A, B, C))
+    ids = list(range(64))  # four blocks
+    keys = chain_block_keys(ids, 16, root_key("m", None, None), 4)
+    for name, _ in (A, B):
+        tier4.index.put(name, keys, StorageTier.GPU_HOT)
+    placements.record("p-b", keys, 0.0)
+    lease = app.pool.acquire(app.pool.endpoint("p-b"))  # type: ignore[arg-type]
+    for _ in range(3):
+        app.pool.record_response("p-b", False)  # its health window
+    consumer = tier4.consumers.consumers["p-b"]
+    assert held_by(app, ids) == {"p-a": 4, "p-b": 4}
+
+    app.apply_snapshot(snap(A, B, C, version="2", unready=("p-b",)))
+    assert app.pool.names() == ("p-a", "p-c") and app.router.ring().names == ("p-a", "p-c")
+    assert {s.endpoint.name for s in app.pool.view().states} == {"p-a", "p-c"}
+    assert app.pool.view(["10.0.0.2:8000"]).states == ()  # a subset hint naming it finds nothing to route to
+    assert tier4.consumers.consumers["p-b"] is consumer and not consumer.retired  # the feed stays
+    assert "p-b" in tier4.checks.state
+    assert tier4.index.backend_entries() == {"p-a": 4, "p-b": 4}  # its entries stay ...
+    assert held_by(app, ids) == {"p-a": 4}  # ... never offered to a decision
+    assert len(placements) == 0  # this picker's guesses about it go (the index keeps the truth)
+    feeds, _ = tier4.feed_readiness(app.pool.names())
+    assert "p-b" not in feeds and "p-b" not in app.readiness().body["feeds"]  # type: ignore[operator]
+    assert app.pool_status()["unready"] == ["p-b"] and app.pool_status()["unready_count"] == 1
+    assert app.metrics.pool_backends._value.get() == 2
+    lease.release()  # a request sent before the flap ends meanwhile: counted where it was
+    app.refresh_gauges()
+    assert app.metrics.backend_healthy.labels("p-b")._value.get() == 0  # not eligible
+    assert series(app, "p-b")  # its series stay: it is still a backend of the pool
+
+    lease2 = app.pool.acquire(app.pool.endpoint("p-a"))  # type: ignore[arg-type]
+    app.apply_snapshot(snap(A, B, C, version="3"))  # Ready again
+    assert app.pool.names() == ("p-a", "p-b", "p-c") and app.router.ring().names == ("p-a", "p-b", "p-c")
+    assert held_by(app, ids) == {"p-a": 4, "p-b": 4}
+    assert tier4.consumers.consumers["p-b"] is consumer
+    assert app.pool.in_flight() == {"p-a": 1, "p-b": 0, "p-c": 0}
+    assert app.pool.success_rate("p-b") == 0.0  # the same engine: its health window came back with it
+    lease2.release()
+
+
+def test_an_unready_backend_keeps_its_in_flight_count_on_standby() -> None:
+    app = PickerApp(discovered_settings())
+    app.apply_snapshot(snap(A, B))
+    lease = app.pool.acquire(app.pool.endpoint("p-b"))  # type: ignore[arg-type]
+    app.apply_snapshot(snap(A, B, version="2", unready=("p-b",)))
+    assert app.pool.in_flight() == {"p-a": 0} and app.pool.standby_in_flight() == {"p-b": 1}
+    app.refresh_gauges()
+    assert app.metrics.prefix_routing_backend_distribution.labels("p-b")._value.get() == 1
+    app.apply_snapshot(snap(A, B, version="3"))
+    assert app.pool.in_flight() == {"p-a": 0, "p-b": 1}  # still running there: not an idle newcomer
+    lease.release()
+    assert app.pool.in_flight()["p-b"] == 0
+    app.apply(discovered_settings(selection_strategy="RoundRobin"))  # a reload keeps members and standby
+    app.apply_snapshot(snap(A, B, version="4", unready=("p-b",)))
+    app.apply(discovered_settings(selection_strategy="PrefixAwareHash"))
+    assert app.pool.names() == ("p-a",) and app.pool.standby() == {"p-b": "10.0.0.2:8000"}
+
+
+def test_an_unready_backend_that_leaves_or_moves_is_dropped_at_once() -> None:
+    app = PickerApp(discovered_settings(kv=True))
+    tier4 = app.tier4
+    assert tier4 is not None
+    app.apply_snapshot(snap(A, B, C, unready=("p-b", "p-c")))
+    for name in ("p-a", "p-b", "p-c"):
+        tier4.index.put(name, [1, 2], StorageTier.GPU_HOT)
+    consumers = dict(tier4.consumers.consumers)
+    consumers["p-c"].stats.last_event_id = 7
+    # p-b's pod is deleted (or terminating: not published), p-c is rescheduled to another IP while unready
+    app.apply_snapshot(snap(A, ("p-c", "10.0.0.33:8000"), version="2", unready=("p-c",)))
+    assert sorted(tier4.consumers.consumers) == ["p-a", "p-c"] and consumers["p-b"].retired
+    assert tier4.index.backend_entries() == {"p-a": 2}  # p-b forgotten, p-c voided (another engine)
+    consumers["p-c"]._position()
+    assert consumers["p-c"].stats.last_event_id is None  # its feed asks for a snapshot
+    assert "p-b" not in tier4.checks.state and series(app, "p-b") == []
+    assert app.pool.standby() == {"p-c": "10.0.0.33:8000"} and app.pool.names() == ("p-a",)
+
+
+def test_unready_feeds_do_not_hold_readiness_back() -> None:
+    app = PickerApp(discovered_settings(kv=True))
+    app.ready = True
+    app.apply_snapshot(snap(A, B, unready=("p-b",)))  # two new feeds, neither caught up
+    r = app.readiness(now=0.0)
+    assert not r.ready and r.body["feeds"] == {"p-a": "connecting"}
+    app.apply_snapshot(snap(A, B, version="2", unready=("p-a", "p-b")))
+    r = app.readiness()
+    assert r.ready and r.body["feeds"] == {}, r.body
+
+
+def test_a_change_of_only_the_ready_flag_is_a_new_snapshot(tmp_path: Path) -> None:
+    """The file discovery's ``ready`` (default true), as a pod's Ready condition; a flip alone is published."""
+    path = tmp_path / "backends.yaml"
+    path.write_text(
+        "backends:\n  - {name: e0, address: 10.0.0.1:8000}\n  - {name: e1, address: 10.0.0.2:8000, ready: false}\n"
+    )
+    e0, e1 = load_backends_file(path)
+    assert (e0.ready, e1.ready) == (True, False)
+    path.write_text("backends:\n  - {name: e0, address: 10.0.0.1:8000, ready: maybe}\n")
+    with pytest.raises(ConfigError) as info:
+        load_backends_file(path)
+    assert info.value.problems[0][0] == "backends[0].ready"
+
+    async def follow() -> list[PoolSnapshot]:
+        published: list[PoolSnapshot] = []
+        discovery = FileDiscovery(BackendsFileRef(path=str(path), poll_seconds=0.05))
+        task = asyncio.create_task(discovery.run(published.append))
+        try:
+            path.write_text("backends:\n  - {name: e0, address: 10.0.0.1:8000}\n")
+            await async_wait_until(lambda: len(published) == 1, timeout=30)
+            tmp = tmp_path / "next.yaml"
+            tmp.write_text("backends:\n  - {name: e0, address: 10.0.0.1:8000, ready: false}\n")
+            tmp.replace(path)
+            await async_wait_until(lambda: len(published) == 2, timeout=30)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        return published
+
+    first, second = asyncio.run(follow())
+    assert first.ready_names() == ("e0",) and second.names() == ("e0",) and second.ready_names() == ()
 
 
 def test_a_static_reload_keeps_working_and_cannot_switch_the_source() -> None:

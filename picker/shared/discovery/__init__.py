@@ -1,8 +1,14 @@
 """Where the pool's endpoints come from, for the picker and the listener alike.
 
 A discovery source (the InferencePool watcher in ``kubernetes``, the file watcher in ``files``) publishes
-``PoolSnapshot``s: the whole set of live backends each time it changes. The consumer (the picker's pool, the
+``PoolSnapshot``s: the whole set of backends each time it changes. The consumer (the picker's pool, the
 listener's sources) diffs two snapshots itself, so a lost or coalesced publication never leaves it wrong.
+
+Readiness gates routing only: a snapshot holds every backend whose pod exists and has an IP, each with its
+``ready`` flag (the pod's Ready condition). The picker routes to ready backends only; its Tier 4 feeds and KV
+index, and the listener's event sources, follow every backend of the snapshot, so an engine that briefly fails
+its readiness probe (busy, not restarted) keeps its KV state everywhere. A backend that leaves the snapshot
+(pod deleted, terminating, or without an IP) is dropped everywhere at once.
 
 Naming: a backend is named after its pod; a pool with several target ports (data-parallel ranks of one engine,
 one endpoint each) names them ``<pod>.rank<i>``, ``i`` the port's index in ``targetPorts``. The name is the key the
@@ -19,7 +25,8 @@ from typing import TYPE_CHECKING, Protocol
 
 @dataclass(frozen=True, slots=True)
 class DiscoveredBackend:
-    """One live endpoint: a ready pod's IP and one of the pool's target ports."""
+    """One endpoint: a pod's IP and one of the pool's target ports; ``ready``: the pod's Ready condition (the
+    picker routes only to ready backends; Tier 4 and the listener follow every one)."""
 
     name: str  # backend name (see backend_name)
     ip: str  # the pod IP, as the API server gives it (no brackets)
@@ -28,6 +35,7 @@ class DiscoveredBackend:
     pod: str = ""
     namespace: str = ""
     annotations: tuple[tuple[str, str], ...] = field(default=())  # the pod's annotations, sorted by key
+    ready: bool = True
 
     @property
     def address(self) -> str:
@@ -44,8 +52,8 @@ class DiscoveredBackend:
 
 @dataclass(frozen=True, slots=True)
 class PoolSnapshot:
-    """Every live backend at one moment, sorted by name; ``source`` says where it came from (for logs and
-    /admin), ``version`` the API resourceVersion or the file's mtime it reflects."""
+    """Every backend at one moment (ready or not), sorted by name; ``source`` says where it came from (for logs
+    and /admin), ``version`` the API resourceVersion or the file's mtime it reflects."""
 
     backends: tuple[DiscoveredBackend, ...]
     source: str
@@ -53,6 +61,10 @@ class PoolSnapshot:
 
     def names(self) -> tuple[str, ...]:
         return tuple(b.name for b in self.backends)
+
+    def ready_names(self) -> tuple[str, ...]:
+        """The names of the backends to route to (their pods are Ready)."""
+        return tuple(b.name for b in self.backends if b.ready)
 
 
 def backend_name(pod: str, rank: int, ports: int) -> str:

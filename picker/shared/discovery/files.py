@@ -6,6 +6,8 @@ The file::
       - name: engine-0              # a backend name (picker.shared.config_files.BackendName)
         address: 10.0.0.7:8000      # ip:port, IPv6 as [ip]:port
         annotations: {kv-epp/events: "tcp://10.0.0.7:5557"}   # optional, as a pod's annotations
+        ready: true                 # optional (default true), as a pod's Ready condition: false = not routed to,
+                                    # its KV feed and events still followed
 
 Its (mtime, size, inode) is checked every ``poll_seconds`` (one stat on the event loop); a change is read and
 validated on a worker thread, then published if the backends differ. A file that cannot be used (missing,
@@ -40,6 +42,7 @@ class _FileBackend(BaseModel):
     name: BackendName
     address: IpPort
     annotations: dict[str, str] = Field(default_factory=dict, max_length=MAX_ANNOTATIONS)
+    ready: bool = True
 
 
 class _BackendsFile(BaseModel):
@@ -85,6 +88,7 @@ def load_backends_file(path: str | Path) -> tuple[DiscoveredBackend, ...]:
                 ip=str(ip),
                 port=int(port),
                 annotations=tuple(sorted(b.annotations.items())),
+                ready=b.ready,
             )
         )
     out.sort(key=lambda d: d.name)
