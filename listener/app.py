@@ -18,19 +18,30 @@ retired (a ``clear`` then ``close: backend_gone`` to every subscriber), forgotte
 task is cancelled and awaited (bounded by ``TASK_STOP_SECONDS``), its sockets closed and its metric series
 removed; then sources of new backends are created, restored from the state file when it holds their state,
 opened and started. A backend whose source cannot be made (a bad annotation, a template that does not fit it)
-is skipped, logged and counted once while the problem lasts. Bound: at most ``discovery.max_sources`` sources
-(the discovery source also caps pods: ``inference_pool.max_pods``). ``/readyz`` is not ready until the first
-snapshot is applied. Sources of discovered backends run as tasks of their own (they come and go), supervised
-the same way: a crash is logged, counted and makes the listener not ready.
+is skipped, logged and counted once while the problem lasts. A source whose sockets could not be opened (a
+transient error: too many open files, ...) is retried with a capped backoff (OPEN_RETRY_FIRST_SECONDS doubling
+to OPEN_RETRY_MAX_SECONDS) for as long as its backend stays in the pool with the same config: each failure is
+counted (``source_open_failed``), logged once per streak of failures, and a success after failures is logged
+and counted (``source_open_recovered``). Bound: at most ``discovery.max_sources`` sources (the discovery source
+also caps pods: ``inference_pool.max_pods``); one retry record per backend of the snapshot. ``/readyz`` is not
+ready until the first snapshot is applied. Sources of discovered backends run as tasks of their own (they come
+and go), supervised the same way: a crash is logged, counted and makes the listener not ready.
+
+Readiness of a pod (its ``ready`` flag in the snapshot) does not change its source: the listener follows every
+backend of the snapshot, ready or not, so an engine that briefly fails its readiness probe keeps its
+subscription, its tracker, its feed and its saved state. ``/healthz`` shows each source's ``pod_ready``, and a
+source of an unready pod that is not connected does not make the listener degraded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import zmq.asyncio
 from aiohttp import web
@@ -51,7 +62,20 @@ log = logging.getLogger("kv_listener.app")
 TASK_STOP_SECONDS = 5.0  # sources wait only on their own sockets and polls
 GONE = "backend_gone"  # the clear and close reason a removed backend's subscribers get
 MAX_SOURCE_FAILURES = 64  # crashed discovered-source tasks remembered (one is enough to be not ready)
+OPEN_RETRY_FIRST_SECONDS = 0.5  # the first retry of a source that could not be opened, doubling ...
+OPEN_RETRY_MAX_SECONDS = 30.0  # ... up to this
 Source = ZmqEventSource | TrtllmHttpSource
+
+
+@dataclass(slots=True)
+class _OpenFailure:
+    """A discovered backend's source that could not be opened: retried at ``retry_at`` (loop time)."""
+
+    cfg: SourceConfig
+    error: str
+    failures: int  # in a row
+    retry_at: float
+    old_epoch: int | None  # the feed id epoch of the source it replaced, if any
 
 
 class StartupError(Exception):
@@ -82,9 +106,15 @@ class ListenerApp:
     """Lifecycle: ``start()`` → serve → ``drain_and_stop()`` or ``stop()`` (see the module docstring)."""
 
     def __init__(
-        self, cfg: ListenerConfig, metrics: ListenerMetrics | None = None, discovery: Discovery | None = None
+        self,
+        cfg: ListenerConfig,
+        metrics: ListenerMetrics | None = None,
+        discovery: Discovery | None = None,
+        zmq_context: zmq.asyncio.Context | None = None,
     ) -> None:
-        """``discovery`` replaces the source ``cfg.discovery`` names (tests); it needs ``cfg.discovery``."""
+        """``discovery`` replaces the source ``cfg.discovery`` names (tests); it needs ``cfg.discovery``.
+        ``zmq_context``: the context the ZMQ sources use (made on first need when None); the app destroys it at
+        stop either way."""
         if discovery is not None and cfg.discovery is None:
             raise ValueError("a discovery object needs cfg.discovery (its source_template)")
         self.cfg = cfg
@@ -103,12 +133,13 @@ class ListenerApp:
         self._failures: list[TaskFailure] = []  # crashed discovered sources (bound: MAX_SOURCE_FAILURES)
         # backend → (event, why) of the current snapshot's backends without a source (bound: the snapshot)
         self.skipped: dict[str, tuple[str, str]] = {}
-        self._open_failed: dict[str, tuple[SourceConfig, str]] = {}  # bound: the snapshot's backends
+        self._open_failed: dict[str, _OpenFailure] = {}  # bound: the snapshot's backends
+        self.unready: frozenset[str] = frozenset()  # backends of the applied snapshot whose pods are not Ready
         self.started = False
         self.draining = False  # not ready: /readyz 503 (set first)
         self.refusing = False  # new feed subscriptions refused, /healthz 503 (set after propagation)
         self.supervisor = TaskSupervisor(on_failure=self._task_failed, logger=log)
-        self._ctx: zmq.asyncio.Context | None = None
+        self._ctx: zmq.asyncio.Context | None = zmq_context
         self._runner: web.AppRunner | None = None
         self._stopped = False
         self.port: int | None = None
@@ -189,10 +220,15 @@ class ListenerApp:
             st = src.status(self.cfg.stale_after_seconds)
             state_age = st["state_age_seconds"]
             assert isinstance(state_age, float)
-            if st["state"] == "stale" or (not src.connected and state_age > self.cfg.connect_grace_seconds):
+            pod_ready = name not in self.unready
+            # an unready pod's engine may well be silent or down: only a ready one's source is expected to flow
+            if pod_ready and (
+                st["state"] == "stale" or (not src.connected and state_age > self.cfg.connect_grace_seconds)
+            ):
                 degraded.append(name)
             sources[name] = {
                 **st,
+                "pod_ready": pod_ready,
                 "tracked_blocks": self.trackers[name].tracked_blocks,
                 "retained_tokens": self.trackers[name].retained_tokens,
                 "last_event_id": self.feeds[name].last_id,
@@ -219,7 +255,12 @@ class ListenerApp:
         status["applied"] = (
             None
             if applied is None
-            else {"source": applied.source, "version": applied.version, "backends": len(applied.backends)}
+            else {
+                "source": applied.source,
+                "version": applied.version,
+                "backends": len(applied.backends),
+                "ready": len(applied.backends) - len(self.unready),
+            }
         )
         status["snapshots_applied"] = self.snapshots_applied
         status["live_sources"] = len(self.sources)
@@ -366,12 +407,29 @@ class ListenerApp:
         self._wake.set()
 
     async def _apply_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            await self._wake.wait()
+            due = None if self.draining else min((f.retry_at for f in self._open_failed.values()), default=None)
+            if due is None:
+                await self._wake.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), max(0.0, due - loop.time()))
             self._wake.clear()
             snapshot, self._pending = self._pending, None
             if snapshot is not None:
                 await self.apply_snapshot(snapshot)
+            else:
+                self._retry_opens()
+
+    def _retry_opens(self) -> None:
+        """Open again the sources whose retry is due (their backends are in the applied snapshot with the same
+        config: ``_wanted`` keeps only those)."""
+        now = asyncio.get_running_loop().time()
+        for name, failed in list(self._open_failed.items()):
+            if failed.retry_at <= now and name not in self.sources and not self.draining:
+                self._start_source(failed.cfg, failed.old_epoch)
+        self.metrics.sources.set(len(self.sources))
 
     def _wanted(self, snapshot: PoolSnapshot, d: DiscoveryConfig) -> dict[str, SourceConfig]:
         """The source of each backend of ``snapshot`` that can have one; the others go to ``self.skipped``
@@ -390,17 +448,17 @@ class ListenerApp:
                 wanted[b.name] = d.template.render(b, d.annotation_prefix)
             except TemplateError as exc:
                 skipped[b.name] = (exc.kind, str(exc))
-        for name, scfg in list(wanted.items()):
-            failed = self._open_failed.get(name)
-            if failed is not None and failed[0] == scfg:
-                skipped[name] = ("source_open_failed", failed[1])
+        now = asyncio.get_running_loop().time()
+        # a failed open is retried when due, and at once when the backend's config changed (a fresh streak)
+        self._open_failed = {n: f for n, f in self._open_failed.items() if wanted.get(n) == f.cfg}
+        for name, failed in self._open_failed.items():
+            if failed.retry_at > now and name not in self.sources:
+                skipped[name] = ("source_open_failed", failed.error)
                 del wanted[name]
-        self._open_failed = {n: f for n, f in self._open_failed.items() if n in skipped}
         for name, (event, why) in skipped.items():
-            if self.skipped.get(name) != (event, why):
+            if self.skipped.get(name) != (event, why) and event != "source_open_failed":  # that one: at the open
                 log.warning("event=discovery_backend_skipped backend=%s reason=%s why=%r", name, event, why)
-                if event != "source_open_failed":  # counted when the open failed
-                    self.metrics.discovery_event(event)
+                self.metrics.discovery_event(event)
         self.skipped = skipped
         return wanted
 
@@ -414,9 +472,11 @@ class ListenerApp:
         added = 0
         for name, scfg in wanted.items():
             if name not in self.sources and not self.draining:
-                added += self._start_source(scfg, epochs.get(name))
+                failed = self._open_failed.get(name)
+                added += self._start_source(scfg, epochs.get(name, failed.old_epoch if failed else None))
         first = self.applied is None
         self.applied = snapshot
+        self.unready = frozenset(b.name for b in snapshot.backends if not b.ready)
         self.snapshots_applied += 1
         self.metrics.sources.set(len(self.sources))
         self.metrics.discovery_event("snapshot_applied")
@@ -488,7 +548,8 @@ class ListenerApp:
 
     def _start_source(self, scfg: SourceConfig, old_epoch: int | None) -> int:
         """Create, restore, open and start the source of a discovered backend; 1 if it runs, 0 if it could not
-        be opened (logged, counted, skipped while its config stays the same)."""
+        be opened (counted, logged once per streak of failures, retried with a capped backoff while its backend
+        stays with the same config)."""
         name = scfg.backend_name
         epoch = secrets.randbits(EPOCH_BITS)
         while epoch == old_epoch:  # a consumer's id from the dropped feed must not look like one of the new one
@@ -498,22 +559,37 @@ class ListenerApp:
         restored = False
         try:
             if isinstance(src, ZmqEventSource):
-                if self.persister is not None:
-                    restored = self.persister.add(src)
                 src.open()
         except Z.ZMQError as exc:
             if isinstance(src, ZmqEventSource):
                 src.close()
             for table in (self.sources, self.trackers, self.feeds):
                 table.pop(name, None)
-            if self.persister is not None:
-                self.persister.remove(name)
-            self._open_failed[name] = (scfg, str(exc))
+            prev = self._open_failed.get(name)
+            failures = prev.failures + 1 if prev is not None and prev.cfg == scfg else 1
+            delay = min(OPEN_RETRY_MAX_SECONDS, OPEN_RETRY_FIRST_SECONDS * 2 ** min(failures - 1, 32))
+            retry_at = asyncio.get_running_loop().time() + delay
+            self._open_failed[name] = _OpenFailure(scfg, str(exc), failures, retry_at, old_epoch)
             self.skipped[name] = ("source_open_failed", str(exc))
             self.metrics.discovery_event("source_open_failed")
             self.metrics.forget_source(name)
-            log.warning("event=discovery_backend_skipped backend=%s reason=source_open_failed why=%r", name, str(exc))
+            log.log(
+                logging.WARNING if failures == 1 else logging.DEBUG,
+                "event=discovery_backend_skipped backend=%s reason=source_open_failed why=%r failures=%d"
+                " retry_in_s=%.1f",
+                name,
+                str(exc),
+                failures,
+                delay,
+            )
             return 0
+        if isinstance(src, ZmqEventSource) and self.persister is not None:  # after the open: a failed one keeps
+            restored = self.persister.add(src)  # the saved state for its retry
+        failed = self._open_failed.pop(name, None)
+        if failed is not None:
+            self.skipped.pop(name, None)
+            self.metrics.discovery_event("source_open_recovered")
+            log.info("event=source_open_recovered source=%s failures=%d", name, failed.failures)
         self._tasks[name] = asyncio.create_task(self._guarded(name, src.run), name=f"source-{name}")
         self.metrics.discovery_event("source_added")
         log.info(

@@ -5,6 +5,7 @@ listener is in test_listener_discovery_apply.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -223,3 +224,11 @@ async def test_retire_replaces_pending_live_records_with_the_clear() -> None:
     batches = [batch async for batch in sub.batches(keepalive_seconds=60)]
     assert [[r.kind for r in b] for b in batches] == [[CLEAR]]
     assert sub.close_reason == "backend_gone"
+
+
+def test_readiness_does_not_change_a_backends_source() -> None:
+    """The listener compares rendered sources to decide what to drop: a Ready flap must render the same source
+    (readiness gates the picker's routing only; the engine's events are followed all along)."""
+    ready = backend(zmq_endpoint="tcp://{ip}:6000")
+    unready = dataclasses.replace(ready, ready=False)
+    assert not unready.ready and render(unready) == render(ready)

@@ -8,12 +8,17 @@ picker; a removed one is dropped at once (the picker's index holds none of its b
 ``backend_gone``, its socket is closed, its series are gone, a new subscription gets 404 / NOT_FOUND); a
 rescheduled pod (new name and IP) and an address change under the same name; bad annotations and the
 max_sources bound skip backends (logged and counted once); the state file follows the live set; a crashed
-source task makes the listener not ready."""
+source task makes the listener not ready; a Ready flap changes nothing but /healthz's ``pod_ready`` (the source,
+its feed and state stay); a source that could not be opened (a full ZMQ context: EMFILE) is retried with a
+capped backoff until it opens."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import errno
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -445,3 +450,88 @@ def test_forgetting_many_sources_removes_only_their_series() -> None:
     left = {s.labels.get("source") or s.labels.get("backend") for f in m.registry.collect() for s in f.samples}
     assert "c" in left and not {"a", "b"} & left
     assert m.forget_source("c") == 3 and m.forget_sources(set()) == 0
+
+
+async def test_a_ready_flap_keeps_the_source_its_feed_and_its_state(tmp_path: Path, engines: list[Engine]) -> None:
+    """Readiness gates the picker's routing only: a backend whose pod turns unready keeps its subscription, its
+    tracker, its feed (no clear: the picker's index keeps its blocks) and its saved state; events published
+    meanwhile are applied; /healthz says the pod is not ready and does not call the listener degraded."""
+    e0, e1 = engines[0], engines[1]
+    state = StateConfig(path=str(tmp_path / "state.bin"), interval_seconds=3600)
+    async with running(config(tmp_path, state=state)) as (app, discovery):
+        await discovery.push(e0.backend("vllm-0"), e1.backend("vllm-1"))
+        assert await e0.subscription() == b"\x01" and await e1.subscription() == b"\x01"
+        async with picker(app, "vllm-0") as p0:
+            k0 = await e0.store_chain()
+            await async_wait_until(lambda: held(p0) == len(k0), timeout=30)
+            source, feed, tracker = app.sources["vllm-0"], app.feeds["vllm-0"], app.trackers["vllm-0"]
+            unready = dataclasses.replace(e0.backend("vllm-0"), ready=False)
+            await discovery.push(unready, e1.backend("vllm-1"))
+            await async_wait_until(lambda: app.unready == {"vllm-0"}, timeout=30, what="the flap applied")
+            assert app.sources["vllm-0"] is source and app.feeds["vllm-0"] is feed
+            assert app.trackers["vllm-0"] is tracker
+            k1 = await e0.store_chain()  # the engine still runs and publishes
+            await async_wait_until(lambda: held(p0) == len(k0) + len(k1), timeout=30, what="blocks while unready")
+            _, health = await get(app, "/healthz")
+            assert health["sources"]["vllm-0"]["pod_ready"] is False and health["sources"]["vllm-1"]["pod_ready"]
+            assert health["discovery"]["applied"] == {"source": "scripted", "version": "2", "backends": 2, "ready": 1}
+            assert app.persister is not None
+            await app.persister.save()
+            assert sorted(read_state_file(state.path or "", 1 << 30)) == ["vllm-0", "vllm-1"]  # its state stays
+
+            await discovery.push(e0.backend("vllm-0"), e1.backend("vllm-1"))  # Ready again
+            await async_wait_until(lambda: app.unready == frozenset(), timeout=30)
+            assert app.sources["vllm-0"] is source and app.feeds["vllm-0"] is feed
+            assert p0.stats.closes == {} and held(p0) == len(k0) + len(k1)  # one subscription, never cleared
+            assert metric(app, "continuum_listener_discovery_events_total", event="source_removed") is None
+            assert metric(app, "continuum_listener_discovery_events_total", event="source_added") == 2
+
+            await discovery.push(e1.backend("vllm-1"))  # deleted: now dropped at once
+            await async_wait_until(lambda: held(p0) == 0, timeout=30)
+            assert await e0.subscription() == b"\x00"
+
+
+async def test_a_source_that_could_not_be_opened_is_retried_with_backoff(
+    tmp_path: Path, engines: list[Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The listener's ZMQ context is full (libzmq's MAX_SOCKETS, the real EMFILE "Too many open files"): the
+    discovered source cannot be opened. Without any new snapshot it is retried with a capped backoff (each failure
+    counted, one warning for the streak) and opened once sockets are free again."""
+    e0 = engines[0]
+    ctx = zmq.asyncio.Context()
+    ctx.set(zmq.MAX_SOCKETS, 8)  # before the first socket: libzmq reads it then
+    fillers: list[zmq.asyncio.Socket] = []
+    app = ListenerApp(config(tmp_path), discovery=(discovery := ScriptedDiscovery()), zmq_context=ctx)
+    await app.start()
+    try:
+        with pytest.raises(zmq.ZMQError) as full:
+            for _ in range(64):
+                fillers.append(ctx.socket(zmq.PAIR))
+        assert full.value.errno == errno.EMFILE
+        with caplog.at_level(logging.DEBUG, logger="kv_listener.app"):
+            await discovery.push(e0.backend("vllm-0"))
+            await async_wait_until(lambda: app.applied is not None, timeout=30)
+            assert "vllm-0" not in app.sources and app.skipped["vllm-0"][0] == "source_open_failed"
+            assert "Too many open files" in app.skipped["vllm-0"][1]
+            failed = ("continuum_listener_discovery_events_total", {"event": "source_open_failed"})
+            await async_wait_until(
+                lambda: (app.metrics.registry.get_sample_value(*failed) or 0) >= 3, timeout=30, what="two retries"
+            )
+            assert app.snapshots_applied == 1  # retried without a new snapshot
+            for s in fillers:
+                s.close(linger=0)
+            assert await e0.subscription() == b"\x01"  # opened by a retry
+            await async_wait_until(lambda: "vllm-0" in app.sources and not app.skipped, timeout=30)
+        warnings = [r for r in caplog.records if "reason=source_open_failed" in r.getMessage()]
+        assert [r.levelno for r in warnings][:1] == [logging.WARNING]
+        assert all(r.levelno == logging.DEBUG for r in warnings[1:]) and len(warnings) >= 3
+        assert any("event=source_open_recovered source=vllm-0" in r.getMessage() for r in caplog.records)
+        assert metric(app, "continuum_listener_discovery_events_total", event="source_open_recovered") == 1
+        assert metric(app, "continuum_listener_sources") == 1
+        async with picker(app, "vllm-0") as p0:  # the retried source works
+            keys = await e0.store_chain()
+            await async_wait_until(lambda: held(p0) == len(keys), timeout=30)
+    finally:
+        for s in fillers:
+            s.close(linger=0)
+        await app.stop()
