@@ -1,11 +1,13 @@
 """InferencePool discovery (picker.shared.discovery.kubernetes) against a FAKE Kubernetes API server
 (tests.support.fake_kube.FakeKubeApiServer: real HTTP on loopback, list + watch, resourceVersion, 410 Gone,
-bookmarks). Each change is waited for by polling the published snapshots with a deadline."""
+bookmarks, stalled watches, 410 storms). Each change is waited for by polling the published snapshots with a
+deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -54,13 +56,20 @@ class Run:
         assert self.snapshots, "nothing published"
         return self.snapshots[-1]
 
-    async def names(self, *expected: str, what: str = "") -> PoolSnapshot:
-        """Wait until the last published snapshot holds exactly these backend names."""
+    async def names(self, *expected: str, what: str = "", ready: tuple[str, ...] | None = None) -> PoolSnapshot:
+        """Wait until the last published snapshot holds exactly these backend names and, of them, exactly the
+        ``ready`` ones ready (None: all of them)."""
         want = tuple(sorted(expected))
+        want_ready = want if ready is None else tuple(sorted(ready))
+
+        def holds() -> bool:
+            last = self.snapshots[-1] if self.snapshots else None
+            return last is not None and last.names() == want and last.ready_names() == want_ready
+
         await async_wait_until(
-            lambda: bool(self.snapshots) and self.snapshots[-1].names() == want,
+            holds,
             timeout=DEADLINE,
-            what=what or f"snapshot {want} (last: {self.snapshots[-1].names() if self.snapshots else None})",
+            what=what or f"snapshot {want} ready {want_ready} (last: {self.last.backends if self.snapshots else None})",
         )
         return self.last
 
@@ -106,7 +115,9 @@ def requests_for(fake: FakeKubeApiServer, path: str, *, watch: bool) -> list[dic
     return [q for m, p, q in fake.requests if p == path and ("watch" in q) == watch]
 
 
-async def test_initial_sync_publishes_the_ready_pods(fake: FakeKubeApiServer, kubeconfig: Path) -> None:
+async def test_initial_sync_publishes_the_pods_with_an_ip_and_their_readiness(
+    fake: FakeKubeApiServer, kubeconfig: Path
+) -> None:
     fake.put_pool(POOL, NS, APP, [8000])
     pod(fake, "ready-a", "10.1.0.1", annotations={"z": "1", "a": "2"})
     pod(fake, "ready-b", "fd00::2")
@@ -118,17 +129,20 @@ async def test_initial_sync_publishes_the_ready_pods(fake: FakeKubeApiServer, ku
     fake.put_pod("other-ns", "elsewhere", APP, "10.1.0.7", True)
 
     async with running(kubeconfig) as run:
-        snap = await run.names("ready-a", "ready-b")
+        # the unready pod is published (not ready): readiness gates routing only; no IP or terminating: not at all
+        snap = await run.names("ready-a", "ready-b", "unready", ready=("ready-a", "ready-b"))
         await watching(fake)
         assert run.discovery.synced
-        a, b = snap.backends
-        assert (a.ip, a.port, a.rank, a.pod, a.namespace) == ("10.1.0.1", 8000, 0, "ready-a", NS)
+        a, b, u = snap.backends
+        assert (a.ip, a.port, a.rank, a.pod, a.namespace, a.ready) == ("10.1.0.1", 8000, 0, "ready-a", NS, True)
         assert a.annotations == (("a", "2"), ("z", "1"))
         assert b.address == "[fd00::2]:8000"
+        assert (u.address, u.ready) == ("10.1.0.3:8000", False)
         assert snap.source == f"inference_pool {NS}/{POOL}"
         assert snap.version == str(fake.resource_version)
         status = run.discovery.status()
-        assert status["synced"] is True and status["backends"] == 2 and status["pods"] == 5
+        assert status["synced"] is True and status["backends"] == 3 and status["pods"] == 5
+        assert status["published_pods"] == 3 and status["live_pods"] == 2
         assert status["source"] == f"inference_pool {NS}/{POOL}" and status["last_error"] is None
         assert len(run.snapshots) == 1, "one publication for the initial sync"
         assert "list" in run.counted
@@ -144,8 +158,10 @@ async def test_pods_added_unready_deleted_and_rescheduled(fake: FakeKubeApiServe
         await run.names("a")
         pod(fake, "b", "10.1.0.2")
         await run.names("a", "b", what="pod b added")
-        fake.set_ready("a", NS, False)
-        await run.names("b", what="pod a made unready")
+        published = len(run.snapshots)
+        fake.set_ready("a", NS, False)  # a change of the ready flag alone is published
+        await run.names("a", "b", ready=("b",), what="pod a made unready: still published, not ready")
+        assert len(run.snapshots) == published + 1
         fake.set_ready("a", NS, True)
         await run.names("a", "b", what="pod a ready again")
         fake.delete_pod("b", NS)
@@ -153,7 +169,7 @@ async def test_pods_added_unready_deleted_and_rescheduled(fake: FakeKubeApiServe
         # rescheduled: the old pod goes, a new one (new name, new IP) comes up, first unready
         fake.delete_pod("a", NS)
         pod(fake, "a2", "10.1.0.9", ready=False)
-        await run.names(what="a deleted, its replacement not ready yet")
+        await run.names("a2", ready=(), what="a deleted, its replacement not ready yet")
         fake.set_ready("a2", NS, True)
         snap = await run.names("a2", what="the replacement ready")
         assert snap.backends[0].address == "10.1.0.9:8000"
@@ -196,8 +212,8 @@ async def test_events_that_do_not_change_the_live_set_publish_nothing(
         published = len(run.snapshots)
         events = run.discovery.status()["counts"].get("watch_event", 0)  # type: ignore[attr-defined]
         pod(fake, "a", "10.1.0.1")  # MODIFIED, same content
-        pod(fake, "pending", None, annotations={"x": "y"})  # a pod that is not live changed
-        fake.set_ready("pending", NS, True)  # Ready without an IP is not live
+        pod(fake, "pending", None, annotations={"x": "y"})  # a pod that is not published changed
+        fake.set_ready("pending", NS, True)  # Ready without an IP is not published
         await run.counts("watch_event", events + 3)
         pod(fake, "b", "10.1.0.2")
         await run.names("a", "b")
@@ -478,3 +494,121 @@ async def test_watches_ended_by_timeout_seconds_are_renewed_without_a_list(
         assert all(q["timeoutSeconds"] == "1" for q in requests_for(fake, PODS_PATH, watch=True))
         assert len(requests_for(fake, PODS_PATH, watch=False)) == 1
         assert "error" not in run.discovery.status()["counts"]  # type: ignore[operator]
+
+
+# -- a watch that goes silent, a 410 storm, the server's periodic bookmarks --------------------------------------
+
+
+async def test_a_stalled_watch_is_noticed_and_renewed_within_the_idle_timeout(
+    fake: FakeKubeApiServer, kubeconfig: Path
+) -> None:
+    """The server keeps the watch connections open and sends nothing: with watch_idle_timeout_seconds 1 (not the
+    300 s + 60 s the read timeout used to be) both watches are renewed from their last version, no re-list, and a
+    change made meanwhile arrives. The deadline (10 s) is far below the old bound, so the test fails without the
+    idle timeout."""
+    fake.bookmark_interval = 0.2  # as the real server (every minute there): a quiet watch that works is not stalled
+    fake.put_pool(POOL, NS, APP, [8000])
+    pod(fake, "a", "10.1.0.1")
+    async with running(kubeconfig, watch_idle_timeout_seconds=1.0) as run:
+        await run.names("a")
+        await watching(fake)
+        last = run.discovery.status()["resource_version"]
+        watches = len(requests_for(fake, PODS_PATH, watch=True))
+        lists = len(requests_for(fake, PODS_PATH, watch=False))
+        fake.stall_watches()
+        pod(fake, "b", "10.1.0.2")  # queued behind the stall: the stalled stream never sends it
+        await run.counts("watch_stalled", 2)  # the pool's watch and the pods' watch
+        await run.names("a", "b", what="the change, through the renewed watch")
+        renewed = requests_for(fake, PODS_PATH, watch=True)[watches:]
+        assert renewed and renewed[0]["resourceVersion"] == last, "renewed from its last version"
+        assert len(requests_for(fake, PODS_PATH, watch=False)) == lists, "a stall is renewed, not re-listed"
+        assert "error" not in run.discovery.status()["counts"]  # type: ignore[operator]
+        fake.unstall_watches()
+
+
+async def test_a_server_that_holds_new_watches_unanswered_is_retried(fake: FakeKubeApiServer, kubeconfig: Path) -> None:
+    """Stalled before the answer's headers (an open connection, no bytes): the idle timeout covers that too."""
+    fake.put_pool(POOL, NS, APP, [8000])
+    pod(fake, "a", "10.1.0.1")
+    async with running(kubeconfig, watch_idle_timeout_seconds=0.5) as run:
+        await run.names("a")
+        await watching(fake)
+        fake.stall_watches(new_too=True)  # the open watches go silent, the next ones get no answer at all
+        stalled = run.discovery.status()["counts"].get("watch_stalled", 0)  # type: ignore[attr-defined]
+        await run.counts("watch_stalled", stalled + 3)
+        fake.unstall_watches()
+        pod(fake, "b", "10.1.0.2")
+        await run.names("a", "b")
+
+
+async def test_periodic_bookmarks_keep_a_quiet_watch_alive(fake: FakeKubeApiServer, kubeconfig: Path) -> None:
+    """The real server sends a bookmark about every minute; here every 0.1 s, with an idle timeout of 2 s: a quiet
+    watch is never taken as stalled (the bookmarks show it is alive)."""
+    fake.bookmark_interval = 0.1
+    fake.put_pool(POOL, NS, APP, [8000])
+    pod(fake, "a", "10.1.0.1")
+    async with running(kubeconfig, watch_idle_timeout_seconds=2.0) as run:
+        await run.names("a")
+        await watching(fake)
+        bookmarks = run.discovery.status()["counts"].get("bookmark", 0)  # type: ignore[attr-defined]
+        await run.counts("bookmark", bookmarks + 60)  # at least 3 s of quiet, in bookmarks (two watches)
+        assert "watch_stalled" not in run.discovery.status()["counts"]  # type: ignore[operator]
+        assert len(requests_for(fake, PODS_PATH, watch=True)) == 1
+
+
+@pytest.mark.parametrize("as_http", [False, True])
+async def test_a_410_storm_backs_off_after_the_first_resync(
+    fake: FakeKubeApiServer, kubeconfig: Path, as_http: bool
+) -> None:
+    """Every watch answered 410: the first re-list is at once, the next ones wait the capped backoff
+    (retry_max_seconds 0.4 here), counted "resync_backoff"; when watches work again the streak ends."""
+    fake.put_pool(POOL, NS, APP, [8000])
+    pod(fake, "a", "10.1.0.1")
+    async with running(kubeconfig, retry_max_seconds=0.4) as run:
+        await run.names("a")
+        await watching(fake)
+        fake.expire_watches()  # one 410: re-listed at once, no backoff
+        await run.counts("resync", 1)
+        await watching(fake)
+        pod(fake, "b", "10.1.0.2")
+        await run.names("a", "b")
+        assert "resync_backoff" not in run.discovery.status()["counts"]  # type: ignore[operator]
+
+        lists = len(requests_for(fake, PODS_PATH, watch=False))
+        fake.watch_gone_as_http = as_http
+        fake.gone_storm = True
+        t0 = asyncio.get_running_loop().time()
+        fake.close_watches()  # every watch from now on is answered 410
+        await async_wait_until(
+            lambda: len(requests_for(fake, PODS_PATH, watch=False)) >= lists + 6, timeout=30, what="6 re-lists"
+        )
+        elapsed = asyncio.get_running_loop().time() - t0
+        # the backoff's shortest possible waits before re-lists 2..6 (jitter 0.5-1 x 0.1, 0.2, 0.4, 0.4, 0.4 s):
+        # a tight loop makes its 6 re-lists in milliseconds; a busy machine only makes them slower
+        assert elapsed >= 0.5 * (0.1 + 0.2 + 0.4 + 0.4 + 0.4) - 0.05, elapsed
+        assert run.discovery.status()["counts"]["resync_backoff"] >= 4  # type: ignore[index]
+        fake.gone_storm = False
+        backoffs = run.discovery.status()["counts"]["resync_backoff"]  # type: ignore[index]
+        pod(fake, "c", "10.1.0.3")
+        await run.names("a", "b", "c", what="watches work again")
+        await watching(fake)
+        fake.expire_watches()  # a single 410 after the storm: at once again
+        pod(fake, "d", "10.1.0.4")
+        await run.names("a", "b", "c", "d")
+        counts = run.discovery.status()["counts"]
+        # one wait of each follower (pool, pods) may have begun when the storm ended
+        assert counts["resync_backoff"] <= backoffs + 2, counts  # type: ignore[index,operator]
+
+
+async def test_the_api_client_sockets_have_tcp_keepalive(fake: FakeKubeApiServer, kubeconfig: Path) -> None:
+    """A peer gone without a FIN or RST is noticed by the kernel's keepalive probes, not only by the idle timeout:
+    the real socket of a request to the (fake) API server has SO_KEEPALIVE and the probe timings set."""
+    fake.put_pool(POOL, NS, APP, [8000])
+    access = kube.load_kube_access(InferencePoolRef(name=POOL, kubeconfig=str(kubeconfig)))
+    async with kube.make_http_client(access) as client, client.stream("GET", PODS_PATH.lstrip("/")) as resp:
+        assert resp.status_code == 200
+        sock = resp.extensions["network_stream"].get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == kube.KEEPALIVE_IDLE_SECONDS
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == kube.KEEPALIVE_COUNT

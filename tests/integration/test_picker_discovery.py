@@ -1,9 +1,10 @@
 """A real `kv-epp serve` process follows an InferencePool served by a FAKE Kubernetes API server
 (tests.support.fake_kube: real HTTP on loopback, list + watch, resourceVersion, 410 Gone, bookmarks; it is not
 Kubernetes). Pods added, made unready, deleted and rescheduled with new IPs change the picker's pool (its
-/admin/pool) within 1 s of the change; /readyz is 503 until the pool syncs; with Tier 4 and a real
-`kv-listener`, readiness waits for each new backend's feed or its grace; Envoy routes to a pod discovered after
-the picker started.
+/admin/pool: the backends it routes to) within 1 s of the change; /readyz is 503 until the pool syncs; with
+Tier 4 and a real `kv-listener`, readiness waits for each new backend's feed or its grace, and a Ready flap
+takes the backend out of routing only (its feed and its KV-index entries stay); Envoy routes to a pod
+discovered after the picker started.
 
 The 1 s is measured from just before the change is made on the fake server to the first /admin/pool answer
 that shows it (polled every 20 ms): it covers the watch event, the picker's snapshot, and one admin round trip.
@@ -19,7 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
+import zmq
 
 from benchmarks.stack import free_port, start_envoy
 from picker.runtime.envoy_config import EnvoyOptions
@@ -127,6 +130,8 @@ def test_the_pool_follows_the_pods_within_a_second(kube: ThreadedFakeKube, tmp: 
         both = {"vllm-0": "10.0.0.1:8000", "vllm-1": "10.0.0.2:8000"}
         change(picker, lat, "added", lambda: kube.put_pod("vllm-1", NS, LABELS, "10.0.0.2", ready=True), both)
         change(picker, lat, "unready", lambda: kube.set_ready("vllm-1", NS, False), {"vllm-0": "10.0.0.1:8000"})
+        admin_pool = http("GET", picker.admin + "/admin/pool").json()["pool"]
+        assert admin_pool["unready"] == ["vllm-1"] and admin_pool["unready_count"] == 1, admin_pool
         change(picker, lat, "ready again", lambda: kube.set_ready("vllm-1", NS, True), both)
         change(picker, lat, "deleted", lambda: kube.delete_pod("vllm-0", NS), {"vllm-1": "10.0.0.2:8000"})
 
@@ -288,3 +293,91 @@ def test_envoy_routes_to_a_pod_discovered_after_start(kube: ThreadedFakeKube, tm
             envoy.stop()
         assert picker.proc.stop() == 0
         backends.process.stop()
+
+
+# -- a Ready flap: out of routing, not out of Tier 4 -------------------------------------------------------------
+
+
+def start_listener_for(tmp: Path, backend: str, endpoint: str) -> tuple[CliProcess, str]:
+    """A real `kv-listener` with one vLLM source (block size 4) connected to ``endpoint``."""
+    cfg = {
+        "listen": "127.0.0.1:0",
+        "key_block_size": 4,
+        "sources": [{"backend_name": backend, "engine": "vllm", "model": "m", "zmq_endpoint": endpoint}],
+    }
+    path = write_yaml(tmp / "listener-flap.yaml", cfg)
+    proc = start_cli(["-m", "listener.cli", "run", "--config", str(path)], tmp, "listener-flap")
+    line = proc.read_line(timeout=SLOW_DEADLINE_S)
+    m = re.match(r"kv-listener ready listen=(\S+)", line)
+    assert m is not None, line
+    return proc, m.group(1)
+
+
+def test_a_ready_flap_keeps_the_backends_feed_and_index_entries(kube: ThreadedFakeKube, tmp: Path) -> None:
+    """vllm-0's pod fails its readiness probe for a while (a busy engine), its engine keeps running: the picker
+    stops routing to it within 1 s and routes to it again within 1 s of Ready, and all along its KV feed stays
+    subscribed and its index entries stay (blocks stored while it was unready arrive too); readiness is not held
+    back by the unready backend's feed."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    engine = ctx.socket(zmq.XPUB)
+    engine.setsockopt(zmq.LINGER, 0)
+    port = engine.bind_to_random_port("tcp://127.0.0.1")
+    seq = 0
+
+    def store(i: int) -> None:  # one 2-block chain (vLLM's array form, block size 4)
+        nonlocal seq
+        tokens = [1000 * i + t for t in range(8)]
+        event = ["BlockStored", [10 * i, 10 * i + 1], None, tokens, 4, None, "GPU", None]
+        engine.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb([time.time(), [event], 0])])
+        seq += 1
+
+    listener, listen = start_listener_for(tmp, "vllm-0", f"tcp://127.0.0.1:{port}")
+    picker = None
+    try:
+        assert engine.poll(int(SLOW_DEADLINE_S * 1000)), "the listener did not subscribe"
+        engine.recv()
+        picker = start_picker(
+            tmp, kube,
+            prefix_routing={"enabled": True},
+            kv_cache_index={
+                "enabled": True,
+                "event_source_template": {"endpoint": f"http://{listen}/events/{{name}}", "reconnect_interval_ms": 200},
+                "tokenizer": {"source": "none", "block_size": 4},
+                "checks": {"self_check": False, "ready_grace_seconds": 5},
+            },
+        )  # fmt: skip
+        kube.put_pool(POOL, NS, LABELS, [PORT])
+        kube.put_pod("vllm-0", NS, LABELS, "10.0.0.1", ready=True)
+        kube.put_pod("vllm-1", NS, LABELS, "10.0.0.2", ready=True)  # no feed at the listener: stale after grace
+        t0 = time.monotonic()
+        within(SLOW_DEADLINE_S, t0, lambda: picker.ready()[1]["feeds"].get("vllm-0") == "caught_up", "feed caught up")
+
+        def entries() -> int:
+            backends = http("GET", picker.admin + "/admin/kv-index/backends").json()["backends"]
+            return next((b["entries"] for b in backends if b["backend_name"] == "vllm-0"), -1)
+
+        store(1)
+        within(SLOW_DEADLINE_S, time.monotonic(), lambda: entries() == 2, "vllm-0's first blocks in the index")
+        lat: dict[str, float] = {}
+        change(picker, lat, "unready", lambda: kube.set_ready("vllm-0", NS, False), {"vllm-1": "10.0.0.2:8000"})
+        assert entries() == 2, "the unready backend's entries stay"
+        store(2)  # the engine still runs: its feed is still followed
+        within(SLOW_DEADLINE_S, time.monotonic(), lambda: entries() == 4, "blocks stored while unready")
+        within(SLOW_DEADLINE_S, time.monotonic(), lambda: picker.ready()[0] == 200, "ready (vllm-1's grace over)")
+        body = picker.ready()[1]
+        assert body["feeds"] == {"vllm-1": "stale"}, body  # only routed backends' feeds count for readiness
+        assert body["pool"]["backends"] == 1
+        both = {"vllm-0": "10.0.0.1:8000", "vllm-1": "10.0.0.2:8000"}
+        change(picker, lat, "ready again", lambda: kube.set_ready("vllm-0", NS, True), both)
+        assert entries() == 4, "back with every block"
+        assert picker.ready()[1]["feeds"]["vllm-0"] == "caught_up"
+        report(lat)
+        # deleted: now it goes everywhere at once
+        change(picker, lat, "deleted", lambda: kube.delete_pod("vllm-0", NS), {"vllm-1": "10.0.0.2:8000"})
+        within(CHANGE_DEADLINE_S, time.monotonic(), lambda: entries() == -1, "vllm-0's feed and entries gone")
+    finally:
+        if picker is not None:
+            assert picker.proc.stop() == 0
+        listener.stop()
+        engine.close(linger=0)
+        ctx.destroy(linger=0)

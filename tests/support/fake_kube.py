@@ -13,7 +13,13 @@ It is not Kubernetes. It implements, for ``/api/v1/namespaces/{ns}/pods`` and
 - compaction (``expire_watches``): open watches get an ERROR event with code 410 and end; a watch, list or
   continue token older than the compaction point gets 410 Gone (for a watch as an ERROR event by default,
   as the watch cache answers, or as HTTP 410 with ``watch_gone_as_http = True``);
-- an outage (``fail_requests``: 503 answers), an optional bearer token, and a record of every request.
+- an outage (``fail_requests``: 503 answers), an optional bearer token, and a record of every request;
+- periodic bookmarks (``bookmark_interval``: to every watch that asked, when it has been quiet that long, as the
+  real server's watch cache sends one about every minute);
+- a stall (``stall_watches``: the open watch streams, and with ``new_too`` each new watch request, keep their
+  connection open and send nothing, not even the headers of a new one, until ``unstall_watches``);
+- a 410 storm (``gone_storm``: every watch request is answered 410 at once, as an ERROR event or, with
+  ``watch_gone_as_http``, as the HTTP status).
 
 Mutators (``put_pod`` ...) are plain methods to call on the server's own event loop; ``running_fake_kube``
 hosts one on a thread for synchronous tests (the picker or listener as a subprocess) and exposes the same
@@ -169,6 +175,10 @@ class FakeKubeApiServer:
         self.token = token
         self.requests: list[tuple[str, str, dict[str, str]]] = []
         self.watch_gone_as_http = False  # 410 for a too-old watch: an ERROR event (False) or HTTP 410 (True)
+        self.gone_storm = False  # every watch request is answered 410 (see the module docstring)
+        self.bookmark_interval: float | None = None  # seconds of quiet after which a watch gets a bookmark
+        self._stall_new = False
+        self._unstalled = asyncio.Event()
         self._rv = 1
         self._compacted = 0  # a resourceVersion below this is Gone
         self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {PODS: {}, POOLS: {}}
@@ -180,6 +190,7 @@ class FakeKubeApiServer:
         self._runner: web.AppRunner | None = None
         self._port = 0
         self._stopping = False
+        self._stalled = 0  # watch handlers silent now
 
     # --- lifecycle ---
 
@@ -204,6 +215,7 @@ class FakeKubeApiServer:
 
     async def stop(self) -> None:
         self._stopping = True  # a request arriving on a kept-alive connection meanwhile gets 503
+        self.unstall_watches()
         for w in self._watches:
             w.offer("close")
         if self._runner is not None:
@@ -303,9 +315,14 @@ class FakeKubeApiServer:
         """A BOOKMARK at the current resourceVersion to each open watch that asked for bookmarks."""
         for w in self._watches:
             if w.bookmarks:
-                kind, api = _KIND[w.resource]
-                obj = {"kind": kind, "apiVersion": api, "metadata": {"resourceVersion": str(self._rv)}}
-                w.offer({"type": "BOOKMARK", "object": obj})
+                w.offer(self._bookmark(w.resource))
+
+    def _bookmark(self, resource: str) -> dict[str, Any]:
+        kind, api = _KIND[resource]
+        return {
+            "type": "BOOKMARK",
+            "object": {"kind": kind, "apiVersion": api, "metadata": {"resourceVersion": str(self._rv)}},
+        }
 
     def close_watches(self) -> None:
         """End every open watch stream cleanly (as timeoutSeconds does)."""
@@ -316,6 +333,23 @@ class FakeKubeApiServer:
         """Cut every open watch connection mid-stream (no final chunk): a dropped watch."""
         for w in self._watches:
             w.offer("drop")
+
+    def stall_watches(self, new_too: bool = False) -> None:
+        """Every open watch stream goes silent (its connection stays open, nothing more is sent); with ``new_too``
+        each new watch request is held the same way before its headers. Until ``unstall_watches``."""
+        self._unstalled.clear()
+        self._stall_new = new_too
+        for w in self._watches:
+            w.offer("stall")
+
+    def unstall_watches(self) -> None:
+        """Stalled watches carry on (events queued meanwhile are sent); new ones are served again."""
+        self._stall_new = False
+        self._unstalled.set()
+
+    def stalled_watches(self) -> int:
+        """Watch requests held silent now (open streams and new requests)."""
+        return self._stalled
 
     def bump(self, n: int = 1) -> None:
         """Advance the global resourceVersion (writes elsewhere in the cluster) without an event here."""
@@ -450,9 +484,18 @@ class FakeKubeApiServer:
             return _status_response(404, "NotFound", f'inferencepools.{POOL_GROUP} "{name}" not found')
         return web.json_response(obj)
 
+    async def _stall(self) -> None:
+        self._stalled += 1
+        try:
+            await self._unstalled.wait()
+        finally:
+            self._stalled -= 1
+
     async def _watch(self, request: web.Request, resource: str, ns: str, selector: _Selector) -> web.StreamResponse:
+        if self._stall_new:
+            await self._stall()  # the client sees an open connection and no answer
         rv_text = request.query.get("resourceVersion", "")
-        gone = rv_text not in ("", "0") and int(rv_text) < self._gone_below()
+        gone = self.gone_storm or (rv_text not in ("", "0") and int(rv_text) < self._gone_below())
         if gone and self.watch_gone_as_http:
             return _status_response(410, "Expired", f"too old resource version: {rv_text} ({self._rv})")
         bookmarks = request.query.get("allowWatchBookmarks") in ("1", "true", "True")
@@ -480,7 +523,15 @@ class FakeKubeApiServer:
             try:
                 async with asyncio.timeout(timeout):
                     while True:
-                        item = await watch.queue.get()
+                        try:
+                            item = await asyncio.wait_for(watch.queue.get(), self.bookmark_interval)
+                        except TimeoutError:  # quiet for bookmark_interval: a bookmark, as the real server sends
+                            if bookmarks:
+                                await response.write(json.dumps(self._bookmark(resource)).encode() + b"\n")
+                            continue
+                        if item == "stall":
+                            await self._stall()
+                            continue
                         if item == "close":
                             break
                         if item == "drop":
@@ -574,6 +625,21 @@ class ThreadedFakeKube:
 
     def bump(self, n: int = 1) -> None:
         self._call(self.server.bump, n)
+
+    def stall_watches(self, new_too: bool = False) -> None:
+        self._call(self.server.stall_watches, new_too)
+
+    def unstall_watches(self) -> None:
+        self._call(self.server.unstall_watches)
+
+    def stalled_watches(self) -> int:
+        return self._call(self.server.stalled_watches)
+
+    def set_gone_storm(self, on: bool) -> None:
+        def apply() -> None:
+            self.server.gone_storm = on
+
+        self._call(apply)
 
     def fail_requests(self, n_or_bool: int | bool) -> None:
         self._call(self.server.fail_requests, n_or_bool)

@@ -76,6 +76,10 @@ class InferencePoolRef(_Ref):
     context: str | None = Field(None, min_length=1, max_length=253)
     # the server ends each watch after this long and it is renewed from the last resourceVersion
     watch_timeout_seconds: int = Field(300, ge=1, le=3600)
+    # a watch stream that sends nothing (no event, no bookmark) this long is taken as dead and renewed from its last
+    # resourceVersion (the API server sends a bookmark about every 60 s: 150 s is 2.5 of them); the read timeout is
+    # the smaller of this and watch_timeout_seconds + 60 s
+    watch_idle_timeout_seconds: float = Field(150.0, ge=0.1, le=3600.0)
     # the cap of the exponential backoff between retries after an error (unreachable API server, 5xx, ...)
     retry_max_seconds: float = Field(10.0, ge=0.1, le=600.0)
     max_pods: int = Field(10_000, ge=1, le=1_000_000)

@@ -5,14 +5,21 @@ the watch that follows starts from a version the server still has, unlike a sing
 its ``selector.matchLabels`` and ``targetPorts`` decide which pods, and which ports of each, are backends. The
 pods are listed with that label selector (in pages of LIST_PAGE_SIZE) and watched from the list's
 resourceVersion with bookmarks and a server-side timeout; 410 Gone (an ERROR event or an HTTP status) means
-the version was compacted: the pods are listed again (a resync). A change of the pool's selector or ports
-lists the pods again.
+the version was compacted: the pods are listed again (a resync: the first at once, the next ones in a row, while
+no watch delivers anything, after the capped backoff, so a server answering every watch with 410 is not
+re-listed in a tight loop). A change of the pool's selector or ports lists the pods again.
 
-A pod is live when it has an IP, its Ready condition is True and it is not being deleted; each live pod is one
-backend per target port (``backend_name``). A snapshot is published on the first complete list and then on
-every change of the live set, coalesced per event-loop turn (a burst read in one chunk is one publication).
-Errors (unreachable server, 5xx, a dropped watch) are retried with capped exponential backoff and keep the
-last snapshot: an API outage never empties the pool. Only a pool deleted while watched publishes an empty one.
+A watch that goes silent (no event and no bookmark for ``watch_idle_timeout_seconds``; the API server sends a
+bookmark about every minute) is taken as dead and renewed from its last version, counted "watch_stalled"; the
+client's sockets have TCP keepalive on, so a peer that vanished is noticed by the kernel too.
+
+A pod is published when it has an IP and is not being deleted (``deletionTimestamp``), with ``ready`` from its
+Ready condition: readiness gates the picker's routing only, Tier 4 and the listener follow unready pods too.
+Each such pod is one backend per target port (``backend_name``). A snapshot is published on the first complete
+list and then on every change of the published set (a change of only the ready flag included), coalesced per
+event-loop turn (a burst read in one chunk is one publication). Errors (unreachable server, 5xx, a dropped
+watch) are retried with capped exponential backoff and keep the last snapshot: an API outage never empties the
+pool. Only a pool deleted while watched publishes an empty one.
 
 Credentials come from lightkube's kubeconfig support (in-cluster service account, $KUBECONFIG, ~/.kube/config;
 token files re-read when rotated, exec plugins, client certificates) and the HTTP client it builds from them.
@@ -29,6 +36,7 @@ import ipaddress
 import logging
 import os
 import random
+import socket
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
@@ -57,6 +65,11 @@ MAX_BODY_BYTES = 256 << 20  # one list page's body
 MAX_ERROR_BODY_BYTES = 64 << 10  # the part of an error answer read for its Status message
 REQUEST_TIMEOUT_SECONDS = 10.0  # connect/write/pool, and read for a list page
 WATCH_READ_GRACE_SECONDS = 60.0  # a watch stream silent this long past timeoutSeconds is taken as dead
+# TCP keepalive on the API server connections: a peer gone without a FIN or RST (node lost, NAT state dropped)
+# is noticed after about IDLE + INTERVAL x COUNT seconds of silence, even while a watch waits for its next byte
+KEEPALIVE_IDLE_SECONDS = 30
+KEEPALIVE_INTERVAL_SECONDS = 10
+KEEPALIVE_COUNT = 3
 BACKOFF_FIRST_SECONDS = 0.1
 OVER_LIMIT_LOG_EVERY = 1000  # log the first pod ignored past max_pods, then every this many
 
@@ -73,6 +86,10 @@ class _ApiError(Exception):
     def __init__(self, code: int, message: str) -> None:
         self.code = code
         super().__init__(f"HTTP {code}: {message}" if code else message)
+
+
+class _Stalled(Exception):
+    """A watch sent nothing (no event, no bookmark) for the idle timeout: taken as dead."""
 
 
 class _BadPool(Exception):
@@ -151,13 +168,33 @@ def _service_account_config(sa: Path, env: Mapping[str, str]) -> SingleConfig:
     return config
 
 
+def keepalive_socket_options() -> list[tuple[int, int, int]]:
+    """SO_KEEPALIVE and, where the platform has them, the idle, interval and count knobs (KEEPALIVE_*)."""
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    idle = getattr(socket, "TCP_KEEPIDLE", None) or getattr(socket, "TCP_KEEPALIVE", None)  # Linux / macOS
+    for opt, value in (
+        (idle, KEEPALIVE_IDLE_SECONDS),
+        (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_SECONDS),
+        (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_COUNT),
+    ):
+        if opt is not None:
+            options.append((socket.IPPROTO_TCP, opt, value))
+    return options
+
+
 def make_http_client(access: KubeAccess) -> httpx2.AsyncClient:
     """An HTTP client for the API server (base URL, TLS verification, client certificate and auth from the
-    kubeconfig). Reads certificate files: call it off the event loop."""
+    kubeconfig), its sockets with TCP keepalive. Reads certificate files: call it off the event loop."""
     config = access.config
-    if config.user is None:  # a context without a user: no authentication, as kubectl does
-        config = config._replace(user=User())
-    params = client_adapter.ConnectionParams(timeout=httpx2.Timeout(REQUEST_TIMEOUT_SECONDS))
+    user = config.user or User()  # a context without a user: no authentication, as kubectl does
+    config = config._replace(user=user)
+    # the transport is ours (for its socket options), so it gets the TLS context lightkube would have used
+    verify = client_adapter.verify_cluster(config.cluster, user, config.abs_file)
+    transport = httpx2.AsyncHTTPTransport(verify=verify, socket_options=keepalive_socket_options())
+    params = client_adapter.ConnectionParams(
+        timeout=httpx2.Timeout(REQUEST_TIMEOUT_SECONDS),
+        transport=transport,  # type: ignore[arg-type]  # the field is typed for the sync client only
+    )
     client = client_adapter.AsyncClient(config, params)
     client.headers["Accept"] = "application/json"
     client.headers["User-Agent"] = "kv-epp-discovery"
@@ -201,12 +238,23 @@ def parse_pool_spec(obj: Mapping[str, Any]) -> _PoolSpec:
 @dataclass(frozen=True, slots=True)
 class _Pod:
     ip: str | None  # None: no usable IP yet
-    live: bool
+    ready: bool  # its Ready condition is True
+    terminating: bool  # metadata.deletionTimestamp is set
     annotations: tuple[tuple[str, str], ...]
 
-    def view(self) -> tuple[str, tuple[tuple[str, str], ...]] | None:
-        """What the published backends depend on: nothing unless live."""
-        return (self.ip, self.annotations) if self.live and self.ip is not None else None
+    @property
+    def published(self) -> bool:
+        """The pod is a backend of the snapshot (ready or not): it has an IP and is not being deleted."""
+        return self.ip is not None and not self.terminating
+
+    @property
+    def live(self) -> bool:
+        """Published and Ready: a backend the picker routes to."""
+        return self.published and self.ready
+
+    def view(self) -> tuple[str, bool, tuple[tuple[str, str], ...]] | None:
+        """What the published backends depend on: nothing unless published."""
+        return (self.ip, self.ready, self.annotations) if self.ip is not None and not self.terminating else None
 
 
 def parse_pod(obj: Mapping[str, Any]) -> tuple[str, _Pod]:
@@ -226,8 +274,7 @@ def parse_pod(obj: Mapping[str, Any]) -> tuple[str, _Pod]:
     ready = any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     raw = meta.get("annotations") or {}
     annotations = tuple(sorted((str(k), str(v)) for k, v in raw.items())) if isinstance(raw, dict) else ()
-    live = ip is not None and ready and not meta.get("deletionTimestamp")
-    return name, _Pod(ip, live, annotations)
+    return name, _Pod(ip, ready, bool(meta.get("deletionTimestamp")), annotations)
 
 
 class _Backoff:
@@ -246,13 +293,39 @@ class _Backoff:
         await asyncio.sleep(delay)
 
 
+class _GoneStreak:
+    """410s in a row: the first re-list is at once, each next one (no watch delivered anything in between) waits
+    the capped backoff first, counted "resync_backoff", so a server that answers every watch 410 is not re-listed
+    in a tight loop. ``reset`` when a watch delivers an event or a bookmark."""
+
+    def __init__(self, cap: float, count: Count) -> None:
+        self._backoff = _Backoff(cap)
+        self._count = count
+        self.streak = 0  # 410s since a watch last delivered something
+
+    def note(self) -> None:
+        self.streak += 1
+
+    def reset(self) -> None:
+        if self.streak:
+            self.streak = 0
+            self._backoff.reset()
+
+    async def wait(self) -> None:
+        """Before a (re-)list: nothing unless this is the second or later 410 in a row."""
+        if self.streak > 1:
+            self._count("resync_backoff")
+            await self._backoff.sleep()
+
+
 class KubernetesPoolDiscovery:
     """Follows one InferencePool and its pods (see the module docstring); implements ``Discovery``.
 
     Bounds: the pod map holds at most ``ref.max_pods`` pods (a pod past it is ignored until a slot frees and the
     pod changes or the pods are listed again; counted as "pod_over_limit" and logged); one list page is
     LIST_PAGE_SIZE pods, one watch event at most MAX_EVENT_BYTES. Counters ("list", "watch", "watch_event",
-    "bookmark", "gone", "resync", "error", "pod_over_limit") go to ``count`` and to ``status()``."""
+    "bookmark", "gone", "resync", "resync_backoff", "watch_stalled", "error", "pod_over_limit") go to ``count``
+    and to ``status()``."""
 
     def __init__(
         self,
@@ -279,6 +352,7 @@ class KubernetesPoolDiscovery:
         self._ignored = 0  # pods ignored past max_pods since the last list
         self._published: tuple[DiscoveredBackend, ...] | None = None
         self._flush_pending = False
+        self._stalls = 0  # stalled watches since a watch last delivered something (for the log level)
 
     # --- Discovery ---
 
@@ -299,7 +373,8 @@ class KubernetesPoolDiscovery:
             "synced": self._synced,
             "backends": len(self._published or ()),
             "pods": len(self._pods),
-            "live_pods": sum(1 for p in self._pods.values() if p.live),
+            "published_pods": sum(1 for p in self._pods.values() if p.published),  # an IP, not terminating
+            "live_pods": sum(1 for p in self._pods.values() if p.live),  # published and Ready: routed to
             "pods_ignored": self._ignored,
             "pool_found": self._pool_found,
             "pool": pool,
@@ -336,6 +411,7 @@ class KubernetesPoolDiscovery:
     async def _follow_pool(self, http: httpx2.AsyncClient) -> None:
         """List and watch the pool for ever; start, restart or stop the pod follower as its spec changes."""
         backoff = _Backoff(self._ref.retry_max_seconds)
+        gone = _GoneStreak(self._ref.retry_max_seconds, self._count)
         pods_task: asyncio.Task[None] | None = None
         rv = ""
         params = {"fieldSelector": f"metadata.name={self._ref.name}"}
@@ -343,6 +419,7 @@ class KubernetesPoolDiscovery:
             while True:
                 try:
                     if not rv:
+                        await gone.wait()
                         body = await self._get_json(http, self._pools_path(), params)
                         self._count("list")
                         rv = str(body["metadata"]["resourceVersion"])
@@ -359,6 +436,8 @@ class KubernetesPoolDiscovery:
                     async with contextlib.aclosing(self._watch(http, self._pools_path(), watch_params, rv)) as stream:
                         async for etype, obj in stream:
                             events += 1
+                            gone.reset()
+                            self._stalls = 0
                             rv = _resource_version(obj) or rv
                             self._pool_rv = rv
                             if etype == "BOOKMARK":
@@ -373,8 +452,11 @@ class KubernetesPoolDiscovery:
                 except _Gone as exc:
                     self._count("gone")
                     self._count("resync")
+                    gone.note()
                     log.info("event=discovery_gone what=inferencepool source=%r detail=%r", self.source, str(exc))
                     rv = ""
+                except _Stalled:
+                    self._stalled("inferencepool")
                 except Exception as exc:
                     self._fail(f"inferencepool {self._namespace}/{self._ref.name}: {_describe(exc)}")
                     await backoff.sleep()
@@ -431,6 +513,7 @@ class KubernetesPoolDiscovery:
     async def _follow_pods(self, http: httpx2.AsyncClient, spec: _PoolSpec) -> None:
         """List the pods the spec selects, then watch them; list again after 410 Gone. For ever."""
         backoff = _Backoff(self._ref.retry_max_seconds)
+        gone = _GoneStreak(self._ref.retry_max_seconds, self._count)
         rv = ""
         relist = self._spec is not None  # a first list for this spec after another one is a resync too
         params = {
@@ -441,6 +524,7 @@ class KubernetesPoolDiscovery:
         while True:
             try:
                 if not rv:
+                    await gone.wait()
                     if relist:
                         self._count("resync")
                     rv = await self._list_pods(http, spec)
@@ -450,6 +534,8 @@ class KubernetesPoolDiscovery:
                 async with contextlib.aclosing(self._watch(http, self._pods_path(), params, rv)) as stream:
                     async for etype, obj in stream:
                         events += 1
+                        gone.reset()
+                        self._stalls = 0
                         rv = _resource_version(obj) or rv
                         self._pods_rv = rv
                         if etype == "BOOKMARK":
@@ -464,8 +550,11 @@ class KubernetesPoolDiscovery:
                     await backoff.sleep()
             except _Gone as exc:
                 self._count("gone")
+                gone.note()
                 log.info("event=discovery_gone what=pods source=%r detail=%r", self.source, str(exc))
                 rv = ""
+            except _Stalled:
+                self._stalled("pods")
             except Exception as exc:
                 self._fail(f"pods of {self.source}: {_describe(exc)}")
                 await backoff.sleep()
@@ -573,9 +662,10 @@ class KubernetesPoolDiscovery:
                 pod=name,
                 namespace=self._namespace or "",
                 annotations=pod.annotations,
+                ready=pod.ready,
             )
             for name, pod in self._pods.items()
-            if pod.live and pod.ip is not None
+            if pod.ip is not None and not pod.terminating
             for rank, port in enumerate(ports)
         ]
         out.sort(key=lambda b: b.name)
@@ -601,13 +691,28 @@ class KubernetesPoolDiscovery:
         self, http: httpx2.AsyncClient, path: str, params: dict[str, str], rv: str
     ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         """One watch request from ``rv``: yields (type, object) for ADDED, MODIFIED, DELETED and BOOKMARK;
-        raises _Gone on 410 (status or ERROR event), _ApiError on another error; returns when the server ends
-        the stream."""
+        raises _Gone on 410 (status or ERROR event), _Stalled when nothing arrives for the idle timeout (the
+        answer's headers included), _ApiError on another error; returns when the server ends the stream."""
         self._count("watch")
-        timeout = httpx2.Timeout(
-            REQUEST_TIMEOUT_SECONDS, read=self._ref.watch_timeout_seconds + WATCH_READ_GRACE_SECONDS
-        )
+        timeout = httpx2.Timeout(REQUEST_TIMEOUT_SECONDS, read=self.watch_read_timeout)
         query = {**params, "watch": "1", "resourceVersion": rv}
+        try:
+            async with contextlib.aclosing(self._watch_stream(http, path, query, timeout)) as stream:
+                async for item in stream:
+                    yield item
+        except httpx2.ReadTimeout:
+            raise _Stalled(f"GET {path}: nothing for {self.watch_read_timeout:g} s") from None
+
+    @property
+    def watch_read_timeout(self) -> float:
+        """How long a watch may send nothing: ``watch_idle_timeout_seconds``, at most ``watch_timeout_seconds`` +
+        WATCH_READ_GRACE_SECONDS (the server ends the stream itself by then)."""
+        ref = self._ref
+        return min(ref.watch_idle_timeout_seconds, ref.watch_timeout_seconds + WATCH_READ_GRACE_SECONDS)
+
+    async def _watch_stream(
+        self, http: httpx2.AsyncClient, path: str, query: dict[str, str], timeout: httpx2.Timeout
+    ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         async with http.stream("GET", path, params=query, timeout=timeout) as resp:
             if resp.status_code != 200:
                 await _raise_for(resp)
@@ -646,6 +751,20 @@ class KubernetesPoolDiscovery:
         elif log_it:
             log.debug("event=discovery_error source=%r error=%r", self.source, message)
         self._failing = self._failing or log_it
+
+    def _stalled(self, what: str) -> None:
+        """A watch sent nothing for the idle timeout: renewed from its last version at once (the wait itself spaces
+        the renewals). Logged at info the first time in a row, then at debug."""
+        self._count("watch_stalled")
+        self._stalls += 1
+        level = logging.INFO if self._stalls == 1 else logging.DEBUG
+        log.log(
+            level,
+            "event=discovery_watch_stalled what=%s source=%r idle_s=%g (renewed from its last version)",
+            what,
+            self.source,
+            self.watch_read_timeout,
+        )
 
     def _ok(self) -> None:
         """A request succeeded: the trouble is over (a missing pool stays the reported error)."""
