@@ -265,10 +265,12 @@ class Pool:
             self._changed(name)
 
     # -- health ---------------------------------------------------------------------------------
-    def record_response(self, name: str, ok: bool, latency_ms: float | None = None) -> None:
-        """Record one upstream outcome (status < 500 and a response at all = ok)."""
+    def record_response(self, name: str, ok: bool, latency_ms: float | None = None, address: str | None = None) -> None:
+        """Record one upstream outcome (status < 500 and a response at all = ok). ``address``: where the request
+        went; when ``name`` has moved to another address since (a rescheduled pod re-added under its name), the
+        outcome belongs to the old engine and charges nothing."""
         st = self._stats.get(name)
-        if st is None:
+        if st is None or (address is not None and st.endpoint.address != address):
             return
         self._changed(name)
         st.window.append(ok)

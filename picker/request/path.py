@@ -176,11 +176,11 @@ class HealthObserver:
             ranked = (d.endpoint, *d.fallbacks)
             at = next((i for i, e in enumerate(ranked) if e.address == served), len(ranked))
             for failed in ranked[:at] if at < len(ranked) else ():
-                self.pool.record_response(failed.name, False)
+                self.pool.record_response(failed.name, False, address=failed.address)
                 self.recorder.response(failed.name, None)
             other = ranked[at].name if at < len(ranked) else self.pool.name_for_address(served)
             if other is not None:
-                self.pool.record_response(other, ok)
+                self.pool.record_response(other, ok, address=served)
                 self.recorder.response(other, status)
                 moved = self.pool.endpoint(other)
                 if moved is not None:  # the response streams from there: its in-flight slot, not the pick's
@@ -190,7 +190,7 @@ class HealthObserver:
             return
         name = d.endpoint.name
         latency_ms = ((ex.first_byte_at or _mono()) - ex.decided_at) * 1000.0
-        self.pool.record_response(name, ok, latency_ms if ok else None)
+        self.pool.record_response(name, ok, latency_ms if ok else None, address=d.endpoint.address)
         self.recorder.response(name, status)
 
     def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:

@@ -492,3 +492,18 @@ def test_discovery_event_names_are_bounded() -> None:
         app.metrics.discovery_event(f"e{i}")
     labels = {s.labels["event"] for f in app.metrics.registry.collect() for s in f.samples if "event" in s.labels}
     assert len(labels) <= app.metrics.MAX_DISCOVERY_EVENTS + 1 and "other" in labels
+
+
+def test_an_answer_from_a_name_s_old_address_charges_nothing_to_its_new_engine() -> None:
+    """A request in flight to a pod that was rescheduled under the same name (a StatefulSet) fails: its failure
+    belongs to the old engine, not to the new one's fresh health window (which five such failures would eject)."""
+    app = PickerApp(discovered_settings())
+    app.apply_snapshot(snap(("p-a", "10.0.0.1:8000")))
+    app.apply_snapshot(snap(("p-a", "10.0.0.9:8000")))  # same name, new address: a new engine
+    for _ in range(10):
+        app.pool.record_response("p-a", False, address="10.0.0.1:8000")
+    (entry,) = app.pool.health_snapshot()
+    assert entry["healthy"] and entry["address"] == "10.0.0.9:8000"
+    for _ in range(10):
+        app.pool.record_response("p-a", False, address="10.0.0.9:8000")
+    assert not app.pool.health_snapshot()[0]["healthy"]  # its own failures do count
