@@ -265,11 +265,14 @@ class Tier4:
             self._failed("error")
         return NOTHING_HELD
 
-    def _routed(self, holds: Mapping[str, BackendHold]) -> dict[str, BackendHold]:
-        """The holds of backends the pool routes to: an unready backend's entries are kept for when it is back,
-        never offered to a decision (nor counted as what the index says is available)."""
-        endpoint = self.pool.endpoint
-        return {name: h for name, h in holds.items() if endpoint(name) is not None}
+    def _routed(self, holds: Mapping[str, BackendHold]) -> Mapping[str, BackendHold]:
+        """Without the holds of backends on standby (discovered, not Ready): their entries are kept for when they
+        are back, never offered to a decision (nor counted as what the index says is available). Other names
+        pass (a decision only ever picks pool members)."""
+        standby = self.pool.standby_names
+        if not standby:
+            return holds
+        return {name: h for name, h in holds.items() if name not in standby}
 
     def _unmatched(self, model: str) -> None:
         self.metrics.kv_model_unmatched.inc()

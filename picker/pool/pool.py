@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from picker.config import PoolConfig
@@ -197,6 +197,11 @@ class Pool:
     def endpoint(self, name: str) -> Endpoint | None:
         st = self._stats.get(name)
         return st.endpoint if st is not None else None
+
+    @property
+    def standby_names(self) -> Mapping[str, object]:
+        """The standby endpoints by name (membership tests on the request path: no copy)."""
+        return self._standby
 
     @property
     def standby_endpoints(self) -> tuple[Endpoint, ...]:
