@@ -468,6 +468,11 @@ class ExtProcConfig(_Section):
     # SIGTERM: readiness is NOT_SERVING this long before new streams are refused, so load balancers and
     # health checks stop sending first (raise it to the probe period in Kubernetes).
     drain_propagation_seconds: float = Field(1.0, ge=0.0, le=60.0)
+    # When ``kv-epp.accepting`` (what Envoy health-checks) turns NOT_SERVING in a drain. "drain": at its start,
+    # so an Envoy with several pickers sends new streams to the others during the propagation. "refusing":
+    # only when new streams are refused, for a picker that is its Envoy's only one (a sidecar): an Envoy
+    # whose sole picker is unhealthy fails closed (500) while the picker would still have served.
+    accepting_until: Literal["drain", "refusing"] = "drain"
     tenant_header: Annotated[str, AfterValidator(_header_name)] = "x-tenant-id"
     # Used only when Envoy does not announce its processing mode (protocol_config) on the stream.
     default_body_mode: Literal["FULL_DUPLEX_STREAMED", "BUFFERED"] = "FULL_DUPLEX_STREAMED"

@@ -159,6 +159,7 @@ class PickerServer:
         self._admin_extra = admin_extra or []
         self._stopping = False  # stop() has begun
         self._draining = False  # drain_and_stop() has begun
+        self._refusing = False  # the drain refuses new streams (after its propagation)
         self._hurry = asyncio.Event()  # a second stop signal: skip the remaining waits
         self._done = asyncio.Event()  # stop() has finished: servers closed, tasks ended
         self._drain_task: asyncio.Task[None] | None = None
@@ -294,7 +295,8 @@ class PickerServer:
 
     async def _publish_readiness(self) -> float | None:
         """Evaluate readiness (``PickerApp.readiness``) and publish it where it changed: the readiness
-        services, ``continuum_picker_ready``; ``kv-epp.accepting`` SERVING from start until the drain.
+        services, ``continuum_picker_ready``; ``kv-epp.accepting`` SERVING from start until the drain (or until
+        it refuses streams: ``extproc.accepting_until``).
         Returns when readiness may change by itself (a feed's grace ends), or None."""
         async with self._publishing:
             r = self.app.readiness()
@@ -305,7 +307,8 @@ class PickerServer:
                     await self.health.set(svc, SERVING if ready else NOT_SERVING)
                 self.app.metrics.ready.set(1 if ready else 0)
                 log.info("event=readiness ready=%s reason=%r", ready, r.body.get("reason"))
-            accepting = self._started and not self.app.draining
+            refusing = self.app.draining if self.app.settings.extproc.accepting_until == "drain" else self._refusing
+            accepting = self._started and not refusing
             await self.health.set(ACCEPTING_SERVICE, SERVING if accepting else NOT_SERVING)
             return r.due
 
@@ -345,6 +348,8 @@ class PickerServer:
             )  # fmt: skip
             await self._pause(s.drain_propagation_seconds)
             self.servicer.admitting = False
+            self._refusing = True
+            await self._publish_readiness()  # accepting_until "refusing": Envoy's health check learns it now
             log.info(
                 "event=picker_draining phase=refusing open_streams=%d grace_s=%.1f",
                 self.servicer.open_streams, s.drain_seconds,
@@ -365,6 +370,7 @@ class PickerServer:
             return
         self._stopping = True
         self.app.draining = True
+        self._refusing = True
         self.servicer.admitting = False
         try:
             if self._grpc is not None:

@@ -254,3 +254,33 @@ async def test_the_grace_ends_the_wait_without_any_other_event() -> None:
     finally:
         await client.close()
         await server.stop()
+
+
+@pytest.mark.parametrize("until", ["drain", "refusing"])
+async def test_accepting_turns_off_at_the_drain_or_only_when_streams_are_refused(until: str) -> None:
+    """A sidecar's Envoy has one picker: with accepting_until "refusing" its health check keeps it in the cluster
+    through the propagation (the picker still admits streams then), instead of failing closed with 500s."""
+    extproc = {**PLAINTEXT, "drain_propagation_seconds": 60, "accepting_until": until}
+    app = PickerApp(parse_settings({"extproc": extproc, "admin": {"port": 0}}))
+    server = PickerServer(app)
+    await server.start()
+    try:
+        port = server.extproc_port
+        assert await health_of(port, "kv-epp.accepting") == SERVING
+        drain = asyncio.create_task(server.drain_and_stop())
+
+        async def not_ready() -> bool:
+            return await health_of(port, "readiness") == NOT_SERVING
+
+        await async_wait_until(not_ready, timeout=30, what="readiness off at the drain's start")
+        assert server.servicer.admitting  # the propagation: streams are still admitted
+        expected = NOT_SERVING if until == "drain" else SERVING
+        assert await health_of(port, "kv-epp.accepting") == expected
+        if until == "refusing":  # what the drain sets once its propagation ends: now Envoy's health check is told
+            server._refusing = True
+            await server._publish_readiness()
+            assert await health_of(port, "kv-epp.accepting") == NOT_SERVING
+        server._hurry.set()  # a second signal: skip the remaining waits
+        await asyncio.wait_for(drain, 30)
+    finally:
+        await server.stop()
