@@ -182,6 +182,14 @@ async def test_pods_added_unready_deleted_and_rescheduled(fake: FakeKubeApiServe
         await run.names("c")
         fake.start_terminating("c", NS)
         await run.names(what="c terminating")
+        # an ended pod (evicted: phase Failed; or Succeeded) keeps its podIP, which another pod may reuse: gone
+        pod(fake, "d", "10.1.0.4")
+        pod(fake, "e", "10.1.0.5")
+        await run.names("d", "e")
+        fake.set_phase("d", NS, "Failed")
+        await run.names("e", what="d evicted")
+        fake.set_phase("e", NS, "Succeeded")
+        await run.names(what="e succeeded")
 
 
 async def test_a_pod_moved_to_a_new_ip_and_new_annotations_is_republished(

@@ -301,6 +301,14 @@ class FakeKubeApiServer:
         obj["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
         self._write(PODS, namespace, name, obj, prev)
 
+    def set_phase(self, name: str, namespace: str, phase: str) -> None:
+        """The pod's status.phase (Failed: evicted, Succeeded: ran to completion); it keeps its podIP, as a real
+        ended pod does until it is garbage-collected."""
+        prev = self._objects[PODS][(namespace, name)]
+        obj = json.loads(json.dumps(prev))
+        obj.setdefault("status", {})["phase"] = phase
+        self._write(PODS, namespace, name, obj, prev)
+
     def delete_pod(self, name: str, namespace: str) -> None:
         self._delete(PODS, namespace, name)
 
@@ -607,6 +615,9 @@ class ThreadedFakeKube:
 
     def start_terminating(self, name: str, namespace: str) -> None:
         self._call(self.server.start_terminating, name, namespace)
+
+    def set_phase(self, name: str, namespace: str, phase: str) -> None:
+        self._call(self.server.set_phase, name, namespace, phase)
 
     def delete_pod(self, name: str, namespace: str) -> None:
         self._call(self.server.delete_pod, name, namespace)

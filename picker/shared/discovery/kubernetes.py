@@ -274,7 +274,11 @@ def parse_pod(obj: Mapping[str, Any]) -> tuple[str, _Pod]:
     ready = any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     raw = meta.get("annotations") or {}
     annotations = tuple(sorted((str(k), str(v)) for k, v in raw.items())) if isinstance(raw, dict) else ()
-    return name, _Pod(ip, ready, bool(meta.get("deletionTimestamp")), annotations)
+    # A pod that has ended (Failed, e.g. Evicted, or Succeeded) keeps its podIP until it is garbage-collected,
+    # and that IP may already belong to another pod: it counts as gone, like a terminating one (as in
+    # EndpointSlices).
+    ended = status.get("phase") in ("Failed", "Succeeded")
+    return name, _Pod(ip, ready, ended or bool(meta.get("deletionTimestamp")), annotations)
 
 
 class _Backoff:
