@@ -138,7 +138,11 @@ class ListenerApp:
         self.started = False
         self.draining = False  # not ready: /readyz 503 (set first)
         self.refusing = False  # new feed subscriptions refused, /healthz 503 (set after propagation)
-        self.supervisor = TaskSupervisor(on_failure=self._task_failed, logger=log)
+        self.supervisor = TaskSupervisor(
+            on_failure=self._task_failed,
+            logger=log,
+            on_spawn=lambda name: self.metrics.background_task_failures.labels(name).inc(0),
+        )
         self._ctx: zmq.asyncio.Context | None = zmq_context
         self._runner: web.AppRunner | None = None
         self._stopped = False
@@ -157,6 +161,8 @@ class ListenerApp:
 
         def on_overflow(backend: str) -> None:
             m.feed_overflows.labels(backend).inc()
+
+        m.feed_overflows.labels(name).inc(0)  # the series exists from the start: increase() sees the first one
 
         def count(reason: str, n: int) -> None:
             m.block_notes.labels(name, reason).inc(n)
@@ -590,6 +596,7 @@ class ListenerApp:
             self.skipped.pop(name, None)
             self.metrics.discovery_event("source_open_recovered")
             log.info("event=source_open_recovered source=%s failures=%d", name, failed.failures)
+        self.metrics.background_task_failures.labels(f"source-{name}").inc(0)  # increase() sees a first crash
         self._tasks[name] = asyncio.create_task(self._guarded(name, src.run), name=f"source-{name}")
         self.metrics.discovery_event("source_added")
         log.info(

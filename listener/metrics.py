@@ -143,4 +143,8 @@ class ListenerMetrics:
             for values in [v for v in list(metric._metrics) if v[at] in names]:
                 metric.remove(*values)
                 removed += 1
+        tasks = {f"source-{n}" for n in names}  # a discovered source's task (listener.app: _guarded)
+        for values in [v for v in list(self.background_task_failures._metrics) if v[0] in tasks]:
+            self.background_task_failures.remove(*values)
+            removed += 1
         return removed

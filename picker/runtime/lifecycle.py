@@ -150,7 +150,11 @@ class PickerServer:
         self.health = health.aio.HealthServicer()
         self._started = False  # every port listens (ACCEPTING_SERVICE turns SERVING)
         self.servicer = ExternalProcessor(app)
-        self.supervisor = TaskSupervisor(on_failure=self._task_failed, logger=log)
+        self.supervisor = TaskSupervisor(
+            on_failure=self._task_failed,
+            logger=log,
+            on_spawn=lambda name: self.app.metrics.background_task_failures.labels(name).inc(0),
+        )
         self._grpc: grpc.aio.Server | None = None
         self._health_grpc: grpc.aio.Server | None = None
         self.tls = ServerTls(None, "off")  # the ext_proc port's credentials, set at start

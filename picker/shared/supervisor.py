@@ -49,8 +49,16 @@ FailureHook = Callable[[TaskFailure], Awaitable[None] | None]
 class TaskSupervisor:
     """Owns a process's background tasks: spawn by name, surface crashes, cancel within a deadline."""
 
-    def __init__(self, on_failure: FailureHook | None = None, logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        on_failure: FailureHook | None = None,
+        logger: logging.Logger | None = None,
+        on_spawn: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_spawn(name)``: called as each task starts (e.g. a failure counter's series created at 0, so that
+        ``increase()`` sees the first crash: a series born at 1 shows no increase)."""
         self._on_failure = on_failure
+        self._on_spawn = on_spawn
         self._log = logger or log
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.failures: list[TaskFailure] = []  # bounded: one entry per task name (no restarts)
@@ -62,6 +70,8 @@ class TaskSupervisor:
             raise RuntimeError("supervisor is stopping: no new tasks")
         if name in self._tasks:
             raise ValueError(f"a task named {name!r} is already supervised")
+        if self._on_spawn is not None:
+            self._on_spawn(name)
         task = asyncio.create_task(self._guard(name, factory), name=name)
         self._tasks[name] = task
         return task

@@ -449,7 +449,11 @@ def test_forgetting_many_sources_removes_only_their_series() -> None:
     assert m.forget_sources({"a", "b"}) == 6
     left = {s.labels.get("source") or s.labels.get("backend") for f in m.registry.collect() for s in f.samples}
     assert "c" in left and not {"a", "b"} & left
-    assert m.forget_source("c") == 3 and m.forget_sources(set()) == 0
+    m.background_task_failures.labels("source-c").inc(0)  # a discovered source's task (created at its start)
+    m.background_task_failures.labels("gauges").inc(0)
+    assert m.forget_source("c") == 4 and m.forget_sources(set()) == 0
+    tasks = {s.labels["task"] for f in m.registry.collect() for s in f.samples if "task" in s.labels}
+    assert tasks == {"gauges"}
 
 
 async def test_a_ready_flap_keeps_the_source_its_feed_and_its_state(tmp_path: Path, engines: list[Engine]) -> None:

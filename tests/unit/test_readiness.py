@@ -284,3 +284,15 @@ async def test_accepting_turns_off_at_the_drain_or_only_when_streams_are_refused
         await asyncio.wait_for(drain, 30)
     finally:
         await server.stop()
+
+
+async def test_each_supervised_task_s_failure_series_exists_at_zero_from_its_start() -> None:
+    """An alert on increase(...[10m]) > 0 must see the first crash: a series born at 1 shows no increase."""
+    app = PickerApp(parse_settings({"extproc": PLAINTEXT, "admin": {"port": 0}}))
+    server = PickerServer(app)
+    await server.start()
+    try:
+        value = app.metrics.registry.get_sample_value
+        assert value("continuum_picker_background_task_failures_total", {"task": "readiness"}) == 0.0
+    finally:
+        await server.stop()
