@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
@@ -156,14 +157,28 @@ class AdminToken:
     """The token /admin/* requires, from ``admin.bearer_token`` or ``admin.bearer_token_file``.
 
     The file is read at construction (``ConfigError`` naming ``admin.bearer_token_file`` when it cannot be) and
-    again once after each applied config reload: a reload replaces ``app.settings``, and ``current`` notices it
-    at the next /admin/* request (the reload handler asks at once). A reload whose file cannot be read keeps the
-    token in force and logs ``event=admin_token_reload_failed`` (the token is never logged)."""
+    again when it changes (inode, mtime or size: a rotated Secret) or a config reload was applied, noticed at the
+    next /admin/* request (the reload handler asks at once). A file that cannot be read keeps the token in force
+    and logs ``event=admin_token_reload_failed`` once (the token is never logged)."""
 
     def __init__(self, app: PickerApp) -> None:
         self.app = app
         self._settings: Settings = app.settings
+        self._stamp = self._file_stamp(app.settings)
         self._token = app.settings.admin.read_bearer_token()
+
+    @staticmethod
+    def _file_stamp(settings: Settings) -> tuple[int, int, int] | None:
+        """(inode, mtime, size) of the token file (following symlinks: a Kubernetes Secret volume swaps its
+        ``..data`` link on rotation), None without a file or when it cannot be read."""
+        path = settings.admin.bearer_token_file
+        if path is None:
+            return None
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def current(self) -> str | None:
         """The token in force (None: /admin/* is open); re-read when the settings were reloaded."""
@@ -171,11 +186,14 @@ class AdminToken:
         return self._token
 
     def refresh(self) -> str | None:
-        """Re-read the token if the settings changed since the last read; the problem when that failed."""
+        """Re-read the token if the settings changed since the last read, or the token file did (a rotated
+        Secret: one stat per /admin/* request, never on the request path); the problem when that failed."""
         settings = self.app.settings
-        if settings is self._settings:
+        stamp = self._file_stamp(settings)
+        if settings is self._settings and stamp == self._stamp:
             return None
         self._settings = settings
+        self._stamp = stamp
         try:
             self._token = settings.admin.read_bearer_token()
         except ConfigError as exc:

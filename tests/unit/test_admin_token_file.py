@@ -146,16 +146,30 @@ async def test_admin_needs_the_files_token(guarded: tuple[PickerApp, TestClient,
     assert await status(client, None, "/metrics") == 200 and await status(client, None, "/healthz") == 200
 
 
+def rotate(token: Path, content: str) -> None:
+    """As a Secret volume does: the new content arrives as a new file swapped in (a new inode)."""
+    new = token.with_suffix(".new")
+    new.write_text(content)
+    os.replace(new, token)
+
+
+async def test_a_rotated_file_is_read_at_the_next_admin_request(guarded: tuple[PickerApp, TestClient, Path]) -> None:
+    _, client, token = guarded
+    rotate(token, "second-token")  # the Secret was rotated: no reload needed
+    assert await status(client, "first-token") == 401 and await status(client, "second-token") == 200
+    rotate(token, "third-token")
+    assert await status(client, "second-token") == 401 and await status(client, "third-token") == 200
+
+
 async def test_a_reload_re_reads_the_file(guarded: tuple[PickerApp, TestClient, Path]) -> None:
     app, client, token = guarded
-    token.write_text("second-token")  # the Secret was rotated; the file alone does not switch the token
-    assert await status(client, "first-token") == 200 and await status(client, "second-token") == 401
+    assert await status(client, "first-token") == 200
     r = await client.post("/admin/config/reload", json={}, headers={"Authorization": "Bearer first-token"})
     assert r.status == 200 and (await r.json())["success"] is True
-    assert await status(client, "first-token") == 401 and await status(client, "second-token") == 200
-    token.write_text("third-token")
+    assert await status(client, "first-token") == 200
+    rotate(token, "third-token")
     assert app.reload()[0]  # the config watcher's reload (no admin request): the next /admin/* request re-reads
-    assert await status(client, "second-token") == 401 and await status(client, "third-token") == 200
+    assert await status(client, "first-token") == 401 and await status(client, "third-token") == 200
 
 
 async def test_a_reload_without_the_file_keeps_the_token_in_force(guarded: tuple[PickerApp, TestClient, Path]) -> None:
