@@ -735,6 +735,15 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
                 "every request of a model goes to one backend, without a load bound",
             )
         )
+    ip = s.pool.inference_pool
+    if ip is not None and ip.watch_idle_timeout_seconds < 65:
+        out.append(
+            (
+                "pool.inference_pool.watch_idle_timeout_seconds",
+                f"{ip.watch_idle_timeout_seconds:g} s is below the API server's bookmark period (about 60 s): every "
+                "quiet watch is renewed at that pace, a request each time, from every picker",
+            )
+        )
     kv = s.kv_cache_index
     if kv.enabled and s.prefix_routing.enabled:
         if kv.scoring.gpu_tier_weight < kv.scoring.min_overlap_threshold:

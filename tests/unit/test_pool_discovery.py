@@ -507,3 +507,14 @@ def test_an_answer_from_a_name_s_old_address_charges_nothing_to_its_new_engine()
     for _ in range(10):
         app.pool.record_response("p-a", False, address="10.0.0.9:8000")
     assert not app.pool.health_snapshot()[0]["healthy"]  # its own failures do count
+
+
+def test_a_watch_idle_timeout_below_the_bookmark_period_is_warned_about() -> None:
+    from picker.config import config_warnings
+
+    def warned(seconds: float) -> bool:
+        pool = {"inference_pool": {"name": "p", "namespace": "ns", "watch_idle_timeout_seconds": seconds}}
+        problems = config_warnings(parse_settings({"pool": pool}))
+        return "pool.inference_pool.watch_idle_timeout_seconds" in [p for p, _ in problems]
+
+    assert warned(5) and not warned(150)
