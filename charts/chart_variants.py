@@ -49,6 +49,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tls-existing-secret": TLS_VERIFIED,
     "tls-plaintext": {"tls": {"mode": "plaintext"}},
     "buffered-sampled": {"envoy": {"bodyMode": "BUFFERED", "responseMode": "sampled", "failOpen": True}},
+    "ipv6": {**KV_AWARE, "bindAddress": "::"},
     "everything": {
         **KV_AWARE,
         **MONITORING,

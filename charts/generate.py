@@ -48,6 +48,9 @@ VALUES_END = "<!-- values:end -->"
 # Where the chart mounts things (also used by the templates).
 TLS_DIR = "/etc/kv-epp/tls"
 PICKER_CA = f"{TLS_DIR}/ca.crt"
+# The chart's bindAddress values, and the loopback address of the same family (Envoy's admin, the sidecar picker):
+# an IPv6-only pod network still has ::1 on lo.
+LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
 # -- chart values -> EnvoyOptions ---------------------------------------------------------------------------
@@ -69,16 +72,18 @@ def envoy_options(values: Mapping[str, Any], fullname: str, namespace: str) -> E
     domain = values["clusterDomain"]
     pool_ns = pool["namespace"] or namespace
     extproc_port = int(values["picker"]["ports"]["extproc"])
-    if v["mode"] == "sidecar":
-        picker_address = f"127.0.0.1:{extproc_port}"
-    else:  # standalone: every ready picker, through the picker's headless Service
-        picker_address = f"{fullname}-picker.{namespace}.svc.{domain}:{extproc_port}"
+    # standalone: every ready picker, through the picker's headless Service (sidecar: loopback, below)
+    picker_address = f"{fullname}-picker.{namespace}.svc.{domain}:{extproc_port}"
     tls = picker_tls(values)
+    bind = values["bindAddress"]
+    loopback = LOOPBACK[bind]
+    if v["mode"] == "sidecar":
+        picker_address = f"[{loopback}]:{extproc_port}" if ":" in loopback else f"{loopback}:{extproc_port}"
     return EnvoyOptions(
         listen_port=int(v["port"]),
-        listen_address="0.0.0.0",
+        listen_address=bind,
         admin_port=int(v["adminPort"]),
-        admin_address="127.0.0.1",
+        admin_address=loopback,
         stats_port=int(v["statsPort"]),
         picker_address=picker_address,
         body_mode=v["bodyMode"],
@@ -106,6 +111,7 @@ DIMENSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("$dBody", ("FULL_DUPLEX_STREAMED", "BUFFERED")),
     ("$dResp", ("none", "sampled", "full")),
     ("$dFailOpen", ("false", "true")),
+    ("$dBind", tuple(LOOPBACK)),
 )
 DIMENSION_SOURCES = {
     "$dMode": "toString $v.mode",
@@ -113,6 +119,7 @@ DIMENSION_SOURCES = {
     "$dBody": "toString $v.bodyMode",
     "$dResp": "toString $v.responseMode",
     "$dFailOpen": "toString $v.failOpen",
+    "$dBind": "toString $root.Values.bindAddress",
 }
 # Sentinel values put into the options, and the Helm text that replaces them. Numbers are replaced where a
 # leaf equals them, strings where a leaf contains them.
@@ -139,6 +146,7 @@ STRING_SENTINELS: dict[str, str] = {
 def sentinel_values(dims: Mapping[str, str]) -> dict[str, Any]:
     """Chart values whose settings are sentinels, in the structural variant ``dims``."""
     return {
+        "bindAddress": dims["$dBind"],
         "clusterDomain": "qqdomainqq",
         "inferencePool": {"namespace": "qqpoolnsqq", "targetPorts": [{"number": POOL_PORT_SENTINEL}]},
         "picker": {"ports": {"extproc": 61004}},
@@ -307,6 +315,7 @@ def envoy_template() -> str:
 
 # The value keys envoy_options reads, with placeholder defaults (sentinel_values overrides them all).
 DEFAULT_SHAPE: dict[str, Any] = {
+    "bindAddress": "0.0.0.0",
     "clusterDomain": "cluster.local",
     "inferencePool": {"namespace": "", "targetPorts": [{"number": 8000}]},
     "picker": {"ports": {"extproc": 9002}},
@@ -410,6 +419,13 @@ def chart_values_schema() -> dict[str, Any]:
             "nameOverride": _s("string", "Replaces the chart name in object names."),
             "fullnameOverride": _s("string", "Replaces the release-chart prefix of object names."),
             "clusterDomain": _s("string", "The cluster's DNS domain (Service names Envoy resolves).", minLength=1),
+            "bindAddress": _s(
+                "string",
+                "The address every server the chart configures listens on: the picker's ext_proc, health and admin "
+                "ports, the listener, Envoy's listener and stats listener. 0.0.0.0: IPv4 clusters and IPv4-first "
+                "dual-stack; '::': IPv6-only and IPv6-first dual-stack clusters (README, 'IPv6').",
+                enum=list(LOOPBACK),
+            ),
             "commonLabels": _free("Labels added to every object."),
             "image": _image(
                 "kv-epp (picker and listener)",
@@ -470,7 +486,10 @@ def chart_values_schema() -> dict[str, Any]:
                     ),
                     "logLevel": _s("string", "Log level.", enum=["DEBUG", "INFO", "WARNING", "ERROR"]),
                     "terminationGracePeriodSeconds": _s(
-                        "integer", "Grace period (above drain propagation + extproc.drain_seconds).", minimum=1
+                        "integer",
+                        "Grace period: at least the rendered extproc.drain_propagation_seconds + "
+                        "extproc.drain_seconds + 5 s (refused below; README, 'Shutting down without errors').",
+                        minimum=1,
                     ),
                     "podDisruptionBudget": _pdb("pickers"),
                     "antiAffinity": _anti_affinity("picker"),
@@ -543,7 +562,10 @@ def chart_values_schema() -> dict[str, Any]:
                     ),
                     "concurrency": _s("integer", "Envoy worker threads.", minimum=1),
                     "drainSeconds": _s(
-                        "integer", "preStop wait before Envoy stops (endpoints leave first).", minimum=0
+                        "integer",
+                        "preStop wait before Envoy stops (endpoints leave first). Sidecar: the picker keeps "
+                        "admitting streams this + 2 s (at most 58 then).",
+                        minimum=0,
                     ),
                     "logLevel": _s(
                         "string",
@@ -590,7 +612,8 @@ def chart_values_schema() -> dict[str, Any]:
                             "existingSecret": _s(
                                 "string",
                                 "A Secret holding the token (empty: the chart creates "
-                                "<fullname>-admin-token with a random one, kept across upgrades).",
+                                "<fullname>-admin-token with a random one, kept across helm upgrades; with helm "
+                                "template or Argo CD set this: README, 'The admin token').",
                             ),
                             "key": _s("string", "The Secret's key.", minLength=1),
                         },

@@ -107,7 +107,11 @@ SCALARS: dict[str, Any] = {
     "clusterDomain": "k8s.example",
     "fullnameOverride": "gw",
     "picker": {"ports": {"extproc": 19002}},
-    "inferencePool": {"namespace": "models", "targetPorts": [{"number": 8100}, {"number": 8101}, {"number": 8102}]},
+    "inferencePool": {
+        "create": False,  # a pool in another namespace is the user's (the chart refuses to create it there)
+        "namespace": "models",
+        "targetPorts": [{"number": 8100}, {"number": 8101}, {"number": 8102}],
+    },
     "envoy": {
         "port": 18080,
         "adminPort": 19901,
@@ -130,6 +134,9 @@ BOOTSTRAP_CASES = {
         cv.REQUIRED,
         cv.merge(SCALARS, {**cv.TLS_VERIFIED, "envoy": {"bodyMode": "BUFFERED", "responseMode": "full"}}),
     ),
+    "scalars-ipv6-standalone-verified": cv.merge(
+        cv.REQUIRED, cv.merge(SCALARS, {**cv.TLS_VERIFIED, "bindAddress": "::", "envoy": {"mode": "standalone"}})
+    ),
 }
 
 
@@ -149,6 +156,21 @@ def test_the_rendered_bootstrap_is_the_generators(case: str) -> None:
     fullname = merged["fullnameOverride"] or cv.RELEASE
     expected = bootstrap(generate.envoy_options(merged, fullname, "team-a"))
     assert rendered_bootstrap(values, namespace="team-a") == json.loads(json.dumps(expected))
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "standalone"])
+def test_bind_address_is_every_envoy_listen_address_and_loopback_follows_its_family(mode: str) -> None:
+    """bindAddress "::" (IPv6-only clusters): both listeners on "::", the admin and the sidecar's picker on ::1
+    (an IPv6-only pod still has ::1); the default stays IPv4. ``envoy --mode validate`` runs on the "ipv6"
+    variant and ``scalars-ipv6-standalone-verified`` below."""
+    for bind, loopback in (("0.0.0.0", "127.0.0.1"), ("::", "::1")):
+        cfg = rendered_bootstrap(cv.merge(cv.REQUIRED, {"bindAddress": bind, "envoy": {"mode": mode}}))
+        for name in ("inference_listener", "stats_listener"):
+            assert listener(cfg, name)["address"]["socket_address"]["address"] == bind
+        assert cfg["admin"]["address"]["socket_address"]["address"] == loopback
+        assert hosts(cluster(cfg, "envoy_admin")) == [(loopback, 9901)]
+        picker = hosts(cluster(cfg, "kv_epp_picker"))
+        assert picker == [(loopback if mode == "sidecar" else "kv-epp-picker.llm.svc.cluster.local", 9002)]
 
 
 def test_the_pool_cluster_resolves_the_headless_service_the_chart_creates() -> None:

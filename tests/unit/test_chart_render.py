@@ -324,13 +324,14 @@ def test_the_configs_pass_the_programs_own_validation(
     assert settings.admin.bearer_token is None and settings.admin.bearer_token_file == "/etc/kv-epp/admin/token"
     warnings = [path for path, _ in config_warnings(settings)]
     assert warnings == (["extproc.tls.mode"] if variant == "tls-plaintext" else [])
-    assert settings.admin.host == "0.0.0.0" and settings.extproc.host == "0.0.0.0"  # probes and scrapes reach them
+    bind = cv.values_of(variant).get("bindAddress", "0.0.0.0")
+    assert settings.admin.host == bind and settings.extproc.host == bind  # probes and scrapes reach them
     assert settings.pool.inference_pool is not None and settings.pool.inference_pool.name == "llama"
     listener = [o for o in of(objs, "ConfigMap") if o["metadata"]["name"] == "kv-epp-listener"]
     assert bool(listener) == settings.kv_cache_index.enabled
     if listener:
         cfg = parse_listener_config(config_of(objs, "kv-epp-listener", "listener.yaml"))
-        assert cfg.listen_host == "0.0.0.0" and cfg.discovery is not None
+        assert cfg.listen_host == bind and cfg.discovery is not None
         assert cfg.key_block_size == settings.kv_cache_index.tokenizer.block_size
         template = settings.kv_cache_index.event_source_template
         assert template is not None and f":{cfg.listen_port}/events/{{name}}" in template.endpoint
@@ -524,16 +525,31 @@ def test_without_allowed_peers_admin_and_metrics_are_closed() -> None:
     assert "admin" not in picker and "extproc" not in picker and picker["http"] == ["ANYONE"]
 
 
-def test_tls_secret_is_mounted_where_the_config_points(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    objs = rendered["tls-existing-secret"]
+@pytest.mark.parametrize(
+    ("variant", "envoy_pod"), [("tls-existing-secret", "kv-epp-picker"), ("everything", "kv-epp-envoy")]
+)
+def test_tls_secret_is_mounted_where_the_config_points_and_envoy_gets_only_its_ca(
+    variant: str, envoy_pod: str, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    """The picker reads tls.crt/tls.key from the whole Secret; Envoy (sidecar or standalone) mounts a volume of
+    the same Secret holding ca.crt only: the private key never reaches the Envoy container."""
+    objs = rendered[variant]
     cfg = config_of(objs, "kv-epp-picker", "picker.yaml")["extproc"]["tls"]
-    spec = cv.find(objs, "Deployment", "kv-epp-picker")["spec"]["template"]["spec"]
-    (volume,) = [v for v in spec["volumes"] if v["name"] == "tls"]
+    picker_spec = cv.find(objs, "Deployment", "kv-epp-picker")["spec"]["template"]["spec"]
+    (volume,) = [v for v in picker_spec["volumes"] if v["name"] == "tls"]
     assert volume["secret"]["secretName"] == "kv-epp-tls"
-    for c in spec["containers"]:  # the picker reads tls.crt/tls.key, the sidecar Envoy ca.crt
-        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "tls"]
-        assert mount["readOnly"] and cfg["cert_file"].startswith(mount["mountPath"] + "/")
-        assert generate.PICKER_CA.startswith(mount["mountPath"] + "/")
+    (picker,) = [c for c in picker_spec["containers"] if c["name"] == "picker"]
+    (mount,) = [m for m in picker["volumeMounts"] if m["name"] == "tls"]
+    assert mount["readOnly"] and cfg["cert_file"] == f"{mount['mountPath']}/tls.crt"
+    assert cfg["key_file"] == f"{mount['mountPath']}/tls.key"
+    envoy_spec = cv.find(objs, "Deployment", envoy_pod)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in envoy_spec["volumes"]}
+    (envoy,) = [c for c in envoy_spec["containers"] if c["name"] == "envoy"]
+    secret_mounts = [m for m in envoy["volumeMounts"] if "secret" in volumes[m["name"]]]
+    assert [m["name"] for m in secret_mounts] == ["tls-ca"]
+    ca = volumes["tls-ca"]["secret"]
+    assert ca["secretName"] == "kv-epp-tls" and ca["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    assert secret_mounts[0]["readOnly"] and f"{secret_mounts[0]['mountPath']}/ca.crt" == generate.PICKER_CA
     plain = config_of(rendered["tls-plaintext"], "kv-epp-picker", "picker.yaml")["extproc"]["tls"]
     assert plain == {"mode": "plaintext"}
 

@@ -46,7 +46,7 @@
     - name: envoy-tmp
       mountPath: /tmp
     {{- if eq (include "kv-epp.pickerTls" .) "verified" }}
-    - name: tls
+    - name: tls-ca  # the Secret's ca.crt only (never its tls.key)
       mountPath: /etc/kv-epp/tls
       readOnly: true
     {{- end }}
@@ -60,4 +60,12 @@
 - name: envoy-tmp
   emptyDir:
     sizeLimit: 64Mi
+{{- if eq (include "kv-epp.pickerTls" .) "verified" }}
+- name: tls-ca
+  secret:
+    secretName: {{ .Values.tls.existingSecret }}
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
 {{- end -}}

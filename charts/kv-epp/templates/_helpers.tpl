@@ -105,6 +105,83 @@ app.kubernetes.io/part-of: kv-epp
 {{- if and .Values.listener.enabled (not .Values.listener.sourceTemplate.model) -}}
 {{- fail "listener.enabled needs listener.sourceTemplate.model (the model name the engines serve)" -}}
 {{- end -}}
+{{- $poolNs := include "kv-epp.poolNamespace" . -}}
+{{- if and .Values.inferencePool.create (ne $poolNs .Release.Namespace) -}}
+{{- fail (printf "inferencePool.create with inferencePool.namespace %s, not the release's namespace %s: the pool's endpointPickerRef (no namespace field) would name a Service %s-epp in %s, but the pickers and their Service are in %s (a Service selects only pods of its own namespace). Install the release in %s (-n %s), or create the InferencePool yourself and set inferencePool.create=false" $poolNs .Release.Namespace (include "kv-epp.fullname" .) $poolNs .Release.Namespace $poolNs $poolNs) -}}
+{{- end -}}
+{{- $admin := default (dict) .Values.picker.config.admin -}}
+{{- if hasKey $admin "bearer_token" -}}
+{{- fail "picker.config.admin.bearer_token is refused: a secret must not be rendered into the picker's ConfigMap. The chart mounts the admin token Secret as admin.bearer_token_file: set admin.token.existingSecret (and admin.token.key) to a Secret holding your token, or leave them empty for a generated one" -}}
+{{- end -}}
+{{- range .Values.picker.extraEnv -}}
+{{- if eq (toString .name) "KV_EPP_ADMIN__BEARER_TOKEN" -}}
+{{- fail "picker.extraEnv KV_EPP_ADMIN__BEARER_TOKEN is refused: the chart sets admin.bearer_token_file from the admin token Secret (the picker refuses both); set admin.token.existingSecret and admin.token.key instead" -}}
+{{- end -}}
+{{- end -}}
+{{- $picker := list (list "picker.ports.extproc" .Values.picker.ports.extproc) (list "picker.ports.health" .Values.picker.ports.health) (list "picker.ports.admin" .Values.picker.ports.admin) -}}
+{{- $envoy := list (list "envoy.port" .Values.envoy.port) (list "envoy.adminPort" .Values.envoy.adminPort) (list "envoy.statsPort" .Values.envoy.statsPort) -}}
+{{- if eq .Values.envoy.mode "sidecar" -}}
+{{- include "kv-epp.uniquePorts" (dict "pod" "the picker pod (with its sidecar Envoy)" "ports" (concat $picker $envoy)) -}}
+{{- else -}}
+{{- include "kv-epp.uniquePorts" (dict "pod" "the picker pod" "ports" $picker) -}}
+{{- if eq .Values.envoy.mode "standalone" -}}
+{{- include "kv-epp.uniquePorts" (dict "pod" "the Envoy pod" "ports" $envoy) -}}
+{{- end -}}
+{{- end -}}
+{{- $grpcListen := dig "grpc" "listen" "" (default (dict) .Values.listener.config) -}}
+{{- if and .Values.listener.enabled $grpcListen -}}
+{{- $grpcPort := regexReplaceAll "^.*:" (toString $grpcListen) "" -}}
+{{- include "kv-epp.uniquePorts" (dict "pod" "the listener pod" "ports" (list (list "listener.port" .Values.listener.port) (list "listener.config.grpc.listen" $grpcPort))) -}}
+{{- end -}}
+{{- if and (eq .Values.envoy.mode "sidecar") (gt (int .Values.envoy.drainSeconds) 58) -}}
+{{- fail (printf "envoy.drainSeconds %d: at most 58 with the sidecar Envoy (the picker keeps admitting streams for envoy.drainSeconds + 2 s, and its extproc.drain_propagation_seconds is at most 60)" (int .Values.envoy.drainSeconds)) -}}
+{{- end -}}
+{{- $drain := include "kv-epp.drain" . | fromJson -}}
+{{- $needed := addf $drain.propagation $drain.drain 5.0 -}}
+{{- if lt (float64 .Values.picker.terminationGracePeriodSeconds) $needed -}}
+{{- fail (printf "picker.terminationGracePeriodSeconds %v is too short: the picker's drain takes extproc.drain_propagation_seconds %v (rendered) + extproc.drain_seconds %v, and up to 5 s more to stop its tasks; set it to at least %v" .Values.picker.terminationGracePeriodSeconds $drain.propagation $drain.drain (ceil $needed)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Fails when two ports of one pod are equal: dict "pod" "<what>" "ports" (list (list "<value path>" port) ...) */}}
+{{- define "kv-epp.uniquePorts" -}}
+{{- $seen := dict -}}
+{{- range .ports -}}
+{{- $port := toString (int (index . 1)) -}}
+{{- if hasKey $seen $port -}}
+{{- fail (printf "%s and %s are both port %s: every port of %s must differ (a second bind fails, or a probe reaches the wrong server)" (get $seen $port) (index . 0) $port $.pod) -}}
+{{- end -}}
+{{- $_ := set $seen $port (index . 0) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The picker's drain, as JSON {"propagation": s, "drain": s}: extproc.drain_propagation_seconds and
+drain_seconds from picker.config (absent: the picker's own defaults, 1 and 10). With the sidecar Envoy, the pod's
+only client, the propagation is at least envoy.drainSeconds + 2: Envoy accepts requests until its preStop ends, and
+every one of them needs the picker to admit its stream (README, "Shutting down without errors"). */}}
+{{- define "kv-epp.drain" -}}
+{{- $ext := default (dict) .Values.picker.config.extproc -}}
+{{- $propagation := 1.0 -}}
+{{- $drain := 10.0 -}}
+{{- if hasKey $ext "drain_propagation_seconds" -}}
+{{- $propagation = float64 (index $ext "drain_propagation_seconds") -}}
+{{- end -}}
+{{- if hasKey $ext "drain_seconds" -}}
+{{- $drain = float64 (index $ext "drain_seconds") -}}
+{{- end -}}
+{{- if eq .Values.envoy.mode "sidecar" -}}
+{{- $propagation = maxf $propagation (add (int .Values.envoy.drainSeconds) 2) -}}
+{{- end -}}
+{{- toJson (dict "propagation" $propagation "drain" $drain) -}}
+{{- end -}}
+
+{{/* host:port, an IPv6 host in brackets: dict "host" "::" "port" 7817 */}}
+{{- define "kv-epp.hostPort" -}}
+{{- if contains ":" .host -}}
+{{- printf "[%s]:%d" .host (int .port) -}}
+{{- else -}}
+{{- printf "%s:%d" .host (int .port) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "kv-epp.listenerUrl" -}}
@@ -123,9 +200,16 @@ app.kubernetes.io/part-of: kv-epp
 {{- if ne .Values.envoy.mode "none" -}}
 {{- $_ := set $pool "fallbacks" (int .Values.envoy.retries) -}}
 {{- end -}}
+{{- $drain := include "kv-epp.drain" . | fromJson -}}
+{{- $extproc := dict "host" .Values.bindAddress "port" (int .Values.picker.ports.extproc) "health_port" (int .Values.picker.ports.health) "tls" $tls "drain_propagation_seconds" $drain.propagation -}}
+{{- if eq .Values.envoy.mode "sidecar" -}}
+{{- $_ := set $extproc "accepting_until" "refusing" -}}
+{{- else if eq .Values.envoy.mode "standalone" -}}
+{{- $_ := set $extproc "accepting_until" "drain" -}}
+{{- end -}}
 {{- $forced := dict
-  "extproc" (dict "host" "0.0.0.0" "port" (int .Values.picker.ports.extproc) "health_port" (int .Values.picker.ports.health) "tls" $tls)
-  "admin" (dict "enabled" true "host" "0.0.0.0" "port" (int .Values.picker.ports.admin) "bearer_token_file" (printf "%s/token" (include "kv-epp.adminTokenDir" .)))
+  "extproc" $extproc
+  "admin" (dict "enabled" true "host" .Values.bindAddress "port" (int .Values.picker.ports.admin) "bearer_token_file" (printf "%s/token" (include "kv-epp.adminTokenDir" .)))
   "pool" $pool
 -}}
 {{- if .Values.listener.enabled -}}
@@ -142,7 +226,7 @@ app.kubernetes.io/part-of: kv-epp
   "inference_pool" (dict "name" (include "kv-epp.poolName" .) "namespace" (include "kv-epp.poolNamespace" .))
   "source_template" .Values.listener.sourceTemplate
 -}}
-{{- $forced := dict "listen" (printf "0.0.0.0:%d" (int .Values.listener.port)) "discovery" $discovery -}}
+{{- $forced := dict "listen" (include "kv-epp.hostPort" (dict "host" .Values.bindAddress "port" .Values.listener.port)) "discovery" $discovery -}}
 {{- if .Values.listener.state.enabled -}}
 {{- $_ := set $forced "state" (dict "path" "/var/lib/kv-listener/state.bin") -}}
 {{- end -}}
