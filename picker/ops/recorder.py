@@ -41,6 +41,7 @@ DECISION_BUCKETS = (
 
 CACHED_KINDS = ("prompt", "available", "captured")  # booked per decision (scope "all") and per observed response
 PREDICTION_OUTCOMES = ("hit", "stale", "unpredicted", "miss")
+REQUEST_OUTCOMES = ("routed", "bad_request", "no_backend", "error", "draining", "overloaded")
 
 
 def prediction_outcome(prompt: int, captured: int, delivered: int, block_size: int) -> str:
@@ -105,7 +106,8 @@ class DecisionRecorder:
         self.counts: dict[str, int] = {"prefix_hash": 0, "overflow": 0, "fallback": 0}  # PrefixAwareHash outcomes
         self.prefixes_seen: OrderedDict[bytes, None] = OrderedDict()  # bound: MAX_PREFIXES_TRACKED, LRU
         self.kv = KvDecisionCounters()
-        self.outcomes: dict[str, int] = {}  # routed, bad_request, no_backend, error, draining, overloaded
+        # every outcome exported from the start at 0, so rate()/increase() alerts see the first of each
+        self.outcomes: dict[str, int] = dict.fromkeys(REQUEST_OUTCOMES, 0)
         self.decisions: dict[tuple[str, str], int] = {}  # (strategy, backend)
         self.responses: dict[tuple[str, str], int] = {}  # (backend, status class)
         self.decision_seconds = _Histogram(DECISION_BUCKETS)

@@ -22,6 +22,8 @@ def pool_discovery(pool: PoolConfig, count: Count | None = None) -> Discovery | 
 def build_server(settings: Settings, config_path: str | Path | None = None) -> PickerServer:
     metrics = PickerMetrics()
     discovery = pool_discovery(settings.pool, metrics.discovery_event)
+    if discovery is not None:
+        metrics.child(metrics.discovery_events, "error").inc(0)  # from the start: increase() sees the first error
     app = PickerApp(settings, metrics, config_path, discovery)
     server = PickerServer(app)  # runs the discovery (supervised) when there is one
     # engine signals: always supervised; it reads pool.engine_metrics (hot-reloadable) each round and idles
