@@ -16,7 +16,7 @@ import sys
 
 from listener.app import ListenerApp, StartupError
 from listener.config import ListenerConfig, ListenerConfigError, load_listener_config
-from picker.shared.config_files import ConfigError, read_yaml_mapping
+from picker.shared.config_files import one_line, other_program_hint
 
 PROG = "kv-listener"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -57,33 +57,15 @@ PICKER_KEYS = frozenset(
 )
 
 
-def _other_program_hint(path: str, mine: frozenset[str], theirs: frozenset[str], other: str) -> str | None:
-    """When ``path`` is a mapping with none of this program's top-level keys and some of ``other``'s: the
-    message that points at ``other``'s check (instead of one "Extra inputs are not permitted" per key)."""
-    try:
-        data = read_yaml_mapping(path)
-    except ConfigError:
-        return None
-    keys = set(data)
-    if not keys or keys & mine or not keys & theirs:
-        return None
-    found = ", ".join(sorted(keys & theirs))
-    return f"this is a {other} config ({found}), not a {PROG} one: check it with `{other} config validate {path}`"
-
-
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
 def _validate(path: str) -> int:
     """``config validate FILE`` (and its alias ``check --config FILE``): ``ok: FILE``; or one
     ``error: <path>: <message>`` line per problem on stderr and exit 2 (the shape of ``kv-epp config validate``)."""
     try:
         load_listener_config(path)
     except ListenerConfigError as exc:
-        hint = _other_program_hint(path, frozenset(ListenerConfig.model_fields), PICKER_KEYS, "kv-epp")
+        hint = other_program_hint(path, PROG, frozenset(ListenerConfig.model_fields), PICKER_KEYS, "kv-epp")
         for where, msg in [(path, hint)] if hint else exc.problems:
-            sys.stderr.write(f"error: {where}: {_one_line(msg)}\n")
+            sys.stderr.write(f"error: {where}: {one_line(msg)}\n")
         return 2
     sys.stdout.write(f"ok: {path}\n")
     return 0
@@ -135,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_listener_config(args.config)
     except ListenerConfigError as exc:
         problems = "; ".join(f"{path}: {msg}" for path, msg in exc.problems)
-        sys.stderr.write(f"error: {_one_line(problems)}\n")  # one line, however many problems
+        sys.stderr.write(f"error: {one_line(problems)}\n")  # one line, however many problems
         return 2
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     # The tracker holds hundreds of thousands of small objects; CPython's default thresholds run a full

@@ -13,15 +13,11 @@ from typing import Any
 
 from picker.config import ConfigError, Settings, config_warnings, load_settings, settings_json_schema
 from picker.runtime.envoy_config import RESPONSE_MODES, EnvoyOptions, bootstrap_yaml
-from picker.shared.config_files import read_yaml_mapping
+from picker.shared.config_files import one_line, other_program_hint
 
 PROG = "kv-epp"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
-
-
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())  # a user error is one stderr line, whatever the message holds
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -37,10 +33,10 @@ def _serve(args: argparse.Namespace) -> int:
         settings = load_settings(args.config)
     except ConfigError as exc:
         problems = "; ".join(f"{path}: {msg}" for path, msg in exc.problems)
-        print(f"error: {_one_line(problems)}", file=sys.stderr)
+        print(f"error: {one_line(problems)}", file=sys.stderr)
         return 2
     except Exception as exc:  # e.g. an undecodable file or a malformed KV_EPP_* value: still one line
-        print(f"error: {source}: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {source}: {one_line(exc)}", file=sys.stderr)
         return 2
 
     async def main() -> int:
@@ -48,7 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             await server.start()
         except StartupError as exc:
-            print(f"error: {_one_line(exc)}", file=sys.stderr)
+            print(f"error: {one_line(exc)}", file=sys.stderr)
             return 2
         server.install_signal_handlers()
         print(server.ready_line(), flush=True)  # stdout: the one line a supervisor waits for; logs go to stderr
@@ -63,21 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 # The kv-listener's own top-level settings (a subset: enough to recognise its file; tests/unit/test_cli_flags.py
 # checks every name is one): `kv-epp config validate` given the listener's config points at its command.
-LISTENER_KEYS = frozenset({"listen", "key_block_size", "sources", "state", "feed", "grpc", "limits"})
-
-
-def _other_program_hint(path: str, mine: frozenset[str], theirs: frozenset[str], other: str) -> str | None:
-    """When ``path`` is a mapping with none of this program's top-level keys and some of ``other``'s: the
-    message that points at ``other``'s check (instead of one "Extra inputs are not permitted" per key)."""
-    try:
-        data = read_yaml_mapping(path)
-    except ConfigError:
-        return None
-    keys = set(data)
-    if not keys or keys & mine or not keys & theirs:
-        return None
-    found = ", ".join(sorted(keys & theirs))
-    return f"this is a {other} config ({found}), not a {PROG} one: check it with `{other} config validate {path}`"
+LISTENER_KEYS = frozenset({"listen", "key_block_size", "sources", "discovery", "state", "feed", "grpc", "limits"})
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -86,16 +68,16 @@ def _validate(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.file)
     except ConfigError as exc:
-        hint = _other_program_hint(args.file, frozenset(Settings.model_fields), LISTENER_KEYS, "kv-listener")
+        hint = other_program_hint(args.file, PROG, frozenset(Settings.model_fields), LISTENER_KEYS, "kv-listener")
         problems = [(args.file, hint)] if hint else exc.problems
         for path, msg in problems:
-            print(f"error: {path}: {_one_line(msg)}", file=sys.stderr)
+            print(f"error: {path}: {one_line(msg)}", file=sys.stderr)
         return 2
     except Exception as exc:  # e.g. a malformed KV_EPP_* value: still one line
-        print(f"error: {args.file}: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {args.file}: {one_line(exc)}", file=sys.stderr)
         return 2
     for path, msg in config_warnings(settings):
-        print(f"warning: {path}: {_one_line(msg)}")
+        print(f"warning: {path}: {one_line(msg)}")
     print(f"ok: {args.file}")
     return 0
 
@@ -116,7 +98,7 @@ def _picker_tls_options(args: argparse.Namespace) -> dict[str, Any] | str:
         try:
             token = Path(args.picker_token_file).read_text().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            return f"--picker-token-file {args.picker_token_file}: {_one_line(exc)}"
+            return f"--picker-token-file {args.picker_token_file}: {one_line(exc)}"
         if not token or any(not 0x21 <= ord(c) <= 0x7E for c in token):
             return f"--picker-token-file {args.picker_token_file}: the token must be printable ASCII without spaces"
     return {
@@ -173,7 +155,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
     try:
         text = bootstrap_yaml(opts)
     except ValueError as exc:
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     sys.stdout.write(text)
     return 0
@@ -188,7 +170,7 @@ def _envoy_backends(args: argparse.Namespace) -> tuple[str, ...] | str:
         try:
             settings = load_settings(args.picker_config)
         except (ConfigError, OSError, ValueError) as exc:
-            return f"--picker-config {args.picker_config}: {_one_line(exc)}"
+            return f"--picker-config {args.picker_config}: {one_line(exc)}"
         if settings.pool.discovered and args.pool_dns is None:
             return (
                 f"--picker-config {args.picker_config}: its pool is discovered ({settings.pool.source}), so its "

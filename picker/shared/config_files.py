@@ -141,3 +141,23 @@ def _one_line(exc: yaml.YAMLError) -> str:
         text = ", ".join(p for p in parts if p)
         return f"{text} (line {mark.line + 1}, column {mark.column + 1})" if mark else text
     return " ".join(str(exc).split())
+
+
+def one_line(text: object) -> str:
+    """``text`` on one line (a user error is one stderr line, whatever the message holds)."""
+    return " ".join(str(text).split())
+
+
+def other_program_hint(path: str, prog: str, mine: Iterable[str], theirs: Iterable[str], other: str) -> str | None:
+    """When the YAML file ``path`` is a mapping with none of ``prog``'s top-level keys and some of ``other``'s:
+    the message that points at ``other``'s check (instead of one "Extra inputs are not permitted" per key)."""
+    try:
+        data = read_yaml_mapping(path)
+    except ConfigError:
+        return None
+    keys = set(data)
+    ours, found = keys & set(mine), sorted(keys & set(theirs))
+    if not keys or ours or not found:
+        return None
+    check = f"`{other} config validate {path}`"
+    return f"this is a {other} config ({', '.join(found)}), not a {prog} one: check it with {check}"
