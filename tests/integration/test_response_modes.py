@@ -298,8 +298,14 @@ def test_cached_tokens_delivered_and_a_stale_index(stack: ModeStack) -> None:
     assert name == holder and cached == 0  # the stale index still sent it to the (now empty) holder
     wait_until(lambda: stack.metric("kv_epp_sampled_usage_responses_total") == before["usages"] + 1, what="usage")
     stale = delta(snapshot(), before)
+
+    def why() -> str:  # what Tier 4 and the decisions said, should this fail (seen once in CI, not reproduced)
+        text = http_get("GET", stack.picker.admin_url + "/metrics").body.decode()
+        keep = ("continuum_kv_tokenize", "continuum_kv_index_routing", "continuum_picker_requests", "kv_epp_kv")
+        return "\n".join(line for line in text.splitlines() if line.startswith(keep))
+
     assert stale == {
         "all:prompt": prompt, "all:available": captured, "all:captured": captured,
         "observed:prompt": prompt, "observed:available": captured, "observed:captured": captured,
         "stale": 1, "usages": 1,
-    }  # fmt: skip
+    }, why()  # fmt: skip
