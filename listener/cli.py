@@ -16,11 +16,10 @@ import sys
 
 from listener.app import ListenerApp, StartupError
 from listener.config import ListenerConfig, ListenerConfigError, load_listener_config
+from picker.shared.cli import LOG_FORMAT, log_level_flag
 from picker.shared.config_files import one_line, other_program_hint
 
 PROG = "kv-listener"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 GC_THRESHOLDS = (10_000, 10, 1_000)  # gen0 allocations, gen0 runs per gen1, gen1 runs per full collection
 
 
@@ -71,23 +70,13 @@ def _validate(path: str) -> int:
     return 0
 
 
-def _log_level_flag(parser: argparse.ArgumentParser, default: str | None) -> None:
-    parser.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=LOG_LEVELS,
-        default=argparse.SUPPRESS if default is None else default,
-        help="log level (default: INFO); accepted before or after the subcommand",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     """``kv-listener``'s parser. ``--log-level`` is accepted before the subcommand and after it (every
     subcommand's parser takes it too, with no default of its own, so one given before is kept)."""
     parser = argparse.ArgumentParser(prog=PROG, description="KV-cache event listener for kv-epp")
-    _log_level_flag(parser, "INFO")
+    log_level_flag(parser, "INFO")
     common = argparse.ArgumentParser(add_help=False)
-    _log_level_flag(common, None)
+    log_level_flag(common, None)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the listener", parents=[common])
     run.add_argument("--config", required=True, help="YAML config file")

@@ -13,11 +13,10 @@ from typing import Any
 
 from picker.config import ConfigError, Settings, config_warnings, load_settings, settings_json_schema
 from picker.runtime.envoy_config import RESPONSE_MODES, EnvoyOptions, bootstrap_yaml
+from picker.shared.cli import LOG_FORMAT, log_level_flag
 from picker.shared.config_files import one_line, other_program_hint
 
 PROG = "kv-epp"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -193,23 +192,13 @@ def _envoy_backends(args: argparse.Namespace) -> tuple[str, ...] | str:
     return tuple(found)
 
 
-def _log_level_flag(parser: argparse.ArgumentParser, default: str | None) -> None:
-    parser.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=LOG_LEVELS,
-        default=argparse.SUPPRESS if default is None else default,
-        help="log level (default: INFO); accepted before or after the subcommand",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     """``kv-epp``'s parser. The global flags (``--log-level``) are accepted before the subcommand and after
     it: every subcommand's parser takes them too, with no default of its own, so one given before is kept."""
     p = argparse.ArgumentParser(prog=PROG, description="KV-cache-aware endpoint picker (Envoy ext_proc)")
-    _log_level_flag(p, "INFO")
+    log_level_flag(p, "INFO")
     common = argparse.ArgumentParser(add_help=False)
-    _log_level_flag(common, None)
+    log_level_flag(common, None)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the picker", parents=[common])
