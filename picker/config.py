@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -51,9 +52,17 @@ StrategyName = Literal[
     "PrefixAwareHash",
     "PrefixMemory",
 ]
-HOT_RELOADABLE = frozenset({"prefix_routing", "selection_strategy", "pool", "session_affinity", "admission"})
-# keys of hot-reloadable sections that are not: where the pool comes from (the discovery task is started once)
-RESTART_REQUIRED_KEYS = (("pool", "inference_pool"), ("pool", "backends_file"))
+HOT_RELOADABLE = frozenset(
+    {"prefix_routing", "selection_strategy", "pool", "session_affinity", "admission", "response_cache"}
+)
+# keys of hot-reloadable sections that are not: where the pool comes from (the discovery task is started once),
+# the response cache's store and its Redis connection (the pool is built once)
+RESTART_REQUIRED_KEYS = (
+    ("pool", "inference_pool"),
+    ("pool", "backends_file"),
+    ("response_cache", "backend"),
+    ("response_cache", "redis"),
+)
 ENV_PREFIX = "KV_EPP_"
 ENV_NESTED_DELIMITER = "__"
 NOT_IMPLEMENTED = "accepted, not implemented yet"
@@ -558,6 +567,85 @@ class AdminConfig(_Section):
         return token
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def _seconds(v: object) -> object:
+    """The seed's durations: ``"5m"``, ``"30s"``, ``"1h"``, ``"500ms"``, or a number of seconds."""
+    if isinstance(v, str):
+        m = _DURATION.match(v)
+        if m is None:
+            raise ValueError(f"{v!r} is not a duration (a number of seconds, or e.g. '500ms', '30s', '5m', '1h')")
+        return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    return v
+
+
+Duration = Annotated[float, BeforeValidator(_seconds), Field(gt=0, le=30 * 86_400)]
+
+
+class RedisConfig(_Section):
+    """Tier 3: the Redis/Valkey connection the response cache and the Redis KV index share (one pool)."""
+
+    url: str = "redis://127.0.0.1:6379"  # rediss:// for TLS (or tls: true)
+    tls: bool = False
+    pool_size: int = Field(8, ge=1, le=1024)
+    key_prefix: str = "cr:resp:"  # no glob characters (*?[]): clear() deletes by this prefix
+    connect_timeout_ms: int = Field(3000, ge=10, le=60_000)
+    command_timeout_ms: int = Field(1000, ge=1, le=60_000)  # the longest a request waits on Redis
+    fallback_capacity: int = Field(1000, ge=1, le=10_000_000)
+    fallback_ttl_seconds: int = Field(300, ge=1, le=30 * 86_400)
+    fallback_to_memory: bool = True
+    health_check_interval_seconds: float = Field(30.0, gt=0, le=3600)  # while on the fallback: retry Redis
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        if not re.match(r"^rediss?://[^\s]+$", v):
+            raise ValueError("url must be redis://host:port[/db] or rediss://host:port[/db]")
+        return v
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _no_glob(cls, v: str) -> str:
+        if not v or any(c in v for c in "*?[]") or any(c.isspace() for c in v) or len(v) > 64:
+            raise ValueError("key_prefix: 1-64 characters, no glob characters (*?[]) and no spaces")
+        return v
+
+
+class SemanticCacheConfig(_Section):
+    """Tier 2's semantic (similarity) cache, opt-in: one embedding per eligible miss."""
+
+    enabled: bool = False
+    backend: str | None = None  # base URL of the embeddings server (POST {backend}/v1/embeddings)
+    embedding_model: str | None = None
+    threshold: float = Field(0.92, gt=0.0, le=1.0)  # cosine similarity
+    max_entries: int = Field(1000, ge=1, le=1_000_000)
+    ttl: Duration | None = None  # None: response_cache.ttl
+    embedding_timeout_ms: int = Field(2000, ge=100, le=60_000)
+    max_input_bytes: int = Field(8192, ge=1, le=1_048_576)  # a longer last user message skips this path
+
+    @model_validator(mode="after")
+    def _needs_backend(self) -> SemanticCacheConfig:
+        if self.enabled and (not self.backend or not self.embedding_model):
+            raise ValueError("semantic.enabled needs backend (the embeddings server's URL) and embedding_model")
+        return self
+
+
+class ResponseCacheConfig(_Section):
+    """Tier 2: whole responses of deterministic requests (temperature 0 or absent), answered by the picker.
+    ``backend`` is restart-required; the other keys hot-reloadable."""
+
+    enabled: bool = False
+    backend: Literal["memory", "redis"] = "memory"
+    capacity: int = Field(1000, ge=1, le=10_000_000)  # entries, LRU
+    ttl: Duration = 300.0
+    max_response_size: int = Field(1 << 20, ge=1, le=1 << 30)
+    max_stream_buffer_size: int = Field(10 << 20, ge=1, le=1 << 30)
+    semantic: SemanticCacheConfig = SemanticCacheConfig()
+    redis: RedisConfig = RedisConfig()
+
+
 class Settings(BaseSettings):
     """The whole picker configuration."""
 
@@ -573,6 +661,7 @@ class Settings(BaseSettings):
     extproc: ExtProcConfig = ExtProcConfig()
     admission: AdmissionConfig = AdmissionConfig()
     admin: AdminConfig = AdminConfig()
+    response_cache: ResponseCacheConfig = ResponseCacheConfig()
 
     @classmethod
     def settings_customise_sources(
@@ -803,6 +892,8 @@ def not_implemented_warnings(s: Settings) -> list[tuple[str, str]]:
                 f"{NOT_IMPLEMENTED} (Anthropic cache_control injection): request bodies are forwarded unchanged",
             )
         )
+    if s.response_cache.enabled:
+        out.append(("response_cache.enabled", f"{NOT_IMPLEMENTED} (Tier 2 response cache): every request is routed"))
     kv = s.kv_cache_index
     if kv.backend == "redis":
         out.append(
