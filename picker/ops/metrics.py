@@ -259,6 +259,13 @@ class PickerMetrics:
         self.config_reloads = Counter(
             "continuum_picker_config_reloads", "Config reloads by result", ["result"], registry=r
         )
+        # Tier 2 (issue 11): hit (answered by the picker), miss (eligible, routed), skip (not eligible, routed)
+        self.response_cache_requests = Counter(
+            "continuum_response_cache_requests",
+            "Response-cache lookups by result: hit, miss (eligible, routed) and skip (not eligible: X-Cache BYPASS)",
+            ["result"],
+            registry=r,
+        )
         # the pool and readiness (issue 10)
         self.discovery_events = Counter(
             "continuum_picker_discovery_events",
