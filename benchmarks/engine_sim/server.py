@@ -4,7 +4,8 @@ Endpoints (vLLM's shapes): ``POST /v1/chat/completions``, ``POST /v1/completions
 not; ``usage.prompt_tokens_details.cached_tokens`` always in non-streaming responses, and in a final
 ``choices: []`` chunk when ``stream_options.include_usage`` is set), ``POST /v1/responses`` (non-streaming
 only: ``instructions`` + ``input`` as a string or message items; a ``prompt`` template is refused with
-400, as vLLM refuses it), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /v1/models``,
+400, as vLLM refuses it), ``POST /v1/embeddings`` (deterministic, similar texts similar: ``embeddings``),
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /v1/models``,
 ``GET /metrics``.
 
 Request forms follow vLLM's CompletionRequest: ``prompt`` is a string, token ids (used as the prompt's
@@ -48,6 +49,7 @@ from typing import Any
 from aiohttp import web
 
 from benchmarks.engine_sim.config import SimConfig
+from benchmarks.engine_sim.embeddings import EmbeddingsError, embeddings_body
 from benchmarks.engine_sim.kv_events import KvEventPublisher, KvEventsSettings
 from benchmarks.engine_sim.prefix_cache import PagedPrefixCache
 from benchmarks.engine_sim.scheduler import BatchScheduler, RequestRejected, SimRequest, StepOutput
@@ -187,6 +189,7 @@ class EngineSimulator:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
@@ -242,6 +245,15 @@ class EngineSimulator:
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "responses")
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            return web.json_response(embeddings_body(body, self.config.model))
+        except EmbeddingsError as exc:
+            return error_response(400, str(exc))
 
     def _parse_generation(self, body: Mapping[str, Any], api: str) -> tuple[list[list[int]], int]:
         """The prompts (token ids, one list per prompt) and ``max_tokens`` of a request; TemplateError."""
