@@ -1,0 +1,143 @@
+"""The one Redis/Valkey connection pool of a picker process, shared by the response cache's store and the Redis
+KV index (the seed: one pool, one set of credentials, no duplicate connections).
+
+``shared_redis(cfg)`` returns the same ``redis.asyncio.Redis`` for the same connection settings (url, tls,
+pool_size, connect and command timeouts) on the same event loop; ``close_shared_redis()`` closes them at stop.
+The pool is a ``BlockingConnectionPool`` of ``pool_size`` connections: a caller beyond ``pool_size`` waits for a
+free connection (at most the command timeout), it does not open more. redis-py's own retries are off: a failed
+command fails once, and the store decides (fallback, miss); the store also bounds every command by the command
+timeout with an asyncio timeout, so waiting for a connection, connecting and the reply together never exceed it.
+
+TLS: a ``rediss://`` URL, or ``tls: true`` with a ``redis://`` URL (the scheme is upgraded). The server's
+certificate is verified against the system CAs; redis-py's URL query options (``?ssl_ca_certs=/path``,
+``ssl_cert_reqs=``...) are honoured for a private CA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from picker.config import RedisConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RedisEndpoint:
+    """Where a ``RedisConfig`` connects, for logs and the admin JSON (no password)."""
+
+    host: str
+    port: int
+    db: int
+    tls: bool
+    username: str | None
+    has_password: bool
+
+    def display(self) -> str:
+        user = f"{self.username}@" if self.username else ""
+        return f"{'rediss' if self.tls else 'redis'}://{user}{self.host}:{self.port}/{self.db}"
+
+
+def effective_url(cfg: RedisConfig) -> str:
+    """The URL redis-py connects with: ``tls: true`` turns ``redis://`` into ``rediss://``."""
+    if cfg.tls and cfg.url.startswith("redis://"):
+        return "rediss://" + cfg.url[len("redis://") :]
+    return cfg.url
+
+
+def redis_endpoint(cfg: RedisConfig) -> RedisEndpoint:
+    """Parse the URL (``redis[s]://[user[:password]@]host[:port][/db]``); ValueError names what is wrong."""
+    url = effective_url(cfg)
+    parts = urlsplit(url)
+    try:
+        port = parts.port or 6379
+    except ValueError as exc:
+        raise ValueError(f"response_cache.redis.url: bad port in {cfg.url!r} ({exc})") from None
+    if not parts.hostname:
+        raise ValueError(f"response_cache.redis.url: no host in {cfg.url!r}")
+    path = parts.path.strip("/")
+    if path and not path.isdigit():
+        raise ValueError(f"response_cache.redis.url: the path must be a database number, not {path!r}")
+    return RedisEndpoint(
+        host=parts.hostname,
+        port=port,
+        db=int(path) if path else 0,
+        tls=parts.scheme == "rediss",
+        username=unquote(parts.username) if parts.username else None,
+        has_password=parts.password is not None,
+    )
+
+
+def build_redis(cfg: RedisConfig) -> Redis:
+    """A new client with its own pool of ``cfg.pool_size`` connections (prefer ``shared_redis``)."""
+    redis_endpoint(cfg)  # refuse a URL redis-py would misread
+    command_s = cfg.command_timeout_ms / 1000
+    pool = BlockingConnectionPool.from_url(
+        effective_url(cfg),
+        max_connections=cfg.pool_size,
+        timeout=command_s,  # the wait for a free connection
+        socket_connect_timeout=cfg.connect_timeout_ms / 1000,
+        socket_timeout=command_s,
+        retry=Retry(NoBackoff(), 0),
+    )
+    return Redis(connection_pool=pool)
+
+
+def _pool_key(cfg: RedisConfig) -> tuple[str, int, int, int]:
+    return (effective_url(cfg), cfg.pool_size, cfg.connect_timeout_ms, cfg.command_timeout_ms)
+
+
+class SharedRedis:
+    """Clients by connection settings and event loop (a ``redis.asyncio`` pool belongs to the loop it runs on).
+    Bound: one client per distinct setting per loop; a process has one setting (``response_cache.redis`` is
+    restart-required), tests a few."""
+
+    def __init__(self) -> None:
+        # the loop by weak reference: a closed test loop is not kept alive, and its id may then be reused
+        self._clients: dict[tuple[int, tuple[str, int, int, int]], tuple[Callable[[], object], Redis]] = {}
+
+    def client(self, cfg: RedisConfig) -> Redis:
+        """The shared client for ``cfg`` on the running loop (created at the first call)."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        key = (id(loop), _pool_key(cfg))
+        entry = self._clients.get(key)
+        if entry is None or entry[0]() is not loop:
+            owner: Callable[[], object] = weakref.ref(loop) if loop is not None else _none
+            entry = self._clients[key] = (owner, build_redis(cfg))
+        return entry[1]
+
+    async def aclose(self) -> None:
+        """Close every client of the running loop (their connections); forget those of other loops."""
+        loop = asyncio.get_running_loop()
+        clients, self._clients = self._clients, {}
+        for owner, client in clients.values():
+            if owner is _none or owner() is loop:
+                with contextlib.suppress(Exception):
+                    await client.aclose(close_connection_pool=True)
+
+
+def _none() -> None:
+    return None
+
+
+SHARED = SharedRedis()
+
+
+def shared_redis(cfg: RedisConfig) -> Redis:
+    """The process's client (connection pool) for ``cfg``: the response cache and the Redis KV index call this."""
+    return SHARED.client(cfg)
+
+
+async def close_shared_redis() -> None:
+    """Close the shared pools (at the picker's stop)."""
+    await SHARED.aclose()

