@@ -34,11 +34,13 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import aiohttp
+import redis.asyncio as aioredis
 
-from picker.config import KvCacheIndexConfig
+from picker.config import KvCacheIndexConfig, RedisConfig
 from picker.kv.checks import FeedChecks, FeedWatch, probe_keys, run_self_check
 from picker.kv.feed_consumer import KvFeedConsumers
 from picker.kv.index import InMemoryKvIndex
+from picker.kv.redis_index import RedisKvIndex
 from picker.kv.token_cache import CachedTokenizer
 from picker.kv.tokenizer_sources import TokenizerSource, make_tokenizer_source
 from picker.ops.metrics import PickerMetrics
@@ -77,11 +79,19 @@ class Held(dict[str, BackendHold]):
 class Tier4:
     """Everything Tier 4 needs, built from ``kv_cache_index`` (a restart-required section)."""
 
-    def __init__(self, cfg: KvCacheIndexConfig, pool: Pool, metrics: PickerMetrics) -> None:
+    def __init__(
+        self, cfg: KvCacheIndexConfig, pool: Pool, metrics: PickerMetrics, redis: RedisConfig | None = None
+    ) -> None:
         self.cfg = cfg
         self.pool = pool
         self.metrics = metrics
-        self.index = InMemoryKvIndex(cfg.max_entries, float(cfg.entry_ttl_seconds))
+        # backend redis: on the caller's ``response_cache.redis`` (the pool the response cache shares); a caller
+        # that passes none gets the in-memory index (what the config warning says until the app passes it)
+        self.index: InMemoryKvIndex = (
+            make_redis_index(cfg, redis)
+            if cfg.backend == "redis" and redis is not None
+            else InMemoryKvIndex(cfg.max_entries, float(cfg.entry_ttl_seconds))
+        )
         self.consumers = KvFeedConsumers(
             cfg.event_sources, self.index, metrics, key_block_size=cfg.tokenizer.block_size
         )
@@ -302,6 +312,8 @@ class Tier4:
             group.create_task(self.consumers.run(), name="kv-feeds")
             group.create_task(self._check_loop(), name="kv-checks")
             group.create_task(self.run_fills(), name="kv-token-fills")
+            if isinstance(self.index, RedisKvIndex):
+                group.create_task(self.index.run(), name="kv-redis-writer")
 
     async def run_fills(self) -> None:
         """Background: the tokenization cache's fill workers (``fill_workers``), until cancelled."""
@@ -372,3 +384,24 @@ class Tier4:
 
     async def close(self) -> None:
         await self.tokenizer.close()
+        if isinstance(self.index, RedisKvIndex):
+            await self.index.aclose()
+            await self.index.client.aclose()
+
+
+def make_redis_index(cfg: KvCacheIndexConfig, redis: RedisConfig) -> RedisKvIndex:
+    """``backend: redis``: the index on ``response_cache.redis``'s server (key prefix ``cr:kvidx:``)."""
+    timeout = redis.command_timeout_ms / 1000
+    client = aioredis.Redis.from_url(
+        redis.url.replace("redis://", "rediss://", 1) if redis.tls else redis.url,
+        socket_timeout=timeout,
+        socket_connect_timeout=redis.connect_timeout_ms / 1000,
+        max_connections=redis.pool_size,
+    )
+    return RedisKvIndex(
+        client,
+        cfg.max_entries,
+        float(cfg.entry_ttl_seconds),
+        command_timeout_s=timeout,
+        retry_interval_s=redis.health_check_interval_seconds,
+    )

@@ -1,0 +1,395 @@
+"""``kv_cache_index.backend: redis``: the Tier 4 index shared by several pickers on one Valkey/Redis.
+
+Layout (key prefix ``cr:kvidx:``, the seed's): one hash per backend, ``cr:kvidx:b:<backend>``, field = the
+block key as 8 bytes big-endian, value = its tier (``g`` GpuHot, ``w`` StorageWarm); a set ``cr:kvidx:backends``
+names the backends that have one. Why not the seed's sorted set per prefix (``ZADD cr:kvidx:<prefix>
+<tokens> <backend>``): our keys are per 16-token block, not per prefix, and what a decision needs per backend
+is the leading run of blocks and its tier, not a token count. A hash per backend makes a backend's drop (a
+restart, a snapshot, expiry) one ``DEL``, gives it one TTL, and costs one field per entry instead of one Redis
+key per block; ``python -m benchmarks.redis_kv_index`` measures it against a hash per block key (the seed's
+per-prefix shape).
+
+Reads: ``holds(keys)`` is ONE round trip whatever the number of blocks: a Lua script walks, per backend,
+the request's keys from block 0 and stops at its first missing block (a backend without block 0 costs one
+``HGET``). The script reads keys it does not declare (the backends' hashes): a standalone server or a
+replica set, not Redis Cluster.
+
+Writers: every picker mirrors what its own feed consumers apply to its local index (this class IS the
+in-memory index, plus the mirror), so the shared index holds the same (block, backend) entries as each
+picker's local one, including its budget evictions and expiries. Several pickers write the same ordered
+feed: the writes are idempotent (``HSET``/``HDEL``/``DEL``), and a lagging picker's older write is overwritten
+by its own later one; disagreement lasts at most the writers' feed lag. A picker that (re)starts reads the
+shared index at once: no wait for its own feed's snapshot. Its snapshot's ``DEL`` and re-``HSET`` of a backend
+go out in one ``MULTI``/``EXEC`` with everything queued with them, so other readers never see that backend
+empty in between.
+
+Writes are off the request path: each local write appends an op to a bounded queue (bound: ``queue_max_keys``
+block keys in all, default 2 × ``max_entries``; coalesced: consecutive removals of one backend are one op),
+drained by the writer task (``run``) into one ``MULTI``/``EXEC`` pipeline per batch. Drop policy: an op that
+would exceed the bound, or any op while Redis is down, is dropped and counted (``writes_dropped``), and the
+shared index is then rebuilt from this picker's local index (``resync``: per backend ``DEL`` + ``HSET`` of all
+its local entries in one transaction) once Redis answers; only after that resync do reads use Redis again.
+
+Expiry equal in effect to the in-memory index: the local index expires a backend whose feed was silent for
+``entry_ttl_seconds`` (mirrored as a ``DEL``); in Redis each backend's hash has a ``PEXPIRE`` of the TTL,
+renewed by every write and by the feed's keepalives (``confirm``, at most once per TTL/10 per backend), so
+when no picker follows a backend any more its entries go within TTL + TTL/10. ``max_entries`` is the local
+index's (its evictions are mirrored as ``HDEL``): the shared index holds at most ``max_entries`` entries per
+writer's view.
+
+Redis down: ``holds`` waits at most ``command_timeout_ms`` (the client's socket timeout and an
+``asyncio.timeout`` around the call), then answers from the local in-memory index (``fallbacks`` counts those
+answers) and keeps answering locally, without trying Redis, until the writer task's ``PING`` (every
+``retry_interval_s``) succeeds and its resync is done: a dead Redis costs one request at most one command
+timeout per outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from picker.kv.index import InMemoryKvIndex
+from picker.routing.endpoints import BackendHold
+from picker.shared.tiers import StorageTier
+
+log = logging.getLogger("kv_epp.redis_kv_index")
+
+KEY_PREFIX = "cr:kvidx:"
+RESYNC_CHUNK = 5_000  # fields per HSET while rebuilding a backend's hash
+_PACK = struct.Struct(">Q")
+_TIER = {StorageTier.GPU_HOT: b"g", StorageTier.STORAGE_WARM: b"w"}
+
+# KEYS[1] the backends set; ARGV[1] the hash key prefix; ARGV[2..] the request's block keys (8 bytes each).
+# Returns a flat list: backend, leading blocks held, 1 when all of them are GpuHot.
+HOLDS_LUA = """
+local names = redis.call('SMEMBERS', KEYS[1])
+local out = {}
+local n = #ARGV
+for _, name in ipairs(names) do
+  local h = ARGV[1] .. name
+  local run, gpu = 0, 1
+  for i = 2, n do
+    local t = redis.call('HGET', h, ARGV[i])
+    if not t then break end
+    run = run + 1
+    if t ~= 'g' then gpu = 0 end
+  end
+  if run > 0 then
+    out[#out + 1] = name
+    out[#out + 1] = run
+    out[#out + 1] = gpu
+  end
+end
+return out
+"""
+
+# KEYS[1] the backends set; ARGV[1] the hash key prefix: drop every backend's hash and the set
+CLEAR_LUA = """
+local names = redis.call('SMEMBERS', KEYS[1])
+for _, name in ipairs(names) do redis.call('DEL', ARGV[1] .. name) end
+redis.call('DEL', KEYS[1])
+return #names
+"""
+
+
+def pack_key(k: int) -> bytes:
+    return _PACK.pack(k)
+
+
+@dataclass(slots=True)
+class _Op:
+    kind: str  # put, del, drop, clear, touch
+    backend: str = ""
+    keys: list[int] = field(default_factory=list)
+    tier: bytes = b""
+
+
+@dataclass(slots=True)
+class RedisIndexStats:
+    """Counters for the admin stats and metrics (monotonic, except ``up`` and ``queued_keys``)."""
+
+    up: bool = True  # reads go to Redis (False: answered locally until the writer's ping + resync)
+    lookups: int = 0  # holds() answered by Redis
+    fallbacks: int = 0  # holds() answered by the local index because Redis is down or failed
+    errors: int = 0  # failed Redis calls (reads and writes)
+    batches: int = 0  # MULTI/EXEC write batches sent
+    ops_written: int = 0
+    writes_dropped: int = 0  # ops dropped (queue full or Redis down): a resync follows
+    resyncs: int = 0
+    queued_keys: int = 0
+
+
+class RedisKvIndex(InMemoryKvIndex):
+    """The in-memory index (the local copy, the fallback) whose writes are mirrored to Redis and whose
+    ``holds`` reads the shared copy. Single event loop; ``run`` is the writer task (see the module doc)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        max_entries: int = 100_000,
+        ttl_seconds: float = 600.0,
+        *,
+        key_prefix: str = KEY_PREFIX,
+        command_timeout_s: float = 1.0,
+        retry_interval_s: float = 5.0,
+        queue_max_keys: int | None = None,
+    ) -> None:
+        super().__init__(max_entries, ttl_seconds)
+        self.client = client
+        self.prefix = key_prefix
+        self.hash_prefix = (key_prefix + "b:").encode()
+        self.set_key = key_prefix + "backends"
+        self.command_timeout_s = command_timeout_s
+        self.retry_interval_s = retry_interval_s
+        self.queue_max_keys = queue_max_keys if queue_max_keys is not None else 2 * max_entries
+        self.ttl_ms = max(1, int(self.ttl * 1000))
+        self.stats = RedisIndexStats()
+        # bound: queue_max_keys block keys in all (an op without keys counts 1); over it: dropped + resync
+        self._queue: deque[_Op] = deque()
+        self._wake = asyncio.Event()
+        self._resync_due = False
+        self._touched: dict[str, float] = {}  # backend → last PEXPIRE queued by confirm (bound: live backends)
+        self._holds_script = client.register_script(HOLDS_LUA)
+        self._clear_script = client.register_script(CLEAR_LUA)
+        self._down_logged = False
+        self._writing = False  # a batch is being written (``flush`` waits for it)
+
+    # -- the write mirror --------------------------------------------------------------------------
+    def _enqueue(self, op: _Op) -> None:
+        if not self.stats.up or self._resync_due:
+            self._drop()
+            return
+        cost = max(1, len(op.keys))
+        if self.stats.queued_keys + cost > self.queue_max_keys:
+            self._drop()
+            log.warning("event=kv_redis_queue_full queued_keys=%d action=resync", self.stats.queued_keys)
+            return
+        q = self._queue
+        if op.kind == "del" and q and q[-1].kind == "del" and q[-1].backend == op.backend:
+            q[-1].keys.extend(op.keys)  # coalesced
+        else:
+            q.append(op)
+        self.stats.queued_keys += cost
+        self._wake.set()
+
+    def _drop(self) -> None:
+        self.stats.writes_dropped += 1
+        if not self._resync_due:
+            self._resync_due = True
+            self._queue.clear()
+            self.stats.queued_keys = 0
+        self._wake.set()
+
+    def put(self, backend: str, keys: Sequence[int], tier: StorageTier, now: float | None = None) -> None:
+        super().put(backend, keys, tier, now)  # its budget evictions are queued first (``_unlink``)
+        if keys:
+            self._enqueue(_Op("put", backend, list(keys), _TIER[tier]))
+
+    def _unlink(self, bid: int, k: int) -> None:
+        super()._unlink(bid, k)  # removals and budget evictions
+        self._enqueue(_Op("del", self._names[bid], [k]))
+
+    def drop_backend(self, backend: str) -> int:
+        """Also when this picker did not know the backend yet (a fresh picker's first snapshot): the shared
+        hash may hold blocks the engine dropped while no picker ran."""
+        n = super().drop_backend(backend)
+        self._touched.pop(backend, None)
+        self._enqueue(_Op("drop", backend))
+        return n
+
+    def clear(self) -> int:
+        n = super().clear()
+        self._enqueue(_Op("clear"))
+        return n
+
+    def confirm(self, backend: str, now: float | None = None) -> None:
+        super().confirm(backend, now)
+        if backend not in self._ids:
+            return
+        t = time.monotonic() if now is None else now
+        last = self._touched.get(backend)
+        if last is None or t - last >= self.ttl / 10:
+            self._touched[backend] = t
+            self._enqueue(_Op("touch", backend))
+
+    # -- reads -------------------------------------------------------------------------------------
+    async def holds(self, keys: Sequence[int]) -> dict[str, BackendHold]:
+        """One round trip to Redis (bounded by the command timeout), else the local index's answer."""
+        if not keys:
+            return {}
+        if not self.stats.up:
+            self.stats.fallbacks += 1
+            return self.lookup(keys)
+        args: list[bytes] = [self.hash_prefix]
+        args.extend(_PACK.pack(k) for k in keys)
+        try:
+            async with asyncio.timeout(self.command_timeout_s):
+                flat = await self._holds_script(keys=[self.set_key], args=args)
+        except (aioredis.RedisError, OSError, TimeoutError) as exc:
+            self._failed("read", exc)
+            self.stats.fallbacks += 1
+            return self.lookup(keys)
+        self.stats.lookups += 1
+        self.total_lookups += 1
+        out: dict[str, BackendHold] = {}
+        for i in range(0, len(flat) - 2, 3):
+            name = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
+            out[name] = BackendHold(
+                int(flat[i + 1]), StorageTier.GPU_HOT if int(flat[i + 2]) else StorageTier.STORAGE_WARM
+            )
+        if out:
+            self.total_hits += 1
+        return out
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.stats.errors += 1
+        if self.stats.up:
+            self.stats.up = False
+            self._resync_due = True  # writes may have been lost: rebuild the shared copy when it is back
+            self._queue.clear()
+            self.stats.queued_keys = 0
+            log.warning(
+                "event=kv_redis_down during=%s error=%r action=local_index retry_in_s=%.1f",
+                what,
+                str(exc)[:200] or type(exc).__name__,
+                self.retry_interval_s,
+            )
+        self._wake.set()
+
+    # -- the writer task ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Background: drain the queue into MULTI/EXEC batches; while Redis is down, ping it every
+        ``retry_interval_s`` and, once it answers, resync and read from it again. Never raises but on
+        cancellation."""
+        while True:
+            if not self.stats.up or self._resync_due:
+                if await self._recover():
+                    continue
+                await asyncio.sleep(self.retry_interval_s)
+                continue
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._take_batch()
+            self._writing = True
+            try:
+                async with asyncio.timeout(self.command_timeout_s * 5):
+                    await self._write(batch)
+            except (aioredis.RedisError, OSError, TimeoutError) as exc:
+                self._failed("write", exc)
+            finally:
+                self._writing = False
+
+    def _take_batch(self) -> list[_Op]:
+        """Everything queued (at most ``queue_max_keys`` keys): one transaction, so a snapshot's ``DEL`` and
+        re-``HSET`` of a backend are never seen apart."""
+        batch = list(self._queue)
+        self._queue.clear()
+        self.stats.queued_keys = 0
+        return batch
+
+    async def _write(self, batch: list[_Op]) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        hp = self.hash_prefix
+        for op in batch:
+            h = hp + op.backend.encode()
+            if op.kind == "put":
+                pipe.sadd(self.set_key, op.backend)
+                pipe.hset(h, mapping={_PACK.pack(k): op.tier for k in op.keys})
+                pipe.pexpire(h, self.ttl_ms)
+                pipe.pexpire(self.set_key, self.ttl_ms)
+            elif op.kind == "del":
+                pipe.hdel(h, *(_PACK.pack(k) for k in op.keys))
+            elif op.kind == "drop":
+                pipe.delete(h)
+                pipe.srem(self.set_key, op.backend)
+            elif op.kind == "clear":
+                pipe.eval(CLEAR_LUA, 1, self.set_key, hp)
+            elif op.kind == "touch":
+                pipe.pexpire(h, self.ttl_ms)
+                pipe.pexpire(self.set_key, self.ttl_ms)
+        await pipe.execute()
+        self.stats.batches += 1
+        self.stats.ops_written += len(batch)
+
+    async def _recover(self) -> bool:
+        """Ping, then rebuild the shared copy from the local index; True when reads may use Redis again."""
+        try:
+            async with asyncio.timeout(self.command_timeout_s):
+                await self.client.ping()
+            self._resync_due = False  # ops applied from now on are queued again (after the resync's snapshot)
+            await self.resync()
+        except (aioredis.RedisError, OSError, TimeoutError) as exc:
+            self._resync_due = True
+            self.stats.errors += 1
+            if not self._down_logged:
+                self._down_logged = True
+                log.info("event=kv_redis_retry_failed error=%r", str(exc)[:200] or type(exc).__name__)
+            return False
+        if not self.stats.up:
+            log.info("event=kv_redis_back action=read_shared_index")
+        self.stats.up = True
+        self._down_logged = False
+        return True
+
+    async def resync(self) -> None:
+        """Write every local backend's entries as its whole hash (``DEL`` + ``HSET`` in one transaction per
+        backend). The snapshot of each backend is taken synchronously, so it is the local state at one
+        instant; writes applied later are queued behind it."""
+        self.stats.resyncs += 1
+        self._queue.clear()
+        self.stats.queued_keys = 0
+        for backend in list(self._ids):
+            entries = self.backend_keys(backend)  # synchronous: one consistent view
+            pipe = self.client.pipeline(transaction=True)
+            h = self.hash_prefix + backend.encode()
+            pipe.delete(h)
+            items = [(_PACK.pack(k), _TIER[t]) for k, t in entries.items()]
+            for i in range(0, len(items), RESYNC_CHUNK):
+                pipe.hset(h, mapping=dict(items[i : i + RESYNC_CHUNK]))
+            if items:
+                pipe.sadd(self.set_key, backend)
+                pipe.pexpire(h, self.ttl_ms)
+                pipe.pexpire(self.set_key, self.ttl_ms)
+            async with asyncio.timeout(self.command_timeout_s * 5 + len(items) / 100_000):
+                await pipe.execute()
+
+    async def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until the queue is written (tests, benchmarks, shutdown)."""
+        async with asyncio.timeout(timeout_s):
+            while self._queue or self._resync_due or self._writing:
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0)
+
+    def redis_stats(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "connected": s.up,
+            "lookups": s.lookups,
+            "fallbacks": s.fallbacks,
+            "errors": s.errors,
+            "batches": s.batches,
+            "ops_written": s.ops_written,
+            "writes_dropped": s.writes_dropped,
+            "resyncs": s.resyncs,
+            "queued_keys": s.queued_keys,
+        }
+
+    async def aclose(self) -> None:
+        """Best effort: write what is queued (bounded by the command timeout)."""
+        if self.stats.up and self._queue:
+            with contextlib.suppress(aioredis.RedisError, OSError, TimeoutError):
+                async with asyncio.timeout(self.command_timeout_s):
+                    while self._queue:
+                        await self._write(self._take_batch())

