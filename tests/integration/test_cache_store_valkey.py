@@ -1,0 +1,187 @@
+"""RedisCacheStore with a real Valkey taken away and brought back, and with a Redis that never answers.
+
+- Valkey killed (SIGKILL) while a get/set loop runs: no exception reaches the loop, the fallback engages
+  (``continuum_cache_fallback_active`` 1) and operations go on in memory; Valkey restarted on the same port: the
+  health monitor (a small interval here) switches the store back to Redis (gauge 0) and writes land in Valkey.
+- A blackholed Redis (a socket that accepts and never answers): an operation returns after about the command
+  timeout (asserted only against a generous deadline), the fallback engages, and later operations send nothing
+  to that socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
+
+from picker.cache import CacheStoreError
+from picker.cache.metrics import CacheStoreMetrics
+from picker.cache.redis_pool import close_shared_redis, shared_redis
+from picker.cache.store import RedisCacheStore
+from picker.config import RedisConfig
+from tests.support.poll import async_wait_until
+from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
+
+GENEROUS = 30.0  # seconds: a deadline for "returns at all", not a latency bound
+
+
+def gauge(store: RedisCacheStore) -> float | None:
+    return store.metrics.registry.get_sample_value("continuum_cache_fallback_active")
+
+
+class Loop:
+    """get/set against the store until stopped; any exception is kept (the test asserts there is none)."""
+
+    def __init__(self, store: RedisCacheStore) -> None:
+        self.store = store
+        self.ops = 0
+        self.exceptions: list[BaseException] = []
+        self.stopping = False
+
+    async def run(self) -> None:
+        i = 0
+        while not self.stopping:
+            i += 1
+            key = f"loop:{i % 200}"
+            try:
+                await self.store.set(key, f"value {i}".encode(), 60)
+                await self.store.get(key)
+            except Exception as exc:
+                self.exceptions.append(exc)
+            self.ops += 2
+            await asyncio.sleep(0.002)  # a steady load, not a spin that starves the test's polling
+
+
+@pytest.mark.valkey
+async def test_valkey_killed_under_load_falls_back_and_recovers(valkey_server: ValkeyProcess) -> None:  # noqa: F811
+    # a refused or reset connection fails at once; the long timeout only keeps a busy machine from timing out
+    cfg = RedisConfig(url=valkey_server.url, command_timeout_ms=5000, health_check_interval_seconds=0.5)
+    store = RedisCacheStore(cfg, shared_redis(cfg), CacheStoreMetrics(CollectorRegistry()))
+    raw = Redis.from_url(valkey_server.url)
+    loop = Loop(store)
+    task = asyncio.create_task(loop.run())
+    try:
+        await async_wait_until(lambda: loop.ops >= 100, timeout=GENEROUS, what="the loop to run on Valkey")
+        assert not store.fallback_active and gauge(store) == 0
+        assert await raw.exists("cr:resp:loop:1") == 1  # the loop writes to Valkey
+
+        await asyncio.to_thread(valkey_server.kill)
+        await async_wait_until(lambda: store.fallback_active, timeout=GENEROUS, what="the fallback to engage")
+        assert gauge(store) == 1
+        at_fallback = loop.ops
+        await async_wait_until(lambda: loop.ops >= at_fallback + 200, timeout=GENEROUS, what="ops on the fallback")
+        await store.set("during", b"kept in memory", 60)
+        assert await store.get("during") == b"kept in memory"
+        assert store.stats().entries is not None and store.stats().entries >= 1  # type: ignore[operator]
+        errors = (
+            store.metrics.registry.get_sample_value(
+                "continuum_cache_redis_errors_total", {"operation": "get", "kind": "connection"}
+            )
+            or 0.0
+        )
+        errors += (
+            store.metrics.registry.get_sample_value(
+                "continuum_cache_redis_errors_total", {"operation": "set", "kind": "connection"}
+            )
+            or 0.0
+        )
+        assert errors >= 1
+
+        await asyncio.to_thread(valkey_server.restart)
+        await raw.aclose()
+        raw = Redis.from_url(valkey_server.url)  # the test's own client: a fresh connection to the new server
+        await async_wait_until(lambda: not store.fallback_active, timeout=GENEROUS, what="the store back on Redis")
+        assert gauge(store) == 0
+        assert await store.get("during") is None  # the fallback's entries were dropped at the switch back
+        await store.set("after", b"on valkey again", 60)
+        assert await raw.get("cr:resp:after") == b"on valkey again"
+        at_recovery = loop.ops
+        await async_wait_until(lambda: loop.ops >= at_recovery + 200, timeout=GENEROUS, what="ops after recovery")
+        assert len(await raw.keys("cr:resp:loop:*")) >= 50  # the loop's writes land in the new Valkey
+        assert store.fallback_switches == 1  # the pool's old connections did not throw it back to the fallback
+        assert not store.fallback_active
+    finally:
+        loop.stopping = True
+        await task
+        await store.aclose()
+        await raw.aclose()
+        await close_shared_redis()
+    assert loop.exceptions == []
+
+
+class Blackhole:
+    """A TCP server that accepts connections and reads, never answering; counts the bytes it received."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        while data := await reader.read(65536):
+            self.received += len(data)
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        for w in self.writers:
+            w.close()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+@pytest.fixture
+async def blackhole() -> AsyncIterator[tuple[Blackhole, int]]:
+    hole = Blackhole()
+    port = await hole.start()
+    yield hole, port
+    await hole.stop()
+
+
+async def test_a_blackholed_redis_costs_a_command_timeout_then_the_fallback(blackhole: tuple[Blackhole, int]) -> None:
+    hole, port = blackhole
+    cfg = RedisConfig(
+        url=f"redis://127.0.0.1:{port}/0", command_timeout_ms=300, connect_timeout_ms=5000,
+        health_check_interval_seconds=3600,
+    )  # fmt: skip
+    store = RedisCacheStore(cfg, shared_redis(cfg), CacheStoreMetrics(CollectorRegistry()))
+    try:
+        assert await asyncio.wait_for(store.get("k"), GENEROUS) is None
+        assert store.fallback_active and gauge(store) == 1
+        assert store.redis_stats()["errors"]["timeout"] == 1
+        assert hole.connections >= 1 and hole.received > 0  # it did reach the socket
+        sent = hole.received
+        for i in range(100):
+            await asyncio.wait_for(store.set(f"k{i}", b"v", 60), GENEROUS)
+            assert await asyncio.wait_for(store.get(f"k{i}"), GENEROUS) == b"v"
+        await asyncio.sleep(0.05)  # let anything sent arrive at the blackhole's reader (only to show nothing did)
+        assert hole.received == sent  # on the fallback, requests never touch Redis
+    finally:
+        await store.aclose()
+        await close_shared_redis()
+
+
+async def test_a_blackholed_redis_without_fallback_raises_within_the_deadline(
+    blackhole: tuple[Blackhole, int],
+) -> None:
+    _, port = blackhole
+    cfg = RedisConfig(url=f"redis://127.0.0.1:{port}/0", command_timeout_ms=300, fallback_to_memory=False)
+    store = RedisCacheStore(cfg, shared_redis(cfg), CacheStoreMetrics(CollectorRegistry()))
+    try:
+        with pytest.raises(CacheStoreError, match="timeout"):
+            await asyncio.wait_for(store.set("k", b"v", 60), GENEROUS)
+        with pytest.raises(CacheStoreError):
+            await asyncio.wait_for(store.get("k"), GENEROUS)
+        assert not store.fallback_active and gauge(store) == 0
+    finally:
+        await store.aclose()
+        await close_shared_redis()
