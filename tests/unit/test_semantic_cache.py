@@ -1,0 +1,475 @@
+"""The semantic cache parts: the partition digest (isolation), the bounded vector index, the embeddings
+client against the real simulator and against servers that fail in each way."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from benchmarks.engine_sim import EngineSimulator, SimConfig
+from benchmarks.engine_sim.embeddings import embed_text
+from picker.cache.semantic import (
+    ENTRY_PREFIX,
+    MAX_DIM,
+    EmbeddingsClient,
+    SemanticIndex,
+    entry_key,
+    normalize,
+    partition_digest,
+    semantic_query,
+)
+from tests.support.http_server import serve
+
+EMB = "sim-model"
+QUESTION = (
+    "How do I configure the maximum number of cached entries for the response cache in the picker "
+    "when running on Kubernetes with three replicas?"
+)
+NEAR = QUESTION.replace("three", "four")
+OTHER = "Which planets of the solar system have rings, and what are the rings made of?"
+SYSTEM = {"role": "system", "content": "You answer questions about kv-epp."}
+TOOLS = [{"type": "function", "function": {"name": "search_docs", "parameters": {"type": "object"}}}]
+
+
+def chat(question: str, **fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "m",
+        "temperature": 0,
+        "messages": [SYSTEM, {"role": "user", "content": question}],
+    }
+    body.update(fields)
+    return body
+
+
+def query(data: dict[str, Any], tenant: str | None = "t1", max_input_bytes: int = 8192) -> Any:
+    return semantic_query(data, path_api="chat", tenant_id=tenant, embedding_model=EMB, max_input_bytes=max_input_bytes)
+
+
+def digest(data: dict[str, Any], tenant: str | None = "t1", emb: str = EMB) -> str | None:
+    return partition_digest(data, tenant_id=tenant, embedding_model=emb)
+
+
+# -- the partition digest -------------------------------------------------------------------------------
+def test_the_last_user_message_is_not_in_the_partition() -> None:
+    a, b = query(chat(QUESTION)), query(chat(OTHER))
+    assert a is not None and b is not None
+    assert a.partition == b.partition and len(a.partition) == 64
+    assert (a.text, b.text) == (QUESTION, OTHER)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"messages": [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": QUESTION}]},
+        {"messages": [{"role": "user", "content": QUESTION}]},  # no system prompt at all
+        {
+            "messages": [
+                SYSTEM,
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": QUESTION},
+            ]
+        },
+        {"tools": TOOLS},
+        {"tools": TOOLS, "tool_choice": "required"},
+        {"response_format": {"type": "json_object"}},
+        {"max_tokens": 16},
+        {"top_p": 0.5},
+        {"seed": 7},
+        {"stop": ["\n"]},
+        {"n": 2},
+        {"logit_bias": {"50256": -100}},
+        {"user": "end-user-2"},
+        {"model": "m2"},
+    ],
+    ids=lambda c: ",".join(c),
+)
+def test_anything_else_that_differs_changes_the_partition(changed: dict[str, Any]) -> None:
+    assert digest(chat(QUESTION, **changed)) != digest(chat(QUESTION))
+
+
+def test_identity_and_embedding_model_change_the_partition() -> None:
+    base = digest(chat(QUESTION))
+    assert digest(chat(QUESTION), tenant="t2") != base
+    assert digest(chat(QUESTION), tenant=None) != base
+    assert digest(chat(QUESTION), tenant="") != digest(chat(QUESTION), tenant=None)
+    assert digest(chat(QUESTION), emb="other-embedder") != base
+
+
+def test_same_meaning_same_partition() -> None:
+    base = digest(chat(QUESTION, max_tokens=100, top_p=1))
+    assert digest(chat(QUESTION, temperature=0.0, max_tokens=100.0, top_p=1.0)) == base
+    assert digest(chat(QUESTION, max_tokens=100, top_p=1, stream=False, stream_options=None)) == base
+    assert digest(chat(QUESTION, max_tokens=100, top_p=1, request_id="r-1", priority=3)) == base
+    reordered = {"messages": chat(QUESTION)["messages"], "top_p": 1, "max_tokens": 100, "temperature": 0, "model": "m"}
+    assert digest(reordered) == base
+
+
+@pytest.mark.parametrize(
+    ("data", "api"),
+    [
+        (chat(QUESTION, stream=True), "chat"),
+        ({k: v for k, v in chat(QUESTION).items() if k != "temperature"}, "chat"),  # absent: engine default
+        (chat(QUESTION, temperature=0.7), "chat"),
+        (chat(QUESTION, temperature=False), "chat"),
+        (chat(QUESTION), "anthropic"),
+        (chat(QUESTION), "completions"),
+        (chat(QUESTION, messages=[SYSTEM]), "chat"),  # the last turn is not a user turn
+        (
+            chat(QUESTION, messages=[{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "x"}]),
+            "chat",
+        ),
+        (chat(QUESTION, messages=[{"role": "user", "content": ""}]), "chat"),
+        (
+            chat(
+                QUESTION,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is in this image?"},
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                        ],
+                    }
+                ],
+            ),
+            "chat",
+        ),
+        (chat(QUESTION, messages="not a list"), "chat"),
+        (chat(QUESTION, model=None), "chat"),
+    ],
+)
+def test_ineligible_requests(data: dict[str, Any], api: str) -> None:
+    assert semantic_query(data, path_api=api, tenant_id="t", embedding_model=EMB, max_input_bytes=8192) is None
+
+
+def test_text_parts_are_joined_and_the_byte_bound_counts_utf8() -> None:
+    parts = chat(
+        "", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    )
+    q = query(parts)
+    assert q is not None and q.text == "a\nb"
+    korean = "캐시" * 10  # 20 characters, 60 UTF-8 bytes
+    assert query(chat(korean), max_input_bytes=60) is not None
+    assert query(chat(korean), max_input_bytes=59) is None
+
+
+def test_entry_keys_live_in_the_sem_key_space() -> None:
+    p = digest(chat(QUESTION))
+    assert p is not None
+    k = entry_key(p, QUESTION)
+    assert k.startswith(ENTRY_PREFIX) and len(k) == len(ENTRY_PREFIX) + 64
+    assert entry_key(p, NEAR) != k and entry_key(p, QUESTION) == k
+
+
+# -- the index ------------------------------------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def index(
+    max_entries: int = 100, ttl: float = 300.0, threshold: float = 0.92, clock: Clock | None = None
+) -> SemanticIndex:
+    return SemanticIndex(max_entries=max_entries, ttl_seconds=ttl, threshold=threshold, clock=clock or Clock())
+
+
+def test_near_duplicate_question_matches_through_the_digest() -> None:
+    idx = index()
+    q1 = query(chat(QUESTION))
+    assert q1 is not None
+    assert idx.add(q1.partition, embed_text(q1.text), entry_key(q1.partition, q1.text))
+    q2 = query(chat(NEAR))
+    assert q2 is not None and q2.partition == q1.partition
+    match = idx.lookup(q2.partition, embed_text(q2.text))
+    assert match is not None and match.key == entry_key(q1.partition, QUESTION)
+    assert 0.92 <= match.similarity < 1.0
+    assert idx.lookup(q2.partition, embed_text(OTHER)) is None  # unrelated question: a miss
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"messages": [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": NEAR}]},
+        {"tools": TOOLS},
+    ],
+    ids=["system-prompt", "tool-list"],
+)
+def test_different_system_prompt_or_tools_never_match(changed: dict[str, Any]) -> None:
+    idx = index()
+    q1 = query(chat(QUESTION))
+    assert q1 is not None
+    idx.add(q1.partition, embed_text(q1.text), entry_key(q1.partition, q1.text))
+    q2 = query(chat(NEAR, **changed))
+    assert q2 is not None
+    assert idx.lookup(q2.partition, embed_text(q2.text)) is None
+    assert idx.lookup(q1.partition, embed_text(NEAR)) is not None  # the same question in the first partition hits
+
+
+def test_best_entry_wins_and_threshold_is_inclusive() -> None:
+    idx = index(threshold=0.5)
+    idx.add("p", [1.0, 0.0], "far")
+    idx.add("p", [1.0, 1.0], "near")
+    match = idx.lookup("p", [1.0, 0.9])
+    assert match is not None and match.key == "near"
+    exact = index(threshold=0.6)
+    exact.add("p", [0.6, 0.8], "k")
+    hit = exact.lookup("p", [1.0, 0.0])  # cosine exactly 0.6
+    assert hit is not None and math.isclose(hit.similarity, 0.6, abs_tol=1e-9)
+    assert index(threshold=0.61).lookup("p", [1.0, 0.0]) is None
+
+
+def test_max_entries_evicts_the_oldest_across_partitions() -> None:
+    idx = index(max_entries=3, threshold=0.99)
+    for i, p in enumerate(["a", "b", "a", "b"]):
+        assert idx.add(p, [1.0, float(i)], f"k{i}")
+    assert len(idx) == 3
+    assert idx.lookup("a", [1.0, 0.0]) is None  # k0, the oldest, is gone
+    hit = idx.lookup("a", [1.0, 2.0])
+    assert hit is not None and hit.key == "k2"
+    assert idx.snapshot().evicted == 1
+    idx.configure(max_entries=1, ttl_seconds=300, threshold=0.99)  # a reload that shrinks evicts at once
+    assert len(idx) == 1
+    last = idx.lookup("b", [1.0, 3.0])
+    assert last is not None and last.key == "k3"
+    assert idx.snapshot().partitions == 1  # the emptied partition is dropped
+
+
+def test_entries_expire_after_the_ttl() -> None:
+    clock = Clock()
+    idx = index(ttl=60, clock=clock)
+    idx.add("p", [1.0, 0.0], "old")
+    clock.now += 30
+    idx.add("p", [0.0, 1.0], "new")
+    assert idx.lookup("p", [1.0, 0.0]) is not None
+    clock.now += 31  # "old" is 61 s old, "new" 31 s
+    assert idx.lookup("p", [1.0, 0.0]) is None
+    assert idx.lookup("p", [0.0, 1.0]) is not None
+    assert len(idx) == 1 and idx.snapshot().expired == 1
+
+
+def test_adding_a_key_again_replaces_its_vector() -> None:
+    idx = index(threshold=0.99)
+    idx.add("p", [1.0, 0.0], "k")
+    idx.add("p", [0.0, 1.0], "k")
+    assert len(idx) == 1
+    assert idx.lookup("p", [1.0, 0.0]) is None
+    idx.remove("k")
+    assert len(idx) == 0 and idx.lookup("p", [0.0, 1.0]) is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[], [0.0, 0.0], [1.0, float("nan")], [1.0, float("inf")], [True, 1.0], ["1"], "abc", None, [1.0] * (MAX_DIM + 1)],
+    ids=["empty", "zero", "nan", "inf", "bool", "str-item", "str", "none", "too-long"],
+)
+def test_unusable_vectors_are_refused(bad: Any) -> None:
+    idx = index()
+    assert normalize(bad) is None
+    assert not idx.add("p", bad, "k")
+    assert idx.lookup("p", bad) is None
+    assert len(idx) == 0
+
+
+def test_vectors_of_another_dimension_are_skipped() -> None:
+    idx = index(threshold=0.5)
+    idx.add("p", [1.0, 0.0, 0.0], "three")
+    assert idx.lookup("p", [1.0, 0.0]) is None
+
+
+# -- the embeddings client ------------------------------------------------------------------------------
+@pytest.fixture
+async def sim() -> AsyncIterator[EngineSimulator]:
+    simulator = EngineSimulator(SimConfig(time_scale=0.001, kv_events_enabled=False, model=EMB))
+    await simulator.start()
+    try:
+        yield simulator
+    finally:
+        await simulator.stop()
+
+
+async def embed(client: EmbeddingsClient, backend: str, text: str = QUESTION, **kw: Any) -> Any:
+    opts: dict[str, Any] = {"timeout_ms": 2000, "max_input_bytes": 8192}
+    opts.update(kw)
+    return await client.embed(backend, EMB, text, **opts)
+
+
+async def test_client_against_the_simulator_near_duplicate_hits(sim: EngineSimulator) -> None:
+    client = EmbeddingsClient()
+    try:
+        v1 = await embed(client, sim.base_url + "/", QUESTION)
+        v2 = await embed(client, sim.base_url, NEAR)
+        v3 = await embed(client, sim.base_url, OTHER)
+    finally:
+        await client.close()
+    assert v1 is not None and v2 is not None and v3 is not None
+    assert all(abs(a - b) < 1e-12 for a, b in zip(v1, embed_text(QUESTION), strict=True))
+    idx = index()
+    q1, q2 = query(chat(QUESTION)), query(chat(NEAR))
+    assert q1 is not None and q2 is not None
+    idx.add(q1.partition, v1, "k1")
+    hit = idx.lookup(q2.partition, v2)
+    assert hit is not None and hit.key == "k1"
+    assert idx.lookup(q2.partition, v3) is None
+    assert client.stats.ok == 3 and client.stats.requests == 3 and not client.stats.errors
+
+
+async def test_long_or_empty_input_is_skipped_without_a_request() -> None:
+    seen: list[bytes] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(await request.read())
+        return web.json_response({"data": [{"embedding": [1.0, 0.0]}]})
+
+    async with serve([web.post("/v1/embeddings", handler)]) as url:
+        client = EmbeddingsClient()
+        try:
+            assert await embed(client, url, "x" * 101, max_input_bytes=100) is None
+            assert await embed(client, url, "캐시" * 17, max_input_bytes=100) is None  # 34 chars, 102 bytes
+            assert await embed(client, url, "") is None
+            assert await embed(client, url, "x" * 100, max_input_bytes=100) == (1.0, 0.0)
+        finally:
+            await client.close()
+    assert client.stats.skipped == 3 and len(seen) == 1
+    assert orjson.loads(seen[0]) == {"model": EMB, "input": "x" * 100}
+
+
+def refused_url() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    return f"http://127.0.0.1:{port}"
+
+
+async def test_refused_connection_is_a_miss() -> None:
+    async with aiohttp.ClientSession() as session:
+        client = EmbeddingsClient(session)
+        assert await embed(client, refused_url()) is None
+        assert await embed(client, "not a url at all") is None
+        await client.close()  # the caller's session is left open
+        assert not session.closed
+    assert client.stats.errors == {"connect": 2}
+
+
+async def test_a_backend_that_never_answers_is_a_miss_within_the_timeout() -> None:
+    release = asyncio.Event()
+
+    async def stall(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({})
+
+    async with serve([web.post("/v1/embeddings", stall)]) as url:
+        client = EmbeddingsClient()
+        try:
+            assert await embed(client, url, timeout_ms=100) is None
+        finally:
+            release.set()
+            await client.close()
+    assert client.stats.timeouts == 1 and client.stats.ok == 0
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (web.json_response({"error": "boom"}, status=500), "status"),
+        (web.Response(body=b"x" * 5000, content_type="application/json"), "too_large"),
+        (web.Response(body=b"not json", content_type="application/json"), "malformed"),
+        (web.json_response({"data": []}), "malformed"),
+        (web.json_response({"data": [{"embedding": [0.0, 0.0]}]}), "malformed"),
+        (web.json_response({"data": [{"embedding": "AAAA"}]}), "malformed"),
+        (web.json_response([1, 2]), "malformed"),
+    ],
+    ids=["500", "too-large", "not-json", "no-data", "zero-vector", "base64", "not-object"],
+)
+async def test_bad_answers_are_misses(answer: web.Response, reason: str) -> None:
+    async def handler(request: web.Request) -> web.Response:
+        return answer
+
+    async with serve([web.post("/v1/embeddings", handler)]) as url:
+        client = EmbeddingsClient(max_response_bytes=4096)
+        try:
+            assert await embed(client, url) is None
+        finally:
+            await client.close()
+    assert client.stats.errors == {reason: 1}
+
+
+async def test_a_streamed_answer_over_the_bound_is_cut_off() -> None:
+    async def chunked(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()  # no Content-Length: the bound is applied while reading
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        for _ in range(64):
+            await resp.write(b" " * 1024)
+        await resp.write_eof()
+        return resp
+
+    async with serve([web.post("/v1/embeddings", chunked)]) as url:
+        client = EmbeddingsClient(max_response_bytes=4096)
+        try:
+            assert await embed(client, url) is None
+        finally:
+            await client.close()
+    assert client.stats.errors == {"too_large": 1}
+
+
+async def test_lookup_async_agrees_with_lookup_and_frees_the_loop() -> None:
+    idx = index(max_entries=1000, threshold=0.92)
+    texts = [f"{QUESTION} variant {i} about topic {i * 7}" for i in range(300)]
+    for i, text in enumerate(texts):
+        idx.add("p", embed_text(text), f"k{i}")
+    probe = embed_text(texts[123].replace("three", "four"))
+    expected = idx.lookup("p", probe)
+    assert expected is not None and expected.key == "k123"
+
+    ticks: list[int] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(1)
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = len(ticks)
+    try:
+        got = await idx.lookup_async("p", probe, chunk=10)
+    finally:
+        stop.set()
+        await task
+    assert got == expected
+    assert len(ticks) - before >= 10  # the other task ran between the 30 steps
+    assert idx.snapshot().lookups == 2 and idx.snapshot().hits == 2
+
+
+async def test_entries_dropped_during_an_async_scan_do_not_break_it() -> None:
+    clock = Clock()
+    idx = index(max_entries=100, ttl=60, threshold=0.99, clock=clock)
+    for i in range(50):
+        idx.add("p", [1.0, float(i)], f"k{i}")
+    clock.now += 61  # all expired: the scan collects them
+
+    async def meddle() -> None:
+        await asyncio.sleep(0)
+        idx.remove("k10")
+        idx.add("p", [1.0, 10.0], "fresh")
+
+    task = asyncio.create_task(meddle())
+    assert await idx.lookup_async("p", [1.0, 10.0], chunk=5) is None  # the snapshot held only expired entries
+    await task
+    assert len(idx) == 1
+    hit = idx.lookup("p", [1.0, 10.0])
+    assert hit is not None and hit.key == "fresh"
