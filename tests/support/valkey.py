@@ -2,7 +2,8 @@
 process on 127.0.0.1 and a free port, stopped by its pid.
 
 ``ValkeyProcess`` can be killed (SIGKILL, as a crash) and restarted on the same port, so a test can take Valkey
-away under load and bring it back where the clients expect it. No persistence (``save ""``, no AOF): a
+away under load and bring it back where the clients expect it; or paused (SIGSTOP: it keeps its data and
+answers nothing) and resumed. No persistence (``save ""``, no AOF): a
 restarted server is empty. The ``valkey_server`` fixture gives a started server and stops it at teardown::
 
     from tests.support.valkey import valkey_server  # noqa: F401  (the fixture)
@@ -133,11 +134,23 @@ class ValkeyProcess:
         """SIGKILL by pid (a crash) and wait until it is gone: nothing listens on the port afterwards."""
         self._signal_and_wait(signal.SIGKILL, 10.0)
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its data and its connections but answers nothing (a hung or partitioned
+        Redis: commands time out instead of being refused). ``resume()`` continues it; ``stop`` resumes first."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after ``pause()``."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM by pid, SIGKILL after ``grace``."""
         if not self.running():
             self.proc = None
             return
+        self.resume()  # a stopped process would not act on SIGTERM until continued
         try:
             self._signal_and_wait(signal.SIGTERM, grace)
         except subprocess.TimeoutExpired:

@@ -172,3 +172,39 @@ async def test_shared_redis_is_one_client_per_setting() -> None:
         await close_shared_redis()
     assert shared_redis(a) is not None
     await close_shared_redis()
+
+
+@pytest.mark.valkey
+async def test_a_hung_valkey_times_out_and_the_outage_invalidations_are_replayed(
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    cfg = RedisConfig(url=valkey_server.url, command_timeout_ms=200, health_check_interval_seconds=0.2)
+    s = RedisCacheStore(cfg, build_redis(cfg), CacheStoreMetrics(CollectorRegistry()))
+    try:
+        await s.set("a", b"1", 600)
+        await s.set("b", b"2", 600)
+        await s.set("c", b"3", 600)
+        valkey_server.pause()  # keeps its data, answers nothing
+        try:
+            assert await s.get("a") is None  # timed out: a miss, and the fallback is on
+            assert s.fallback_active and s.redis_stats()["errors"]["timeout"] == 1
+            await s.delete("a")  # an invalidation Redis did not see
+        finally:
+            valkey_server.resume()
+        await async_wait_until(lambda: not s.fallback_active, timeout=30, what="the store back on Redis")
+        assert (await s.get("a"), await s.get("b")) == (None, b"2")  # the delete was replayed, b kept
+
+        valkey_server.pause()
+        try:
+            await s.set("d", b"4", 600)  # times out: on the fallback
+            assert s.fallback_active
+            await s.clear()
+        finally:
+            valkey_server.resume()
+        await async_wait_until(lambda: not s.fallback_active, timeout=30, what="the store back on Redis")
+        assert [await s.get(k) for k in "bcd"] == [None, None, None]  # the clear was replayed on Redis
+        assert s.fallback_switches == 2
+    finally:
+        valkey_server.resume()
+        await s.aclose()
+        await s.client.aclose(close_connection_pool=True)
