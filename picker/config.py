@@ -868,6 +868,15 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
     if not s.pool.backends and not s.pool.discovered:
         out.append(("pool.backends", "no backends: every request is answered 503"))
     out.extend(not_implemented_warnings(s))
+    if s.response_cache.enabled:
+        out.append(
+            (
+                "response_cache.enabled",
+                "responses are stored only when their bodies reach the picker: Envoy with --response-mode full "
+                "(or sampled with --body-mode BUFFERED); with the default none, hits are answered but nothing is "
+                "stored (warned again at the first eligible miss)",
+            )
+        )
     if s.admin.enabled and s.admin.host not in ("127.0.0.1", "::1", "localhost") and not s.admin.has_token:
         out.append(("admin.bearer_token", "admin listens beyond loopback without a bearer token"))
     x = s.extproc
@@ -892,8 +901,13 @@ def not_implemented_warnings(s: Settings) -> list[tuple[str, str]]:
                 f"{NOT_IMPLEMENTED} (Anthropic cache_control injection): request bodies are forwarded unchanged",
             )
         )
-    if s.response_cache.enabled:
-        out.append(("response_cache.enabled", f"{NOT_IMPLEMENTED} (Tier 2 response cache): every request is routed"))
+    if s.response_cache.enabled and s.response_cache.backend == "redis":
+        out.append(
+            (
+                "response_cache.backend",
+                f"{NOT_IMPLEMENTED} (Tier 3 Redis response cache): the in-memory store is used",
+            )
+        )
     kv = s.kv_cache_index
     if kv.backend == "redis":
         out.append(

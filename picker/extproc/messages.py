@@ -137,9 +137,19 @@ def sampled_mode(request_body_mode: int) -> processing_mode_pb2.ProcessingMode:
     return m
 
 
-def sampled_headers_answer(request_body_mode: int) -> pb.ProcessingResponse:
-    """The answer to a sampled request's response headers: continue, and stream this response's body."""
+def sampled_headers_answer(request_body_mode: int, x_cache: str | None = None) -> pb.ProcessingResponse:
+    """The answer to a sampled request's response headers: continue, and stream this response's body
+    (with the ``x-cache`` header when given)."""
+    r = response_headers_answer(x_cache)
+    r.mode_override.CopyFrom(sampled_mode(request_body_mode))
+    return r
+
+
+def response_headers_answer(x_cache: str | None) -> pb.ProcessingResponse:
+    """The answer to the response headers: continue, adding ``x-cache: <x_cache>`` (overwriting an upstream's)
+    when the response cache is on."""
     r = pb.ProcessingResponse()
     r.response_headers.SetInParent()
-    r.mode_override.CopyFrom(sampled_mode(request_body_mode))
+    if x_cache is not None:
+        set_header(r.response_headers.response.header_mutation, "x-cache", x_cache)
     return r

@@ -54,6 +54,7 @@ from picker.extproc.messages import (
     header_value,
     immediate,
     pick_response,
+    response_headers_answer,
     sampled_headers_answer,
     served_endpoint,
     streamed_chunks,
@@ -281,7 +282,11 @@ class RequestStream:
         self._release_body()
         self.phase = Phase.DONE
         self.answer = STATUS_OUTCOMES.get(a.status, "answered")
-        return immediate(a.status, a.body, a.details, a.headers)
+        headers = a.headers
+        cache = self.app.path.cache
+        if getattr(cache, "enabled", False) and not any(k == "x-cache" for k, _ in headers):
+            headers = (*headers, ("x-cache", "BYPASS"))  # the picker's own 400/429/503: nothing was looked up
+        return immediate(a.status, a.body, a.details, headers)
 
     def _pick(self, dest: str, body: bytes, at_headers: bool, body_eos: bool) -> Sequence[pb.ProcessingResponse]:
         if at_headers:
@@ -302,21 +307,31 @@ class RequestStream:
                     status = None
                 break
         answer = _HEADERS_OK
-        if self.exchange is not None:
+        ex = self.exchange
+        if ex is not None:
             self.phase = Phase.RESPONSE
-            self.exchange.response_headers(status, served)
+            store = ex.cache_key is not None  # an eligible response-cache miss: its response is stored
+            if store:  # the cache keeps its headers (decoded for these responses only)
+                ex.resp_headers = tuple((h.key, header_value(h)) for h in msg.headers.headers)
+            ex.response_headers(status, served)
+            x_cache = ex.x_cache
+            if x_cache is not None:
+                answer = response_headers_answer(x_cache)
             sampling = self.sampling
             if sampling is not None:
-                # a sample only where Envoy can switch the body on (body NONE, no full-duplex body mode)
+                # a sample only where Envoy can switch the body on (body NONE, no full-duplex body mode); an
+                # eligible cache miss is switched like an opted-in sample (its body must reach the cache)
                 if msg.end_of_stream:
                     pass
                 elif self.resp_mode != RESPONSE_NONE:  # full mode: every body passes through; read its usage too
                     self.sampled = True
-                elif self.mode != FULL_DUPLEX and sampling.choose(self.opted_in):
+                elif self.mode != FULL_DUPLEX and sampling.choose(self.opted_in or store):
                     self.sampled = True
                     self.resp_mode = STREAMED
-                    answer = sampled_headers_answer(self.mode)
+                    answer = sampled_headers_answer(self.mode, x_cache)
                 sampling.headers_seen(self.sampled)
+            if store and self.resp_mode == RESPONSE_NONE and not msg.end_of_stream:
+                self.app.path.cache_cannot_store()
         if msg.end_of_stream:
             self._end_response()
         return (answer,)

@@ -1,7 +1,8 @@
 """The request path: the stages one request goes through, in order, and the response observers.
 
     parse    → RequestFacts, or a 400 answer                        (sync, ``picker.request.facts``)
-    cache    → a stored answer for a repeated deterministic request (async; no cache configured yet)
+    cache    → a stored answer for a repeated deterministic request (async: ``picker.cache.response_cache``),
+               else the key its response is stored under (an eligible miss), else nothing (not eligible)
     prepare  → Prepared: prefix key, session's endpoint, Tier 4 holds (async: the one place a request
                may wait on I/O — the tokenizer, an I/O-backed KV index)
     decide   → Decision from the pool's snapshot                    (sync, pure: ``picker.routing.core``)
@@ -15,6 +16,7 @@ to the ``Exchange``, which hands them to the response observers (status, first b
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key
 from picker.routing.endpoints import BackendHold, Decision
 
+log = logging.getLogger("kv_epp.request")
 _perf = time.perf_counter
 _mono = time.monotonic
 
@@ -59,7 +62,13 @@ class Answer:
 
 
 class ResponseCache(Protocol):
-    """The response-cache stage (Tier 2): a stored answer for an eligible request, else None."""
+    """The response-cache stage (Tier 2): a stored answer for an eligible request, else None.
+
+    A stage that also has ``enabled`` and ``lookup_request(facts, body) -> Answer | str | None`` (Tier 2's
+    ``picker.cache.response_cache.ResponseCache``) is consulted through it, only while ``enabled``: it gets the
+    request body the facts were parsed from and returns the hit, else the key of an eligible miss (set on the
+    exchange as ``cache_key``, with ``x_cache`` MISS: the response is stored under it by the cache's response
+    observer), else None (not eligible: ``x_cache`` BYPASS)."""
 
     async def lookup(self, facts: RequestFacts) -> Answer | None: ...
 
@@ -87,8 +96,9 @@ class Exchange:
     """One routed request, from the commit to the end of its response (or the stream's abort)."""
 
     __slots__ = (
-        "_body_observers", "_ended", "_observers", "available_cached", "decided_at", "decision", "facts",
-        "first_byte_at", "lease", "placed", "predicted_cached", "prompt_tokens", "served", "status",
+        "_body_observers", "_ended", "_observers", "available_cached", "cache_buf", "cache_complete", "cache_key",
+        "cache_size", "decided_at", "decision", "facts", "first_byte_at", "lease", "placed", "predicted_cached",
+        "prompt_tokens", "resp_headers", "served", "status", "x_cache",
     )  # fmt: skip
 
     def __init__(
@@ -111,6 +121,14 @@ class Exchange:
         self.available_cached = 0  # prompt tokens the index said the best holder holds (>= predicted_cached)
         # the recent placement this request made (placements, endpoint, block keys), undone if it fails there
         self.placed: tuple[RecentPlacements, str, Sequence[int]] | None = None
+        # Tier 2: the X-Cache value of the answer (None: no response cache), an eligible miss's key, its
+        # response's headers (kept by the protocol layer for an eligible miss only) and bounded body buffer
+        self.x_cache: str | None = None
+        self.cache_key: str | None = None
+        self.resp_headers: tuple[tuple[str, str], ...] = ()
+        self.cache_buf: list[bytes] | None = None
+        self.cache_size = 0
+        self.cache_complete = False  # the response body's end_of_stream was seen
         self._observers = observers
         self._body_observers = body_observers
         self._ended = False
@@ -118,6 +136,10 @@ class Exchange:
     @property
     def wants_body(self) -> bool:
         return bool(self._body_observers)
+
+    def add_body_observer(self, o: ResponseObserver) -> None:
+        """``o`` also sees this exchange's body chunks (the response cache, for an eligible miss)."""
+        self._body_observers = (*self._body_observers, o)
 
     def response_headers(self, status: int | None, served: str | None = None) -> None:
         """The response's status (Envoy's own local reply included: a 504 after a timeout, a 503 after
@@ -240,6 +262,7 @@ class RequestPath:
         self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
         self.admission = Admission(settings.admission)
         self.prefix_rates = PrefixRates()  # how often each held prefix is asked for, for the cost model
+        self._cache_warned = False
         self.configure(settings)
 
     def configure(self, settings: Settings) -> None:
@@ -343,6 +366,17 @@ class RequestPath:
             self.recorder.cached_tokens(decision.reason, prompt, ex.available_cached, predicted_cached)
         return ex
 
+    def cache_cannot_store(self) -> None:
+        """An eligible miss's response body does not reach the picker (Envoy's response mode ``none``, or
+        ``sampled`` with full-duplex bodies): the response cache answers hits but stores nothing. Warned once."""
+        if not self._cache_warned:
+            self._cache_warned = True
+            log.warning(
+                "event=response_cache_cannot_store reason=%r",
+                "response bodies do not reach the picker (Envoy response mode none): nothing is stored; use "
+                "kv-epp envoy-config --response-mode full, or sampled with --body-mode BUFFERED",
+            )
+
     def overloaded(self, why: str) -> Answer:
         """The 429 of admission control (counted as outcome ``overloaded``)."""
         self.recorder.refused("overloaded")
@@ -358,10 +392,20 @@ class RequestPath:
             self.recorder.refused("bad_request")
             return Answer(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}")
         cpu = _perf() - t0
-        if self.cache is not None:
-            hit = await self.cache.lookup(facts)
-            if hit is not None:
-                return hit
+        cache = self.cache
+        x_cache = key = None
+        if cache is not None:
+            keyed = getattr(cache, "lookup_request", None)
+            if keyed is None:
+                hit = await cache.lookup(facts)
+                if hit is not None:
+                    return hit
+            elif cache.enabled:  # type: ignore[attr-defined]
+                looked = await keyed(facts, req.body)
+                if isinstance(looked, Answer):
+                    return looked
+                key = looked
+                x_cache = "MISS" if key is not None else "BYPASS"
         why = self.admission.saturation(self.pool.view(req.subset), self.pool.view())
         if why is not None:  # shed before prepare: a saturated pool gets no tokenizer call either
             return self.overloaded(why)
@@ -373,5 +417,8 @@ class RequestPath:
             why = "no endpoint in the subset hint is eligible" if req.subset is not None else "no healthy backend"
             return Answer(503, error_body(why, "no_healthy_backend", "service_unavailable"), "kv_epp_no_backend")
         ex = self.commit(facts, decision, prepared)
+        ex.x_cache, ex.cache_key = x_cache, key
+        if key is not None:  # an eligible miss: the cache reads this response's body (and only this one's)
+            ex.add_body_observer(cache)  # type: ignore[arg-type]
         self.recorder.decision_cpu(cpu + _perf() - t1)
         return ex

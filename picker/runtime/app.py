@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from picker.cache.response_cache import ResponseCache
+from picker.cache.store import MemoryCacheStore
 from picker.config import (
     ConfigError,
     PoolConfig,
@@ -79,8 +81,15 @@ class PickerApp:
         self.tier4 = (
             Tier4(settings.kv_cache_index, self.pool, self.metrics) if settings.kv_cache_index.enabled else None
         )
-        observers = (self.tier4.watch,) if self.tier4 is not None else ()
-        self.path = RequestPath(settings, self.pool, self.router, self.recorder, holds=self.tier4, observers=observers)
+        # Tier 2: built always (enabled is hot-reloadable), its store once (response_cache.backend needs a restart)
+        rc = settings.response_cache
+        self.cache_store = MemoryCacheStore(rc.capacity)
+        self.response_cache = ResponseCache(rc, self.cache_store, self.metrics)
+        observers = (*((self.tier4.watch,) if self.tier4 is not None else ()), self.response_cache)
+        self.path = RequestPath(
+            settings, self.pool, self.router, self.recorder, holds=self.tier4, cache=self.response_cache,
+            observers=observers,
+        )  # fmt: skip
         if self.tier4 is not None and self.path.placements is not None:  # the feeds settle the placement guesses
             self.tier4.index.watcher = self.path.placements
         self.open_streams = 0
@@ -276,6 +285,8 @@ class PickerApp:
         self.router.reconfigure(hot)
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now, not on a request
         self.path.configure(hot)
+        self.response_cache.configure(hot.response_cache)
+        self.cache_store.capacity = hot.response_cache.capacity  # LRU: a smaller capacity evicts at the next set
         self.settings = hot
         self.metrics.config_reloads.labels("applied").inc()
         log.info("event=config_reloaded backends=%d strategy=%s", len(self.pool.names()), hot.selection_strategy)

@@ -1,0 +1,408 @@
+"""Tier 2: the exact response cache. A repeated deterministic request is answered by the picker itself.
+
+Eligibility (the seed's, decided from the request alone): the cache is enabled; the API is chat completions,
+completions or Anthropic messages (Responses and other paths are BYPASS: a Responses answer names server-side
+state); ``temperature`` is 0 or absent; a stream is eligible too (stream buffering is always on: the stream is
+buffered up to ``max_stream_buffer_size`` and stored once complete); the model name holds no NUL byte. An
+eligible request is a lookup: a stored entry is a HIT, answered at once (an ImmediateResponse carrying the stored
+status, headers and body, ``X-Cache: HIT``; a stream's entry is a synthetic SSE stream), no engine touched. Else
+the request is routed with ``X-Cache: MISS`` and its response is stored when it reaches the picker whole: status
+200, the body complete (its ``end_of_stream`` seen) and within ``max_response_size`` (a stream: within
+``max_stream_buffer_size``, a complete SSE stream: its last event ``data: [DONE]``, Anthropic's
+``message_stop``). Not eligible: routed with ``X-Cache: BYPASS``.
+
+The key (``cache_key``) is the seed's SHA-256, hex, over these bytes::
+
+    model (UTF-8)                                              0x00
+    SHA-256(canonical JSON of messages | the completions prompt) 0x00   (32 raw bytes)
+    temperature: 0x00 absent | 0x01 + float64 big-endian       0x00
+    max_tokens:  0x00 absent | 0x01 + int64 big-endian         0x00
+    top_p:       0x00 absent | 0x01 + float64 big-endian       0x00
+    tenant:      0x00 absent | 0x01 + UTF-8 of the tenant header value
+                                                               0x00
+    SHA-256(canonical JSON of the rest of the body)            (32 raw bytes; our addition, below)
+
+NONE/SOME tags keep an absent value apart from 0 (temperature is tagged too, so absent ≠ 0). ``max_tokens`` is
+the request's ``max_tokens``, else ``max_completion_tokens`` (as the facts parse it). -0.0 is written as 0.0.
+The canonical JSON is ``orjson.dumps(value, option=OPT_SORT_KEYS)``: UTF-8 (no ``\\u`` escapes beyond JSON's
+required ones), no whitespace, object keys sorted by code point at every level, integers as integers and floats
+in their shortest round-trip form (so ``1`` and ``1.0`` differ), arrays in order. The completions ``prompt`` is
+keyed whole (a string, token ids, or a batch). The last field is our addition to the seed's layout: the body
+without ``model``, ``messages``, ``prompt``, ``temperature``, ``max_tokens`` and ``top_p`` plus ``"api"`` (chat,
+completions, anthropic), so two requests that differ in anything else that shapes the answer (``stream``,
+``stream_options``, ``tools``, ``response_format``, ``stop``, ``n``, ``seed``, Anthropic's ``system``, ...)
+never share an entry: a streamed request never gets a JSON body, nor the reverse.
+
+Bounds: the store's own (``capacity`` LRU + ``ttl``, or Redis TTLs); per routed response at most
+``max_response_size`` (stream: ``max_stream_buffer_size``) bytes buffered, and all responses' buffers together at
+most ``MAX_BUFFERED_TOTAL``: past either, that response's buffer is dropped and it is not stored; at most
+``MAX_PENDING_WRITES`` store writes in flight (more: not stored). Store failures are misses, never request errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from picker.cache import CacheStore, CacheStoreError
+from picker.config import ResponseCacheConfig
+from picker.request.facts import RequestFacts
+from picker.request.path import Answer, Exchange
+
+log = logging.getLogger("kv_epp.response_cache")
+
+HIT, MISS, BYPASS = "HIT", "MISS", "BYPASS"
+X_CACHE = "x-cache"
+ELIGIBLE_APIS = frozenset({"chat", "completions", "anthropic"})
+MAX_BUFFERED_TOTAL = 64 << 20  # response bytes buffered for the cache by all exchanges together
+MAX_PENDING_WRITES = 256  # store writes in flight; beyond, a response is not stored
+_SOME, _NONE = b"\x01", b"\x00"
+_SEP = b"\x00"
+_KEYED_FIELDS = ("model", "messages", "prompt", "temperature", "max_tokens", "top_p")
+# response headers never stored: per-connection, per-response, or set by the proxy/picker on the way out
+_NOT_STORED = frozenset(
+    {
+        "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+        "content-length", "date", "set-cookie", "x-request-id", X_CACHE, "x-cache-mode", "server",
+    }
+)  # fmt: skip
+_ENTRY_MAGIC = b"KVR1"
+_OPENAI_STREAM_END = b"[DONE]"
+
+
+# -- the key -------------------------------------------------------------------------------------------
+def canonical_json(value: Any) -> bytes:
+    """The canonical form hashed into the key (see the module docstring)."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def _f64(v: float) -> bytes:
+    return struct.pack(">d", 0.0 if v == 0 else v)
+
+
+def _opt_f64(v: float | None) -> bytes:
+    return _NONE if v is None else _SOME + _f64(v)
+
+
+def _opt_i64(v: int | None) -> bytes:
+    return _NONE if v is None else _SOME + struct.pack(">q", v)
+
+
+def _opt_str(v: str | None) -> bytes:
+    return _NONE if v is None else _SOME + v.encode("utf-8", "surrogatepass")
+
+
+def key_material(facts: RequestFacts, data: dict[str, Any]) -> bytes | None:
+    """The bytes whose SHA-256 is the key (module docstring), or None when the request cannot be keyed (no
+    model, a NUL in the model or tenant, max_tokens outside int64)."""
+    model = facts.model
+    if model is None or "\x00" in model or (facts.tenant_id is not None and "\x00" in facts.tenant_id):
+        return None
+    mt = facts.max_tokens
+    if mt is not None and not -(1 << 63) <= mt < (1 << 63):
+        return None
+    conversation = data.get("prompt") if facts.api == "completions" else data.get("messages")
+    rest = {k: v for k, v in data.items() if k not in _KEYED_FIELDS}
+    rest["api"] = facts.api  # a body field named "api" is overwritten: the API is the path's (keyed here)
+    return b"".join(
+        (
+            model.encode("utf-8", "surrogatepass"), _SEP,
+            hashlib.sha256(canonical_json(conversation)).digest(), _SEP,
+            _opt_f64(facts.temperature), _SEP,
+            _opt_i64(mt), _SEP,
+            _opt_f64(facts.top_p), _SEP,
+            _opt_str(facts.tenant_id), _SEP,
+            hashlib.sha256(canonical_json(rest)).digest(),
+        )
+    )  # fmt: skip
+
+
+def cache_key(facts: RequestFacts, data: dict[str, Any]) -> str | None:
+    """The entry's key: SHA-256 hex of ``key_material`` (None: not keyable)."""
+    m = key_material(facts, data)
+    return hashlib.sha256(m).hexdigest() if m is not None else None
+
+
+def eligible(facts: RequestFacts) -> bool:
+    """The seed's request-side eligibility (the response size is judged when it comes)."""
+    t = facts.temperature
+    return facts.api in ELIGIBLE_APIS and (t is None or t == 0) and facts.model is not None
+
+
+# -- entries -------------------------------------------------------------------------------------------
+class EntryError(ValueError):
+    """Stored bytes that are not an entry of this format (another version, corruption): a miss."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    """A stored response. ``stream``: ``body`` is an SSE stream (replayed as it is stored).
+
+    Encoding: ``KVR1``, status (uint16 BE), flags (uint8: 1 = stream), header count (uint16 BE), per header
+    name length (uint16 BE) + name + value length (uint32 BE) + value (UTF-8), then the body to the end."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    stream: bool = False
+
+    def encode(self) -> bytes:
+        parts = [_ENTRY_MAGIC, struct.pack(">HBH", self.status, 1 if self.stream else 0, len(self.headers))]
+        for k, v in self.headers:
+            kb, vb = k.encode(), v.encode()
+            parts += (struct.pack(">H", len(kb)), kb, struct.pack(">I", len(vb)), vb)
+        parts.append(self.body)
+        return b"".join(parts)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> CacheEntry:
+        try:
+            if raw[:4] != _ENTRY_MAGIC:
+                raise EntryError("not a response-cache entry (magic)")
+            status, flags, n = struct.unpack_from(">HBH", raw, 4)
+            off = 9
+            headers = []
+            for _ in range(n):
+                (kl,) = struct.unpack_from(">H", raw, off)
+                k = raw[off + 2 : off + 2 + kl]
+                off += 2 + kl
+                (vl,) = struct.unpack_from(">I", raw, off)
+                v = raw[off + 4 : off + 4 + vl]
+                if len(k) != kl or len(v) != vl:
+                    raise EntryError("truncated header")
+                off += 4 + vl
+                headers.append((k.decode(), v.decode()))
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise EntryError(f"malformed entry: {exc}") from None
+        return cls(status, tuple(headers), raw[off:], bool(flags & 1))
+
+    def answer(self) -> Answer:
+        """The picker's answer on a hit."""
+        return Answer(self.status, self.body, "kv_epp_response_cache_hit", (*self.headers, (X_CACHE, HIT)))
+
+
+# -- SSE -----------------------------------------------------------------------------------------------
+def sse_events(raw: bytes) -> list[tuple[str | None, bytes]] | None:
+    """The events of an SSE body as (event type or None, data), per the HTML living standard's parsing: lines
+    end in CRLF, LF or CR; ``data:`` lines join with LF; one leading space after the colon is dropped; comments,
+    ``id`` and ``retry`` are ignored; a blank line dispatches an event with data. None when the body does not
+    end with a complete event (the last event has no blank line after it) or holds no event."""
+    text = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    if not text.endswith(b"\n\n"):
+        return None
+    events: list[tuple[str | None, bytes]] = []
+    data: list[bytes] = []
+    kind: str | None = None
+    for line in text[:-1].split(b"\n"):
+        if not line:
+            if data:
+                events.append((kind, b"\n".join(data)))
+            data, kind = [], None
+            continue
+        name, colon, value = line.partition(b":")
+        if not name:  # a comment
+            continue
+        if colon and value.startswith(b" "):
+            value = value[1:]
+        if name == b"data":
+            data.append(value)
+        elif name == b"event":
+            try:
+                kind = value.decode()
+            except UnicodeDecodeError:
+                return None
+    if data:  # text ended with "\n\n": the last line was blank, so nothing is pending
+        return None
+    return events or None
+
+
+def sse_replay(events: Sequence[tuple[str | None, bytes]]) -> bytes:
+    """A synthetic SSE stream of ``events``: ``event: <type>`` when typed, one ``data:`` line per data line,
+    a blank line after each event."""
+    out: list[bytes] = []
+    for kind, data in events:
+        if kind is not None:
+            out.append(b"event: " + kind.encode() + b"\n")
+        for line in data.split(b"\n"):
+            out.append(b"data: " + line + b"\n")
+        out.append(b"\n")
+    return b"".join(out)
+
+
+def complete_stream(api: str, events: Sequence[tuple[str | None, bytes]]) -> bool:
+    """The stream ended as the API ends one: OpenAI's ``data: [DONE]``, Anthropic's ``message_stop``."""
+    if api == "anthropic":
+        return any(kind == "message_stop" for kind, _ in events)
+    return events[-1][1].strip() == _OPENAI_STREAM_END
+
+
+# -- the stage and the observer --------------------------------------------------------------------------
+class ResponseCache:
+    """The request path's response-cache stage (``lookup``) and the response observer that stores misses.
+
+    Per exchange state lives on the ``Exchange`` (``cache_key``, ``x_cache``, ``cache_buf``, ...). As an observer
+    it sees every routed response's headers and end, and the body chunks of eligible misses only (the request
+    path adds it to those exchanges' body observers): other responses cost no per-chunk work."""
+
+    wants_body = False
+
+    def __init__(self, cfg: ResponseCacheConfig, store: CacheStore, metrics: Any | None = None) -> None:
+        self.store = store
+        self.buffered = 0  # bytes held by all exchanges' buffers (<= MAX_BUFFERED_TOTAL)
+        self._writes: set[asyncio.Task[None]] = set()
+        self.stored = 0
+        self.not_stored: dict[str, int] = {}  # why eligible responses were not stored (small fixed set of reasons)
+        self._counters: dict[str, Any] = {}
+        if metrics is not None:
+            c = metrics.response_cache_requests
+            self._counters = {r: c.labels(r) for r in ("hit", "miss", "skip")}
+            for r in self._counters.values():
+                r.inc(0)
+        self.configure(cfg)
+
+    def configure(self, cfg: ResponseCacheConfig) -> None:
+        """Hot-reloadable keys (``backend`` and ``redis`` need a restart: the store is built once)."""
+        self.cfg = cfg
+        self.enabled = cfg.enabled
+        self.ttl = cfg.ttl
+        self.max_response = cfg.max_response_size
+        self.max_stream = cfg.max_stream_buffer_size
+
+    def _count(self, result: str) -> None:
+        c = self._counters.get(result)
+        if c is not None:
+            c.inc()
+
+    # -- lookup ------------------------------------------------------------------------------------------
+    async def lookup(self, facts: RequestFacts, body: bytes | None = None) -> Answer | None:
+        """The stage protocol's form: the hit, else None."""
+        looked = await self.lookup_request(facts, body)
+        return looked if isinstance(looked, Answer) else None
+
+    async def lookup_request(self, facts: RequestFacts, body: bytes | None) -> Answer | str | None:
+        """An ``Answer`` on a hit; the key on an eligible miss (the exchange stores its response under it);
+        None when the request is not eligible (BYPASS)."""
+        if not body or not eligible(facts):
+            self._count("skip")
+            return None
+        try:
+            data = orjson.loads(body)  # parsed again here: the facts keep only what routing reads
+        except orjson.JSONDecodeError:
+            data = None
+        key = cache_key(facts, data) if isinstance(data, dict) else None
+        if key is None:
+            self._count("skip")
+            return None
+        try:
+            raw = await self.store.get(key)
+        except CacheStoreError as exc:
+            log.debug("event=response_cache_get_failed error=%r", exc)
+            raw = None
+        if raw is not None:
+            try:
+                entry = CacheEntry.decode(raw)
+            except EntryError as exc:
+                log.warning("event=response_cache_bad_entry key=%s error=%s", key, exc)
+            else:
+                self._count("hit")
+                return entry.answer()
+        self._count("miss")
+        return key
+
+    # -- the observer: store a miss's response -------------------------------------------------------------
+    def _skip(self, ex: Exchange, why: str) -> None:
+        if ex.cache_buf is not None:
+            self.buffered -= ex.cache_size
+            ex.cache_buf = None
+            ex.cache_size = 0
+        self.not_stored[why] = self.not_stored.get(why, 0) + 1
+
+    def on_headers(self, ex: Exchange, status: int | None) -> None:
+        if ex.cache_key is None:
+            return
+        if status != 200:
+            self._skip(ex, "status")
+            return
+        limit = self.max_stream if ex.facts.stream else self.max_response
+        declared = next((v for k, v in ex.resp_headers if k == "content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            self._skip(ex, "too_large")
+            return
+        ex.cache_buf = []
+        ex.cache_size = 0
+
+    def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:
+        buf = ex.cache_buf
+        if buf is None:
+            return
+        n = len(chunk)
+        if n:
+            limit = self.max_stream if ex.facts.stream else self.max_response
+            if ex.cache_size + n > limit:
+                self._skip(ex, "too_large")
+                return
+            if self.buffered + n > MAX_BUFFERED_TOTAL:
+                self._skip(ex, "buffer_full")
+                return
+            buf.append(chunk)
+            ex.cache_size += n
+            self.buffered += n
+        if end:
+            ex.cache_complete = True
+
+    def on_end(self, ex: Exchange, completed: bool) -> None:
+        buf = ex.cache_buf
+        if buf is None or ex.cache_key is None:
+            return
+        size = ex.cache_size
+        self.buffered -= size
+        ex.cache_buf = None
+        ex.cache_size = 0
+        if not (completed and ex.cache_complete):  # body mode none, or the response was cut
+            self.not_stored["incomplete"] = self.not_stored.get("incomplete", 0) + 1
+            return
+        entry = self._entry(ex, b"".join(buf))
+        if entry is None:
+            self.not_stored["incomplete"] = self.not_stored.get("incomplete", 0) + 1
+            return
+        if len(self._writes) >= MAX_PENDING_WRITES:
+            self.not_stored["writes_full"] = self.not_stored.get("writes_full", 0) + 1
+            return
+        task = asyncio.get_running_loop().create_task(self._write(ex.cache_key, entry.encode()))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    def _entry(self, ex: Exchange, body: bytes) -> CacheEntry | None:
+        headers = tuple((k, v) for k, v in ex.resp_headers if k not in _NOT_STORED and not k.startswith(":"))
+        if not ex.facts.stream:
+            return CacheEntry(200, headers, body)
+        events = sse_events(body)
+        if events is None or not complete_stream(ex.facts.api, events):
+            return None
+        return CacheEntry(200, headers, sse_replay(events), stream=True)
+
+    async def _write(self, key: str, value: bytes) -> None:
+        try:
+            await self.store.set(key, value, self.ttl)
+            self.stored += 1
+        except CacheStoreError as exc:
+            log.debug("event=response_cache_set_failed error=%r", exc)
+            self.not_stored["store_error"] = self.not_stored.get("store_error", 0) + 1
+
+    async def flush(self) -> None:
+        """Wait for the store writes in flight (tests, shutdown)."""
+        while self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+
+
+__all__ = [
+    "BYPASS", "HIT", "MISS", "CacheEntry", "EntryError", "ResponseCache", "cache_key", "canonical_json",
+    "complete_stream", "eligible", "key_material", "sse_events", "sse_replay",
+]  # fmt: skip

@@ -1,0 +1,345 @@
+"""Tier 2's exact response cache without Envoy: the key's byte layout, eligibility, entries, the SSE replay,
+the buffering bounds, and the stage + observer on the real request path (a dict-backed store)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from typing import Any
+
+import pytest
+
+from picker.cache import CacheStoreError, CacheStoreStats
+from picker.cache import response_cache as rc
+from picker.cache.response_cache import (
+    CacheEntry,
+    EntryError,
+    ResponseCache,
+    cache_key,
+    canonical_json,
+    complete_stream,
+    eligible,
+    key_material,
+    sse_events,
+    sse_replay,
+)
+from picker.config import parse_settings
+from picker.ops.metrics import PickerMetrics
+from picker.request.facts import RequestFacts, parse_request
+from picker.request.path import Answer, Exchange, Inbound
+from picker.runtime.app import PickerApp
+
+CHAT = "/v1/chat/completions"
+BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
+
+
+class DictStore:
+    """A CacheStore over a dict (no bound: a test's handful of entries); ``fail`` makes every call raise."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.ttls: dict[str, float] = {}
+        self.fail = False
+
+    async def get(self, key: str) -> bytes | None:
+        if self.fail:
+            raise CacheStoreError("down")
+        return self.data.get(key)
+
+    async def set(self, key: str, value: bytes, ttl_seconds: float) -> None:
+        if self.fail:
+            raise CacheStoreError("down")
+        self.data[key] = value
+        self.ttls[key] = ttl_seconds
+
+    async def delete(self, key: str) -> None:
+        self.data.pop(key, None)
+
+    async def clear(self) -> None:
+        self.data.clear()
+
+    def stats(self) -> CacheStoreStats:
+        return CacheStoreStats("memory", len(self.data), 0, 0, 0)
+
+
+def req(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def facts_of(data: dict[str, Any], path: str = CHAT, tenant: str | None = None) -> RequestFacts:
+    return parse_request(json.dumps(data).encode(), path, max_body_bytes=1 << 20, tenant_id=tenant)
+
+
+def key_of(data: dict[str, Any], path: str = CHAT, tenant: str | None = None) -> str | None:
+    return cache_key(facts_of(data, path, tenant), data)
+
+
+# -- the key -----------------------------------------------------------------------------------------------
+def test_key_material_is_the_documented_byte_layout() -> None:
+    data = req(temperature=0, max_tokens=16, top_p=0.5, tools=[{"type": "function"}])
+    got = key_material(facts_of(data, tenant="acme"), data)
+    rest = {"tools": [{"type": "function"}], "api": "chat"}
+    want = b"".join(
+        (
+            b"m", b"\x00",
+            hashlib.sha256(b'[{"content":"hi","role":"user"}]').digest(), b"\x00",
+            b"\x01" + struct.pack(">d", 0.0), b"\x00",
+            b"\x01" + struct.pack(">q", 16), b"\x00",
+            b"\x01" + struct.pack(">d", 0.5), b"\x00",
+            b"\x01acme", b"\x00",
+            hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).digest(),
+        )
+    )  # fmt: skip
+    assert got == want
+    assert key_of(data, tenant="acme") == hashlib.sha256(want).hexdigest()
+    absent = key_material(facts_of(req()), req())
+    assert absent is not None and absent.count(b"\x00\x00") >= 3  # NONE tags: temperature, max_tokens, top_p, tenant
+
+
+def test_none_and_some_zero_never_collide() -> None:
+    base = key_of(req())
+    assert key_of(req(temperature=0)) != base  # absent temperature is not 0
+    assert key_of(req(max_tokens=0)) != base
+    assert key_of(req(top_p=0)) != base
+    assert key_of(req(), tenant="") != base  # an empty tenant header is not no tenant
+    assert key_of(req(temperature=0)) == key_of(req(temperature=0.0)) == key_of(req(temperature=-0.0))
+
+
+def test_key_is_canonical_and_sees_every_field_that_shapes_the_answer() -> None:
+    a = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":0}'
+    b = b'{ "temperature" : 0 ,\n "messages" : [ { "content" : "hi" , "role" : "user" } ], "model" : "m" }'
+    fa = parse_request(a, CHAT, max_body_bytes=1 << 20)
+    fb = parse_request(b, CHAT, max_body_bytes=1 << 20)
+    assert cache_key(fa, json.loads(a)) == cache_key(fb, json.loads(b))  # whitespace and key order
+    base = key_of(req(temperature=0))
+    for other in (
+        req(temperature=0, model="m2"),
+        req(temperature=0, messages=[{"role": "user", "content": "hi!"}]),
+        req(temperature=0, stream=True),
+        req(temperature=0, tools=[{"type": "function", "function": {"name": "f"}}]),
+        req(temperature=0, response_format={"type": "json_object"}),
+        req(temperature=0, seed=1),
+        req(temperature=0, stop=["x"]),
+        req(temperature=0, max_tokens=5),
+        req(temperature=0, top_p=1),
+    ):
+        assert key_of(other) != base, other
+    assert key_of(req(temperature=0), tenant="t1") != key_of(req(temperature=0), tenant="t2")
+    assert key_of(req(temperature=0), path="/v1/messages") != base  # the API is keyed
+
+
+def test_completions_prompt_is_keyed_whole() -> None:
+    p = "/v1/completions"
+    one = {"model": "m", "prompt": ["a", "b"], "temperature": 0}
+    other = {"model": "m", "prompt": ["a", "c"], "temperature": 0}
+    assert facts_of(one, p).prompt == facts_of(other, p).prompt == "a"  # routing keys the first element only
+    assert key_of(one, p) != key_of(other, p)
+    ids = {"model": "m", "prompt": [1, 2, 3]}
+    assert key_of(ids, p) != key_of({"model": "m", "prompt": [1, 2, 4]}, p)
+
+
+def test_unkeyable_requests() -> None:
+    data = req(model="a\x00b")
+    assert key_of(data) is None  # a NUL in the model would make the layout ambiguous
+    assert key_of(req(max_tokens=1 << 63)) is None
+
+
+def test_eligibility() -> None:
+    assert eligible(facts_of(req()))
+    assert eligible(facts_of(req(temperature=0, stream=True)))  # streams are buffered, always
+    assert not eligible(facts_of(req(temperature=0.7)))
+    assert eligible(facts_of({"model": "m", "prompt": "x"}, "/v1/completions"))
+    assert eligible(facts_of(req(max_tokens=8), "/v1/messages"))
+    assert not eligible(facts_of({"model": "m", "input": "x"}, "/v1/responses"))
+    assert not eligible(RequestFacts(api="other"))
+
+
+def test_canonical_json_form() -> None:
+    assert canonical_json({"b": 1, "a": [1.5, "é", {"d": None, "c": True}]}) == (
+        '{"a":[1.5,"é",{"c":true,"d":null}],"b":1}'.encode()
+    )
+    assert canonical_json(1) != canonical_json(1.0)
+
+
+# -- entries and SSE -----------------------------------------------------------------------------------------
+def test_entry_round_trip_and_refusals() -> None:
+    e = CacheEntry(200, (("content-type", "application/json"), ("x-engine", "é")), b'{"x":1}')
+    assert CacheEntry.decode(e.encode()) == e
+    s = CacheEntry(200, (("content-type", "text/event-stream"),), b"data: [DONE]\n\n", stream=True)
+    assert CacheEntry.decode(s.encode()) == s
+    for bad in (b"", b"XXXX" + e.encode()[4:], e.encode()[:12]):
+        with pytest.raises(EntryError):
+            CacheEntry.decode(bad)
+    a = e.answer()
+    assert a.status == 200 and a.body == e.body and ("x-cache", "HIT") in a.headers
+
+
+def test_sse_parse_is_strict_and_the_replay_is_standard() -> None:
+    raw = b'data: {"a":1}\r\n\r\n: comment\nid: 7\ndata:{"b":2}\ndata: more\n\nevent: ping\ndata: x\n\ndata: [DONE]\n\n'
+    events = sse_events(raw)
+    assert events == [(None, b'{"a":1}'), (None, b'{"b":2}\nmore'), ("ping", b"x"), (None, b"[DONE]")]
+    assert sse_replay(events) == (
+        b'data: {"a":1}\n\ndata: {"b":2}\ndata: more\n\nevent: ping\ndata: x\n\ndata: [DONE]\n\n'
+    )
+    assert sse_events(sse_replay(events)) == events
+    assert sse_events(b'data: {"a":1}\n\ndata: [DO') is None  # cut mid-event
+    assert sse_events(b'data: {"a":1}\n') is None  # no blank line after the last event
+    assert sse_events(b"\n\n") is None  # no event
+    assert complete_stream("chat", events) and not complete_stream("chat", events[:-1])
+    anthropic = sse_events(b"event: message_start\ndata: {}\n\nevent: message_stop\ndata: {}\n\n")
+    assert anthropic is not None and complete_stream("anthropic", anthropic)
+
+
+# -- the stage and the observer on the real request path -----------------------------------------------------
+def make(store: DictStore | None = None, **cache: Any) -> tuple[PickerApp, ResponseCache, DictStore]:
+    settings = parse_settings(
+        {"pool": {"backends": BACKENDS}, "response_cache": {"enabled": True, **cache}, "admin": {"enabled": False}}
+    )
+    app = PickerApp(settings, PickerMetrics())
+    store = store or DictStore()
+    app.response_cache.store = store  # the app's own cache (stage and observer) on a dict
+    assert app.path.cache is app.response_cache and app.response_cache in app.path.observers
+    return app, app.response_cache, store
+
+
+def count(app: PickerApp, result: str) -> float | None:
+    return app.metrics.registry.get_sample_value("continuum_response_cache_requests_total", {"result": result})
+
+
+async def route(app: PickerApp, data: dict[str, Any], headers: dict[str, str] | None = None) -> Exchange | Answer:
+    return await app.path.route(Inbound(CHAT, {":method": "POST", **(headers or {})}, json.dumps(data).encode()))
+
+
+def respond(ex: Exchange, body: list[bytes], status: int = 200, ctype: str = "application/json") -> None:
+    ex.resp_headers = ((":status", str(status)), ("content-type", ctype), ("date", "now"), ("x-engine", "e1"))
+    ex.response_headers(status)
+    for i, chunk in enumerate(body):
+        ex.response_body(chunk, i == len(body) - 1)
+
+
+async def test_miss_is_stored_then_hit_without_routing() -> None:
+    app, cache, store = make()
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_key is not None and ex.wants_body
+    respond(ex, [b'{"choices":', b'[{"text":"ok"}]}'])
+    await cache.flush()
+    assert list(store.data) == [ex.cache_key] and store.ttls[ex.cache_key] == 300.0
+    hit = await route(app, req(temperature=0))
+    assert isinstance(hit, Answer) and hit.status == 200 and hit.body == b'{"choices":[{"text":"ok"}]}'
+    assert dict(hit.headers) == {"content-type": "application/json", "x-engine": "e1", "x-cache": "HIT"}
+    assert app.pool.in_flight() == {"a": 0, "b": 0}
+    assert (count(app, "hit"), count(app, "miss"), count(app, "skip")) == (1, 1, 0)
+    assert cache.buffered == 0
+
+
+async def test_bypass_is_routed_and_never_stored() -> None:
+    app, cache, store = make()
+    ex = await route(app, req(temperature=0.7))
+    assert isinstance(ex, Exchange) and ex.x_cache == "BYPASS" and ex.cache_key is None
+    assert not ex.wants_body  # only an eligible miss's body is read
+    respond(ex, [b"{}"])
+    await cache.flush()
+    assert store.data == {} and count(app, "skip") == 1
+
+
+async def test_disabled_cache_is_not_consulted() -> None:
+    app, cache, _ = make()
+    cache.configure(parse_settings({"response_cache": {"enabled": False}}).response_cache)
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange) and ex.x_cache is None and count(app, "skip") == 0
+
+
+async def test_only_a_complete_200_within_the_bound_is_stored() -> None:
+    app, cache, store = make(max_response_size=10)
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange)
+    respond(ex, [b"123456", b"78901"])  # 11 bytes > 10: buffer dropped at the chunk that passes the bound
+    assert ex.cache_buf is None and cache.buffered == 0
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange)
+    respond(ex, [b"{}"], status=500)
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange)
+    ex.resp_headers = (("content-type", "application/json"),)
+    ex.response_headers(200)
+    ex.response_body(b"{", False)
+    ex.end(completed=False)  # the stream closed before the body ended
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange)
+    ex.resp_headers = (("content-type", "application/json"),)
+    ex.response_headers(200)
+    ex.end(completed=True)  # response mode none: no body reached the picker
+    await cache.flush()
+    assert store.data == {} and cache.buffered == 0
+    assert cache.not_stored == {"too_large": 1, "status": 1, "incomplete": 2}
+
+
+async def test_declared_length_over_the_bound_is_not_buffered() -> None:
+    app, cache, _ = make(max_response_size=10)
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange)
+    ex.resp_headers = (("content-length", "11"),)
+    ex.response_headers(200)
+    assert ex.cache_buf is None and cache.not_stored == {"too_large": 1}
+
+
+async def test_all_buffers_together_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rc, "MAX_BUFFERED_TOTAL", 8)
+    app, cache, _ = make()
+    one, two = await route(app, req(temperature=0)), await route(app, req(temperature=0, seed=2))
+    assert isinstance(one, Exchange) and isinstance(two, Exchange)
+    for ex in (one, two):
+        ex.resp_headers = ()
+        ex.response_headers(200)
+    one.response_body(b"12345", False)
+    two.response_body(b"12345", False)  # 10 > 8 together: the second is dropped, the first goes on
+    assert one.cache_buf is not None and two.cache_buf is None and cache.buffered == 5
+    one.response_body(b"", True)
+    await cache.flush()
+    assert cache.buffered == 0 and cache.not_stored == {"buffer_full": 1} and cache.stored == 1
+
+
+async def test_stream_stored_as_replayable_sse_and_incomplete_streams_are_not() -> None:
+    app, cache, store = make()
+    sse = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', b'data: {"choices":[]}\n\ndata: [DONE]\n\n']
+    ex = await route(app, req(temperature=0, stream=True))
+    assert isinstance(ex, Exchange)
+    respond(ex, sse, ctype="text/event-stream")
+    cut = await route(app, req(temperature=0, stream=True, seed=9))
+    assert isinstance(cut, Exchange)
+    respond(cut, sse[:1], ctype="text/event-stream")  # ended without data: [DONE]
+    await cache.flush()
+    assert len(store.data) == 1
+    hit = await route(app, req(temperature=0, stream=True))
+    assert isinstance(hit, Answer) and hit.body == b"".join(sse) and ("x-cache", "HIT") in hit.headers
+    assert ("content-type", "text/event-stream") in hit.headers
+    not_stream = await route(app, req(temperature=0))  # the JSON form is another key
+    assert isinstance(not_stream, Exchange) and not_stream.x_cache == "MISS"
+
+
+async def test_store_failures_are_misses() -> None:
+    store = DictStore()
+    store.fail = True
+    app, cache, _ = make(store)
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange) and ex.x_cache == "MISS"
+    respond(ex, [b"{}"])
+    await cache.flush()
+    assert cache.not_stored == {"store_error": 1}
+    store.fail = False
+    store.data[str(ex.cache_key)] = b"garbage"  # not an entry: a miss, not an error
+    again = await route(app, req(temperature=0))
+    assert isinstance(again, Exchange) and again.x_cache == "MISS"
+
+
+async def test_tenants_do_not_share_entries() -> None:
+    app, cache, _ = make()
+    ex = await route(app, req(temperature=0), {"x-tenant-id": "t1"})
+    assert isinstance(ex, Exchange)
+    respond(ex, [b"{}"])
+    await cache.flush()
+    other = await route(app, req(temperature=0), {"x-tenant-id": "t2"})
+    assert isinstance(other, Exchange) and other.x_cache == "MISS"
+    same = await route(app, req(temperature=0), {"x-tenant-id": "t1"})
+    assert isinstance(same, Answer)
