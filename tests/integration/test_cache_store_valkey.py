@@ -6,12 +6,17 @@
 - A blackholed Redis (a socket that accepts and never answers): an operation returns after about the command
   timeout (asserted only against a generous deadline), the fallback engages, and later operations send nothing
   to that socket.
+- ``rediss://`` through a TLS proxy in front of Valkey: the server is verified (a private CA via ``ssl_ca_certs``;
+  without it the system CAs refuse the test certificate).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ssl
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -22,6 +27,7 @@ from picker.cache.metrics import CacheStoreMetrics
 from picker.cache.redis_pool import close_shared_redis, shared_redis
 from picker.cache.store import RedisCacheStore
 from picker.config import RedisConfig
+from tests.support.certs import TestCA
 from tests.support.poll import async_wait_until
 from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
 
@@ -185,3 +191,72 @@ async def test_a_blackholed_redis_without_fallback_raises_within_the_deadline(
     finally:
         await store.aclose()
         await close_shared_redis()
+
+
+class TlsProxy:
+    """TLS in front of Valkey (this Valkey build has no TLS): terminates TLS with a test CA's certificate and
+    pipes the bytes to Valkey's plain port, so ``rediss://`` is exercised against a real server."""
+
+    def __init__(self, upstream_port: int, cert: Path, key: Path) -> None:
+        self.upstream_port = upstream_port
+        self.ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.ctx.load_cert_chain(cert, key)
+        self.server: asyncio.Server | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.handshakes = 0
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.handshakes += 1
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        for t in (self._pipe(reader, up_writer), self._pipe(up_reader, writer)):
+            task = asyncio.create_task(t)
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.ctx)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+@pytest.mark.valkey
+async def test_rediss_url_speaks_tls_and_verifies_the_server(valkey_server: ValkeyProcess, tmp_path: Path) -> None:  # noqa: F811
+    ca = TestCA()
+    issued = ca.issue("localhost")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(issued.cert_pem)
+    key.write_bytes(issued.key_pem)
+    ca_path = ca.write_ca(tmp_path / "ca.crt")
+    proxy = TlsProxy(valkey_server.port, cert, key)
+    port = await proxy.start()
+    raw = Redis.from_url(valkey_server.url)
+    trusted = RedisConfig(url=f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca_path}", fallback_to_memory=False)
+    plain_tls = RedisConfig(url=f"redis://127.0.0.1:{port}/0", tls=True, fallback_to_memory=False)  # system CAs
+    store = RedisCacheStore(trusted, shared_redis(trusted), CacheStoreMetrics(CollectorRegistry()))
+    untrusted = RedisCacheStore(plain_tls, shared_redis(plain_tls), CacheStoreMetrics(CollectorRegistry()))
+    try:
+        await store.set("tls", b"through TLS", 60)
+        assert await store.get("tls") == b"through TLS"
+        assert await raw.get("cr:resp:tls") == b"through TLS"  # it reached Valkey behind the TLS proxy
+        assert proxy.handshakes >= 1
+        with pytest.raises(CacheStoreError, match=r"(?i)certificate"):  # our test CA is not a system CA
+            await asyncio.wait_for(untrusted.get("tls"), GENEROUS)
+    finally:
+        await store.aclose()
+        await untrusted.aclose()
+        await close_shared_redis()
+        await raw.aclose()
+        await proxy.stop()
