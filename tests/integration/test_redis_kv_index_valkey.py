@@ -14,8 +14,12 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 import redis.asyncio as aioredis
 
+from picker.config import KvCacheIndexConfig, PoolConfig, RedisConfig
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
+from picker.kv.tier4 import Tier4
+from picker.ops.metrics import PickerMetrics
+from picker.pool.pool import Pool
 from picker.shared.tiers import StorageTier
 from tests.support.poll import async_wait_until
 from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
@@ -166,3 +170,23 @@ async def test_valkey_not_answering_costs_holds_one_timeout_then_the_local_index
         async with running(RedisKvIndex(_client(valkey_server.url))) as reader:
             assert await reader.holds(chain) == idx.lookup(chain)
             assert (await reader.holds(chain))["sim-1"].blocks == 3
+
+
+async def test_tier4_builds_the_redis_index_from_response_cache_redis(
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    cfg = KvCacheIndexConfig(enabled=True, backend="redis", max_entries=5000, entry_ttl_seconds=60)
+    redis_cfg = RedisConfig(url=valkey_server.url, command_timeout_ms=250)
+    t4 = Tier4(cfg, Pool(PoolConfig()), PickerMetrics(), redis_cfg)
+    idx = t4.index
+    assert isinstance(idx, RedisKvIndex)
+    assert (idx.max_entries, idx.ttl, idx.command_timeout_s) == (5000, 60.0, 0.25)
+    async with running(idx):
+        idx.put("sim-0", [1, 2, 3], GPU)
+        await idx.flush()
+        ttl_ms = await idx.client.pttl(idx.hash_prefix + b"sim-0")
+        assert 0 < ttl_ms <= 60_000  # the backend's hash expires when no picker renews it
+        async with running(RedisKvIndex(_client(valkey_server.url))) as other:
+            assert (await other.holds([1, 2, 3]))["sim-0"].blocks == 3
+    # without response_cache.redis (a caller that passes none) the in-memory index is used
+    assert type(Tier4(cfg, Pool(PoolConfig()), PickerMetrics()).index) is InMemoryKvIndex
