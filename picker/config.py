@@ -901,13 +901,6 @@ def not_implemented_warnings(s: Settings) -> list[tuple[str, str]]:
                 f"{NOT_IMPLEMENTED} (Anthropic cache_control injection): request bodies are forwarded unchanged",
             )
         )
-    if s.response_cache.enabled and s.response_cache.backend == "redis":
-        out.append(
-            (
-                "response_cache.backend",
-                f"{NOT_IMPLEMENTED} (Tier 3 Redis response cache): the in-memory store is used",
-            )
-        )
     kv = s.kv_cache_index
     if kv.backend == "redis":
         out.append(

@@ -24,8 +24,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from picker.cache import CacheStore
+from picker.cache.metrics import CacheStoreMetrics
+from picker.cache.redis_pool import shared_redis
 from picker.cache.response_cache import ResponseCache
-from picker.cache.store import MemoryCacheStore
+from picker.cache.store import MemoryCacheStore, RedisCacheStore
 from picker.config import (
     ConfigError,
     PoolConfig,
@@ -83,7 +86,11 @@ class PickerApp:
         )
         # Tier 2: built always (enabled is hot-reloadable), its store once (response_cache.backend needs a restart)
         rc = settings.response_cache
-        self.cache_store = MemoryCacheStore(rc.capacity)
+        self.cache_store: CacheStore = (
+            RedisCacheStore(rc.redis, shared_redis(rc.redis), CacheStoreMetrics(self.metrics.registry))
+            if rc.backend == "redis"
+            else MemoryCacheStore(rc.capacity)
+        )
         self.response_cache = ResponseCache(rc, self.cache_store, self.metrics)
         observers = (*((self.tier4.watch,) if self.tier4 is not None else ()), self.response_cache)
         self.path = RequestPath(
@@ -286,7 +293,8 @@ class PickerApp:
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now, not on a request
         self.path.configure(hot)
         self.response_cache.configure(hot.response_cache)
-        self.cache_store.capacity = hot.response_cache.capacity  # LRU: a smaller capacity evicts at the next set
+        if isinstance(self.cache_store, MemoryCacheStore):  # LRU: a smaller capacity evicts at the next set
+            self.cache_store.capacity = hot.response_cache.capacity
         self.settings = hot
         self.metrics.config_reloads.labels("applied").inc()
         log.info("event=config_reloaded backends=%d strategy=%s", len(self.pool.names()), hot.selection_strategy)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from picker.cache.redis_pool import close_shared_redis
+from picker.cache.store import RedisCacheStore
 from picker.config import PoolConfig, Settings
 from picker.ops.metrics import PickerMetrics
 from picker.pool.engine_signals import EngineSignalScraper
@@ -31,6 +33,9 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     scraper = EngineSignalScraper(app.pool, app.metrics)
     server.background.append(scraper.run)
     server.on_stop.append(scraper.close)  # its HTTP session
+    if isinstance(app.cache_store, RedisCacheStore):  # the response cache on Redis: its monitor, the shared pool
+        server.on_stop.append(app.cache_store.aclose)
+        server.on_stop.append(close_shared_redis)
     if app.tier4 is not None:
         server.background.append(app.tier4.run)  # feed consumers and the index sweep
         server.on_stop.append(app.tier4.close)  # the tokenizer's HTTP session
