@@ -34,8 +34,8 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import aiohttp
-import redis.asyncio as aioredis
 
+from picker.cache.redis_pool import shared_redis
 from picker.config import KvCacheIndexConfig, RedisConfig
 from picker.kv.checks import FeedChecks, FeedWatch, probe_keys, run_self_check
 from picker.kv.feed_consumer import KvFeedConsumers
@@ -385,23 +385,16 @@ class Tier4:
     async def close(self) -> None:
         await self.tokenizer.close()
         if isinstance(self.index, RedisKvIndex):
-            await self.index.aclose()
-            await self.index.client.aclose()
+            await self.index.aclose()  # what is queued, bounded by the command timeout (the pool is the app's)
 
 
 def make_redis_index(cfg: KvCacheIndexConfig, redis: RedisConfig) -> RedisKvIndex:
-    """``backend: redis``: the index on ``response_cache.redis``'s server (key prefix ``cr:kvidx:``)."""
-    timeout = redis.command_timeout_ms / 1000
-    client = aioredis.Redis.from_url(
-        redis.url.replace("redis://", "rediss://", 1) if redis.tls else redis.url,
-        socket_timeout=timeout,
-        socket_connect_timeout=redis.connect_timeout_ms / 1000,
-        max_connections=redis.pool_size,
-    )
+    """``backend: redis``: the index on ``response_cache.redis``'s server (key prefix ``cr:kvidx:``), on the
+    process's one pool (``picker.cache.redis_pool``, shared with the response cache and closed by the app)."""
     return RedisKvIndex(
-        client,
+        shared_redis(redis),
         cfg.max_entries,
         float(cfg.entry_ttl_seconds),
-        command_timeout_s=timeout,
+        command_timeout_s=redis.command_timeout_ms / 1000,
         retry_interval_s=redis.health_check_interval_seconds,
     )

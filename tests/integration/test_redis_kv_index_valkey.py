@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 import redis.asyncio as aioredis
 
+from picker.cache.redis_pool import close_shared_redis, shared_redis
 from picker.config import KvCacheIndexConfig, PoolConfig, RedisConfig
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
@@ -35,8 +36,8 @@ def _client(url: str, timeout_s: float = 1.0) -> aioredis.Redis:
 
 
 @contextlib.asynccontextmanager
-async def running(index: RedisKvIndex) -> AsyncIterator[RedisKvIndex]:
-    """The index's writer task for the block; its client closed after."""
+async def running(index: RedisKvIndex, own_client: bool = True) -> AsyncIterator[RedisKvIndex]:
+    """The index's writer task for the block; its client closed after (unless it is the shared one)."""
     task = asyncio.create_task(index.run())
     try:
         yield index
@@ -44,7 +45,8 @@ async def running(index: RedisKvIndex) -> AsyncIterator[RedisKvIndex]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await index.client.aclose()
+        if own_client:
+            await index.client.aclose()
 
 
 def _chains(rng: random.Random, n: int, length: int) -> list[list[int]]:
@@ -181,12 +183,17 @@ async def test_tier4_builds_the_redis_index_from_response_cache_redis(
     idx = t4.index
     assert isinstance(idx, RedisKvIndex)
     assert (idx.max_entries, idx.ttl, idx.command_timeout_s) == (5000, 60.0, 0.25)
-    async with running(idx):
-        idx.put("sim-0", [1, 2, 3], GPU)
-        await idx.flush()
-        ttl_ms = await idx.client.pttl(idx.hash_prefix + b"sim-0")
-        assert 0 < ttl_ms <= 60_000  # the backend's hash expires when no picker renews it
-        async with running(RedisKvIndex(_client(valkey_server.url))) as other:
-            assert (await other.holds([1, 2, 3]))["sim-0"].blocks == 3
+    assert idx.client is shared_redis(redis_cfg)  # the process's one pool, shared with the response cache
+    try:
+        async with running(idx, own_client=False):
+            idx.put("sim-0", [1, 2, 3], GPU)
+            await idx.flush()
+            ttl_ms = await idx.client.pttl(idx.hash_prefix + b"sim-0")
+            assert 0 < ttl_ms <= 60_000  # the backend's hash expires when no picker renews it
+            async with running(RedisKvIndex(_client(valkey_server.url))) as other:
+                assert (await other.holds([1, 2, 3]))["sim-0"].blocks == 3
+            await t4.close()
+    finally:
+        await close_shared_redis()
     # without response_cache.redis (a caller that passes none) the in-memory index is used
     assert type(Tier4(cfg, Pool(PoolConfig()), PickerMetrics()).index) is InMemoryKvIndex
