@@ -1,8 +1,10 @@
 """Tier 2 through the real Envoy: the picker, two echo engines and the in-memory store.
 
-- ``full`` (full duplex) and ``sampled`` (BUFFERED bodies; an eligible miss is switched to a streamed response body
-  like a sample): the same T=0 request twice → the second answer is ``X-Cache: HIT``, byte-identical, and the
-  engines saw one request; streamed (a synthetic SSE stream a strict parser accepts) and not.
+- ``full`` (full duplex, or BUFFERED request bodies with STREAMED response bodies) and ``sampled`` (BUFFERED bodies;
+  an eligible miss is switched to a streamed response body like a sample): the same T=0 request twice → the second
+  answer is ``X-Cache: HIT``, byte-identical, and the engines saw one request; streamed (a synthetic SSE stream a
+  strict parser accepts) and not.
+- One Valkey, two pickers behind two Envoys: an entry stored through one is a HIT through the other.
 - T>0 → ``X-Cache: BYPASS`` and both requests reach an engine.
 - ``none`` (the default): no response body reaches the picker, so nothing is stored: every T=0 request is a MISS.
 """
@@ -27,7 +29,12 @@ pytestmark = pytest.mark.envoy
 
 @pytest.fixture(
     scope="module",
-    params=[("FULL_DUPLEX_STREAMED", "full"), ("BUFFERED", "sampled"), ("FULL_DUPLEX_STREAMED", "none")],
+    params=[
+        ("FULL_DUPLEX_STREAMED", "full"),
+        ("BUFFERED", "full"),
+        ("BUFFERED", "sampled"),
+        ("FULL_DUPLEX_STREAMED", "none"),
+    ],
     ids=lambda p: f"{p[0]}-{p[1]}",
 )
 def stack(request: pytest.FixtureRequest, workdir: Path) -> Iterator[Stack]:

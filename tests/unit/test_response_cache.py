@@ -343,3 +343,17 @@ async def test_tenants_do_not_share_entries() -> None:
     assert isinstance(other, Exchange) and other.x_cache == "MISS"
     same = await route(app, req(temperature=0), {"x-tenant-id": "t1"})
     assert isinstance(same, Answer)
+
+
+async def test_enabled_and_limits_are_hot_reloadable() -> None:
+    app, cache, _ = make()
+    off = parse_settings({"pool": {"backends": BACKENDS}, "response_cache": {"enabled": False}})
+    app.apply(off)
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange) and ex.x_cache is None and not ex.wants_body
+    on = parse_settings(
+        {"pool": {"backends": BACKENDS}, "response_cache": {"enabled": True, "capacity": 7, "ttl": "1m"}}
+    )
+    app.apply(on)
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and cache.ttl == 60.0
