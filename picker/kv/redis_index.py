@@ -166,11 +166,12 @@ class RedisKvIndex(InMemoryKvIndex):
         self._clear_script = client.register_script(CLEAR_LUA)
         self._down_logged = False
         self._writing = False  # a batch is being written (``flush`` waits for it)
+        self._recovering = False  # Redis answered again, the resync runs: writes are queued behind it
 
     # -- the write mirror --------------------------------------------------------------------------
     def _enqueue(self, op: _Op) -> None:
-        if not self.stats.up or self._resync_due:
-            self._drop()
+        if self._resync_due or not (self.stats.up or self._recovering):
+            self._drop()  # the resync will write the local state, this op included
             return
         cost = max(1, len(op.keys))
         if self.stats.queued_keys + cost > self.queue_max_keys:
@@ -330,15 +331,21 @@ class RedisKvIndex(InMemoryKvIndex):
         try:
             async with asyncio.timeout(self.command_timeout_s):
                 await self.client.ping()
-            self._resync_due = False  # ops applied from now on are queued again (after the resync's snapshot)
+            # ops applied from now on are queued behind the resync's per-backend snapshots (a write applied
+            # before a backend's snapshot is in it and queued too: idempotent, applied in the same order)
+            self._resync_due, self._recovering = False, True
             await self.resync()
         except (aioredis.RedisError, OSError, TimeoutError) as exc:
             self._resync_due = True
+            self._queue.clear()
+            self.stats.queued_keys = 0
             self.stats.errors += 1
             if not self._down_logged:
                 self._down_logged = True
                 log.info("event=kv_redis_retry_failed error=%r", str(exc)[:200] or type(exc).__name__)
             return False
+        finally:
+            self._recovering = False
         if not self.stats.up:
             log.info("event=kv_redis_back action=read_shared_index")
         self.stats.up = True

@@ -197,3 +197,46 @@ async def test_tier4_builds_the_redis_index_from_response_cache_redis(
         await close_shared_redis()
     # without response_cache.redis (a caller that passes none) the in-memory index is used
     assert type(Tier4(cfg, Pool(PoolConfig()), PickerMetrics()).index) is InMemoryKvIndex
+
+
+async def test_writes_that_keep_coming_during_the_recovery_do_not_restart_the_resync(
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    rng = random.Random(13)
+    chains = _chains(rng, 200, 4)
+    big = [rng.getrandbits(64) for _ in range(30_000)]  # a resync long enough for feed writes to land during it
+    client = _client(valkey_server.url, 2.0)
+    idx = RedisKvIndex(client, max_entries=100_000, command_timeout_s=2.0, retry_interval_s=0.1)
+    async with running(idx):
+        idx.put("sim-0", big, GPU)
+        await idx.flush()
+        valkey_server.kill()
+        assert await asyncio.wait_for(idx.holds(big[:4]), 30.0) == idx.lookup(big[:4])
+        assert not idx.stats.up
+        written = 0
+
+        async def feed() -> None:  # the feed keeps writing, also while the writer resyncs
+            nonlocal written
+            while True:
+                idx.put("sim-1", chains[written % len(chains)], WARM)
+                written += 1
+                await asyncio.sleep(0.0005)
+
+        feeder = asyncio.create_task(feed())
+        try:
+            valkey_server.restart()  # empty: everything comes back from the resync (blocking: no await since)
+            resyncs, errors = idx.stats.resyncs, idx.stats.errors
+            await async_wait_until(lambda: idx.stats.up, timeout=30.0, what="the index reads Valkey again")
+            at = written
+            await async_wait_until(lambda: written >= at + 200, timeout=30.0, what="more feed writes")
+        finally:
+            feeder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await feeder
+        await idx.flush()
+        # one resync brings it back; another only after another failure (not for writes made during the first)
+        assert idx.stats.resyncs - resyncs <= 1 + idx.stats.errors - errors
+        async with running(RedisKvIndex(_client(valkey_server.url))) as reader:
+            assert await reader.holds(big) == idx.lookup(big)
+            for c in chains[:50]:
+                assert await reader.holds(c) == idx.lookup(c)

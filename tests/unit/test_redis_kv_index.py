@@ -66,3 +66,13 @@ def test_confirm_renews_the_ttl_at_most_once_per_tenth_of_it() -> None:
         idx.confirm("a", now=t)
     touches = [op for op in idx._queue if op.kind == "touch"]
     assert len(touches) == 2  # at 1.0 and at 12.0 (≥ 1.0 + 10); 20.5 is before 12.0 + 10
+
+
+def test_writes_while_down_are_dropped_but_queued_behind_a_running_resync() -> None:
+    idx = _index()
+    idx.stats.up = False
+    idx.put("a", [1], GPU)
+    assert idx.stats.writes_dropped == 1 and idx._resync_due and not idx._queue
+    idx._resync_due, idx._recovering = False, True  # what _recover sets once Redis answers the ping
+    idx.put("a", [2], GPU)
+    assert idx.stats.writes_dropped == 1 and [op.keys for op in idx._queue] == [[2]]
