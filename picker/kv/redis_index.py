@@ -30,12 +30,17 @@ would exceed the bound, or any op while Redis is down, is dropped and counted (`
 shared index is then rebuilt from this picker's local index (``resync``: per backend ``DEL`` + ``HSET`` of all
 its local entries in one transaction) once Redis answers; only after that resync do reads use Redis again.
 
-Expiry equal in effect to the in-memory index: the local index expires a backend whose feed was silent for
-``entry_ttl_seconds`` (mirrored as a ``DEL``); in Redis each backend's hash has a ``PEXPIRE`` of the TTL,
-renewed by every write and by the feed's keepalives (``confirm``, at most once per TTL/10 per backend), so
-when no picker follows a backend any more its entries go within TTL + TTL/10. ``max_entries`` is the local
-index's (its evictions are mirrored as ``HDEL``): the shared index holds at most ``max_entries`` entries per
-writer's view.
+Expiry, equal in effect to the in-memory index's: each backend's hash has a ``PEXPIRE`` of 1.1 × TTL
+(``entry_ttl_seconds``), renewed by every write and by the feed's records and keepalives (``confirm``, at most
+once per TTL/10 per backend) of every picker, so a backend leaves the shared index between TTL and 1.1 × TTL
+after the last record ANY picker received from its feed (the in-memory index: TTL after its own feed's last
+record). A picker's local expiry (its own feed went silent: its connection, not the engine, may be the
+problem) is not mirrored: it drops its local copy, and its consumer's snapshot then rewrites the backend's
+hash. ``max_entries`` is the local index's and its budget evictions are mirrored (``HDEL``): the shared index
+holds at most ``max_entries`` entries of each writer's view; writers whose feeds interleave differently may
+evict different blocks (size ``max_entries`` for the listeners' tracked blocks, as for the in-memory index).
+An admin ``clear`` clears the shared index too; the clearing picker's feeds then resubscribe for snapshots
+(``KvFeedConsumers.interrupt_all``), which rewrite it.
 
 Redis down: ``holds`` waits at most ``command_timeout_ms`` (the client's socket timeout and an
 ``asyncio.timeout`` around the call), then answers from the local in-memory index (``fallbacks`` counts those
@@ -155,7 +160,8 @@ class RedisKvIndex(InMemoryKvIndex):
         self.command_timeout_s = command_timeout_s
         self.retry_interval_s = retry_interval_s
         self.queue_max_keys = queue_max_keys if queue_max_keys is not None else 2 * max_entries
-        self.ttl_ms = max(1, int(self.ttl * 1000))
+        self.ttl_ms = max(1, int(self.ttl * 1100))  # 1.1 × TTL: renewed every TTL/10, never before TTL
+        self._mirror = True  # False while the local index expires a silent backend (not mirrored)
         self.stats = RedisIndexStats()
         # bound: queue_max_keys block keys in all (an op without keys counts 1); over it: dropped + resync
         self._queue: deque[_Op] = deque()
@@ -208,8 +214,17 @@ class RedisKvIndex(InMemoryKvIndex):
         hash may hold blocks the engine dropped while no picker ran."""
         n = super().drop_backend(backend)
         self._touched.pop(backend, None)
-        self._enqueue(_Op("drop", backend))
+        if self._mirror:
+            self._enqueue(_Op("drop", backend))
         return n
+
+    def _expire(self, now: float) -> int:
+        """Local expiry only (see the module doc): Redis expires the backend itself when no picker renews it."""
+        self._mirror = False
+        try:
+            return super()._expire(now)
+        finally:
+            self._mirror = True
 
     def clear(self) -> int:
         n = super().clear()
@@ -231,6 +246,9 @@ class RedisKvIndex(InMemoryKvIndex):
         """One round trip to Redis (bounded by the command timeout), else the local index's answer."""
         if not keys:
             return {}
+        now = time.monotonic()
+        if now >= self._next_expiry:
+            self._expire(now)  # as the in-memory lookup does: the consumer of a silent feed then asks for a snapshot
         if not self.stats.up:
             self.stats.fallbacks += 1
             return self.lookup(keys)

@@ -189,7 +189,7 @@ async def test_tier4_builds_the_redis_index_from_response_cache_redis(
             idx.put("sim-0", [1, 2, 3], GPU)
             await idx.flush()
             ttl_ms = await idx.client.pttl(idx.hash_prefix + b"sim-0")
-            assert 0 < ttl_ms <= 60_000  # the backend's hash expires when no picker renews it
+            assert 60_000 < ttl_ms <= 66_000  # 1.1 × TTL: the hash goes when no picker renews it
             async with running(RedisKvIndex(_client(valkey_server.url))) as other:
                 assert (await other.holds([1, 2, 3]))["sim-0"].blocks == 3
             await t4.close()
@@ -240,3 +240,27 @@ async def test_writes_that_keep_coming_during_the_recovery_do_not_restart_the_re
             assert await reader.holds(big) == idx.lookup(big)
             for c in chains[:50]:
                 assert await reader.holds(c) == idx.lookup(c)
+
+
+async def test_the_shared_entries_live_while_a_feed_confirms_and_expire_in_valkey_when_none_does(
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    idx = RedisKvIndex(_client(valkey_server.url), ttl_seconds=2.0)
+    key = idx.hash_prefix + b"sim-0"
+    async with running(idx):
+        idx.put("sim-0", [1, 2], GPU)
+        await idx.flush()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 4.0  # twice the TTL of keepalives (each confirm may renew, at most every TTL/10)
+        while loop.time() < until:
+            idx.confirm("sim-0")
+            await asyncio.sleep(0.05)
+        await idx.flush()
+        assert await idx.client.exists(key) == 1
+        assert (await idx.holds([1, 2]))["sim-0"].blocks == 2
+        # no picker confirms any more: Valkey drops the backend's hash itself (TTL..1.1 x TTL later)
+
+        async def gone() -> bool:
+            return await idx.client.exists(key) == 0
+
+        await async_wait_until(gone, timeout=30.0, interval=0.05, what="Valkey expired the backend's hash")

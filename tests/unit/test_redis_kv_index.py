@@ -76,3 +76,16 @@ def test_writes_while_down_are_dropped_but_queued_behind_a_running_resync() -> N
     idx._resync_due, idx._recovering = False, True  # what _recover sets once Redis answers the ping
     idx.put("a", [2], GPU)
     assert idx.stats.writes_dropped == 1 and [op.keys for op in idx._queue] == [[2]]
+
+
+def test_a_local_expiry_is_not_mirrored_and_the_redis_ttl_is_never_shorter_than_the_index_ttl() -> None:
+    idx = _index(ttl_seconds=10.0)
+    idx.put("a", [1], GPU, now=0.0)
+    idx._queue.clear()
+    assert idx.sweep_expired(now=20.0) == 1  # this picker's feed of "a" was silent: its local copy goes
+    assert not idx._queue  # the shared copy stays: another picker's live feed may renew it
+    assert idx.expirations("a") == 1  # its consumer resubscribes for a snapshot (which rewrites the hash)
+    assert idx.ttl_ms == 11_000
+    idx.put("b", [2], GPU)
+    idx.drop_backend("b")  # a drop the feed says (a clear, a snapshot) is mirrored
+    assert [op.kind for op in idx._queue] == ["put", "drop"]
