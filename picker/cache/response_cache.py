@@ -33,6 +33,18 @@ completions, anthropic), so two requests that differ in anything else that shape
 ``stream_options``, ``tools``, ``response_format``, ``stop``, ``n``, ``seed``, Anthropic's ``system``, ...)
 never share an entry: a streamed request never gets a JSON body, nor the reverse.
 
+The semantic path (``response_cache.semantic.enabled``, hot-reloadable, with the embeddings client and the index
+``picker.cache.semantic`` builds): on an eligible exact miss that ``semantic_query`` accepts (non-streaming chat,
+an explicit ``temperature: 0``, a text-only last user turn within ``max_input_bytes``), one embedding of the last
+user turn (bounded by ``embedding_timeout_ms``: the request waits no longer), then the nearest entry of the
+request's partition at or above ``threshold``: its stored body (``sem:<sha256>`` in the same store) answers with
+``X-Cache: HIT`` and ``X-Cache-Mode: semantic``. Else the request is a miss as any other; when its response is
+stored under the exact key it is also stored under its ``sem:`` key (TTL ``semantic.ttl``, else ``ttl``) and,
+once written, its vector is indexed. An embedding failure or timeout is a plain miss (nothing indexed). Counted in
+``continuum_response_cache_requests_total`` once per request (a semantic hit is a ``hit``) and, for the semantic
+path alone, ``continuum_response_cache_semantic_requests_total{result}`` (hit, miss, error: the embedding failed,
+skip: exact miss not eligible for the semantic path).
+
 Bounds: the store's own (``capacity`` LRU + ``ttl``, or Redis TTLs); per routed response at most
 ``max_response_size`` (stream: ``max_stream_buffer_size``) bytes buffered, and all responses' buffers together at
 most ``MAX_BUFFERED_TOTAL``: past either, that response's buffer is dropped and it is not stored; at most
@@ -52,6 +64,14 @@ from typing import Any
 import orjson
 
 from picker.cache import CacheStore, CacheStoreError
+from picker.cache.semantic import (
+    EmbeddingsClient,
+    SemanticCacheMetrics,
+    SemanticIndex,
+    Vector,
+    entry_key,
+    semantic_query,
+)
 from picker.config import ResponseCacheConfig
 from picker.request.facts import RequestFacts
 from picker.request.path import Answer, Exchange
@@ -60,6 +80,7 @@ log = logging.getLogger("kv_epp.response_cache")
 
 HIT, MISS, BYPASS = "HIT", "MISS", "BYPASS"
 X_CACHE = "x-cache"
+X_CACHE_MODE = "x-cache-mode"
 ELIGIBLE_APIS = frozenset({"chat", "completions", "anthropic"})
 MAX_BUFFERED_TOTAL = 64 << 20  # response bytes buffered for the cache by all exchanges together
 MAX_PENDING_WRITES = 256  # store writes in flight; beyond, a response is not stored
@@ -70,7 +91,7 @@ _KEYED_FIELDS = ("model", "messages", "prompt", "temperature", "max_tokens", "to
 _NOT_STORED = frozenset(
     {
         "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-        "content-length", "date", "set-cookie", "x-request-id", X_CACHE, "x-cache-mode", "server",
+        "content-length", "date", "set-cookie", "x-request-id", X_CACHE, X_CACHE_MODE, "server",
     }
 )  # fmt: skip
 _ENTRY_MAGIC = b"KVR1"
@@ -183,8 +204,11 @@ class CacheEntry:
             raise EntryError(f"malformed entry: {exc}") from None
         return cls(status, tuple(headers), raw[off:], bool(flags & 1))
 
-    def answer(self) -> Answer:
-        """The picker's answer on a hit."""
+    def answer(self, semantic: bool = False) -> Answer:
+        """The picker's answer on a hit (``semantic``: a similar question's entry, ``X-Cache-Mode: semantic``)."""
+        if semantic:
+            headers = (*self.headers, (X_CACHE, HIT), (X_CACHE_MODE, "semantic"))
+            return Answer(self.status, self.body, "kv_epp_response_cache_semantic_hit", headers)
         return Answer(self.status, self.body, "kv_epp_response_cache_hit", (*self.headers, (X_CACHE, HIT)))
 
 
@@ -244,6 +268,25 @@ def complete_stream(api: str, events: Sequence[tuple[str | None, bytes]]) -> boo
 
 
 # -- the stage and the observer --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SemanticPending:
+    """A semantic miss: where its response goes once stored (the ``sem:`` entry key, the partition and the
+    request's unit vector, indexed after the store write succeeds)."""
+
+    partition: str
+    vector: Vector
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Keyed:
+    """An eligible miss: the exact key its response is stored under, and the semantic entry too when the
+    semantic path ran and missed."""
+
+    key: str
+    semantic: SemanticPending | None = None
+
+
 class ResponseCache:
     """The request path's response-cache stage (``lookup``) and the response observer that stores misses.
 
@@ -253,8 +296,22 @@ class ResponseCache:
 
     wants_body = False
 
-    def __init__(self, cfg: ResponseCacheConfig, store: CacheStore, metrics: Any | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ResponseCacheConfig,
+        store: CacheStore,
+        metrics: Any | None = None,
+        *,
+        embeddings: EmbeddingsClient | None = None,
+        index: SemanticIndex | None = None,
+    ) -> None:
         self.store = store
+        # the semantic path (response_cache.semantic): both parts given, or none (never consulted)
+        self.embeddings = embeddings
+        self.index = index
+        self.semantic_metrics = (
+            SemanticCacheMetrics.of(metrics.registry) if metrics is not None and index is not None else None
+        )
         self.buffered = 0  # bytes held by all exchanges' buffers (<= MAX_BUFFERED_TOTAL)
         self._writes: set[asyncio.Task[None]] = set()
         self.stored = 0
@@ -274,6 +331,11 @@ class ResponseCache:
         self.ttl = cfg.ttl
         self.max_response = cfg.max_response_size
         self.max_stream = cfg.max_stream_buffer_size
+        sem = cfg.semantic
+        self.semantic_ttl = sem.ttl if sem.ttl is not None else cfg.ttl
+        self.semantic_on = sem.enabled and self.embeddings is not None and self.index is not None
+        if self.index is not None:
+            self.index.configure(max_entries=sem.max_entries, ttl_seconds=self.semantic_ttl, threshold=sem.threshold)
 
     def _count(self, result: str) -> None:
         c = self._counters.get(result)
@@ -286,9 +348,9 @@ class ResponseCache:
         looked = await self.lookup_request(facts, body)
         return looked if isinstance(looked, Answer) else None
 
-    async def lookup_request(self, facts: RequestFacts, body: bytes | None) -> Answer | str | None:
-        """An ``Answer`` on a hit; the key on an eligible miss (the exchange stores its response under it);
-        None when the request is not eligible (BYPASS)."""
+    async def lookup_request(self, facts: RequestFacts, body: bytes | None) -> Answer | Keyed | None:
+        """An ``Answer`` on a hit (exact, else semantic); the keys of an eligible miss (the exchange stores its
+        response under them); None when the request is not eligible (BYPASS)."""
         if not body or not eligible(facts):
             self._count("skip")
             return None
@@ -313,8 +375,60 @@ class ResponseCache:
             else:
                 self._count("hit")
                 return entry.answer()
+        semantic: SemanticPending | None = None
+        if self.semantic_on and isinstance(data, dict):
+            looked = await self._semantic(facts, data)
+            if isinstance(looked, Answer):
+                self._count("hit")
+                return looked
+            semantic = looked
         self._count("miss")
-        return key
+        return Keyed(key, semantic)
+
+    async def _semantic(self, facts: RequestFacts, data: dict[str, Any]) -> Answer | SemanticPending | None:
+        """The semantic path of an exact miss: the hit, else the pending entry to store (None: not eligible for
+        it, or the embedding failed: a plain miss). One embedding call, bounded by ``embedding_timeout_ms``."""
+        sem = self.cfg.semantic
+        embeddings, index, m = self.embeddings, self.index, self.semantic_metrics
+        if embeddings is None or index is None or not sem.backend or not sem.embedding_model:
+            return None
+        q = semantic_query(
+            data, path_api=facts.api, tenant_id=facts.tenant_id, embedding_model=sem.embedding_model,
+            max_input_bytes=sem.max_input_bytes,
+        )  # fmt: skip
+        if q is None:
+            if m is not None:
+                m.skip.inc()
+            return None
+        vector = await embeddings.embed(
+            sem.backend, sem.embedding_model, q.text, timeout_ms=sem.embedding_timeout_ms,
+            max_input_bytes=sem.max_input_bytes,
+        )  # fmt: skip
+        if vector is None:
+            if m is not None:
+                m.error.inc()
+            return None
+        match = await index.lookup_async(q.partition, vector)
+        if match is not None:
+            try:
+                raw = await self.store.get(match.key)
+            except CacheStoreError as exc:
+                log.debug("event=semantic_cache_get_failed error=%r", exc)
+                raw = None
+            entry: CacheEntry | None = None
+            if raw is not None:
+                try:
+                    entry = CacheEntry.decode(raw)
+                except EntryError as exc:
+                    log.warning("event=semantic_cache_bad_entry key=%s error=%s", match.key, exc)
+            if entry is not None:
+                if m is not None:
+                    m.hit.inc()
+                return entry.answer(semantic=True)
+            index.remove(match.key)  # its body is gone from the store (evicted, expired, cleared)
+        if m is not None:
+            m.miss.inc()
+        return SemanticPending(q.partition, vector, entry_key(q.partition, q.text))
 
     # -- the observer: store a miss's response -------------------------------------------------------------
     def _skip(self, ex: Exchange, why: str) -> None:
@@ -375,7 +489,14 @@ class ResponseCache:
         if len(self._writes) >= MAX_PENDING_WRITES:
             self.not_stored["writes_full"] = self.not_stored.get("writes_full", 0) + 1
             return
-        task = asyncio.get_running_loop().create_task(self._write(ex.cache_key, entry.encode()))
+        sem = ex.cache_semantic
+        value = entry.encode()
+        write = (
+            self._write_both(ex.cache_key, value, sem)
+            if isinstance(sem, SemanticPending) and not entry.stream
+            else self._write(ex.cache_key, value)
+        )
+        task = asyncio.get_running_loop().create_task(write)
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
@@ -396,6 +517,19 @@ class ResponseCache:
             log.debug("event=response_cache_set_failed error=%r", exc)
             self.not_stored["store_error"] = self.not_stored.get("store_error", 0) + 1
 
+    async def _write_both(self, key: str, value: bytes, sem: SemanticPending) -> None:
+        """The exact entry, then the semantic one (the ``sem:`` key, its own TTL); the vector is indexed once
+        its body is stored, so a semantic hit never points at nothing it was not given."""
+        await self._write(key, value)
+        try:
+            await self.store.set(sem.key, value, self.semantic_ttl)
+        except CacheStoreError as exc:
+            log.debug("event=semantic_cache_set_failed error=%r", exc)
+            self.not_stored["store_error"] = self.not_stored.get("store_error", 0) + 1
+            return
+        if self.index is not None:
+            self.index.add(sem.partition, sem.vector, sem.key)
+
     async def flush(self) -> None:
         """Wait for the store writes in flight (tests, shutdown)."""
         while self._writes:
@@ -403,6 +537,7 @@ class ResponseCache:
 
 
 __all__ = [
-    "BYPASS", "HIT", "MISS", "CacheEntry", "EntryError", "ResponseCache", "cache_key", "canonical_json",
+    "BYPASS", "HIT", "MISS", "CacheEntry", "EntryError", "Keyed", "ResponseCache", "SemanticPending", "cache_key",
+    "canonical_json",
     "complete_stream", "eligible", "key_material", "sse_events", "sse_replay",
 ]  # fmt: skip

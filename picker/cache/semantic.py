@@ -50,6 +50,7 @@ import logging
 import math
 import struct
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from prometheus_client import CollectorRegistry, Counter
 
 log = logging.getLogger(__name__)
 
@@ -390,6 +392,39 @@ class SemanticIndex:
 def _is_unit(vector: Any) -> bool:
     """A tuple already normalised by ``normalize`` (skips re-normalising the client's vectors)."""
     return isinstance(vector, tuple) and bool(vector) and abs(math.fsum(x * x for x in vector) - 1.0) < 1e-9
+
+
+# -- metrics -------------------------------------------------------------------------------------------
+SEMANTIC_RESULTS = ("hit", "miss", "error", "skip")
+
+
+class SemanticCacheMetrics:
+    """``continuum_response_cache_semantic_requests_total{result}``: the semantic path's outcomes (hit; miss: no
+    entry at or above the threshold; error: the embedding failed or timed out, a plain miss; skip: an exact miss
+    the semantic path does not apply to). Every series from the start. One per registry (``of``)."""
+
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, SemanticCacheMetrics] = weakref.WeakKeyDictionary()
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "continuum_response_cache_semantic_requests",
+            "Semantic-cache lookups (exact misses) by result: hit, miss, error (the embedding failed: a plain "
+            "miss), skip (not eligible for the semantic path)",
+            ["result"],
+            registry=registry,
+        )
+        self.hit, self.miss, self.error, self.skip = (self.requests.labels(r) for r in SEMANTIC_RESULTS)
+        for c in (self.hit, self.miss, self.error, self.skip):
+            c.inc(0)
+
+    @classmethod
+    def of(cls, registry: CollectorRegistry) -> SemanticCacheMetrics:
+        """The registry's instance (created on first use: a registry refuses a second counter of one name); held
+        weakly, for as long as the registry lives."""
+        held = cls._by_registry.get(registry)
+        if held is None:
+            held = cls._by_registry[registry] = cls(registry)
+        return held
 
 
 # -- the embeddings client -----------------------------------------------------------------------------

@@ -7,7 +7,9 @@
                may wait on I/O — the tokenizer, an I/O-backed KV index)
     decide   → Decision from the pool's snapshot                    (sync, pure: ``picker.routing.core``)
     commit   → the in-flight lease, the session table, counters and metrics
-               → an ``Exchange``, which lives until the response ends
+               → an ``Exchange``, which lives until the response ends; with
+               ``prefix_routing.anthropic_cache_control_injection`` a native Anthropic body gains its
+               ``cache_control`` marker here (``Exchange.body_out``, sent upstream instead of the client's)
 
 The Envoy protocol is not here: ``picker.extproc.stream`` turns Envoy's messages into an ``Inbound``
 and the returned ``Exchange`` or ``Answer`` back into Envoy's messages, and feeds the response phases
@@ -28,6 +30,7 @@ from picker.kv.placements import merge as merge_placements
 from picker.ops.recorder import DecisionRecorder
 from picker.pool.pool import Lease, Pool
 from picker.request.admission import Admission, overloaded_body
+from picker.request.anthropic import inject_cache_control, is_native_anthropic
 from picker.request.facts import BadRequest, RequestFacts, api_for_path, error_body, parse_request
 from picker.request.popularity import PrefixRates
 from picker.request.sessions import SessionTable
@@ -64,11 +67,12 @@ class Answer:
 class ResponseCache(Protocol):
     """The response-cache stage (Tier 2): a stored answer for an eligible request, else None.
 
-    A stage that also has ``enabled`` and ``lookup_request(facts, body) -> Answer | str | None`` (Tier 2's
+    A stage that also has ``enabled`` and ``lookup_request(facts, body) -> Answer | Keyed | None`` (Tier 2's
     ``picker.cache.response_cache.ResponseCache``) is consulted through it, only while ``enabled``: it gets the
-    request body the facts were parsed from and returns the hit, else the key of an eligible miss (set on the
-    exchange as ``cache_key``, with ``x_cache`` MISS: the response is stored under it by the cache's response
-    observer), else None (not eligible: ``x_cache`` BYPASS)."""
+    request body the facts were parsed from and returns the hit, else an eligible miss's ``Keyed`` (its ``key``
+    set on the exchange as ``cache_key``, its ``semantic`` as ``cache_semantic``, with ``x_cache`` MISS: the
+    response is stored under them by the cache's response observer), else None (not eligible: ``x_cache``
+    BYPASS)."""
 
     async def lookup(self, facts: RequestFacts) -> Answer | None: ...
 
@@ -96,9 +100,9 @@ class Exchange:
     """One routed request, from the commit to the end of its response (or the stream's abort)."""
 
     __slots__ = (
-        "_body_observers", "_ended", "_observers", "available_cached", "cache_buf", "cache_complete", "cache_key",
-        "cache_size", "decided_at", "decision", "facts", "first_byte_at", "lease", "placed", "predicted_cached",
-        "prompt_tokens", "resp_headers", "served", "status", "x_cache",
+        "_body_observers", "_ended", "_observers", "available_cached", "body_out", "cache_buf", "cache_complete",
+        "cache_key", "cache_semantic", "cache_size", "decided_at", "decision", "facts", "first_byte_at", "lease",
+        "placed", "predicted_cached", "prompt_tokens", "resp_headers", "served", "status", "x_cache",
     )  # fmt: skip
 
     def __init__(
@@ -125,6 +129,9 @@ class Exchange:
         # response's headers (kept by the protocol layer for an eligible miss only) and bounded body buffer
         self.x_cache: str | None = None
         self.cache_key: str | None = None
+        self.cache_semantic: object | None = None  # a semantic miss's pending entry (the response cache's own type)
+        # the request body to send upstream instead of the client's (Anthropic cache_control injection), or None
+        self.body_out: bytes | None = None
         self.resp_headers: tuple[tuple[str, str], ...] = ()
         self.cache_buf: list[bytes] | None = None
         self.cache_size = 0
@@ -393,7 +400,7 @@ class RequestPath:
             return Answer(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}")
         cpu = _perf() - t0
         cache = self.cache
-        x_cache = key = None
+        x_cache = key = semantic = None
         if cache is not None:
             keyed = getattr(cache, "lookup_request", None)
             if keyed is None:
@@ -404,7 +411,8 @@ class RequestPath:
                 looked = await keyed(facts, req.body)
                 if isinstance(looked, Answer):
                     return looked
-                key = looked
+                if looked is not None:
+                    key, semantic = looked.key, looked.semantic
                 x_cache = "MISS" if key is not None else "BYPASS"
         why = self.admission.saturation(self.pool.view(req.subset), self.pool.view())
         if why is not None:  # shed before prepare: a saturated pool gets no tokenizer call either
@@ -417,8 +425,11 @@ class RequestPath:
             why = "no endpoint in the subset hint is eligible" if req.subset is not None else "no healthy backend"
             return Answer(503, error_body(why, "no_healthy_backend", "service_unavailable"), "kv_epp_no_backend")
         ex = self.commit(facts, decision, prepared)
-        ex.x_cache, ex.cache_key = x_cache, key
+        ex.x_cache, ex.cache_key, ex.cache_semantic = x_cache, key, semantic
         if key is not None:  # an eligible miss: the cache reads this response's body (and only this one's)
             ex.add_body_observer(cache)  # type: ignore[arg-type]
+        inject = self.settings.prefix_routing.anthropic_cache_control_injection  # hot-reloadable: read per request
+        if inject and req.body and is_native_anthropic(req.path):
+            ex.body_out = inject_cache_control(req.body, max_body_bytes=self.max_body_bytes)  # None: unchanged
         self.recorder.decision_cpu(cpu + _perf() - t1)
         return ex

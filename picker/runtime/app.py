@@ -28,6 +28,7 @@ from picker.cache import CacheStore
 from picker.cache.metrics import CacheStoreMetrics
 from picker.cache.redis_pool import shared_redis
 from picker.cache.response_cache import ResponseCache
+from picker.cache.semantic import EmbeddingsClient, SemanticIndex
 from picker.cache.store import MemoryCacheStore, RedisCacheStore
 from picker.config import (
     ConfigError,
@@ -91,7 +92,17 @@ class PickerApp:
             if rc.backend == "redis"
             else MemoryCacheStore(rc.capacity)
         )
-        self.response_cache = ResponseCache(rc, self.cache_store, self.metrics)
+        # the semantic path's parts, built always and empty (semantic.enabled is hot-reloadable): the client's HTTP
+        # session is opened at its first call and closed at stop; the index is bounded by semantic.max_entries
+        sem = rc.semantic
+        self.embeddings = EmbeddingsClient()
+        self.semantic_index = SemanticIndex(
+            max_entries=sem.max_entries, ttl_seconds=sem.ttl if sem.ttl is not None else rc.ttl,
+            threshold=sem.threshold,
+        )  # fmt: skip
+        self.response_cache = ResponseCache(
+            rc, self.cache_store, self.metrics, embeddings=self.embeddings, index=self.semantic_index
+        )
         observers = (*((self.tier4.watch,) if self.tier4 is not None else ()), self.response_cache)
         self.path = RequestPath(
             settings, self.pool, self.router, self.recorder, holds=self.tier4, cache=self.response_cache,

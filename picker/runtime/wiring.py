@@ -33,6 +33,7 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     scraper = EngineSignalScraper(app.pool, app.metrics)
     server.background.append(scraper.run)
     server.on_stop.append(scraper.close)  # its HTTP session
+    server.on_stop.append(app.embeddings.close)  # the semantic cache's HTTP session, when it opened one
     if isinstance(app.cache_store, RedisCacheStore):  # the response cache on Redis: its monitor, the shared pool
         server.on_stop.append(app.cache_store.aclose)
         server.on_stop.append(close_shared_redis)

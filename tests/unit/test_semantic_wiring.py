@@ -1,0 +1,316 @@
+"""The semantic cache and the Anthropic injection wired into the request path and the ext_proc stream.
+
+Semantic: the app's response cache against the simulator's real ``/v1/embeddings`` (an in-process server on a
+free port): a near-duplicate question after a stored answer is a semantic HIT; another system prompt, tool list or
+tenant is a MISS; an embedding failure (refused, timed out) is a plain miss that indexes nothing; the path is
+hot-reloadable. Anthropic: the request path sets the rewritten body, and the stream sends it upstream in place of
+the client's (full duplex and BUFFERED), with a matching ``content-length``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from benchmarks.engine_sim import EngineSimulator, SimConfig
+from picker.cache.response_cache import SemanticPending
+from picker.cache.semantic import ENTRY_PREFIX
+from picker.config import parse_settings
+from picker.extproc.stream import RequestStream
+from picker.ops.metrics import PickerMetrics
+from picker.request.anthropic import count_markers
+from picker.request.path import Answer, Exchange, Inbound
+from picker.runtime.app import PickerApp
+from tests.support.http_server import serve
+
+CHAT = "/v1/chat/completions"
+BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
+EMB = "sim-model"
+QUESTION = (
+    "How do I configure the maximum number of cached entries for the response cache in the picker "
+    "when running on Kubernetes with three replicas?"
+)
+NEAR = QUESTION.replace("three", "four")
+SYSTEM = "You answer questions about kv-epp."
+TOOLS = [{"type": "function", "function": {"name": "search_docs", "parameters": {"type": "object"}}}]
+ANSWER = b'{"choices":[{"message":{"role":"assistant","content":"Set response_cache.capacity."}}]}'
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[EngineSimulator]:
+    simulator = EngineSimulator(SimConfig(time_scale=0.001, kv_events_enabled=False, model=EMB))
+    await simulator.start()
+    try:
+        yield simulator
+    finally:
+        await simulator.stop()
+
+
+def sim_url(sim: EngineSimulator) -> str:
+    return str(sim.base_url)
+
+
+def settings(backend: str, *, enabled: bool = True, timeout_ms: int = 5000, **extra: Any) -> Any:
+    semantic = {"enabled": enabled, "backend": backend, "embedding_model": EMB, "embedding_timeout_ms": timeout_ms}
+    return parse_settings(
+        {
+            "pool": {"backends": BACKENDS},
+            "admin": {"enabled": False},
+            "response_cache": {"enabled": True, "semantic": semantic},
+            **extra,
+        }
+    )
+
+
+def make(backend: str, **kw: Any) -> PickerApp:
+    return PickerApp(settings(backend, **kw), PickerMetrics())
+
+
+def chat(question: str, system: str = SYSTEM, **fields: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return {"model": "m", "temperature": 0, "messages": messages, **fields}
+
+
+async def route(app: PickerApp, data: dict[str, Any], headers: dict[str, str] | None = None) -> Exchange | Answer:
+    return await app.path.route(Inbound(CHAT, {":method": "POST", **(headers or {})}, json.dumps(data).encode()))
+
+
+async def answer(app: PickerApp, ex: Exchange, body: bytes = ANSWER) -> None:
+    ex.resp_headers = ((":status", "200"), ("content-type", "application/json"), ("x-engine", "e1"))
+    ex.response_headers(200)
+    ex.response_body(body, True)
+    await app.response_cache.flush()
+
+
+def sample(app: PickerApp, name: str, result: str) -> float | None:
+    return app.metrics.registry.get_sample_value(name, {"result": result})
+
+
+def semantic_count(app: PickerApp, result: str) -> float | None:
+    return sample(app, "continuum_response_cache_semantic_requests_total", result)
+
+
+async def test_near_duplicate_is_a_semantic_hit(sim: EngineSimulator) -> None:
+    app = make(sim_url(sim))
+    try:
+        first = await route(app, chat(QUESTION))
+        assert isinstance(first, Exchange) and first.x_cache == "MISS"
+        assert isinstance(first.cache_semantic, SemanticPending)
+        await answer(app, first)
+        assert len(app.semantic_index) == 1
+        assert first.cache_semantic.key.startswith(ENTRY_PREFIX)
+        assert await app.cache_store.get(first.cache_semantic.key) is not None  # the body under its sem: key
+        hit = await route(app, chat(NEAR))
+        assert isinstance(hit, Answer), hit
+        headers = dict(hit.headers)
+        assert headers["x-cache"] == "HIT" and headers["x-cache-mode"] == "semantic"
+        assert hit.body == ANSWER and headers["x-engine"] == "e1"
+        assert app.pool.in_flight() == {"a": 0, "b": 0}  # no engine slot taken
+        exact = await route(app, chat(QUESTION))  # the same question: the exact entry, no mode header
+        assert isinstance(exact, Answer) and "x-cache-mode" not in dict(exact.headers)
+        rc = "continuum_response_cache_requests_total"
+        assert (sample(app, rc, "hit"), sample(app, rc, "miss")) == (2, 1)
+        assert (semantic_count(app, "hit"), semantic_count(app, "miss"), semantic_count(app, "error")) == (1, 1, 0)
+    finally:
+        await app.embeddings.close()
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        pytest.param({"system": "You are a pirate."}, id="system-prompt"),
+        pytest.param({"tools": TOOLS}, id="tool-list"),
+        pytest.param({"max_tokens": 7}, id="sampling-field"),
+    ],
+)
+async def test_other_partition_is_a_miss(sim: EngineSimulator, other: dict[str, Any]) -> None:
+    app = make(sim_url(sim))
+    try:
+        first = await route(app, chat(QUESTION))
+        assert isinstance(first, Exchange)
+        await answer(app, first)
+        system = other.pop("system", SYSTEM)
+        miss = await route(app, chat(NEAR, system, **other))
+        assert isinstance(miss, Exchange) and miss.x_cache == "MISS"
+        assert isinstance(miss.cache_semantic, SemanticPending)
+        assert miss.cache_semantic.partition != first.cache_semantic.partition  # type: ignore[union-attr]
+        assert semantic_count(app, "miss") == 2 and semantic_count(app, "hit") == 0
+    finally:
+        await app.embeddings.close()
+
+
+async def test_tenants_never_share(sim: EngineSimulator) -> None:
+    app = make(sim_url(sim))
+    tenant = app.settings.extproc.tenant_header
+    try:
+        first = await route(app, chat(QUESTION), {tenant: "t1"})
+        assert isinstance(first, Exchange)
+        await answer(app, first)
+        assert isinstance(await route(app, chat(NEAR), {tenant: "t2"}), Exchange)
+        assert isinstance(await route(app, chat(NEAR), {tenant: "t1"}), Answer)
+    finally:
+        await app.embeddings.close()
+
+
+async def test_not_eligible_for_the_semantic_path_is_skipped(sim: EngineSimulator) -> None:
+    app = make(sim_url(sim))
+    try:
+        data = chat(QUESTION)
+        del data["temperature"]  # absent: the exact cache's, not the semantic path's (an explicit 0 only)
+        ex = await route(app, data)
+        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_semantic is None
+        assert semantic_count(app, "skip") == 1 and app.embeddings.stats.requests == 0
+    finally:
+        await app.embeddings.close()
+
+
+def refused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed on return: nothing listens there
+
+
+async def test_embedding_refused_is_a_plain_miss() -> None:
+    app = make(f"http://127.0.0.1:{refused_port()}")
+    try:
+        ex = await route(app, chat(QUESTION))
+        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_semantic is None
+        await answer(app, ex)
+        assert len(app.semantic_index) == 0  # nothing indexed without a vector
+        again = await route(app, chat(QUESTION))  # the exact entry still serves
+        assert isinstance(again, Answer) and dict(again.headers)["x-cache"] == "HIT"
+        assert semantic_count(app, "error") == 1  # the exact hit never calls the embedder
+    finally:
+        await app.embeddings.close()
+
+
+async def test_embedding_timeout_is_a_plain_miss() -> None:
+    release = asyncio.Event()
+
+    async def stall(_: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({"data": [{"embedding": [1.0, 0.0]}]})
+
+    async with serve([web.post("/v1/embeddings", stall)]) as url:
+        app = make(url, timeout_ms=100)
+        try:
+            ex = await route(app, chat(QUESTION))  # returns although the embedder never answers
+            assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_semantic is None
+            assert app.embeddings.stats.timeouts == 1 and semantic_count(app, "error") == 1
+        finally:
+            release.set()
+            await app.embeddings.close()
+
+
+async def test_semantic_path_is_hot_reloadable(sim: EngineSimulator) -> None:
+    app = make(sim_url(sim), enabled=False)
+    try:
+        ex = await route(app, chat(QUESTION))
+        assert isinstance(ex, Exchange) and ex.cache_semantic is None and app.embeddings.stats.requests == 0
+        app.apply(settings(sim_url(sim)))
+        ex = await route(app, chat(QUESTION))
+        assert isinstance(ex, Exchange) and isinstance(ex.cache_semantic, SemanticPending)
+        await answer(app, ex)
+        app.apply(settings(sim_url(sim)))  # reloaded unchanged: the index stays
+        assert len(app.semantic_index) == 1
+        stricter = settings(sim_url(sim)).model_dump()
+        stricter["response_cache"]["semantic"]["threshold"] = 1.0
+        app.apply(parse_settings(stricter))
+        assert app.semantic_index.threshold == 1.0
+        assert isinstance(await route(app, chat(NEAR)), Exchange)  # below an exact-match threshold
+    finally:
+        await app.embeddings.close()
+
+
+# -- Anthropic cache_control injection -------------------------------------------------------------------
+MESSAGES = "/v1/messages"
+
+
+def anthropic_body(**fields: Any) -> bytes:
+    base: dict[str, Any] = {
+        "model": "claude-x", "max_tokens": 16, "system": "You are terse.",
+        "messages": [{"role": "user", "content": "hi"}],
+    }  # fmt: skip
+    base.update(fields)
+    return orjson.dumps(base)
+
+
+def anthropic_app(mode: str, inject: bool = True) -> PickerApp:
+    s = parse_settings(
+        {
+            "pool": {"backends": BACKENDS},
+            "admin": {"enabled": False},
+            "prefix_routing": {"anthropic_cache_control_injection": inject},
+            "extproc": {"default_body_mode": mode},
+        }
+    )
+    return PickerApp(s, PickerMetrics())
+
+
+async def test_request_path_sets_the_injected_body() -> None:
+    app = anthropic_app("FULL_DUPLEX_STREAMED")
+    ex = await app.path.route(Inbound(MESSAGES, {":method": "POST"}, anthropic_body()))
+    assert isinstance(ex, Exchange) and ex.body_out is not None and count_markers(ex.body_out) == 1
+    assert orjson.loads(ex.body_out)["system"][-1]["cache_control"] == {"type": "ephemeral"}
+    marked = anthropic_body(system=[{"type": "text", "text": "S", "cache_control": {"type": "ephemeral"}}])
+    ex = await app.path.route(Inbound(MESSAGES, {":method": "POST"}, marked))
+    assert isinstance(ex, Exchange) and ex.body_out is None
+    chat_body = json.dumps(chat(QUESTION)).encode()
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body))  # not native Anthropic
+    assert isinstance(ex, Exchange) and ex.body_out is None
+    prefix = app.settings.prefix_routing.model_copy(update={"anthropic_cache_control_injection": False})
+    app.apply(app.settings.model_copy(update={"prefix_routing": prefix}))  # hot-reloaded: the next one untouched
+    ex = await app.path.route(Inbound(MESSAGES, {":method": "POST"}, anthropic_body()))
+    assert isinstance(ex, Exchange) and ex.body_out is None
+
+
+def headers_msg(path: str) -> pb.ProcessingRequest:
+    r = pb.ProcessingRequest()
+    for k, v in ((":path", path), (":method", "POST")):
+        h = r.request_headers.headers.headers.add()
+        h.key, h.raw_value = k, v.encode()
+    return r
+
+
+def body_msg(body: bytes, eos: bool) -> pb.ProcessingRequest:
+    r = pb.ProcessingRequest()
+    r.request_body.body, r.request_body.end_of_stream = body, eos
+    return r
+
+
+def set_headers(common: Any) -> dict[str, str]:
+    return {o.header.key: o.header.raw_value.decode() for o in common.header_mutation.set_headers}
+
+
+async def test_full_duplex_sends_the_injected_body() -> None:
+    stream = RequestStream(anthropic_app("FULL_DUPLEX_STREAMED"))
+    body = anthropic_body()
+    assert await stream.handle(headers_msg(MESSAGES)) == ()
+    assert await stream.handle(body_msg(body[:10], False)) == ()
+    out = await stream.handle(body_msg(body[10:], True))
+    sent = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in out[1:])
+    assert sent != body and count_markers(sent) == 1
+    assert set_headers(out[0].request_headers.response)["content-length"] == str(len(sent))
+    assert out[-1].request_body.response.body_mutation.streamed_response.end_of_stream
+
+
+async def test_buffered_sends_the_injected_body_with_its_length() -> None:
+    stream = RequestStream(anthropic_app("BUFFERED"))
+    body = anthropic_body()
+    await stream.handle(headers_msg(MESSAGES))
+    (out,) = await stream.handle(body_msg(body, True))
+    common = out.request_body.response
+    sent = common.body_mutation.body
+    assert count_markers(sent) == 1 and set_headers(common)["content-length"] == str(len(sent))
+    stream = RequestStream(anthropic_app("BUFFERED", inject=False))  # off: no body mutation at all
+    await stream.handle(headers_msg(MESSAGES))
+    (out,) = await stream.handle(body_msg(body, True))
+    assert not out.request_body.response.HasField("body_mutation")
+    assert "content-length" not in set_headers(out.request_body.response)
