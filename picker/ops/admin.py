@@ -6,22 +6,32 @@ picker does not start without it) and again at the first /admin/* request after 
 (``AdminToken``). A state-changing /admin/* request must be ``application/json`` and carry no Origin
 but the admin's own: a web page cannot POST to a loopback admin cross-site.
 Extra route groups (e.g. the KV index's) are registered through ``AdminRoutes`` providers.
+
+The response cache (Tier 2): ``GET /admin/response-cache/stats`` (the seed's JSON; ``enabled: false`` when
+``response_cache.enabled`` is off, with the store's figures all the same: its entries survive until re-enabled),
+``POST /admin/response-cache/invalidate`` (``{"clear_all": true}`` as the seed, or ``{"key": "<sha256 hex>"}``)
+and ``POST /admin/response-cache/clear``. A Redis URL is shown without its password.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 
-from picker.config import ConfigError, Settings
+from picker.cache import CacheStoreError
+from picker.cache.redis_pool import redis_endpoint
+from picker.cache.store import MemoryCacheStore, RedisCacheStore
+from picker.config import ConfigError, RedisConfig, Settings
 from picker.kv.admin import kv_index_backends, kv_index_clear, kv_index_stats
 
 if TYPE_CHECKING:
@@ -84,6 +94,11 @@ def kv_index_routes(app: PickerApp) -> list[web.RouteDef]:
 
     async def stats(_: web.Request) -> web.Response:
         body = kv_index_stats(tier4.cfg, tier4.index, tier4.consumers.stats(), app.recorder.kv)
+        redis = kv_index_redis(tier4.cfg.backend, tier4.index, app.settings.response_cache.redis)
+        if redis is not None:
+            if redis.get("active") and redis.get("connected"):
+                redis["keys"] = await kv_index_redis_keys(tier4.index)
+            body["redis"] = scrub(redis, redis_secrets(app.settings.response_cache.redis))
         return web.json_response(body)
 
     async def backends(_: web.Request) -> web.Response:
@@ -98,6 +113,209 @@ def kv_index_routes(app: PickerApp) -> list[web.RouteDef]:
         web.get("/admin/kv-index/stats", stats),
         web.get("/admin/kv-index/backends", backends),
         web.post("/admin/kv-index/clear", clear),
+    ]
+
+
+def kv_index_redis(backend: str, index: object, redis_cfg: RedisConfig) -> dict[str, Any] | None:
+    """The ``redis`` object of /admin/kv-index/stats with ``kv_cache_index.backend: redis``: where the index's
+    shared pool connects (no password), whether Redis answers (``connected``; ``fallback_active``: holds() are
+    answered by the local index meanwhile) and the index's own counters (``RedisKvIndex.redis_stats``). None for
+    the in-memory backend; ``{"active": false, ...}`` when the backend is redis but the index runs in memory."""
+    if backend != "redis":
+        return None
+    redis_stats = getattr(index, "redis_stats", None)
+    if redis_stats is None:
+        return {"active": False, "reason": "the KV index runs in memory (no Redis connection was given to it)"}
+    figures: dict[str, Any] = dict(redis_stats())
+    connected = bool(figures.pop("connected", False))
+    figures.pop("url", None)  # only ever the password-free form below
+    return {
+        "active": True,
+        "url": safe_redis_url(redis_cfg),
+        "key_prefix": getattr(index, "prefix", None),
+        "pool_size": redis_cfg.pool_size,
+        "connected": connected,
+        "fallback_active": not connected,
+        **figures,
+    }
+
+
+async def kv_index_redis_keys(index: Any) -> dict[str, Any]:
+    """What the shared index holds in Redis: its backends (``SMEMBERS`` of the backends set) and each one's
+    entries (``HLEN`` of its hash, one pipeline): two round trips whatever the size, each within the index's
+    command timeout (admin only, never the request path). ``{"error": ...}`` when Redis does not answer."""
+    try:
+        async with asyncio.timeout(index.command_timeout_s):
+            names = sorted(
+                n.decode() if isinstance(n, bytes) else str(n) for n in await index.client.smembers(index.set_key)
+            )
+        async with asyncio.timeout(index.command_timeout_s):
+            pipe = index.client.pipeline(transaction=False)
+            for name in names:
+                pipe.hlen(index.hash_prefix + name.encode())
+            lengths = await pipe.execute() if names else []
+    except (RedisError, OSError, TimeoutError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    per_backend = {name: int(n) for name, n in zip(names, lengths, strict=True)}
+    return {"backends": len(names), "entries": sum(per_backend.values()), "per_backend": per_backend}
+
+
+def redis_secrets(cfg: RedisConfig) -> tuple[str, ...]:
+    """The URL's password, as written and percent-decoded (what an error text could echo)."""
+    try:
+        password = urlsplit(cfg.url).password
+    except ValueError:
+        return ()
+    if not password:
+        return ()
+    return tuple({password, unquote(password)})
+
+
+def scrub(value: Any, secrets: tuple[str, ...]) -> Any:
+    """``value`` (JSON-like) with every occurrence of a secret in its strings replaced by ``***``."""
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        for secret in secrets:
+            value = value.replace(secret, "***")
+        return value
+    if isinstance(value, dict):
+        return {k: scrub(v, secrets) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [scrub(v, secrets) for v in value]
+    return value
+
+
+def safe_redis_url(cfg: RedisConfig) -> str:
+    """The Redis URL for the admin JSON: scheme, user, host, port and db, never the password."""
+    try:
+        return redis_endpoint(cfg).display()
+    except ValueError:
+        return "<unparsable url>"
+
+
+def duration_text(seconds: float) -> str:
+    """The seed's duration form (``30m``): whole hours, minutes or seconds, else seconds with decimals."""
+    for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and float(seconds) % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def response_cache_requests(app: PickerApp) -> dict[str, int]:
+    """``continuum_response_cache_requests_total`` by result (hit, miss, skip) and their total."""
+    counts = dict.fromkeys(("hit", "miss", "skip"), 0)
+    for family in app.metrics.response_cache_requests.collect():
+        for sample in family.samples:
+            result = sample.labels.get("result")
+            if sample.name.endswith("_total") and result in counts:
+                counts[result] = int(sample.value)
+    return {**counts, "total": sum(counts.values())}
+
+
+def response_cache_stats(app: PickerApp) -> dict[str, Any]:
+    """GET /admin/response-cache/stats in the seed's shape, plus the store's own figures (``store``) and why
+    eligible responses were not stored (``not_stored``). ``hit_rate`` is hits over lookups (hit + miss: the
+    eligible requests). ``entries`` is null for a Redis store on Redis (a shared keyspace has no cheap count per
+    prefix); on its fallback, the fallback's entries. ``evictions`` and ``size_bytes``: the in-memory store's."""
+    cache = app.response_cache
+    cfg = app.settings.response_cache
+    store = app.response_cache.store
+    st = store.stats()
+    requests = response_cache_requests(app)
+    looked_up = requests["hit"] + requests["miss"]
+    memory = store if isinstance(store, MemoryCacheStore) else None
+    body: dict[str, Any] = {
+        "enabled": cache.enabled,
+        "backend_type": st.backend,
+        "entries": st.entries,
+        "capacity": cfg.capacity,
+        "requests": requests,
+        "hit_rate": f"{requests['hit'] / looked_up if looked_up else 0.0:.4f}",
+        "evictions": memory.evictions if memory is not None else 0,
+        "size_bytes": memory.size_bytes if memory is not None else 0,
+        "config": {
+            "backend": cfg.backend,
+            "ttl": duration_text(cfg.ttl),
+            "capacity": cfg.capacity,
+            "max_response_size": cfg.max_response_size,
+            "max_stream_buffer_size": cfg.max_stream_buffer_size,
+        },
+        "store": {"hits": st.hits, "misses": st.misses, "errors": st.errors, "stored": cache.stored},
+        "not_stored": dict(cache.not_stored),
+    }
+    if isinstance(store, RedisCacheStore):
+        redis = dict(store.redis_stats())
+        redis["url"] = safe_redis_url(store.cfg)  # never the configured URL itself: it may carry a password
+        body["redis"] = scrub(redis, redis_secrets(store.cfg))  # error texts too
+    return body
+
+
+INVALIDATE_USAGE = 'the body must be {"clear_all": true} or {"key": "<an entry key: 64 lowercase hex>"}'
+
+
+def _refuse(message: str) -> web.Response:
+    return web.json_response({"success": False, "error": message}, status=400)
+
+
+def _is_key(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def response_cache_routes(app: PickerApp) -> list[web.RouteDef]:
+    """The response cache's admin routes, registered whether or not the cache is enabled (never a 404)."""
+
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response(response_cache_stats(app))
+
+    async def clear_all(action: str) -> web.Response:
+        store = app.response_cache.store
+        before = store.stats().entries  # null for Redis on Redis (not counted)
+        try:
+            await store.clear()
+        except CacheStoreError as exc:
+            return web.json_response({"success": False, "action": action, "error": str(exc)}, status=503)
+        body = {"success": True, "action": action, "entries_before_clear": before, "cleared_entries": before}
+        return web.json_response(body)
+
+    async def delete_key(key: str) -> web.Response:
+        store = app.response_cache.store
+        before = len(store) if isinstance(store, MemoryCacheStore) else None
+        try:
+            await store.delete(key)
+        except CacheStoreError as exc:
+            return web.json_response({"success": False, "action": "key", "error": str(exc)}, status=503)
+        # the in-memory store's count; null for Redis (the store does not return UNLINK's count)
+        cleared = before - len(store) if isinstance(store, MemoryCacheStore) and before is not None else None
+        return web.json_response({"success": True, "action": "key", "key": key, "cleared_entries": cleared})
+
+    async def invalidate(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _refuse(f"not JSON: {INVALIDATE_USAGE}")
+        if not isinstance(body, dict):
+            return _refuse(INVALIDATE_USAGE)
+        unknown = sorted(set(body) - {"clear_all", "key"})
+        if unknown:
+            return _refuse(f"unknown field(s) {', '.join(map(str, unknown))}: {INVALIDATE_USAGE}")
+        if ("clear_all" in body) == ("key" in body):
+            return _refuse(f"give exactly one of clear_all and key: {INVALIDATE_USAGE}")
+        if "clear_all" in body:
+            if body["clear_all"] is not True:
+                return _refuse("clear_all: must be true")
+            return await clear_all("clear_all")
+        if not _is_key(body["key"]):
+            return _refuse("key: must be an entry's key, 64 lowercase hex characters (SHA-256)")
+        return await delete_key(body["key"])
+
+    async def clear(_: web.Request) -> web.Response:
+        return await clear_all("clear")
+
+    return [
+        web.get("/admin/response-cache/stats", stats),
+        web.post("/admin/response-cache/invalidate", invalidate),
+        web.post("/admin/response-cache/clear", clear),
     ]
 
 
@@ -280,6 +498,7 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
         ]
     )
     web_app.add_routes(kv_index_routes(app))
+    web_app.add_routes(response_cache_routes(app))
     for provider in extra or []:
         web_app.add_routes(provider.admin_routes())
     return web_app

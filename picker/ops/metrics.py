@@ -21,8 +21,10 @@ ROUTE_BUCKETS = (
 )  # fmt: skip
 # The outcomes of continuum_picker_requests_total that answer a request, and "answered": another answer of the
 # picker's own (a status outside STATUS_OUTCOMES; none today). "draining" is a gRPC error before any answer.
-ROUTE_OUTCOMES = ("routed", "bad_request", "overloaded", "no_backend", "error", "answered")
-STATUS_OUTCOMES = {400: "bad_request", 429: "overloaded", 503: "no_backend", 500: "error"}
+# "cache_hit": a response-cache hit answered by the picker (Tier 2); the picker's only 200 of its own (the cache
+# stores 200 responses only), so the status names it as it names the picker's refusals.
+ROUTE_OUTCOMES = ("routed", "cache_hit", "bad_request", "overloaded", "no_backend", "error", "answered")
+STATUS_OUTCOMES = {200: "cache_hit", 400: "bad_request", 429: "overloaded", 503: "no_backend", 500: "error"}
 _ROUTE_BUCKET_LABELS = (*map(str, ROUTE_BUCKETS), "+Inf")
 
 
@@ -60,8 +62,9 @@ class RouteSecondsCollector(Collector):
         family = HistogramMetricFamily(
             "continuum_picker_route_seconds",
             "ext_proc routing latency as the picker sees it: from the request headers message received to the "
-            "routing answer sent (the destination, or the picker's own answer), by outcome (routed, bad_request, "
-            "overloaded, no_backend, error); includes the request body's arrival when the pick needs the body",
+            "routing answer sent (the destination, or the picker's own answer), by outcome (routed, cache_hit, "
+            "bad_request, overloaded, no_backend, error); includes the request body's arrival when the pick needs "
+            "the body",
             labels=["outcome"],
         )
         h = self.hist

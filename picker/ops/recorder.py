@@ -41,7 +41,8 @@ DECISION_BUCKETS = (
 
 CACHED_KINDS = ("prompt", "available", "captured")  # booked per decision (scope "all") and per observed response
 PREDICTION_OUTCOMES = ("hit", "stale", "unpredicted", "miss")
-REQUEST_OUTCOMES = ("routed", "bad_request", "no_backend", "error", "draining", "overloaded")
+# cache_hit: answered by the picker from the response cache (Tier 2), no engine touched
+REQUEST_OUTCOMES = ("routed", "cache_hit", "bad_request", "no_backend", "error", "draining", "overloaded")
 
 
 def prediction_outcome(prompt: int, captured: int, delivered: int, block_size: int) -> str:
@@ -168,6 +169,10 @@ class DecisionRecorder:
         """A request answered by the picker itself: bad_request, no_backend, error, draining, overloaded."""
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
+    def cache_hit(self) -> None:
+        """A request answered by the picker from the response cache (outcome ``cache_hit``)."""
+        self.outcomes["cache_hit"] += 1
+
     def response(self, backend: str, status: int | None) -> None:
         """One upstream response's status, by backend and status class."""
         k = (backend, f"{min(9, max(0, (status or 0) // 100))}xx")
@@ -224,7 +229,8 @@ class RecorderCollector(Collector):
         yield prefix
         outcomes = CounterMetricFamily(
             "continuum_picker_requests",
-            "Requests seen by the picker, by outcome (routed, bad_request, no_backend, error, draining, overloaded)",
+            "Requests seen by the picker, by outcome (routed, cache_hit: answered from the response cache, "
+            "bad_request, no_backend, error, draining, overloaded)",
             labels=["outcome"],
         )
         for outcome, n in list(r.outcomes.items()):
