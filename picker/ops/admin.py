@@ -16,6 +16,7 @@ and ``POST /admin/response-cache/clear``. A Redis URL is shown without its passw
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import logging
@@ -244,10 +245,35 @@ def response_cache_stats(app: PickerApp) -> dict[str, Any]:
         "store": {"hits": st.hits, "misses": st.misses, "errors": st.errors, "stored": cache.stored},
         "not_stored": dict(cache.not_stored),
     }
+    body["semantic"] = semantic_cache_stats(app)
     if isinstance(store, RedisCacheStore):
         redis = dict(store.redis_stats())
         redis["url"] = safe_redis_url(store.cfg)  # never the configured URL itself: it may carry a password
         body["redis"] = scrub(redis, redis_secrets(store.cfg))  # error texts too
+    return body
+
+
+def semantic_cache_stats(app: PickerApp) -> dict[str, Any]:
+    """The semantic path's part of the stats: whether it runs, its threshold, its lookups by result
+    (``continuum_response_cache_semantic_requests_total``) and its in-memory vector index."""
+    cache = app.response_cache
+    cfg = app.settings.response_cache.semantic
+    body: dict[str, Any] = {
+        "enabled": bool(getattr(cache, "semantic_on", False)),
+        "threshold": cfg.threshold,
+        "max_entries": cfg.max_entries,
+    }
+    sem_metrics = getattr(cache, "semantic_metrics", None)
+    if sem_metrics is not None:
+        counts: dict[str, int] = {}
+        for family in sem_metrics.requests.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["result"]] = int(sample.value)
+        body["requests"] = {**counts, "total": sum(counts.values())}
+    index = getattr(cache, "index", None)
+    if index is not None:
+        body["index"] = dataclasses.asdict(index.snapshot())  # entries, partitions, lookups, hits, added, ...
     return body
 
 
@@ -275,6 +301,9 @@ def response_cache_routes(app: PickerApp) -> list[web.RouteDef]:
             await store.clear()
         except CacheStoreError as exc:
             return web.json_response({"success": False, "action": action, "error": str(exc)}, status=503)
+        index = getattr(app.response_cache, "index", None)
+        if index is not None:  # the semantic index points at entries that are gone
+            index.clear()
         body = {"success": True, "action": action, "entries_before_clear": before, "cleared_entries": before}
         return web.json_response(body)
 

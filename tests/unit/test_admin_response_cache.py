@@ -244,3 +244,18 @@ async def test_a_hit_over_ext_proc_observes_one_cache_hit_route_sample(serve: An
     samples = {o: reg.get_sample_value("continuum_picker_route_seconds_count", {"outcome": o}) for o in ROUTE_OUTCOMES}
     assert samples["cache_hit"] == 1.0 and samples["routed"] == 0.0  # the miss went through the path, not gRPC
     assert samples["answered"] is None  # a hit is no longer the anonymous "answered"
+
+
+async def test_semantic_part_of_the_stats_and_clear_all_empties_its_index(client_of: Any) -> None:
+    app = make_app()
+    client = await client_of(app)
+    index = app.response_cache.index
+    assert index is not None
+    assert index.add("partition", (1.0, 0.0), "sem:one") and len(index) == 1
+    body = await (await client.get("/admin/response-cache/stats", headers=AUTH)).json()
+    sem = body["semantic"]
+    assert sem["enabled"] is False and sem["threshold"] == 0.92 and sem["max_entries"] == 1000
+    assert sem["requests"] == {"hit": 0, "miss": 0, "error": 0, "skip": 0, "total": 0}
+    assert sem["index"]["entries"] == 1 and sem["index"]["partitions"] == 1
+    r = await client.post("/admin/response-cache/invalidate", headers=JSON, json={"clear_all": True})
+    assert (await r.json())["success"] is True and len(index) == 0
