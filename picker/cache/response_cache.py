@@ -518,17 +518,18 @@ class ResponseCache:
             self.not_stored["store_error"] = self.not_stored.get("store_error", 0) + 1
 
     async def _write_both(self, key: str, value: bytes, sem: SemanticPending) -> None:
-        """The exact entry, then the semantic one (the ``sem:`` key, its own TTL); the vector is indexed once
-        its body is stored, so a semantic hit never points at nothing it was not given."""
-        await self._write(key, value)
+        """The semantic entry (the ``sem:`` key, its own TTL), its vector indexed once its body is stored (an
+        index entry never points at a body that was not written), then the exact entry: once the exact entry
+        answers, the semantic one does too."""
         try:
             await self.store.set(sem.key, value, self.semantic_ttl)
         except CacheStoreError as exc:
             log.debug("event=semantic_cache_set_failed error=%r", exc)
             self.not_stored["store_error"] = self.not_stored.get("store_error", 0) + 1
-            return
-        if self.index is not None:
-            self.index.add(sem.partition, sem.vector, sem.key)
+        else:
+            if self.index is not None:
+                self.index.add(sem.partition, sem.vector, sem.key)
+        await self._write(key, value)
 
     async def flush(self) -> None:
         """Wait for the store writes in flight (tests, shutdown)."""
