@@ -625,6 +625,15 @@ class SemanticCacheConfig(_Section):
     embedding_timeout_ms: int = Field(2000, ge=100, le=60_000)
     max_input_bytes: int = Field(8192, ge=1, le=1_048_576)  # a longer last user message skips this path
 
+    @field_validator("backend")
+    @classmethod
+    def _backend_url(cls, v: str | None) -> str | None:
+        # the picker has no named backends of its own: the embeddings server is a base URL, refused otherwise
+        # (a name such as the seed's "embedder" would make every embedding fail: a silent plain miss)
+        if v is not None and not re.match(r"^https?://[^\s/?#]+(/[^\s?#]*)?$", v):
+            raise ValueError("backend must be the embeddings server's base URL: http(s)://host:port[/path]")
+        return v
+
     @model_validator(mode="after")
     def _needs_backend(self) -> SemanticCacheConfig:
         if self.enabled and (not self.backend or not self.embedding_model):

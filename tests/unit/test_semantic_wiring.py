@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from benchmarks.engine_sim import EngineSimulator, SimConfig
 from picker.cache.response_cache import SemanticPending
 from picker.cache.semantic import ENTRY_PREFIX
-from picker.config import parse_settings
+from picker.config import ConfigError, parse_settings
 from picker.extproc.stream import RequestStream
 from picker.ops.metrics import PickerMetrics
 from picker.request.anthropic import count_markers
@@ -314,3 +314,10 @@ async def test_buffered_sends_the_injected_body_with_its_length() -> None:
     (out,) = await stream.handle(body_msg(body, True))
     assert not out.request_body.response.HasField("body_mutation")
     assert "content-length" not in set_headers(out.request_body.response)
+
+
+@pytest.mark.parametrize("backend", ["embedder", "127.0.0.1:8000", "http://h x", "ftp://h"])
+def test_semantic_backend_must_be_a_url(backend: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        settings(backend)
+    assert [p for p, _ in err.value.problems] == ["response_cache.semantic.backend"]
