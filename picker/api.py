@@ -10,6 +10,7 @@ from picker.config import Settings, load_settings, parse_settings
 from picker.extproc.messages import DEST_HEADER, pick_response, streamed_chunks
 from picker.extproc.service import ExternalProcessor
 from picker.kv.index import InMemoryKvIndex
+from picker.kv.redis_index import RedisKvIndex
 from picker.request.path import Answer, Exchange, Inbound, RequestPath
 from picker.routing.endpoints import BackendHold, Endpoint, EndpointState, PoolView
 from picker.routing.kv_scorer import KvOverlapScorer
@@ -32,6 +33,7 @@ __all__ = [
     "KvOverlapScorer",
     "PickerApp",
     "PoolView",
+    "RedisKvIndex",
     "RequestPath",
     "Settings",
     "bootstrap_yaml",

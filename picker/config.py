@@ -911,13 +911,6 @@ def not_implemented_warnings(s: Settings) -> list[tuple[str, str]]:
             )
         )
     kv = s.kv_cache_index
-    if kv.backend == "redis":
-        out.append(
-            (
-                "kv_cache_index.backend",
-                f"{NOT_IMPLEMENTED} (Tier 3 Redis KV index): the in-memory index is used",
-            )
-        )
     for key in sorted(kv.storage_offloading.model_fields_set):
         out.append(
             (

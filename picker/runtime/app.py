@@ -83,7 +83,9 @@ class PickerApp:
         self.router.set_pool_names(self.pool.names())  # the ring is built here, not on a request
         self.recorder = DecisionRecorder(self.metrics)
         self.tier4 = (
-            Tier4(settings.kv_cache_index, self.pool, self.metrics) if settings.kv_cache_index.enabled else None
+            Tier4(settings.kv_cache_index, self.pool, self.metrics, settings.response_cache.redis)
+            if settings.kv_cache_index.enabled
+            else None
         )
         # Tier 2: built always (enabled is hot-reloadable), its store once (response_cache.backend needs a restart)
         rc = settings.response_cache

@@ -99,7 +99,6 @@ def test_seed_warnings() -> None:
 @pytest.mark.parametrize(
     ("data", "path", "area"),
     [
-        ({"kv_cache_index": {"backend": "redis"}}, "kv_cache_index.backend", "(Tier 3 Redis KV index)"),
         (
             {"prefix_routing": {"anthropic_cache_control_injection": True}},
             "prefix_routing.anthropic_cache_control_injection",
@@ -123,11 +122,10 @@ def test_keys_that_do_nothing_yet_are_accepted_with_a_warning(data: dict, path: 
     assert w[path].startswith("accepted, not implemented yet " + area), w
 
 
-def test_redis_backend_warning_says_what_is_used() -> None:
+def test_the_redis_kv_index_is_no_longer_warned_about() -> None:
+    """Issue 11: kv_cache_index.backend redis builds the RedisKvIndex on response_cache.redis's pool."""
     w = dict(config_warnings(parse_settings({"kv_cache_index": {"backend": "redis"}})))
-    assert w["kv_cache_index.backend"] == (
-        "accepted, not implemented yet (Tier 3 Redis KV index): the in-memory index is used"
-    )
+    assert "kv_cache_index.backend" not in w
 
 
 def test_defaults_give_no_not_implemented_warning() -> None:
