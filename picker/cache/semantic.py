@@ -1,6 +1,6 @@
 """Tier 2's semantic cache parts: the partition digest, the in-memory vector index, the embeddings client.
 
-The serving path (not here) runs these on an exact-cache miss of an eligible request: ``semantic_query``
+The serving path (``picker.cache.response_cache.ResponseCache``) runs these on an exact-cache miss: ``semantic_query``
 gives the partition and the text to embed, ``EmbeddingsClient.embed`` the unit vector (``None``: a plain
 miss), ``SemanticIndex.lookup`` the key of the best entry at or above the threshold in that partition; on
 a miss the vector is kept and ``SemanticIndex.add`` indexes the stored response under it (the body lives in

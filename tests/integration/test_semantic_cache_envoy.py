@@ -1,7 +1,8 @@
-"""The semantic cache through the real Envoy (full duplex, response mode full) with the engine simulator as a child
-process serving both the chat completions and ``POST /v1/embeddings``: after a stored answer, a near-duplicate
-question (one word changed) is ``X-Cache: HIT`` with ``X-Cache-Mode: semantic`` and the engine is not reached;
-the same near-duplicate with another system prompt, or with a tool list, is a MISS that reaches the engine."""
+"""The semantic cache through the real Envoy (full duplex and BUFFERED request bodies, response mode full) with
+the engine simulator as a child process serving both the chat completions and ``POST /v1/embeddings``: after a
+stored answer, a near-duplicate question (one word changed) is ``X-Cache: HIT`` with ``X-Cache-Mode: semantic`` and
+the engine is not reached; the same near-duplicate with another system prompt, or with a tool list, is a MISS
+that reaches the engine."""
 
 from __future__ import annotations
 
@@ -60,9 +61,9 @@ class Stack:
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    workdir: Path = tmp_path_factory.mktemp("semantic")
+@pytest.fixture(scope="module", params=["FULL_DUPLEX_STREAMED", "BUFFERED"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir: Path = tmp_path_factory.mktemp(f"semantic-{request.param}")
     sim = SimulatorProcess(
         SimConfig(name="sim-0", model=MODEL, time_scale=0.001, kv_events_enabled=False), log_path=workdir / "sim.log"
     )
@@ -81,7 +82,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         picker = start_picker(cfg, workdir, name="picker-semantic")
         opts = EnvoyOptions(
             listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(), response_mode="full",
-            body_mode="FULL_DUPLEX_STREAMED", backends=(sim.address,), **picker.envoy_picker_options(),
+            body_mode=request.param, backends=(sim.address,), **picker.envoy_picker_options(),
         )  # fmt: skip
         envoy = start_envoy(opts, workdir)
         yield Stack(sim, picker, envoy)
