@@ -833,6 +833,16 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
                 "every request of a model goes to one backend, without a load bound",
             )
         )
+    sem = s.response_cache.semantic
+    if s.response_cache.enabled and sem.enabled and sem.embedding_timeout_ms > 5000:
+        out.append(
+            (
+                "response_cache.semantic.embedding_timeout_ms",
+                f"{sem.embedding_timeout_ms} ms is longer than Envoy's ext_proc message timeout as kv-epp generates "
+                "it (5000 ms, `kv-epp envoy-config --message-timeout-ms`): a slow embedding would time the request "
+                "out in Envoy first; raise that too",
+            )
+        )
     ip = s.pool.inference_pool
     if ip is not None and ip.watch_idle_timeout_seconds < 65:
         out.append(
@@ -903,13 +913,6 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
 def not_implemented_warnings(s: Settings) -> list[tuple[str, str]]:
     """Keys of the seed that are accepted so configs stay portable, but change nothing yet."""
     out: list[tuple[str, str]] = []
-    if s.prefix_routing.anthropic_cache_control_injection:
-        out.append(
-            (
-                "prefix_routing.anthropic_cache_control_injection",
-                f"{NOT_IMPLEMENTED} (Anthropic cache_control injection): request bodies are forwarded unchanged",
-            )
-        )
     kv = s.kv_cache_index
     for key in sorted(kv.storage_offloading.model_fields_set):
         out.append(

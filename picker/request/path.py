@@ -406,10 +406,12 @@ class RequestPath:
             if keyed is None:
                 hit = await cache.lookup(facts)
                 if hit is not None:
+                    self.recorder.cache_hit()
                     return hit
             elif cache.enabled:  # type: ignore[attr-defined]
                 looked = await keyed(facts, req.body)
                 if isinstance(looked, Answer):
+                    self.recorder.cache_hit()
                     return looked
                 if looked is not None:
                     key, semantic = looked.key, looked.semantic

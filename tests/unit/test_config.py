@@ -100,11 +100,6 @@ def test_seed_warnings() -> None:
     ("data", "path", "area"),
     [
         (
-            {"prefix_routing": {"anthropic_cache_control_injection": True}},
-            "prefix_routing.anthropic_cache_control_injection",
-            "(Anthropic cache_control injection)",
-        ),
-        (
             {"kv_cache_index": {"storage_offloading": {"enabled": True}}},
             "kv_cache_index.storage_offloading.enabled",
             "(Tier 4 storage tiers)",
@@ -165,3 +160,12 @@ def test_reload_survives_files_that_are_not_config(tmp_path: Path) -> None:
         applied, messages = app.reload()
         assert applied is False and messages
     assert app.settings.prefix_routing.enabled is True  # the old config stays
+
+
+def test_an_embedding_timeout_past_envoys_message_timeout_is_warned_about() -> None:
+    def warned(ms: int) -> bool:
+        semantic = {"enabled": True, "backend": "http://e:80", "embedding_model": "m", "embedding_timeout_ms": ms}
+        w = dict(config_warnings(parse_settings({"response_cache": {"enabled": True, "semantic": semantic}})))
+        return "response_cache.semantic.embedding_timeout_ms" in w
+
+    assert warned(8000) and not warned(2000)

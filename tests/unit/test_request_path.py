@@ -112,6 +112,7 @@ async def test_a_cache_hit_skips_prepare_decide_and_commit() -> None:
     out = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
     assert out == Answer(200, b'{"cached":true}', "kv_epp_cache_hit", (("x-cache", "HIT"),))
     assert len(cache.looked_up) == 1 and holds.calls == 0 and in_flight(app) == {"a": 0, "b": 0}
+    assert app.recorder.outcomes["cache_hit"] == 1 and app.recorder.outcomes["routed"] == 0  # counted as a hit
 
 
 async def test_prepare_awaits_the_holds_and_decide_uses_them() -> None:
