@@ -144,8 +144,13 @@ def scrape(admin_url: str) -> str:
 
 
 def cache_counts(admin_url: str) -> dict[str, float]:
+    """The picker's response-cache lookups by result, and its Redis GET/SET histogram counts and sums."""
     text = scrape(admin_url)
-    return {r: sample(text, REQUESTS_COUNTER, result=r) for r in ("hit", "miss", "skip")}
+    out = {r: sample(text, REQUESTS_COUNTER, result=r) for r in ("hit", "miss", "skip")}
+    for op in ("get", "set"):
+        out[f"redis_{op}_count"] = sample(text, GET_HIST + "_count", operation=op)
+        out[f"redis_{op}_sum"] = sample(text, GET_HIST + "_sum", operation=op)
+    return out
 
 
 # -- the processes ----------------------------------------------------------------------------------------
@@ -281,7 +286,11 @@ def phase(path: Target, bodies: list[bytes], seconds: float, concurrency: int) -
         out["cpu_us_per_req"] = round((proc_cpu_s(path.pid) - before_cpu) / res.completed_total * 1e6, 1)
     if before_counts is not None and path.admin_url:
         after = cache_counts(path.admin_url)
-        out["cache"] = {k: int(after[k] - before_counts[k]) for k in after}
+        d = {k: after[k] - before_counts[k] for k in after}
+        out["cache"] = {k: int(d[k]) for k in ("hit", "miss", "skip")}
+        for op in ("get", "set"):  # the mean time the picker waited on Redis in this phase (Valkey store only)
+            if d[f"redis_{op}_count"]:
+                out[f"redis_{op}_mean_ms"] = round(d[f"redis_{op}_sum"] / d[f"redis_{op}_count"] * 1000, 3)
     return out
 
 
@@ -465,6 +474,13 @@ def report(res: dict[str, Any]) -> str:
         f"rounds' {res['valkey_minus_memory_p50_ms_rounds']}); target <= {MISS_ADDED_TARGET_MS} ms: "
         f"{verdict(t[extra_t])}",
     ]
+    gets = [row["picker_valkey"].get("redis_get_mean_ms") for row in res["rounds"]["miss"]]
+    sets = [row["picker_valkey"].get("redis_set_mean_ms") for row in res["rounds"]["miss"]]
+    if all(x is not None for x in gets):
+        lines.append(
+            f"    the Valkey picker's own mean wait per GET in those miss phases: {gets} ms (its SET, after the "
+            f"response: {sets} ms)"
+        )
     h, d = g["histogram"], g["direct"]
     if h["p99_ms"] is not None:
         lines.append(
