@@ -146,8 +146,8 @@ class RedisCacheStore:
     Every command runs inside ``asyncio.timeout(command_timeout_ms)``: waiting for a pooled connection,
     connecting and the reply together never hold a caller longer (a dead or blackholed Redis included).
 
-    Fallback (``fallback_to_memory``, the default): the first failed command (refused, reset, timed out, an error
-    reply) switches the store to an in-memory ``MemoryCacheStore(fallback_capacity, max_ttl fallback_ttl_seconds)``
+    Fallback (``fallback_to_memory``, the default): the first failed command that is an outage (refused, reset,
+    timed out) switches the store to an in-memory ``MemoryCacheStore(fallback_capacity, max_ttl fallback_ttl_seconds)``
     and starts the health monitor, which PINGs Redis every ``health_check_interval_seconds`` and switches back when
     it answers. While on the fallback no request touches Redis. The failing call itself is answered from the
     fallback (a ``get`` is a miss, a ``set`` is kept in memory). Back on Redis, the fallback's entries are dropped
@@ -155,6 +155,9 @@ class RedisCacheStore:
     replayed on Redis first (deletes: up to ``fallback_capacity`` keys, beyond that a full clear of the prefix),
     so an invalidation is not undone by the recovery. ``continuum_cache_fallback_active`` is 1 while on the
     fallback. Without ``fallback_to_memory`` a failed command raises ``CacheStoreError`` (a miss for the caller).
+    An error reply (``OOM`` at ``maxmemory`` with ``noeviction``, ``READONLY`` from a replica, ...) is not an
+    outage: it raises ``CacheStoreError`` (counted, kind ``other``: a ``set`` is not stored, a ``get`` a miss) and
+    the store stays on Redis, whatever ``fallback_to_memory`` says.
     """
 
     def __init__(
@@ -327,12 +330,18 @@ class RedisCacheStore:
         return result
 
     def _failed(self, operation: str, exc: BaseException) -> None:
+        """Count a failed command. Only an outage (refused, reset, timed out: kind ``connection`` or ``timeout``)
+        engages the fallback; an error reply (``OOM``, ``READONLY``, ...: kind ``other``) comes from a Redis that
+        answers, so the store stays on it (the caller's ``set`` is not stored, its ``get`` a miss): a fallback
+        would be left at once by the health check's PING, and would flap."""
         kind = _error_kind(exc)
         self.errors[kind] += 1
         self.metrics.errors[(operation, kind)].inc()
-        self.connected = False
+        outage = kind != "other"
+        self.connected = not outage
         self.last_error = f"{kind}: {type(exc).__name__}: {exc}"[:300]
-        if self.cfg.fallback_to_memory and self._fallback is None and operation != "ping" and not self._closed:
+        engage = self.cfg.fallback_to_memory and self._fallback is None and operation != "ping" and not self._closed
+        if outage and engage:
             self._engage_fallback()
 
     def _engage_fallback(self) -> None:

@@ -177,13 +177,17 @@ async def test_shared_redis_is_one_client_per_setting() -> None:
 @pytest.mark.valkey
 async def test_a_hung_valkey_times_out_and_the_outage_invalidations_are_replayed(
     valkey_server: ValkeyProcess,  # noqa: F811
+    raw: Redis,
 ) -> None:
+    # the short command timeout is for the pauses; setup and checks go through ``raw`` (default timeouts), so a
+    # busy machine cannot turn them into a spurious fallback
     cfg = RedisConfig(url=valkey_server.url, command_timeout_ms=200, health_check_interval_seconds=0.2)
     s = RedisCacheStore(cfg, build_redis(cfg), CacheStoreMetrics(CollectorRegistry()))
+    p = cfg.key_prefix
     try:
-        await s.set("a", b"1", 600)
-        await s.set("b", b"2", 600)
-        await s.set("c", b"3", 600)
+        await raw.set(p + "a", b"1", ex=600)
+        await raw.set(p + "b", b"2", ex=600)
+        await raw.set(p + "c", b"3", ex=600)
         valkey_server.pause()  # keeps its data, answers nothing
         try:
             assert await s.get("a") is None  # timed out: a miss, and the fallback is on
@@ -192,7 +196,7 @@ async def test_a_hung_valkey_times_out_and_the_outage_invalidations_are_replayed
         finally:
             valkey_server.resume()
         await async_wait_until(lambda: not s.fallback_active, timeout=30, what="the store back on Redis")
-        assert (await s.get("a"), await s.get("b")) == (None, b"2")  # the delete was replayed, b kept
+        assert (await raw.get(p + "a"), await raw.get(p + "b")) == (None, b"2")  # the delete was replayed, b kept
 
         valkey_server.pause()
         try:
@@ -202,9 +206,42 @@ async def test_a_hung_valkey_times_out_and_the_outage_invalidations_are_replayed
         finally:
             valkey_server.resume()
         await async_wait_until(lambda: not s.fallback_active, timeout=30, what="the store back on Redis")
-        assert [await s.get(k) for k in "bcd"] == [None, None, None]  # the clear was replayed on Redis
+        assert await raw.keys(p + "*") == []  # the clear was replayed on Redis
         assert s.fallback_switches == 2
     finally:
         valkey_server.resume()
+        await s.aclose()
+        await s.client.aclose(close_connection_pool=True)
+
+
+@pytest.mark.valkey
+async def test_error_replies_are_not_an_outage(valkey_server: ValkeyProcess, raw: Redis) -> None:  # noqa: F811
+    """OOM (maxmemory below usage, noeviction) and READONLY (a replica): a SET is not stored, a GET still reads
+    Redis; the store never switches to its fallback (which the health check's PING would leave at once: flapping)."""
+    cfg = RedisConfig(url=valkey_server.url, key_prefix="t:resp:", health_check_interval_seconds=0.05)
+    s = RedisCacheStore(cfg, build_redis(cfg), CacheStoreMetrics(CollectorRegistry()))
+    try:
+        await s.set("kept", b"v", 600)
+        await raw.config_set("maxmemory-policy", "noeviction")
+        await raw.config_set("maxmemory", "1")  # far below what it uses: every write is refused with OOM
+        for i in range(3):
+            with pytest.raises(CacheStoreError, match="OutOfMemoryError"):
+                await s.set(f"k{i}", b"x" * 100, 600)  # not stored (ResponseCache counts it store_error)
+            assert (s.fallback_active, s.fallback_switches, s.connected) == (False, 0, True)
+            assert await s.get("kept") == b"v"  # read from Redis, not from an empty fallback
+            assert await s.get(f"k{i}") is None
+        assert await raw.exists("t:resp:k0") == 0
+        assert s.redis_stats()["errors"] == {"connection": 0, "timeout": 0, "other": 3}
+        assert sample(s, "continuum_cache_redis_errors_total", operation="set", kind="other") == 3
+        assert sample(s, "continuum_cache_fallback_active") == 0
+
+        await raw.config_set("maxmemory", "0")
+        await raw.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # a replica of nothing: read-only
+        with pytest.raises(CacheStoreError, match="ReadOnlyError"):
+            await s.set("r", b"v", 600)
+        assert (s.fallback_active, s.fallback_switches) == (False, 0)
+        assert await s.get("kept") == b"v"
+        assert s.stats().errors == 4 and s.stats().hits == 4
+    finally:
         await s.aclose()
         await s.client.aclose(close_connection_pool=True)
