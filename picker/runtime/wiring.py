@@ -3,16 +3,23 @@ source when the pool is discovered, and the background tasks."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 
 from picker.cache.redis_pool import close_shared_redis
 from picker.cache.store import RedisCacheStore
 from picker.config import PoolConfig, Settings
+from picker.kv.redis_index import RedisKvIndex
 from picker.ops.metrics import PickerMetrics
 from picker.pool.engine_signals import EngineSignalScraper
 from picker.runtime.app import PickerApp
 from picker.runtime.lifecycle import PickerServer
 from picker.shared.discovery import Count, Discovery, make_discovery
+
+log = logging.getLogger("kv_epp.wiring")
+
+RESPONSE_CACHE_FLUSH_SECONDS = 3.0  # pending store writes at stop (below lifecycle's HOOK_STOP_SECONDS, 5 s)
 
 
 def pool_discovery(pool: PoolConfig, count: Count | None = None) -> Discovery | None:
@@ -34,12 +41,27 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     server.background.append(scraper.run)
     server.on_stop.append(scraper.close)  # its HTTP session
     server.on_stop.append(app.embeddings.close)  # the semantic cache's HTTP session, when it opened one
-    if isinstance(app.cache_store, RedisCacheStore):  # the response cache on Redis: its monitor, the shared pool
-        server.on_stop.append(app.cache_store.aclose)
-        server.on_stop.append(close_shared_redis)
+    # Stop order: everything that writes to Redis first (the Redis KV index's queue, the response cache's pending
+    # store writes, each bounded), then the cache store's health monitor, then the shared pool, last, whichever
+    # of the two uses it.
     if app.tier4 is not None:
         server.background.append(app.tier4.run)  # feed consumers and the index sweep
-        server.on_stop.append(app.tier4.close)  # the tokenizer's HTTP session
+        server.on_stop.append(app.tier4.close)  # the tokenizer's HTTP session, the Redis index's queued writes
+
+    async def flush_response_cache() -> None:
+        try:
+            async with asyncio.timeout(RESPONSE_CACHE_FLUSH_SECONDS):
+                await app.response_cache.flush()
+        except TimeoutError:
+            log.warning("event=response_cache_flush_timeout seconds=%s", RESPONSE_CACHE_FLUSH_SECONDS)
+
+    server.on_stop.append(flush_response_cache)
+    if isinstance(app.cache_store, RedisCacheStore):
+        server.on_stop.append(app.cache_store.aclose)  # its health monitor
+    if isinstance(app.cache_store, RedisCacheStore) or (
+        app.tier4 is not None and isinstance(app.tier4.index, RedisKvIndex)
+    ):
+        server.on_stop.append(close_shared_redis)
     return server
 
 

@@ -15,12 +15,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from picker.cache.redis_pool import close_shared_redis, shared_redis
-from picker.config import KvCacheIndexConfig, PoolConfig, RedisConfig
+from picker.config import KvCacheIndexConfig, PoolConfig, RedisConfig, ResponseCacheConfig, Settings
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
+from picker.runtime.wiring import build_server
 from picker.shared.tiers import StorageTier
 from tests.support.poll import async_wait_until
 from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
@@ -264,3 +265,43 @@ async def test_the_shared_entries_live_while_a_feed_confirms_and_expire_in_valke
             return await idx.client.exists(key) == 0
 
         await async_wait_until(gone, timeout=30.0, interval=0.05, what="Valkey expired the backend's hash")
+
+
+@pytest.mark.parametrize("cache_backend", ["memory", "redis"])
+async def test_stop_writes_the_index_queue_and_the_cache_writes_then_closes_the_shared_pool(
+    valkey_server: ValkeyProcess,  # noqa: F811
+    cache_backend: str,
+) -> None:
+    """The stop hooks, in order: the index's queued writes and the response cache's pending writes reach Valkey,
+    then the shared pool is closed (also when only the KV index uses it): no connection of the picker is left."""
+    redis_cfg = RedisConfig(url=valkey_server.url)
+    settings = Settings(
+        kv_cache_index=KvCacheIndexConfig(enabled=True, backend="redis"),
+        response_cache=ResponseCacheConfig(enabled=True, backend=cache_backend, redis=redis_cfg),
+    )
+    raw = _client(valkey_server.url, timeout_s=10.0)
+    try:
+        server = build_server(settings)
+        app = server.app
+        assert app.tier4 is not None and isinstance(app.tier4.index, RedisKvIndex)
+        await app.cache_store.set("warm", b"v", 600)  # opens the pool's connection (both backends share it)
+        app.tier4.index.put("sim-0", [1, 2, 3], GPU)  # queued: the writer task does not run here
+        # a store write the cache started just before the stop (as ``on_end`` does), still pending
+        pending = asyncio.get_running_loop().create_task(app.response_cache._write("pending", b"body"))
+        app.response_cache._writes.add(pending)
+        pending.add_done_callback(app.response_cache._writes.discard)
+        for hook in server.on_stop:
+            await hook()
+        assert await raw.hlen(app.tier4.index.hash_prefix + b"sim-0") == 3  # written before the pool closed
+        assert pending.done() and app.response_cache.stored == 1
+        if cache_backend == "redis":
+            assert await raw.get(redis_cfg.key_prefix + "pending") == b"body"
+        me = await raw.client_id()
+
+        async def only_me() -> bool:
+            return [c["id"] for c in await raw.client_list()] == [str(me)]
+
+        await async_wait_until(only_me, timeout=15.0, interval=0.05, what="the picker's connections closed")
+    finally:
+        await raw.aclose()
+        await close_shared_redis()
