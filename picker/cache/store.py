@@ -18,7 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from picker.cache import CacheStoreError, CacheStoreStats
 from picker.cache.metrics import CacheStoreMetrics
-from picker.cache.redis_pool import RedisEndpoint, redis_endpoint
+from picker.cache.redis_pool import KV_INDEX_KEY_PREFIX, RedisEndpoint, redis_endpoint
 from picker.config import RedisConfig
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,9 @@ def _error_kind(exc: BaseException) -> str:
 
 class RedisCacheStore:
     """Bytes by key in Redis/Valkey, under ``cfg.key_prefix``: ``SET key value EX ttl``, ``GET``, ``UNLINK``;
-    ``clear`` is ``SCAN MATCH <prefix>*`` + ``UNLINK`` in batches of ``CLEAR_BATCH`` (only this prefix's keys).
+    ``clear`` is ``SCAN MATCH <prefix>*`` + ``UNLINK`` in batches of ``CLEAR_BATCH`` (only this prefix's keys, and
+    never the Redis KV index's ``cr:kvidx:*`` ones, which a prefix such as ``cr:`` would match; a prefix inside
+    ``cr:kvidx:`` is refused).
 
     Every command runs inside ``asyncio.timeout(command_timeout_ms)``: waiting for a pooled connection,
     connecting and the reply together never hold a caller longer (a dead or blackholed Redis included).
@@ -172,12 +174,18 @@ class RedisCacheStore:
         self.metrics = metrics if metrics is not None else CacheStoreMetrics()
         self.clock = clock
         self.endpoint: RedisEndpoint = redis_endpoint(cfg)
+        if cfg.key_prefix.startswith(KV_INDEX_KEY_PREFIX):
+            raise ValueError(
+                f"response_cache.redis.key_prefix: {cfg.key_prefix!r} is inside the Redis KV index's keys "
+                f"({KV_INDEX_KEY_PREFIX}*); choose another prefix"
+            )
         self.prefix = cfg.key_prefix
         self.timeout = cfg.command_timeout_ms / 1000
         # a health check may have to open a connection: connect + reply (off the request path)
         self.health_timeout = (cfg.connect_timeout_ms + cfg.command_timeout_ms) / 1000
         self._fallback: MemoryCacheStore | None = None
         self._monitor: asyncio.Task[None] | None = None
+        self._kv_index_prefix = KV_INDEX_KEY_PREFIX.encode()
         self._pending_deletes: set[str] = set()  # bound: fallback_capacity keys, beyond: _pending_clear
         self._pending_clear = False
         self._closed = False
@@ -405,6 +413,7 @@ class RedisCacheStore:
             cursor, keys = await self._command(
                 "clear", self.client.scan(cursor=cursor, match=pattern, count=CLEAR_BATCH)
             )
+            keys = [k for k in keys if not k.startswith(self._kv_index_prefix)]  # a prefix such as "cr:"
             if keys:
                 await self._command("clear", self.client.unlink(*keys))
             if int(cursor) == 0:

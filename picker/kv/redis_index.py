@@ -63,13 +63,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from picker.cache.redis_pool import KV_INDEX_KEY_PREFIX
 from picker.kv.index import InMemoryKvIndex
 from picker.routing.endpoints import BackendHold
 from picker.shared.tiers import StorageTier
 
 log = logging.getLogger("kv_epp.redis_kv_index")
 
-KEY_PREFIX = "cr:kvidx:"
+KEY_PREFIX = KV_INDEX_KEY_PREFIX  # the response cache's clear leaves these keys alone
 RESYNC_CHUNK = 5_000  # fields per HSET while rebuilding a backend's hash
 _PACK = struct.Struct(">Q")
 _TIER = {StorageTier.GPU_HOT: b"g", StorageTier.STORAGE_WARM: b"w"}

@@ -245,3 +245,23 @@ async def test_error_replies_are_not_an_outage(valkey_server: ValkeyProcess, raw
     finally:
         await s.aclose()
         await s.client.aclose(close_connection_pool=True)
+
+
+@pytest.mark.valkey
+async def test_a_prefix_that_covers_the_kv_index_keys_does_not_clear_them(
+    valkey_server: ValkeyProcess,  # noqa: F811
+    raw: Redis,
+) -> None:
+    cfg = RedisConfig(url=valkey_server.url, key_prefix="cr:")  # also matches the KV index's cr:kvidx:*
+    s = RedisCacheStore(cfg, build_redis(cfg), CacheStoreMetrics(CollectorRegistry()))
+    try:
+        await s.set("abc", b"v", 60)
+        await raw.hset("cr:kvidx:b:sim-0", mapping={b"\x00" * 8: b"g"})
+        await raw.sadd("cr:kvidx:backends", "sim-0")
+        await s.clear()
+        assert sorted(await raw.keys("*")) == [b"cr:kvidx:b:sim-0", b"cr:kvidx:backends"]
+    finally:
+        await s.client.aclose(close_connection_pool=True)
+    inside = RedisConfig(url=valkey_server.url, key_prefix="cr:kvidx:resp:")
+    with pytest.raises(ValueError, match=r"response_cache\.redis\.key_prefix"):
+        RedisCacheStore(inside, build_redis(inside))
