@@ -293,9 +293,17 @@ class PickerApp:
             messages.append(f"{section}: changed, restart required (not applied)")
             log.warning("event=config_restart_required section=%s", section)
         hot = new.model_copy(update={name: getattr(old, name) for name in restart if "." not in name})
-        if any(name.startswith("pool.") for name in restart):  # keep the running pool's source and members
-            keep = {k: getattr(old.pool, k) for k in ("backends", "inference_pool", "backends_file")}
-            hot = hot.model_copy(update={"pool": hot.pool.model_copy(update=keep)})
+        # restart-required keys of hot sections (``response_cache.backend``, ``response_cache.redis``, the pool's
+        # source) keep their running values, so ``self.settings`` describes what runs
+        kept: dict[str, dict[str, object]] = {}
+        for name in restart:
+            if "." in name:
+                section, key = name.split(".", 1)
+                kept.setdefault(section, {})[key] = getattr(getattr(old, section), key)
+        if "pool" in kept:  # keep the running pool's source and members together
+            kept["pool"].update({k: getattr(old.pool, k) for k in ("backends", "inference_pool", "backends_file")})
+        for section, keep in kept.items():
+            hot = hot.model_copy(update={section: getattr(hot, section).model_copy(update=keep)})
         for path, msg in config_warnings(hot):
             log.warning("event=config_warning path=%s message=%r", path, msg)
         if hot.pool.discovered:  # the members (and standby) stay the discovered ones; the pool's other keys apply
