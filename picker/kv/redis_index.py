@@ -25,10 +25,12 @@ empty in between.
 
 Writes are off the request path: each local write appends an op to a bounded queue (bound: ``queue_max_keys``
 block keys in all, default 2 × ``max_entries``; coalesced: consecutive removals of one backend are one op),
-drained by the writer task (``run``) into one ``MULTI``/``EXEC`` pipeline per batch. Drop policy: an op that
-would exceed the bound, or any op while Redis is down, is dropped and counted (``writes_dropped``), and the
-shared index is then rebuilt from this picker's local index (``resync``: per backend ``DEL`` + ``HSET`` of all
-its local entries in one transaction) once Redis answers; only after that resync do reads use Redis again.
+drained by the writer task (``run``) into one ``MULTI``/``EXEC`` pipeline per batch of at most
+``BATCH_MAX_KEYS`` block keys. Drop policy: an op that would exceed the bound, or any op while Redis is down or
+a failed batch waits for its resync, is dropped and counted (``writes_dropped``), and the shared index is then
+rebuilt from this picker's local index (``resync``: per backend, its local entries into a temporary hash in
+chunks of ``RESYNC_CHUNK`` fields, then a short transaction renames it over the backend's hash) once Redis
+answers; after an outage, only after that resync do reads use Redis again.
 
 Expiry, equal in effect to the in-memory index's: each backend's hash has a ``PEXPIRE`` of 1.1 × TTL
 (``entry_ttl_seconds``), renewed by every write and by the feed's records and keepalives (``confirm``, at most
@@ -44,9 +46,11 @@ An admin ``clear`` clears the shared index too; the clearing picker's feeds then
 
 Redis down: ``holds`` waits at most ``command_timeout_ms`` (the client's socket timeout and an
 ``asyncio.timeout`` around the call), then answers from the local in-memory index (``fallbacks`` counts those
-answers) and keeps answering locally, without trying Redis, until the writer task's ``PING`` (every
-``retry_interval_s``) succeeds and its resync is done: a dead Redis costs one request at most one command
-timeout per outage.
+answers). After a refused or reset connection, or ``DOWN_AFTER_FAILURES`` consecutive timeouts or error replies
+(one slow command is not an outage), it keeps answering locally, without trying Redis, until the writer task's
+``PING`` (every ``retry_interval_s`` × 0.5-1.5, the first up to ``RECOVERY_JITTER_S`` after the failure, so the
+pickers do not all resync at once) succeeds and its resync is done: a hung Redis costs at most
+``DOWN_AFTER_FAILURES`` calls one command timeout each per outage.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import random
 import struct
 import time
 from collections import deque
@@ -71,7 +77,10 @@ from picker.shared.tiers import StorageTier
 log = logging.getLogger("kv_epp.redis_kv_index")
 
 KEY_PREFIX = KV_INDEX_KEY_PREFIX  # the response cache's clear leaves these keys alone
-RESYNC_CHUNK = 5_000  # fields per HSET while rebuilding a backend's hash
+RESYNC_CHUNK = 5_000  # fields per HSET (one round trip, not a transaction) while rebuilding a backend's hash
+BATCH_MAX_KEYS = 10_000  # block keys per write transaction (MULTI/EXEC): no long stall of the other clients
+DOWN_AFTER_FAILURES = 3  # consecutive failed calls (reads, writes) before reads stop using Redis
+RECOVERY_JITTER_S = 2.0  # the first recovery after a failure waits a random part of this (or of the retry)
 _PACK = struct.Struct(">Q")
 _TIER = {StorageTier.GPU_HOT: b"g", StorageTier.STORAGE_WARM: b"w"}
 
@@ -152,6 +161,9 @@ class RedisKvIndex(InMemoryKvIndex):
         command_timeout_s: float = 1.0,
         retry_interval_s: float = 5.0,
         queue_max_keys: int | None = None,
+        batch_max_keys: int = BATCH_MAX_KEYS,
+        resync_chunk: int = RESYNC_CHUNK,
+        down_after_failures: int = DOWN_AFTER_FAILURES,
     ) -> None:
         super().__init__(max_entries, ttl_seconds)
         self.client = client
@@ -161,6 +173,11 @@ class RedisKvIndex(InMemoryKvIndex):
         self.command_timeout_s = command_timeout_s
         self.retry_interval_s = retry_interval_s
         self.queue_max_keys = queue_max_keys if queue_max_keys is not None else 2 * max_entries
+        self.batch_max_keys = batch_max_keys
+        self.resync_chunk = resync_chunk
+        self.down_after_failures = down_after_failures
+        self._failures = 0  # consecutive failed calls; any success resets it
+        self._recover_at = 0.0  # monotonic: the first recovery after a failure waits a random part of a retry
         self.ttl_ms = max(1, int(self.ttl * 1100))  # 1.1 × TTL: renewed every TTL/10, never before TTL
         self._mirror = True  # False while the local index expires a silent backend (not mirrored)
         self.stats = RedisIndexStats()
@@ -261,6 +278,7 @@ class RedisKvIndex(InMemoryKvIndex):
             self._failed("read", exc)
             self.stats.fallbacks += 1
             return self.lookup(keys)
+        self._failures = 0
         self.stats.lookups += 1
         self.total_lookups += 1
         out: dict[str, BackendHold] = {}
@@ -274,12 +292,24 @@ class RedisKvIndex(InMemoryKvIndex):
         return out
 
     def _failed(self, what: str, exc: BaseException) -> None:
+        """A failed call. A failed write lost its batch: the shared copy is rebuilt (resync). Reads stop using
+        Redis at once when the connection failed (refused, reset, authentication), else (a timeout, an error
+        reply) after ``down_after_failures`` consecutive failures: one slow command (a long transaction of
+        another client) does not send every picker to its local index and into a resync at once."""
         self.stats.errors += 1
-        if self.stats.up:
+        self._failures += 1
+        if what == "write" and not self._resync_due:
+            self._resync_due = True  # the batch may be lost: rebuild the shared copy
+            self._queue.clear()
+            self.stats.queued_keys = 0
+            self._recover_at = time.monotonic() + self._jitter()
+        refused = isinstance(exc, aioredis.ConnectionError | ConnectionError)  # refused, reset, auth: not slowness
+        if self.stats.up and (refused or self._failures >= self.down_after_failures):
             self.stats.up = False
             self._resync_due = True  # writes may have been lost: rebuild the shared copy when it is back
             self._queue.clear()
             self.stats.queued_keys = 0
+            self._recover_at = time.monotonic() + self._jitter()
             log.warning(
                 "event=kv_redis_down during=%s error=%r action=local_index retry_in_s=%.1f",
                 what,
@@ -288,6 +318,11 @@ class RedisKvIndex(InMemoryKvIndex):
             )
         self._wake.set()
 
+    def _jitter(self) -> float:
+        """The wait before the first recovery after a failure: the pickers that saw the same stall spread their
+        resyncs over up to ``RECOVERY_JITTER_S`` (or the retry interval, when shorter)."""
+        return random.uniform(0.0, min(self.retry_interval_s, RECOVERY_JITTER_S))
+
     # -- the writer task ---------------------------------------------------------------------------
     async def run(self) -> None:
         """Background: drain the queue into MULTI/EXEC batches; while Redis is down, ping it every
@@ -295,9 +330,12 @@ class RedisKvIndex(InMemoryKvIndex):
         cancellation."""
         while True:
             if not self.stats.up or self._resync_due:
+                wait = self._recover_at - time.monotonic()  # jitter: the pickers do not all resync at once
+                if wait > 0:
+                    await asyncio.sleep(wait)
                 if await self._recover():
                     continue
-                await asyncio.sleep(self.retry_interval_s)
+                await asyncio.sleep(self.retry_interval_s * random.uniform(0.5, 1.5))
                 continue
             if not self._queue:
                 self._wake.clear()
@@ -308,17 +346,33 @@ class RedisKvIndex(InMemoryKvIndex):
             try:
                 async with asyncio.timeout(self.command_timeout_s * 5):
                     await self._write(batch)
+                self._failures = 0
             except (aioredis.RedisError, OSError, TimeoutError) as exc:
                 self._failed("write", exc)
             finally:
                 self._writing = False
 
     def _take_batch(self) -> list[_Op]:
-        """Everything queued (at most ``queue_max_keys`` keys): one transaction, so a snapshot's ``DEL`` and
-        re-``HSET`` of a backend are never seen apart."""
-        batch = list(self._queue)
-        self._queue.clear()
-        self.stats.queued_keys = 0
+        """The queue's head, up to ``batch_max_keys`` block keys: one transaction. A batch is not cut just before
+        a write of the backend whose ``drop`` (a snapshot's start) it holds, so the snapshot's ``DEL`` and the
+        re-``HSET`` queued with it are never seen apart (it may exceed ``batch_max_keys`` by that snapshot)."""
+        q = self._queue
+        batch: list[_Op] = []
+        keys = 0
+        snapshot: str | None = None  # the backend of the batch's last drop
+        while q:
+            op = q[0]
+            if keys >= self.batch_max_keys and not (op.kind != "drop" and op.backend == snapshot):
+                break
+            q.popleft()
+            batch.append(op)
+            cost = max(1, len(op.keys))
+            keys += cost
+            self.stats.queued_keys -= cost
+            if op.kind == "drop":
+                snapshot = op.backend
+            elif op.kind == "clear":
+                snapshot = None
         return batch
 
     async def _write(self, batch: list[_Op]) -> None:
@@ -354,11 +408,12 @@ class RedisKvIndex(InMemoryKvIndex):
             # before a backend's snapshot is in it and queued too: idempotent, applied in the same order)
             self._resync_due, self._recovering = False, True
             await self.resync()
+            self._failures = 0
         except (aioredis.RedisError, OSError, TimeoutError) as exc:
             self._resync_due = True
             self._queue.clear()
             self.stats.queued_keys = 0
-            self.stats.errors += 1
+            self._failed("recovery", exc)  # counted; consecutive failures take reads off Redis
             if not self._down_logged:
                 self._down_logged = True
                 log.info("event=kv_redis_retry_failed error=%r", str(exc)[:200] or type(exc).__name__)
@@ -372,25 +427,38 @@ class RedisKvIndex(InMemoryKvIndex):
         return True
 
     async def resync(self) -> None:
-        """Write every local backend's entries as its whole hash (``DEL`` + ``HSET`` in one transaction per
-        backend). The snapshot of each backend is taken synchronously, so it is the local state at one
-        instant; writes applied later are queued behind it."""
+        """Write every local backend's entries as its whole hash. The snapshot of each backend is taken
+        synchronously, so it is the local state at one instant; writes applied later are queued behind it.
+
+        No long transaction (it would stall every other client of the server): a backend's entries go into a
+        temporary hash, ``resync_chunk`` fields per ``HSET`` (one round trip each, bounded by 5 × the command
+        timeout, with a TTL so an interrupted resync leaves nothing for long), then one short ``MULTI``/``EXEC``
+        renames it over the backend's hash: readers see the old hash or the new one, never a half-written one."""
         self.stats.resyncs += 1
         self._queue.clear()
         self.stats.queued_keys = 0
+        bound = self.command_timeout_s * 5
         for backend in list(self._ids):
             entries = self.backend_keys(backend)  # synchronous: one consistent view
-            pipe = self.client.pipeline(transaction=True)
             h = self.hash_prefix + backend.encode()
-            pipe.delete(h)
             items = [(_PACK.pack(k), _TIER[t]) for k, t in entries.items()]
-            for i in range(0, len(items), RESYNC_CHUNK):
-                pipe.hset(h, mapping=dict(items[i : i + RESYNC_CHUNK]))
-            if items:
-                pipe.sadd(self.set_key, backend)
-                pipe.pexpire(h, self.ttl_ms)
-                pipe.pexpire(self.set_key, self.ttl_ms)
-            async with asyncio.timeout(self.command_timeout_s * 5 + len(items) / 100_000):
+            if not items:
+                async with asyncio.timeout(bound):
+                    await self.client.delete(h)
+                continue
+            tmp = h + b":resync:" + os.urandom(8).hex().encode()
+            for i in range(0, len(items), self.resync_chunk):
+                chunk = self.client.pipeline(transaction=False)
+                chunk.hset(tmp, mapping=dict(items[i : i + self.resync_chunk]))
+                chunk.pexpire(tmp, self.ttl_ms)
+                async with asyncio.timeout(bound):
+                    await chunk.execute()
+            pipe = self.client.pipeline(transaction=True)
+            pipe.rename(tmp, h)
+            pipe.sadd(self.set_key, backend)
+            pipe.pexpire(h, self.ttl_ms)
+            pipe.pexpire(self.set_key, self.ttl_ms)
+            async with asyncio.timeout(bound):
                 await pipe.execute()
 
     async def flush(self, timeout_s: float = 10.0) -> None:

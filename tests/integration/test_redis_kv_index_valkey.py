@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from picker.cache.redis_pool import close_shared_redis, shared_redis
 from picker.config import KvCacheIndexConfig, PoolConfig, RedisConfig, ResponseCacheConfig, Settings
 from picker.kv.index import InMemoryKvIndex
-from picker.kv.redis_index import RedisKvIndex
+from picker.kv.redis_index import DOWN_AFTER_FAILURES, RedisKvIndex
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
@@ -144,7 +144,7 @@ async def test_a_new_pickers_snapshot_replaces_the_backend_in_one_transaction(
             assert (await first.holds(new))["sim-0"].blocks == 6
 
 
-async def test_valkey_not_answering_costs_holds_one_timeout_then_the_local_index_answers_until_it_is_back(
+async def test_valkey_not_answering_costs_holds_a_few_timeouts_then_the_local_index_answers_until_it_is_back(
     valkey_server: ValkeyProcess,  # noqa: F811
 ) -> None:
     rng = random.Random(11)
@@ -160,9 +160,15 @@ async def test_valkey_not_answering_costs_holds_one_timeout_then_the_local_index
             # no timed assertion: wait_for's generous deadline only fails a hang (the bound itself is 0.3 s)
             got = await asyncio.wait_for(idx.holds(chain), 30.0)
             assert got == idx.lookup(chain) and got["sim-0"].blocks == 8  # answered by the local index
-            assert idx.stats.fallbacks == 1 and not idx.stats.up
+            # one timeout is not an outage (a slow command of another client): reads still try Redis; a refused
+            # connection is (test_writes_that_keep_coming_during_the_recovery_do_not_restart_the_resync)
+            assert idx.stats.fallbacks == 1 and idx.stats.up and idx.stats.errors == 1
+            for n in range(2, DOWN_AFTER_FAILURES + 1):
+                assert await asyncio.wait_for(idx.holds(chain), 30.0) == got
+                assert idx.stats.fallbacks == n and idx.stats.up == (n < DOWN_AFTER_FAILURES)
+            errors = idx.stats.errors
             again = await asyncio.wait_for(idx.holds(chain), 30.0)  # while down: local, no Redis call
-            assert again == got and idx.stats.fallbacks == 2
+            assert again == got and idx.stats.fallbacks == DOWN_AFTER_FAILURES + 1 and idx.stats.errors == errors
             idx.put("sim-1", chain[:3], WARM)  # written while down: dropped, counted, resynced later
             assert idx.stats.writes_dropped >= 1
         finally:
@@ -207,7 +213,7 @@ async def test_writes_that_keep_coming_during_the_recovery_do_not_restart_the_re
     chains = _chains(rng, 200, 4)
     big = [rng.getrandbits(64) for _ in range(30_000)]  # a resync long enough for feed writes to land during it
     client = _client(valkey_server.url, 2.0)
-    idx = RedisKvIndex(client, max_entries=100_000, command_timeout_s=2.0, retry_interval_s=0.1)
+    idx = RedisKvIndex(client, max_entries=100_000, command_timeout_s=2.0, retry_interval_s=0.1, resync_chunk=1000)
     async with running(idx):
         idx.put("sim-0", big, GPU)
         await idx.flush()
@@ -305,3 +311,34 @@ async def test_stop_writes_the_index_queue_and_the_cache_writes_then_closes_the_
     finally:
         await raw.aclose()
         await close_shared_redis()
+
+
+async def test_the_resync_writes_chunks_then_renames_and_batches_are_capped(
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    """No long transaction: write batches of at most batch_max_keys keys; a resync fills a temporary hash in
+    resync_chunk-field HSETs, then one short MULTI/EXEC renames it over the backend's hash."""
+    raw = _client(valkey_server.url, 10.0)
+    idx = RedisKvIndex(_client(valkey_server.url), max_entries=10_000, batch_max_keys=10, resync_chunk=100)
+    try:
+        for k in range(1, 26):
+            idx.put("sim-0", [k], GPU)  # queued before the writer runs
+        await raw.config_resetstat()
+        async with running(idx):
+            await idx.flush()
+            calls = await raw.info("commandstats")
+            assert calls["cmdstat_exec"]["calls"] == 3  # 25 keys, at most 10 per transaction
+            idx.put("sim-1", list(range(1000, 1250)), WARM)
+            await idx.flush()
+            await raw.delete(idx.hash_prefix + b"sim-1")  # the resync must bring it back
+            await raw.config_resetstat()
+            await idx.resync()
+            calls = await raw.info("commandstats")
+            assert calls["cmdstat_hset"]["calls"] == 1 + 3  # sim-0: 25 fields, sim-1: 250 in chunks of 100
+            assert calls["cmdstat_rename"]["calls"] == 2 and calls["cmdstat_exec"]["calls"] == 2
+            assert await raw.keys("cr:kvidx:*resync*") == []  # the temporary hashes were renamed
+            async with running(RedisKvIndex(_client(valkey_server.url))) as reader:
+                for chain in ([1, 2, 3], list(range(1000, 1250))):
+                    assert await reader.holds(chain) == idx.lookup(chain)
+    finally:
+        await raw.aclose()

@@ -89,3 +89,21 @@ def test_a_local_expiry_is_not_mirrored_and_the_redis_ttl_is_never_shorter_than_
     idx.put("b", [2], GPU)
     idx.drop_backend("b")  # a drop the feed says (a clear, a snapshot) is mirrored
     assert [op.kind for op in idx._queue] == ["put", "drop"]
+
+
+def test_a_write_batch_holds_at_most_batch_max_keys_but_keeps_a_snapshot_whole() -> None:
+    idx = _index(max_entries=1000, batch_max_keys=10)
+    for k in range(1, 26):
+        idx.put("a", [k], GPU)
+    sizes = []
+    while idx._queue:
+        sizes.append(sum(len(op.keys) for op in idx._take_batch()))
+    assert sizes == [10, 10, 5] and idx.stats.queued_keys == 0
+    idx.drop_backend("b")  # a snapshot: its DEL and the puts queued with it go in one transaction
+    for k in range(1, 16):
+        idx.put("b", [k], GPU)
+    idx.put("c", [1], GPU)
+    first = idx._take_batch()
+    assert [op.kind for op in first] == ["drop"] + ["put"] * 15  # past the cap: not cut inside the snapshot
+    assert [(op.backend, op.keys) for op in idx._take_batch()] == [("c", [1])]
+    assert idx.stats.queued_keys == 0
