@@ -7,9 +7,15 @@ buffered up to ``max_stream_buffer_size`` and stored once complete); the model n
 eligible request is a lookup: a stored entry is a HIT, answered at once (an ImmediateResponse carrying the stored
 status, headers and body, ``X-Cache: HIT``; a stream's entry is a synthetic SSE stream), no engine touched. Else
 the request is routed with ``X-Cache: MISS`` and its response is stored when it reaches the picker whole: status
-200, the body complete (its ``end_of_stream`` seen) and within ``max_response_size`` (a stream: within
-``max_stream_buffer_size``, a complete SSE stream: its last event ``data: [DONE]``, Anthropic's
-``message_stop``). Not eligible: routed with ``X-Cache: BYPASS``.
+200, the body complete (its ``end_of_stream`` seen) and within ``max_response_size`` (a stream: within the smaller
+of ``max_stream_buffer_size`` and ``max_response_size``: the seed buffers a stream up to the former and makes only
+a response whose accumulated size is within the latter eligible; a complete SSE stream: its last event ``data:
+[DONE]``, Anthropic's ``message_stop``), and a finished answer (``finished_body``/``finished_stream``: JSON, no
+in-band error object or event, no ``finish_reason``/``stop_reason`` other than a normal end such as vLLM's
+``abort``). Not stored either: a ``Content-Encoding`` other than identity (``Accept-Encoding`` is not keyed) and
+``Cache-Control: no-store``/``private``. Stored headers: all but per-connection, per-response and caching ones
+(``_NOT_STORED``, ``_NOT_STORED_PREFIXES``: ids, dates, rate-limit state, the caller's organisation, Envoy's).
+Not eligible: routed with ``X-Cache: BYPASS``.
 
 The key (``cache_key``) is the seed's SHA-256, hex, over these bytes::
 
@@ -18,9 +24,10 @@ The key (``cache_key``) is the seed's SHA-256, hex, over these bytes::
     temperature: 0x00 absent | 0x01 + float64 big-endian       0x00
     max_tokens:  0x00 absent | 0x01 + int64 big-endian         0x00
     top_p:       0x00 absent | 0x01 + float64 big-endian       0x00
-    tenant:      0x00 absent | 0x01 + UTF-8 of the tenant header value
+    tenant:      0x00 absent | 0x01 + the tenant header's bytes (not keyable when a lossy decode left U+FFFD)
                                                                0x00
     SHA-256(canonical JSON of the rest of the body)            (32 raw bytes; our addition, below)
+            or, with output-shaping request headers, of [the rest, {header: value}]
 
 NONE/SOME tags keep an absent value apart from 0 (temperature is tagged too, so absent ≠ 0). ``max_tokens`` is
 the request's ``max_tokens``, else ``max_completion_tokens`` (as the facts parse it). -0.0 is written as 0.0.
@@ -31,7 +38,10 @@ keyed whole (a string, token ids, or a batch). The last field is our addition to
 without ``model``, ``messages``, ``prompt``, ``temperature``, ``max_tokens`` and ``top_p`` plus ``"api"`` (chat,
 completions, anthropic), so two requests that differ in anything else that shapes the answer (``stream``,
 ``stream_options``, ``tools``, ``response_format``, ``stop``, ``n``, ``seed``, Anthropic's ``system``, ...)
-never share an entry: a streamed request never gets a JSON body, nor the reverse.
+never share an entry: a streamed request never gets a JSON body, nor the reverse. The request headers that shape
+an Anthropic answer (``SHAPING_HEADERS``: ``anthropic-beta``, ``anthropic-version``) are keyed too when the
+request path passes them (``lookup_request``'s ``headers``): keyed rather than bypassed, so Anthropic clients,
+which always send ``anthropic-version``, are still cached. Without those headers the layout is the one above.
 
 The semantic path (``response_cache.semantic.enabled``, hot-reloadable, with the embeddings client and the index
 ``picker.cache.semantic`` builds): on an eligible exact miss that ``semantic_query`` accepts (non-streaming chat,
@@ -46,9 +56,12 @@ path alone, ``continuum_response_cache_semantic_requests_total{result}`` (hit, m
 skip: exact miss not eligible for the semantic path).
 
 Bounds: the store's own (``capacity`` LRU + ``ttl``, or Redis TTLs); per routed response at most
-``max_response_size`` (stream: ``max_stream_buffer_size``) bytes buffered, and all responses' buffers together at
-most ``MAX_BUFFERED_TOTAL``: past either, that response's buffer is dropped and it is not stored; at most
-``MAX_PENDING_WRITES`` store writes in flight (more: not stored). Store failures are misses, never request errors.
+``max_response_size`` (stream: the smaller of the two sizes) bytes buffered, and all responses' buffers and the
+encoded values of the store writes in flight (counted until each write ends) together at most
+``MAX_BUFFERED_TOTAL``: past it, that response's buffer is dropped (or its value not written) and it is not
+stored; at most ``MAX_PENDING_WRITES`` store writes in flight (more: not stored). Store failures are misses, never
+request errors. ``invalidate`` deletes an exact entry with its semantic copy (the exact entry names it) and the
+copy's vector, or a ``sem:`` entry and its vector.
 """
 
 from __future__ import annotations
@@ -57,7 +70,7 @@ import asyncio
 import hashlib
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +78,7 @@ import orjson
 
 from picker.cache import CacheStore, CacheStoreError
 from picker.cache.semantic import (
+    ENTRY_PREFIX,
     EmbeddingsClient,
     SemanticCacheMetrics,
     SemanticIndex,
@@ -86,14 +100,25 @@ MAX_BUFFERED_TOTAL = 64 << 20  # response bytes buffered for the cache by all ex
 MAX_PENDING_WRITES = 256  # store writes in flight; beyond, a response is not stored
 _SOME, _NONE = b"\x01", b"\x00"
 _SEP = b"\x00"
+# request headers that shape the answer, keyed when present (lower-case names: the request path's headers)
+SHAPING_HEADERS = ("anthropic-beta", "anthropic-version")
 _KEYED_FIELDS = ("model", "messages", "prompt", "temperature", "max_tokens", "top_p")
-# response headers never stored: per-connection, per-response, or set by the proxy/picker on the way out
+# response headers never stored: per-connection, per-response (ids, timings, rate-limit state, the caller's
+# organisation), caching directives, or set by the proxy/picker on the way out
 _NOT_STORED = frozenset(
     {
         "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
         "content-length", "date", "set-cookie", "x-request-id", X_CACHE, X_CACHE_MODE, "server",
+        "request-id", "anthropic-organization-id", "openai-organization", "openai-project", "openai-processing-ms",
+        "cache-control", "expires", "age", "etag", "last-modified", "vary", "via", "alt-svc", "retry-after",
+        "content-encoding", "strict-transport-security", "cf-ray", "www-authenticate",
     }
 )  # fmt: skip
+_NOT_STORED_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-", "x-envoy-", "x-amzn-", "x-kv-epp-")
+LINK_HEADER = ":kv-epp-semantic-key"  # an exact entry's pseudo-header: its semantic copy's key (never sent)
+_NO_STORE_DIRECTIVES = frozenset({"no-store", "private"})
+_OPENAI_FINISHED = frozenset({"stop", "length", "tool_calls", "function_call"})
+_ANTHROPIC_FINISHED = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use"})
 _ENTRY_MAGIC = b"KVR1"
 _OPENAI_STREAM_END = b"[DONE]"
 
@@ -116,15 +141,27 @@ def _opt_i64(v: int | None) -> bytes:
     return _NONE if v is None else _SOME + struct.pack(">q", v)
 
 
-def _opt_str(v: str | None) -> bytes:
-    return _NONE if v is None else _SOME + v.encode("utf-8", "surrogatepass")
+def _tenant_bytes(tenant: str) -> bytes | None:
+    """The tenant header's bytes as the key hashes them: the value's own bytes when the protocol layer decoded it
+    losslessly (UTF-8, or ``surrogateescape`` for other bytes, which gives back the raw bytes); None (not keyable)
+    when it holds U+FFFD, what a lossy decode leaves in place of any non-UTF-8 byte: two different raw tenants
+    would share one entry."""
+    if "\ufffd" in tenant or "\x00" in tenant:
+        return None
+    try:
+        return tenant.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no decode of header bytes produces
+        return None
 
 
-def key_material(facts: RequestFacts, data: dict[str, Any]) -> bytes | None:
+def key_material(facts: RequestFacts, data: dict[str, Any], headers: Mapping[str, str] | None = None) -> bytes | None:
     """The bytes whose SHA-256 is the key (module docstring), or None when the request cannot be keyed (no
-    model, a NUL in the model or tenant, max_tokens outside int64)."""
+    model, a NUL in the model or tenant, a tenant a lossy decode left U+FFFD in, max_tokens outside int64)."""
     model = facts.model
-    if model is None or "\x00" in model or (facts.tenant_id is not None and "\x00" in facts.tenant_id):
+    if model is None or "\x00" in model:
+        return None
+    tenant = None if facts.tenant_id is None else _tenant_bytes(facts.tenant_id)
+    if facts.tenant_id is not None and tenant is None:
         return None
     mt = facts.max_tokens
     if mt is not None and not -(1 << 63) <= mt < (1 << 63):
@@ -132,6 +169,7 @@ def key_material(facts: RequestFacts, data: dict[str, Any]) -> bytes | None:
     conversation = data.get("prompt") if facts.api == "completions" else data.get("messages")
     rest = {k: v for k, v in data.items() if k not in _KEYED_FIELDS}
     rest["api"] = facts.api  # a body field named "api" is overwritten: the API is the path's (keyed here)
+    shaping = {h: headers[h] for h in SHAPING_HEADERS if headers and h in headers}
     return b"".join(
         (
             model.encode("utf-8", "surrogatepass"), _SEP,
@@ -139,15 +177,15 @@ def key_material(facts: RequestFacts, data: dict[str, Any]) -> bytes | None:
             _opt_f64(facts.temperature), _SEP,
             _opt_i64(mt), _SEP,
             _opt_f64(facts.top_p), _SEP,
-            _opt_str(facts.tenant_id), _SEP,
-            hashlib.sha256(canonical_json(rest)).digest(),
+            _NONE if tenant is None else _SOME + tenant, _SEP,
+            hashlib.sha256(canonical_json([rest, shaping] if shaping else rest)).digest(),
         )
     )  # fmt: skip
 
 
-def cache_key(facts: RequestFacts, data: dict[str, Any]) -> str | None:
+def cache_key(facts: RequestFacts, data: dict[str, Any], headers: Mapping[str, str] | None = None) -> str | None:
     """The entry's key: SHA-256 hex of ``key_material`` (None: not keyable)."""
-    m = key_material(facts, data)
+    m = key_material(facts, data, headers)
     return hashlib.sha256(m).hexdigest() if m is not None else None
 
 
@@ -155,6 +193,20 @@ def eligible(facts: RequestFacts) -> bool:
     """The seed's request-side eligibility (the response size is judged when it comes)."""
     t = facts.temperature
     return facts.api in ELIGIBLE_APIS and (t is None or t == 0) and facts.model is not None
+
+
+def _unstorable(headers: Sequence[tuple[str, str]]) -> str | None:
+    """Why a 200 response must not be stored from its headers alone, or None: ``encoded`` (a
+    ``content-encoding`` other than identity: the key holds no ``Accept-Encoding``, so another client would get
+    a body it did not ask for), ``no_store`` (``Cache-Control`` ``no-store`` or ``private``)."""
+    for k, v in headers:
+        if k == "content-encoding" and v.strip().lower() not in ("", "identity"):
+            return "encoded"
+        if k == "cache-control":
+            directives = {d.split("=", 1)[0].strip().lower() for d in v.split(",")}
+            if directives & _NO_STORE_DIRECTIVES:
+                return "no_store"
+    return None
 
 
 # -- entries -------------------------------------------------------------------------------------------
@@ -204,12 +256,19 @@ class CacheEntry:
             raise EntryError(f"malformed entry: {exc}") from None
         return cls(status, tuple(headers), raw[off:], bool(flags & 1))
 
+    @property
+    def link(self) -> str | None:
+        """The key of this exact entry's semantic copy (the ``LINK_HEADER`` pseudo-header), if any."""
+        return next((v for k, v in self.headers if k == LINK_HEADER), None)
+
     def answer(self, semantic: bool = False) -> Answer:
-        """The picker's answer on a hit (``semantic``: a similar question's entry, ``X-Cache-Mode: semantic``)."""
+        """The picker's answer on a hit (``semantic``: a similar question's entry, ``X-Cache-Mode: semantic``);
+        pseudo-headers (``:``...) are the cache's own and never sent."""
+        stored = tuple((k, v) for k, v in self.headers if not k.startswith(":"))
         if semantic:
-            headers = (*self.headers, (X_CACHE, HIT), (X_CACHE_MODE, "semantic"))
+            headers = (*stored, (X_CACHE, HIT), (X_CACHE_MODE, "semantic"))
             return Answer(self.status, self.body, "kv_epp_response_cache_semantic_hit", headers)
-        return Answer(self.status, self.body, "kv_epp_response_cache_hit", (*self.headers, (X_CACHE, HIT)))
+        return Answer(self.status, self.body, "kv_epp_response_cache_hit", (*stored, (X_CACHE, HIT)))
 
 
 # -- SSE -----------------------------------------------------------------------------------------------
@@ -265,6 +324,77 @@ def complete_stream(api: str, events: Sequence[tuple[str | None, bytes]]) -> boo
     if api == "anthropic":
         return any(kind == "message_stop" for kind, _ in events)
     return events[-1][1].strip() == _OPENAI_STREAM_END
+
+
+def _is_error(obj: Any) -> bool:
+    """An in-band error object (OpenAI/vLLM ``{"error": ...}`` or ``"object": "error"``, Anthropic ``"type":
+    "error"``)."""
+    return isinstance(obj, dict) and ("error" in obj or obj.get("object") == "error" or obj.get("type") == "error")
+
+
+def _choices_finished(choices: Any, reasons: dict[str, Any]) -> bool:
+    """Record each choice's ``finish_reason`` (by index) in ``reasons``; False on a malformed choice or an
+    error object."""
+    if choices is None:
+        return True
+    if not isinstance(choices, list):
+        return False
+    for c in choices:
+        if not isinstance(c, dict) or _is_error(c):
+            return False
+        if "finish_reason" in c:
+            reason = c["finish_reason"]
+            if reason is not None or str(c.get("index", 0)) not in reasons:
+                reasons[str(c.get("index", 0))] = reason
+    return True
+
+
+def finished_body(api: str, body: bytes) -> bool:
+    """A non-streamed body that is a finished answer: a JSON object, no error object, every choice's
+    ``finish_reason`` (when the choice has one) ``stop``, ``length``, ``tool_calls`` or ``function_call``
+    (vLLM's ``abort``, a null: not finished); Anthropic's ``stop_reason`` (when present) ``end_turn``,
+    ``max_tokens``, ``stop_sequence`` or ``tool_use``. A body without these fields (not OpenAI/Anthropic-shaped)
+    is judged by the first two rules alone."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    if not isinstance(obj, dict) or _is_error(obj):
+        return False
+    if "stop_reason" in obj and obj["stop_reason"] not in _ANTHROPIC_FINISHED:
+        return False
+    reasons: dict[str, Any] = {}
+    return _choices_finished(obj.get("choices"), reasons) and all(r in _OPENAI_FINISHED for r in reasons.values())
+
+
+def finished_stream(api: str, events: Sequence[tuple[str | None, bytes]]) -> bool:
+    """A complete stream (``complete_stream``) that ended well: every event's data JSON (but OpenAI's
+    ``[DONE]``), no error event or object (vLLM's in-band ``data: {"error": ...}`` before ``[DONE]``), each
+    choice's last ``finish_reason`` as in ``finished_body``, Anthropic's ``message_delta`` ``stop_reason`` too."""
+    if not complete_stream(api, events):
+        return False
+    reasons: dict[str, Any] = {}
+    for kind, data in events:
+        if kind == "error":
+            return False
+        if api != "anthropic" and data.strip() == _OPENAI_STREAM_END:
+            continue
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return False
+        if not isinstance(obj, dict) or _is_error(obj):
+            return False
+        delta = obj.get("delta")
+        if (
+            obj.get("type") == "message_delta"
+            and isinstance(delta, dict)
+            and delta.get("stop_reason", "end_turn") not in _ANTHROPIC_FINISHED
+        ):
+            return False
+        if not _choices_finished(obj.get("choices"), reasons):
+            return False
+    return all(r in _OPENAI_FINISHED for r in reasons.values())
 
 
 # -- the stage and the observer --------------------------------------------------------------------------
@@ -348,7 +478,9 @@ class ResponseCache:
         looked = await self.lookup_request(facts, body)
         return looked if isinstance(looked, Answer) else None
 
-    async def lookup_request(self, facts: RequestFacts, body: bytes | None) -> Answer | Keyed | None:
+    async def lookup_request(
+        self, facts: RequestFacts, body: bytes | None, headers: Mapping[str, str] | None = None
+    ) -> Answer | Keyed | None:
         """An ``Answer`` on a hit (exact, else semantic); the keys of an eligible miss (the exchange stores its
         response under them); None when the request is not eligible (BYPASS)."""
         if not body or not eligible(facts):
@@ -358,7 +490,7 @@ class ResponseCache:
             data = orjson.loads(body)  # parsed again here: the facts keep only what routing reads
         except orjson.JSONDecodeError:
             data = None
-        key = cache_key(facts, data) if isinstance(data, dict) else None
+        key = cache_key(facts, data, headers) if isinstance(data, dict) else None
         if key is None:
             self._count("skip")
             return None
@@ -438,13 +570,23 @@ class ResponseCache:
             ex.cache_size = 0
         self.not_stored[why] = self.not_stored.get(why, 0) + 1
 
+    def _limit(self, ex: Exchange) -> int:
+        """A response's buffer bound: ``max_response_size``; a stream's also within ``max_stream_buffer_size``
+        (the seed: a stream is buffered up to the latter, and an eligible response's accumulated size is at most
+        the former, so the smaller of the two)."""
+        return min(self.max_stream, self.max_response) if ex.facts.stream else self.max_response
+
     def on_headers(self, ex: Exchange, status: int | None) -> None:
         if ex.cache_key is None:
             return
         if status != 200:
             self._skip(ex, "status")
             return
-        limit = self.max_stream if ex.facts.stream else self.max_response
+        why = _unstorable(ex.resp_headers)
+        if why is not None:
+            self._skip(ex, why)
+            return
+        limit = self._limit(ex)
         declared = next((v for k, v in ex.resp_headers if k == "content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > limit:
             self._skip(ex, "too_large")
@@ -458,8 +600,7 @@ class ResponseCache:
             return
         n = len(chunk)
         if n:
-            limit = self.max_stream if ex.facts.stream else self.max_response
-            if ex.cache_size + n > limit:
+            if ex.cache_size + n > self._limit(ex):
                 self._skip(ex, "too_large")
                 return
             if self.buffered + n > MAX_BUFFERED_TOTAL:
@@ -480,32 +621,57 @@ class ResponseCache:
         ex.cache_buf = None
         ex.cache_size = 0
         if not (completed and ex.cache_complete):  # body mode none, or the response was cut
-            self.not_stored["incomplete"] = self.not_stored.get("incomplete", 0) + 1
-            return
-        entry = self._entry(ex, b"".join(buf))
-        if entry is None:
-            self.not_stored["incomplete"] = self.not_stored.get("incomplete", 0) + 1
-            return
-        if len(self._writes) >= MAX_PENDING_WRITES:
-            self.not_stored["writes_full"] = self.not_stored.get("writes_full", 0) + 1
+            self._not_stored("incomplete")
             return
         sem = ex.cache_semantic
-        value = entry.encode()
+        link = sem.key if isinstance(sem, SemanticPending) and not ex.facts.stream else None
+        entry = self._entry(ex, b"".join(buf))
+        if entry is None:
+            self._not_stored("unfinished")  # cut, an in-band error, an aborted or unparsable answer
+            return
+        if len(self._writes) >= MAX_PENDING_WRITES:
+            self._not_stored("writes_full")
+            return
+        if isinstance(sem, SemanticPending) and link is not None:
+            sem_value = entry.encode()  # the exact entry names its semantic copy: an invalidation reaches both
+            value = CacheEntry(200, (*entry.headers, (LINK_HEADER, link)), entry.body).encode()
+            held = len(value) + len(sem_value)
+        else:
+            sem_value, value = None, entry.encode()
+            held = len(value)
+        if self.buffered + held > MAX_BUFFERED_TOTAL:  # values in flight count until they are written
+            self._not_stored("buffer_full")
+            return
+        self.buffered += held
         write = (
-            self._write_both(ex.cache_key, value, sem)
-            if isinstance(sem, SemanticPending) and not entry.stream
+            self._write_both(ex.cache_key, value, sem, sem_value)
+            if isinstance(sem, SemanticPending) and sem_value is not None
             else self._write(ex.cache_key, value)
         )
         task = asyncio.get_running_loop().create_task(write)
         self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._writes.discard(t)
+            self.buffered -= held
+
+        task.add_done_callback(done)
+
+    def _not_stored(self, why: str) -> None:
+        self.not_stored[why] = self.not_stored.get(why, 0) + 1
 
     def _entry(self, ex: Exchange, body: bytes) -> CacheEntry | None:
-        headers = tuple((k, v) for k, v in ex.resp_headers if k not in _NOT_STORED and not k.startswith(":"))
+        """The entry to store, or None when the body is not a finished answer (``finished_body``,
+        ``finished_stream``)."""
+        headers = tuple(
+            (k, v)
+            for k, v in ex.resp_headers
+            if k not in _NOT_STORED and not k.startswith((":", *_NOT_STORED_PREFIXES))
+        )
         if not ex.facts.stream:
-            return CacheEntry(200, headers, body)
+            return CacheEntry(200, headers, body) if finished_body(ex.facts.api, body) else None
         events = sse_events(body)
-        if events is None or not complete_stream(ex.facts.api, events):
+        if events is None or not finished_stream(ex.facts.api, events):
             return None
         return CacheEntry(200, headers, sse_replay(events), stream=True)
 
@@ -517,12 +683,12 @@ class ResponseCache:
             log.debug("event=response_cache_set_failed error=%r", exc)
             self.not_stored["store_error"] = self.not_stored.get("store_error", 0) + 1
 
-    async def _write_both(self, key: str, value: bytes, sem: SemanticPending) -> None:
+    async def _write_both(self, key: str, value: bytes, sem: SemanticPending, sem_value: bytes) -> None:
         """The semantic entry (the ``sem:`` key, its own TTL), its vector indexed once its body is stored (an
-        index entry never points at a body that was not written), then the exact entry: once the exact entry
-        answers, the semantic one does too."""
+        index entry never points at a body that was not written), then the exact entry (``value``, which names
+        the ``sem:`` key: ``invalidate`` deletes both): once the exact entry answers, the semantic one does too."""
         try:
-            await self.store.set(sem.key, value, self.semantic_ttl)
+            await self.store.set(sem.key, sem_value, self.semantic_ttl)
         except CacheStoreError as exc:
             log.debug("event=semantic_cache_set_failed error=%r", exc)
             self.not_stored["store_error"] = self.not_stored.get("store_error", 0) + 1
@@ -530,6 +696,27 @@ class ResponseCache:
             if self.index is not None:
                 self.index.add(sem.partition, sem.vector, sem.key)
         await self._write(key, value)
+
+    async def invalidate(self, key: str) -> int:
+        """Delete the entry ``key`` (an exact key, or a ``sem:`` key) so that it answers no more: an exact
+        entry's semantic copy (named in it) is deleted too, and a semantic entry's vector leaves the index. The
+        number of keys deleted that existed is not known for every store: returns the keys deleted (1 or 2).
+        Raises ``CacheStoreError`` when the store fails."""
+        keys = [key]
+        if not key.startswith(ENTRY_PREFIX):
+            raw = await self.store.get(key)
+            if raw is not None:
+                try:
+                    link = CacheEntry.decode(raw).link
+                except EntryError:
+                    link = None
+                if link is not None:
+                    keys.append(link)
+        for k in keys:
+            if k.startswith(ENTRY_PREFIX) and self.index is not None:
+                self.index.remove(k)  # first: a lookup meanwhile finds no vector for a body being deleted
+            await self.store.delete(k)
+        return len(keys)
 
     async def flush(self) -> None:
         """Wait for the store writes in flight (tests, shutdown)."""

@@ -9,8 +9,9 @@ Extra route groups (e.g. the KV index's) are registered through ``AdminRoutes`` 
 
 The response cache (Tier 2): ``GET /admin/response-cache/stats`` (the seed's JSON; ``enabled: false`` when
 ``response_cache.enabled`` is off, with the store's figures all the same: its entries survive until re-enabled),
-``POST /admin/response-cache/invalidate`` (``{"clear_all": true}`` as the seed, or ``{"key": "<sha256 hex>"}``)
-and ``POST /admin/response-cache/clear``. A Redis URL is shown without its password.
+``POST /admin/response-cache/invalidate`` (``{"clear_all": true}`` as the seed, or ``{"key": "<sha256 hex>"}``:
+that entry and its semantic copy, whose vector leaves the index; or ``{"key": "sem:<sha256 hex>"}``: a semantic
+entry and its vector) and ``POST /admin/response-cache/clear``. A Redis URL is shown without its password.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from redis.exceptions import RedisError
 
 from picker.cache import CacheStoreError
 from picker.cache.redis_pool import redis_endpoint
+from picker.cache.semantic import ENTRY_PREFIX
 from picker.cache.store import MemoryCacheStore, RedisCacheStore
 from picker.config import ConfigError, RedisConfig, Settings
 from picker.kv.admin import kv_index_backends, kv_index_clear, kv_index_stats
@@ -277,7 +279,9 @@ def semantic_cache_stats(app: PickerApp) -> dict[str, Any]:
     return body
 
 
-INVALIDATE_USAGE = 'the body must be {"clear_all": true} or {"key": "<an entry key: 64 lowercase hex>"}'
+INVALIDATE_USAGE = (
+    'the body must be {"clear_all": true} or {"key": "<an entry key: 64 lowercase hex, or sem: and 64 lowercase hex>"}'
+)
 
 
 def _refuse(message: str) -> web.Response:
@@ -285,6 +289,9 @@ def _refuse(message: str) -> web.Response:
 
 
 def _is_key(value: object) -> bool:
+    """An exact entry's key (64 lowercase hex) or a semantic entry's (``sem:`` and 64 lowercase hex)."""
+    if isinstance(value, str) and value.startswith(ENTRY_PREFIX):
+        value = value[len(ENTRY_PREFIX) :]
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
@@ -311,7 +318,7 @@ def response_cache_routes(app: PickerApp) -> list[web.RouteDef]:
         store = app.response_cache.store
         before = len(store) if isinstance(store, MemoryCacheStore) else None
         try:
-            await store.delete(key)
+            await app.response_cache.invalidate(key)  # an exact entry's semantic copy and its vector too
         except CacheStoreError as exc:
             return web.json_response({"success": False, "action": "key", "error": str(exc)}, status=503)
         # the in-memory store's count; null for Redis (the store does not return UNLINK's count)
@@ -335,7 +342,7 @@ def response_cache_routes(app: PickerApp) -> list[web.RouteDef]:
                 return _refuse("clear_all: must be true")
             return await clear_all("clear_all")
         if not _is_key(body["key"]):
-            return _refuse("key: must be an entry's key, 64 lowercase hex characters (SHA-256)")
+            return _refuse("key: must be an entry's key, 64 lowercase hex characters (SHA-256), or sem: and those")
         return await delete_key(body["key"])
 
     async def clear(_: web.Request) -> web.Response:

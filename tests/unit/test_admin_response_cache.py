@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from picker.cache.response_cache import CacheEntry
+from picker.cache.response_cache import CacheEntry, SemanticPending
 from picker.cache.store import MemoryCacheStore
 from picker.config import parse_settings
 from picker.extproc.messages import FULL_DUPLEX
@@ -71,6 +71,19 @@ async def store_one(app: PickerApp, content: str) -> str:
     ex.resp_headers = ((":status", "200"), ("content-type", "application/json"))
     ex.response_headers(200)
     ex.response_body(b'{"choices":[{"message":{"content":"' + content.encode() + b'"}}]}', True)
+    await app.response_cache.flush()
+    return ex.cache_key
+
+
+async def store_with_semantic_copy(app: PickerApp, content: str, sem_key: str) -> str:
+    """An eligible miss whose semantic path missed (its pending semantic entry set as the stage sets it): the
+    response is stored under the exact key and under ``sem_key``, whose vector is indexed."""
+    ex = await route(app, chat(content))
+    assert isinstance(ex, Exchange) and ex.cache_key is not None
+    ex.cache_semantic = SemanticPending("partition", (1.0, 0.0), sem_key)
+    ex.resp_headers = ((":status", "200"), ("content-type", "application/json"))
+    ex.response_headers(200)
+    ex.response_body(b'{"choices":[{"message":{"content":"x"},"finish_reason":"stop"}]}', True)
     await app.response_cache.flush()
     return ex.cache_key
 
@@ -259,3 +272,27 @@ async def test_semantic_part_of_the_stats_and_clear_all_empties_its_index(client
     assert sem["index"]["entries"] == 1 and sem["index"]["partitions"] == 1
     r = await client.post("/admin/response-cache/invalidate", headers=JSON, json={"clear_all": True})
     assert (await r.json())["success"] is True and len(index) == 0
+
+
+async def test_invalidating_a_key_removes_its_semantic_copy_and_vector(client_of: Any) -> None:
+    app = make_app()
+    client = await client_of(app)
+    index, store = app.response_cache.index, app.response_cache.store
+    assert index is not None and isinstance(store, MemoryCacheStore)
+    sem_one, sem_two = "sem:" + "1" * 64, "sem:" + "2" * 64
+    key = await store_with_semantic_copy(app, "one", sem_one)
+    await store_with_semantic_copy(app, "two", sem_two)
+    assert len(store) == 4 and len(index) == 2
+    exact = await route(app, chat("two"))  # the exact entry's link to its copy is never sent
+    assert isinstance(exact, Answer) and dict(exact.headers) == {"content-type": "application/json", "x-cache": "HIT"}
+    assert index.lookup("partition", (1.0, 0.0)) is not None
+    r = await client.post("/admin/response-cache/invalidate", headers=JSON, json={"key": key})
+    assert await r.json() == {"success": True, "action": "key", "key": key, "cleared_entries": 2}
+    assert await store.get(sem_one) is None and len(index) == 1  # the copy and its vector are gone too
+    hit = await app.response_cache.store.get(sem_two)
+    assert hit is not None and dict(CacheEntry.decode(hit).answer().headers).keys() == {"content-type", "x-cache"}
+    r = await client.post("/admin/response-cache/invalidate", headers=JSON, json={"key": sem_two})  # a sem: key
+    assert await r.json() == {"success": True, "action": "key", "key": sem_two, "cleared_entries": 1}
+    assert await store.get(sem_two) is None and len(index) == 0 and len(store) == 1  # "two"'s exact entry stays
+    bad = await client.post("/admin/response-cache/invalidate", headers=JSON, json={"key": "sem:xyz"})
+    assert bad.status == 400

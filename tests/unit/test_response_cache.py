@@ -285,17 +285,17 @@ async def test_declared_length_over_the_bound_is_not_buffered() -> None:
 
 
 async def test_all_buffers_together_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rc, "MAX_BUFFERED_TOTAL", 8)
+    monkeypatch.setattr(rc, "MAX_BUFFERED_TOTAL", 20)
     app, cache, _ = make()
     one, two = await route(app, req(temperature=0)), await route(app, req(temperature=0, seed=2))
     assert isinstance(one, Exchange) and isinstance(two, Exchange)
     for ex in (one, two):
         ex.resp_headers = ()
         ex.response_headers(200)
-    one.response_body(b"12345", False)
-    two.response_body(b"12345", False)  # 10 > 8 together: the second is dropped, the first goes on
-    assert one.cache_buf is not None and two.cache_buf is None and cache.buffered == 5
-    one.response_body(b"", True)
+    one.response_body(b'{"a":1', False)
+    two.response_body(b'{"b":"123456789', False)  # 21 > 20 together: the second is dropped, the first goes on
+    assert one.cache_buf is not None and two.cache_buf is None and cache.buffered == 6
+    one.response_body(b"}", True)  # its entry (16 bytes encoded) fits the bound
     await cache.flush()
     assert cache.buffered == 0 and cache.not_stored == {"buffer_full": 1} and cache.stored == 1
 
@@ -357,3 +357,172 @@ async def test_enabled_and_limits_are_hot_reloadable() -> None:
     app.apply(on)
     ex = await route(app, req(temperature=0))
     assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and cache.ttl == 60.0
+
+
+# -- review findings: only finished answers, headers, invalidation, write bytes, stream bound, tenant bytes ------
+STREAM_OK = [
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n',
+]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b'{"choices":[{"message":{"content":"par"},"finish_reason":"abort"}]}', id="aborted"),
+        pytest.param(b'{"choices":[{"message":{"content":"par"},"finish_reason":null}]}', id="unfinished"),
+        pytest.param(b'{"error":{"message":"engine died"}}', id="error-object"),
+        pytest.param(b'{"object":"error","message":"x"}', id="vllm-error"),
+        pytest.param(b'{"choices":[{"message":{"content":"tru', id="unparsable"),
+        pytest.param(b"[1,2]", id="not-an-object"),
+    ],
+)
+async def test_an_unfinished_or_error_body_is_not_stored(body: bytes) -> None:
+    app, cache, store = make()
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange)
+    respond(ex, [body])
+    await cache.flush()
+    assert store.data == {} and cache.not_stored == {"unfinished": 1}
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        pytest.param(
+            [STREAM_OK[0], b'data: {"error":{"message":"CUDA out of memory"}}\n\ndata: [DONE]\n\n'], id="in-band-error"
+        ),
+        pytest.param(
+            [STREAM_OK[0], b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"abort"}]}\n\ndata: [DONE]\n\n'],
+            id="aborted",
+        ),
+        pytest.param([STREAM_OK[0], b"data: [DONE]\n\n"], id="no-finish-reason-after-null"),
+        pytest.param([b"data: {not json}\n\n", b"data: [DONE]\n\n"], id="unparsable-event"),
+    ],
+)
+async def test_an_error_ending_stream_is_not_stored(events: list[bytes]) -> None:
+    app, cache, store = make()
+    ex = await route(app, req(temperature=0, stream=True))
+    assert isinstance(ex, Exchange)
+    respond(ex, events, ctype="text/event-stream")
+    await cache.flush()
+    assert store.data == {} and cache.not_stored == {"unfinished": 1}
+    ok = await route(app, req(temperature=0, stream=True, seed=3))
+    assert isinstance(ok, Exchange)
+    respond(ok, STREAM_OK, ctype="text/event-stream")  # the same shape, finished: stored
+    await cache.flush()
+    assert cache.stored == 1
+
+
+def test_anthropic_endings() -> None:
+    good = b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"}}\n\n'
+    stop = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    err = b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error"}}\n\n'
+    for raw, want in (
+        (good + stop, True),
+        (good + err + stop, False),
+        (good.replace(b"end_turn", b"refusal") + stop, False),
+    ):
+        events = sse_events(raw)
+        assert events is not None and rc.finished_stream("anthropic", events) is want, raw
+    assert rc.finished_body("anthropic", b'{"type":"message","stop_reason":"end_turn","content":[]}')
+    assert not rc.finished_body("anthropic", b'{"type":"message","stop_reason":null,"content":[]}')
+    assert not rc.finished_body("anthropic", b'{"type":"error","error":{"type":"api_error"}}')
+
+
+async def test_per_response_headers_are_not_replayed_and_encoded_or_private_responses_are_not_stored() -> None:
+    app, cache, store = make()
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange)
+    ex.resp_headers = (
+        ("content-type", "application/json"), ("request-id", "req_1"), ("anthropic-organization-id", "org"),
+        ("x-ratelimit-remaining-requests", "9"), ("x-envoy-upstream-service-time", "3"), ("x-engine", "e1"),
+    )  # fmt: skip
+    ex.response_headers(200)
+    ex.response_body(b'{"choices":[{"finish_reason":"stop"}]}', True)
+    await cache.flush()
+    hit = await route(app, req(temperature=0))
+    assert isinstance(hit, Answer)
+    assert dict(hit.headers) == {"content-type": "application/json", "x-engine": "e1", "x-cache": "HIT"}
+    for i, header in enumerate(
+        [("content-encoding", "gzip"), ("cache-control", "no-store"), ("cache-control", "max-age=0, Private")]
+    ):
+        ex = await route(app, req(temperature=0, seed=i))
+        assert isinstance(ex, Exchange)
+        ex.resp_headers = (("content-type", "application/json"), header)
+        ex.response_headers(200)
+        assert ex.cache_buf is None  # never buffered
+        ex.response_body(b'{"choices":[{"finish_reason":"stop"}]}', True)
+    await cache.flush()
+    assert len(store.data) == 1 and cache.not_stored == {"encoded": 1, "no_store": 2}
+
+
+async def test_write_values_count_in_the_buffer_bound_until_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    class SlowStore(DictStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = asyncio.Event()
+
+        async def set(self, key: str, value: bytes, ttl_seconds: float) -> None:
+            await self.release.wait()
+            await super().set(key, value, ttl_seconds)
+
+    store = SlowStore()
+    app, cache, _ = make(store)
+    body = b'{"choices":[{"finish_reason":"stop","text":"' + b"x" * 100 + b'"}]}'
+    monkeypatch.setattr(rc, "MAX_BUFFERED_TOTAL", 300)
+    one = await route(app, req(temperature=0))
+    assert isinstance(one, Exchange)
+    respond(one, [body])
+    held = cache.buffered
+    assert held > len(body)  # the encoded value is held while its write is in flight
+    two = await route(app, req(temperature=0, seed=1))
+    assert isinstance(two, Exchange)
+    respond(two, [body])  # buffered (fits beside the first value) but its value would pass the bound
+    assert cache.not_stored == {"buffer_full": 1} and cache.buffered == held
+    store.release.set()
+    await cache.flush()
+    assert cache.buffered == 0 and cache.stored == 1
+
+
+async def test_a_stream_is_bounded_by_the_smaller_of_the_two_sizes() -> None:
+    app, cache, store = make(max_response_size=50, max_stream_buffer_size=10 << 20)
+    ex = await route(app, req(temperature=0, stream=True))
+    assert isinstance(ex, Exchange)
+    respond(ex, STREAM_OK, ctype="text/event-stream")  # > 50 bytes
+    await cache.flush()
+    assert store.data == {} and cache.not_stored == {"too_large": 1}
+
+
+def test_tenants_a_lossy_decode_would_merge_are_not_keyed() -> None:
+    from envoy.config.core.v3 import base_pb2
+
+    from picker.extproc.messages import header_value
+
+    one = header_value(base_pb2.HeaderValue(key="x-tenant-id", raw_value=b"acme\xff"))
+    two = header_value(base_pb2.HeaderValue(key="x-tenant-id", raw_value=b"acme\xfe"))
+    k1, k2 = key_of(req(), tenant=one), key_of(req(), tenant=two)
+    assert k1 is None or k1 != k2  # never one entry for two tenants (today's lossy decode: both not keyed)
+    assert key_of(req(), tenant="acm\u00e9") is not None  # UTF-8 is keyed
+    # a lossless decode (surrogateescape) is keyed on the raw bytes: different bytes, different keys
+    raw = [t.decode("utf-8", "surrogateescape") for t in (b"acme\xff", b"acme\xfe")]
+    assert None not in (key_of(req(), tenant=raw[0]), key_of(req(), tenant=raw[1]))
+    assert key_of(req(), tenant=raw[0]) != key_of(req(), tenant=raw[1])
+
+
+async def test_output_shaping_request_headers_are_keyed() -> None:
+    data = req(temperature=0, max_tokens=8)
+    f = facts_of(data, "/v1/messages")
+    plain = cache_key(f, data)
+    assert cache_key(f, data, {}) == cache_key(f, data, {"x-other": "1"}) == plain  # no shaping header: unchanged
+    beta = cache_key(f, data, {"anthropic-beta": "output-128k-2025-02-19"})
+    assert beta != plain and beta != cache_key(f, data, {"anthropic-beta": "other"})
+    v1 = cache_key(f, data, {"anthropic-version": "2023-06-01"})
+    assert v1 not in (plain, beta) and v1 == cache_key(f, data, {"anthropic-version": "2023-06-01", "x-other": "2"})
+    _, cache, _ = make()
+    body = json.dumps(data).encode()
+    one = await cache.lookup_request(f, body, {"anthropic-beta": "a"})
+    two = await cache.lookup_request(f, body, {"anthropic-beta": "b"})
+    assert isinstance(one, rc.Keyed) and isinstance(two, rc.Keyed) and one.key != two.key
