@@ -624,6 +624,19 @@ class SemanticCacheConfig(_Section):
     ttl: Duration | None = None  # None: response_cache.ttl
     embedding_timeout_ms: int = Field(2000, ge=100, le=60_000)
     max_input_bytes: int = Field(8192, ge=1, le=1_048_576)  # a longer last user message skips this path
+    # The caller's identity, part of every partition (its SHA-256; the raw value is never kept): a request
+    # without it skips the semantic path. With the default, Anthropic's x-api-key counts when authorization is
+    # absent. Behind a gateway, name a header the gateway sets from the authenticated principal (and strips
+    # from clients): a client-set header (like extproc.tenant_header) is only as trustworthy as the client.
+    identity_header: Annotated[str, AfterValidator(_header_name)] = "authorization"
+    # the index: vector bytes (float32, 4 per dimension) held, and entries compared per lookup (the partition's
+    # most recent); the oldest entries are evicted past max_bytes as past max_entries
+    max_bytes: int = Field(64 << 20, ge=1 << 16, le=1 << 40)
+    max_scan: int = Field(1000, ge=1, le=1_000_000)
+    # the embeddings breaker: this many consecutive failures (timeouts included) open it; the semantic path is
+    # then skipped without a request for breaker_cooldown_ms, then one probe request is let through
+    breaker_failures: int = Field(5, ge=1, le=1000)
+    breaker_cooldown_ms: int = Field(10_000, ge=100, le=3_600_000)
 
     @field_validator("backend")
     @classmethod

@@ -465,7 +465,12 @@ class ResponseCache:
         self.semantic_ttl = sem.ttl if sem.ttl is not None else cfg.ttl
         self.semantic_on = sem.enabled and self.embeddings is not None and self.index is not None
         if self.index is not None:
-            self.index.configure(max_entries=sem.max_entries, ttl_seconds=self.semantic_ttl, threshold=sem.threshold)
+            self.index.configure(
+                max_entries=sem.max_entries, ttl_seconds=self.semantic_ttl, threshold=sem.threshold,
+                max_bytes=sem.max_bytes, max_scan=sem.max_scan,
+            )  # fmt: skip
+        if self.embeddings is not None:
+            self.embeddings.configure_breaker(sem.breaker_failures, sem.breaker_cooldown_ms / 1000.0)
 
     def _count(self, result: str) -> None:
         c = self._counters.get(result)
@@ -525,10 +530,11 @@ class ResponseCache:
         if embeddings is None or index is None or not sem.backend or not sem.embedding_model:
             return None
         q = semantic_query(
-            data, path_api=facts.api, tenant_id=facts.tenant_id, embedding_model=sem.embedding_model,
+            data, path_api=facts.api, identity=facts.identity, tenant_id=facts.tenant_id,
+            embedding_model=sem.embedding_model,
             max_input_bytes=sem.max_input_bytes,
         )  # fmt: skip
-        if q is None:
+        if q is None or embeddings.open:  # not eligible, or the embeddings breaker is open: no request
             if m is not None:
                 m.skip.inc()
             return None

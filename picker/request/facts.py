@@ -10,6 +10,8 @@ prompt's prefix is the one the request can share with others. Anything a client 
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,9 +60,25 @@ class RequestFacts:
     top_p: float | None = None
     session_id: str | None = None
     tenant_id: str | None = None
+    identity: str | None = None  # SHA-256 (hex) of the caller's credential header (``caller_identity``), never raw
     lora_name: str | None = None
     cache_salt: str | None = None
     body_bytes: int = 0
+
+
+def caller_identity(headers: Mapping[str, str], header: str) -> str | None:
+    """SHA-256 (hex) of the caller's identity header ``header`` (lower-case), or None when it is absent or empty.
+    With ``authorization`` (the default), Anthropic's ``x-api-key`` stands in when ``authorization`` is absent.
+    The header's name is hashed with its value (an equal value in another header is another identity); the raw
+    value is neither kept nor logged."""
+    value = headers.get(header)
+    if not value and header == "authorization":
+        header, value = "x-api-key", headers.get("x-api-key")
+    if not value:
+        return None
+    h = hashlib.sha256(b"kv-epp caller identity v1\x00")
+    h.update(header.encode("ascii", "replace") + b"\x00" + value.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
 
 
 def api_for_path(path: str) -> Api:
@@ -209,6 +227,7 @@ def parse_request(
     max_body_bytes: int,
     session_id: str | None = None,
     tenant_id: str | None = None,
+    identity: str | None = None,
 ) -> RequestFacts:
     """Parse ``body`` of a request to ``path``. Raises BadRequest on anything malformed."""
     api = api_for_path(path)
@@ -217,16 +236,20 @@ def parse_request(
             f"request body of {len(body)} bytes exceeds the limit of {max_body_bytes} bytes", "body_too_large"
         )
     if api == "other" and not body:
-        return RequestFacts(api="other", session_id=session_id, tenant_id=tenant_id)
+        return RequestFacts(api="other", session_id=session_id, tenant_id=tenant_id, identity=identity)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         if api == "other":  # e.g. a multipart upload to another endpoint: route it, do not judge it
-            return RequestFacts(api="other", session_id=session_id, tenant_id=tenant_id, body_bytes=len(body))
+            return RequestFacts(
+                api="other", session_id=session_id, tenant_id=tenant_id, identity=identity, body_bytes=len(body)
+            )
         raise BadRequest(f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(data, dict):
         if api == "other":
-            return RequestFacts(api="other", session_id=session_id, tenant_id=tenant_id, body_bytes=len(body))
+            return RequestFacts(
+                api="other", session_id=session_id, tenant_id=tenant_id, identity=identity, body_bytes=len(body)
+            )
         raise BadRequest("request body must be a JSON object", "invalid_type")
     model = data.get("model")
     if api not in ("other", "responses") and model is None:  # a stored Responses prompt may name the model
@@ -306,6 +329,7 @@ def parse_request(
         top_p=_opt_number(data, "top_p"),
         session_id=session_id,
         tenant_id=tenant_id,
+        identity=identity,
         lora_name=lora,
         cache_salt=cache_salt,
         body_bytes=len(body),

@@ -31,7 +31,7 @@ from picker.ops.recorder import DecisionRecorder
 from picker.pool.pool import Lease, Pool
 from picker.request.admission import Admission, overloaded_body
 from picker.request.anthropic import inject_cache_control, is_native_anthropic
-from picker.request.facts import BadRequest, RequestFacts, api_for_path, error_body, parse_request
+from picker.request.facts import BadRequest, RequestFacts, api_for_path, caller_identity, error_body, parse_request
 from picker.request.popularity import PrefixRates
 from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key
@@ -290,9 +290,16 @@ class RequestPath:
             self.placements: RecentPlacements | None = RecentPlacements(
                 kv.recent_placements_max_entries, kv.recent_placements_seconds
             )
+        # the semantic cache's caller identity (hashed into RequestFacts.identity), read only while it is on
+        sem = settings.response_cache.semantic
+        on = settings.response_cache.enabled and sem.enabled
+        self.identity_header = sem.identity_header.lower() if on else None
+        ident = {self.identity_header} if self.identity_header else set()
+        if self.identity_header == "authorization":
+            ident.add("x-api-key")
         # request headers the stages read: the protocol layer decodes only these
         self.wanted_headers = frozenset(
-            {":path", ":method", "content-length", self.session_header, self.tenant_header, "x-request-id"}
+            {":path", ":method", "content-length", self.session_header, self.tenant_header, "x-request-id", *ident}
         )
 
     # -- the stages -------------------------------------------------------------------------------
@@ -302,15 +309,17 @@ class RequestPath:
         session = h.get(self.session_header)
         tenant = h.get(self.tenant_header)
         method = h.get(":method", "POST")
+        identity = caller_identity(h, self.identity_header) if self.identity_header else None
         # the body is not available before the pick, or the method carries no inference request (a CORS
         # preflight OPTIONS, a GET): route on the path alone, without judging a body
         if req.body is None or method != "POST":
-            return RequestFacts(api=api_for_path(req.path), session_id=session, tenant_id=tenant)
+            return RequestFacts(api=api_for_path(req.path), session_id=session, tenant_id=tenant, identity=identity)
         if not req.body and api_for_path(req.path) != "other":
             raise BadRequest(NO_BODY_REQUIRED, "empty_body")
         return parse_request(
-            req.body, req.path, max_body_bytes=self.max_body_bytes, session_id=session, tenant_id=tenant
-        )
+            req.body, req.path, max_body_bytes=self.max_body_bytes, session_id=session, tenant_id=tenant,
+            identity=identity,
+        )  # fmt: skip
 
     async def prepare(self, facts: RequestFacts) -> Prepared:
         """Stage 3: the prefix key, the session's endpoint and (Tier 4) the KV holds."""

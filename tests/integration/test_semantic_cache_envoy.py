@@ -2,7 +2,7 @@
 the engine simulator as a child process serving both the chat completions and ``POST /v1/embeddings``: after a
 stored answer, a near-duplicate question (one word changed) is ``X-Cache: HIT`` with ``X-Cache-Mode: semantic`` and
 the engine is not reached; the same near-duplicate with another system prompt, or with a tool list, is a MISS
-that reaches the engine."""
+that reaches the engine; so is Bob's near-duplicate of Alice's question (another ``Authorization``)."""
 
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ class Stack:
             float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total")
         )
 
-    def ask(self, question: str, system: str, **fields: Any) -> HttpResult:
+    def ask(self, question: str, system: str, caller: str = "sk-alice", **fields: Any) -> HttpResult:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         body = {"model": MODEL, "temperature": 0, "max_tokens": 8, "messages": messages, **fields}
-        r = http("POST", self.envoy.url + "/v1/chat/completions", body)
+        r = http("POST", self.envoy.url + "/v1/chat/completions", body, {"authorization": f"Bearer {caller}"})
         assert r.status == 200, (r.status, r.body[:300])
         return r
 
@@ -124,4 +124,16 @@ def test_other_system_prompt_or_tool_list_misses(stack: Stack, change: dict[str,
     fields = {k: v for k, v in change.items() if k != "system"}
     miss = stack.ask(NEAR, other_system + system if other_system else system, **fields)
     assert miss.headers.get("x-cache") == "MISS" and "x-cache-mode" not in miss.headers, miss.headers
+    assert stack.engine_requests() == engine + 1  # it reached the engine
+
+
+def test_another_caller_never_gets_the_answer(stack: Stack) -> None:
+    system = system_prompt()
+    stack.store(QUESTION, system)  # as Alice
+    alice = stack.ask(NEAR, system)
+    assert alice.headers.get("x-cache") == "HIT" and alice.headers.get("x-cache-mode") == "semantic", alice.headers
+    engine = stack.engine_requests()
+    # Bob's near-duplicate (another word changed: the exact cache, keyed without the caller, has no entry for it)
+    bob = stack.ask(QUESTION.replace("three", "five"), system, caller="sk-bob")
+    assert bob.headers.get("x-cache") == "MISS" and "x-cache-mode" not in bob.headers, bob.headers
     assert stack.engine_requests() == engine + 1  # it reached the engine

@@ -30,7 +30,10 @@ async def test_near_duplicate_hits_against_a_simulator_process() -> None:
         idx = SemanticIndex(max_entries=1000, ttl_seconds=300, threshold=0.92)
 
         async def vector_and_partition(data: dict[str, Any]) -> tuple[Any, str, str]:
-            q = semantic_query(data, path_api="chat", tenant_id="t", embedding_model="embedder", max_input_bytes=8192)
+            q = semantic_query(
+                data, path_api="chat", identity="caller", tenant_id="t", embedding_model="embedder",
+                max_input_bytes=8192,
+            )  # fmt: skip
             assert q is not None
             v = await client.embed(proc.base_url, "embedder", q.text, timeout_ms=5000, max_input_bytes=8192)
             assert v is not None, client.stats

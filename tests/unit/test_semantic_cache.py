@@ -26,7 +26,9 @@ from picker.cache.semantic import (
     partition_digest,
     semantic_query,
 )
+from picker.request.facts import caller_identity
 from tests.support.http_server import serve
+from tests.support.poll import async_wait_until
 
 EMB = "sim-model"
 QUESTION = (
@@ -49,12 +51,20 @@ def chat(question: str, **fields: Any) -> dict[str, Any]:
     return body
 
 
-def query(data: dict[str, Any], tenant: str | None = "t1", max_input_bytes: int = 8192) -> Any:
-    return semantic_query(data, path_api="chat", tenant_id=tenant, embedding_model=EMB, max_input_bytes=max_input_bytes)
+ALICE = caller_identity({"authorization": "Bearer sk-alice"}, "authorization")
 
 
-def digest(data: dict[str, Any], tenant: str | None = "t1", emb: str = EMB) -> str | None:
-    return partition_digest(data, tenant_id=tenant, embedding_model=emb)
+def query(
+    data: dict[str, Any], tenant: str | None = "t1", max_input_bytes: int = 8192, identity: str | None = ALICE
+) -> Any:
+    return semantic_query(
+        data, path_api="chat", identity=identity, tenant_id=tenant, embedding_model=EMB,
+        max_input_bytes=max_input_bytes,
+    )  # fmt: skip
+
+
+def digest(data: dict[str, Any], tenant: str | None = "t1", emb: str = EMB, identity: str | None = ALICE) -> str | None:
+    return partition_digest(data, identity=identity, tenant_id=tenant, embedding_model=emb)
 
 
 # -- the partition digest -------------------------------------------------------------------------------
@@ -102,6 +112,29 @@ def test_identity_and_embedding_model_change_the_partition() -> None:
     assert digest(chat(QUESTION), tenant=None) != base
     assert digest(chat(QUESTION), tenant="") != digest(chat(QUESTION), tenant=None)
     assert digest(chat(QUESTION), emb="other-embedder") != base
+    bob = caller_identity({"authorization": "Bearer sk-bob"}, "authorization")
+    assert digest(chat(QUESTION), identity=bob) != base
+
+
+def test_no_caller_identity_is_not_eligible() -> None:
+    assert query(chat(QUESTION)) is not None
+    assert query(chat(QUESTION), identity=None) is None
+    assert query(chat(QUESTION), identity="") is None
+
+
+def test_caller_identity_is_a_digest_of_the_credential_header() -> None:
+    alice = caller_identity({"authorization": "Bearer sk-alice"}, "authorization")
+    assert alice is not None and "sk-alice" not in alice and len(alice) == 64
+    assert caller_identity({"authorization": "Bearer sk-bob"}, "authorization") != alice
+    assert caller_identity({}, "authorization") is None
+    assert caller_identity({"authorization": ""}, "authorization") is None
+    # Anthropic's x-api-key stands in for an absent authorization, as another identity than the same value there
+    key = caller_identity({"x-api-key": "Bearer sk-alice"}, "authorization")
+    assert key is not None and key != alice
+    assert caller_identity({"authorization": "Bearer sk-alice", "x-api-key": "k"}, "authorization") == alice
+    # a configured gateway header: only it counts
+    assert caller_identity({"authorization": "Bearer sk-alice"}, "x-user") is None
+    assert caller_identity({"x-user": "alice"}, "x-user") not in (None, alice)
 
 
 def test_same_meaning_same_partition() -> None:
@@ -148,7 +181,10 @@ def test_same_meaning_same_partition() -> None:
     ],
 )
 def test_ineligible_requests(data: dict[str, Any], api: str) -> None:
-    assert semantic_query(data, path_api=api, tenant_id="t", embedding_model=EMB, max_input_bytes=8192) is None
+    assert (
+        semantic_query(data, path_api=api, identity=ALICE, tenant_id="t", embedding_model=EMB, max_input_bytes=8192)
+        is None
+    )
 
 
 def test_text_parts_are_joined_and_the_byte_bound_counts_utf8() -> None:
@@ -473,3 +509,103 @@ async def test_entries_dropped_during_an_async_scan_do_not_break_it() -> None:
     assert len(idx) == 1
     hit = idx.lookup("p", [1.0, 10.0])
     assert hit is not None and hit.key == "fresh"
+
+
+# -- the index's byte and scan bounds (float32 storage) ----------------------------------------------------
+def test_vectors_are_float32_and_max_bytes_evicts_the_oldest() -> None:
+    dim = 1024
+    idx = SemanticIndex(max_entries=100, ttl_seconds=300, threshold=0.9, max_bytes=3 * 4 * dim, clock=Clock())
+    for i in range(3):
+        assert idx.add("p", [1.0] * i + [2.0] + [0.0] * (dim - i - 1), f"k{i}")
+    assert len(idx) == 3 and idx.nbytes == 3 * 4 * dim and idx.snapshot().bytes == 3 * 4 * dim
+    assert idx.add("q", [0.0] * (dim - 1) + [1.0], "k3")  # one more: the oldest goes, whatever its partition
+    assert len(idx) == 3 and idx.nbytes == 3 * 4 * dim and idx.snapshot().evicted == 1
+    assert idx.lookup("p", [2.0] + [0.0] * (dim - 1)) is None  # k0 is gone
+    assert idx.lookup("q", [0.0] * (dim - 1) + [1.0]) is not None
+    idx.remove("k3")
+    assert idx.nbytes == 2 * 4 * dim
+    idx.configure(max_entries=100, ttl_seconds=300, threshold=0.9, max_bytes=4 * dim)  # smaller: evicts at once
+    assert len(idx) == 1 and idx.nbytes == 4 * dim
+    assert not idx.add("p", [1.0] * (dim + 1), "too-big")  # larger than the whole index: refused
+    idx.clear()
+    assert idx.nbytes == 0
+
+
+def test_a_lookup_compares_only_the_partitions_most_recent_max_scan_entries() -> None:
+    idx = SemanticIndex(max_entries=100, ttl_seconds=300, threshold=0.99, max_scan=2, clock=Clock())
+    idx.add("p", [1.0, 0.0, 0.0], "old")  # the only match, but not among the 2 most recent
+    idx.add("p", [0.0, 1.0, 0.0], "mid")
+    idx.add("other", [1.0, 0.0, 0.0], "elsewhere")  # another partition: not counted in p's scan
+    idx.add("p", [0.0, 0.0, 1.0], "new")
+    assert idx.lookup("p", [1.0, 0.0, 0.0]) is None
+    match = idx.lookup("p", [0.0, 0.0, 1.0])
+    assert match is not None and match.key == "new"
+    idx.configure(max_entries=100, ttl_seconds=300, threshold=0.99, max_scan=3)
+    match = idx.lookup("p", [1.0, 0.0, 0.0])
+    assert match is not None and match.key == "old" and match.similarity == pytest.approx(1.0)
+
+
+# -- the embeddings breaker -----------------------------------------------------------------------------
+async def test_the_breaker_opens_after_consecutive_failures_and_probes_after_the_cooldown() -> None:
+    seen: list[int] = []
+    healthy = False
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(1)
+        if healthy:
+            return web.json_response({"data": [{"embedding": [1.0, 0.0]}]})
+        return web.json_response({"error": "down"}, status=503)
+
+    clock = Clock()
+    async with serve([web.post("/v1/embeddings", handler)]) as url:
+        client = EmbeddingsClient(clock=clock)
+        client.configure_breaker(3, 10.0)
+        try:
+            for _ in range(3):
+                assert not client.open
+                assert await embed(client, url) is None
+            assert client.open and len(seen) == 3 and client.stats.breaker_opened == 1
+            assert await embed(client, url) is None  # open: no request
+            assert len(seen) == 3
+            clock.now += 10.0  # the cool-down is over: one probe, which fails: open again
+            assert not client.open
+            assert await embed(client, url) is None
+            assert len(seen) == 4 and client.open and client.stats.breaker_opened == 2
+            healthy = True
+            clock.now += 10.0
+            assert await embed(client, url) == (1.0, 0.0)  # the probe succeeds: closed
+            assert not client.open and len(seen) == 5
+            healthy = False
+            assert await embed(client, url) is None  # one failure after a success: still closed
+            assert not client.open
+        finally:
+            await client.close()
+
+
+async def test_only_one_probe_goes_out_while_half_open() -> None:
+    release = asyncio.Event()
+    seen: list[int] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(1)
+        await release.wait()
+        return web.json_response({"data": [{"embedding": [0.0, 1.0]}]})
+
+    clock = Clock()
+    async with serve([web.post("/v1/embeddings", handler)]) as url:
+        client = EmbeddingsClient(clock=clock)
+        client.configure_breaker(1, 5.0)
+        try:
+            assert await embed(client, refused_url()) is None
+            assert client.open
+            clock.now += 5.0
+            probe = asyncio.create_task(embed(client, url))
+            await async_wait_until(lambda: len(seen) == 1, timeout=30.0)
+            assert client.open  # the probe is out: the others still skip
+            assert await embed(client, url) is None and len(seen) == 1
+            release.set()
+            assert await probe == (0.0, 1.0)
+            assert not client.open
+        finally:
+            release.set()
+            await client.close()

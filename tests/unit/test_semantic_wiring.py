@@ -57,8 +57,12 @@ def sim_url(sim: EngineSimulator) -> str:
     return str(sim.base_url)
 
 
-def settings(backend: str, *, enabled: bool = True, timeout_ms: int = 5000, **extra: Any) -> Any:
+def settings(
+    backend: str, *, enabled: bool = True, timeout_ms: int = 5000, semantic_extra: dict[str, Any] | None = None,
+    **extra: Any,
+) -> Any:  # fmt: skip
     semantic = {"enabled": enabled, "backend": backend, "embedding_model": EMB, "embedding_timeout_ms": timeout_ms}
+    semantic.update(semantic_extra or {})
     return parse_settings(
         {
             "pool": {"backends": BACKENDS},
@@ -78,8 +82,14 @@ def chat(question: str, system: str = SYSTEM, **fields: Any) -> dict[str, Any]:
     return {"model": "m", "temperature": 0, "messages": messages, **fields}
 
 
+ALICE = {"authorization": "Bearer sk-alice"}
+BOB = {"authorization": "Bearer sk-bob"}
+
+
 async def route(app: PickerApp, data: dict[str, Any], headers: dict[str, str] | None = None) -> Exchange | Answer:
-    return await app.path.route(Inbound(CHAT, {":method": "POST", **(headers or {})}, json.dumps(data).encode()))
+    """Routed as Alice unless ``headers`` say otherwise (the semantic path needs a caller identity)."""
+    h = {":method": "POST", **(ALICE if headers is None else headers)}
+    return await app.path.route(Inbound(CHAT, h, json.dumps(data).encode()))
 
 
 async def answer(app: PickerApp, ex: Exchange, body: bytes = ANSWER) -> None:
@@ -150,11 +160,55 @@ async def test_tenants_never_share(sim: EngineSimulator) -> None:
     app = make(sim_url(sim))
     tenant = app.settings.extproc.tenant_header
     try:
-        first = await route(app, chat(QUESTION), {tenant: "t1"})
+        first = await route(app, chat(QUESTION), {tenant: "t1", **ALICE})
         assert isinstance(first, Exchange)
         await answer(app, first)
-        assert isinstance(await route(app, chat(NEAR), {tenant: "t2"}), Exchange)
-        assert isinstance(await route(app, chat(NEAR), {tenant: "t1"}), Answer)
+        assert isinstance(await route(app, chat(NEAR), {tenant: "t2", **ALICE}), Exchange)
+        assert isinstance(await route(app, chat(NEAR), {tenant: "t1", **ALICE}), Answer)
+    finally:
+        await app.embeddings.close()
+
+
+async def test_callers_never_share(sim: EngineSimulator) -> None:
+    """Alice's stored answer is never served to Bob's near-duplicate (same tenant header, or none); Alice's own
+    near-duplicate still hits. The caller identity is read from the credential header, hashed, never kept raw."""
+    app = make(sim_url(sim))
+    tenant = app.settings.extproc.tenant_header
+    try:
+        first = await route(app, chat(QUESTION), {tenant: "t1", **ALICE})
+        assert isinstance(first, Exchange) and isinstance(first.cache_semantic, SemanticPending)
+        assert first.facts.identity is not None and "sk-alice" not in repr(first.facts)
+        await answer(app, first)
+        for bob in ({tenant: "t1", **BOB}, BOB, {"x-api-key": "sk-alice"}):
+            miss = await route(app, chat(NEAR), bob)
+            assert isinstance(miss, Exchange) and miss.x_cache == "MISS", bob
+        hit = await route(app, chat(NEAR), {tenant: "t1", **ALICE})
+        assert isinstance(hit, Answer) and hit.body == ANSWER
+        assert semantic_count(app, "hit") == 1 and semantic_count(app, "miss") == 4
+    finally:
+        await app.embeddings.close()
+
+
+async def test_no_caller_identity_skips_the_semantic_path(sim: EngineSimulator) -> None:
+    app = make(sim_url(sim))
+    try:
+        ex = await route(app, chat(QUESTION), {})
+        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_semantic is None
+        assert semantic_count(app, "skip") == 1 and app.embeddings.stats.requests == 0
+    finally:
+        await app.embeddings.close()
+
+
+async def test_a_gateway_identity_header_replaces_authorization(sim: EngineSimulator) -> None:
+    app = make(sim_url(sim), semantic_extra={"identity_header": "X-Caller"})
+    try:
+        assert "x-caller" in app.path.wanted_headers
+        first = await route(app, chat(QUESTION), {"x-caller": "alice", **BOB})
+        assert isinstance(first, Exchange) and isinstance(first.cache_semantic, SemanticPending)
+        await answer(app, first)
+        assert isinstance(await route(app, chat(NEAR), {"x-caller": "bob", **BOB}), Exchange)
+        assert isinstance(await route(app, chat(NEAR), ALICE), Exchange)  # no gateway header: skipped
+        assert isinstance(await route(app, chat(NEAR), {"x-caller": "alice"}), Answer)
     finally:
         await app.embeddings.close()
 
@@ -175,6 +229,32 @@ def refused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])  # closed on return: nothing listens there
+
+
+async def test_an_open_embeddings_breaker_skips_the_semantic_path() -> None:
+    app = make(f"http://127.0.0.1:{refused_port()}", semantic_extra={"breaker_failures": 2})
+    try:
+        for q in (QUESTION, NEAR):
+            assert isinstance(await route(app, chat(q)), Exchange)
+        assert semantic_count(app, "error") == 2 and app.embeddings.open
+        requests = app.embeddings.stats.requests
+        ex = await route(app, chat(QUESTION + " Thanks."))
+        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_semantic is None
+        assert semantic_count(app, "skip") == 1 and app.embeddings.stats.requests == requests  # no request made
+    finally:
+        await app.embeddings.close()
+
+
+def test_index_bounds_and_breaker_are_configured_and_reloaded() -> None:
+    app = make("http://127.0.0.1:1", semantic_extra={"max_bytes": 1 << 20, "max_scan": 7, "breaker_failures": 9})
+    assert app.semantic_index.max_bytes == 1 << 20 and app.semantic_index.max_scan == 7
+    assert app.embeddings.breaker_failures == 9 and app.embeddings.breaker_cooldown_s == 10.0
+    reloaded = settings("http://127.0.0.1:1", semantic_extra={"max_scan": 3, "breaker_cooldown_ms": 500})
+    app.response_cache.configure(reloaded.response_cache)
+    assert app.semantic_index.max_scan == 3 and app.semantic_index.max_bytes == 64 << 20
+    assert app.embeddings.breaker_failures == 5 and app.embeddings.breaker_cooldown_s == 0.5
+    with pytest.raises(ConfigError, match=r"response_cache\.semantic\.max_scan"):
+        settings("http://127.0.0.1:1", semantic_extra={"max_scan": 0})
 
 
 async def test_embedding_refused_is_a_plain_miss() -> None:
