@@ -70,7 +70,7 @@ import asyncio
 import hashlib
 import logging
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -484,10 +484,15 @@ class ResponseCache:
         return looked if isinstance(looked, Answer) else None
 
     async def lookup_request(
-        self, facts: RequestFacts, body: bytes | None, headers: Mapping[str, str] | None = None
+        self,
+        facts: RequestFacts,
+        body: bytes | None,
+        headers: Mapping[str, str] | None = None,
+        semantic_ok: Callable[[], bool] | None = None,
     ) -> Answer | Keyed | None:
         """An ``Answer`` on a hit (exact, else semantic); the keys of an eligible miss (the exchange stores its
-        response under them); None when the request is not eligible (BYPASS)."""
+        response under them); None when the request is not eligible (BYPASS). ``semantic_ok`` (the request
+        path's admission check), asked after an exact miss: False skips the semantic path (no embedding)."""
         if not body or not eligible(facts):
             self._count("skip")
             return None
@@ -513,7 +518,7 @@ class ResponseCache:
                 self._count("hit")
                 return entry.answer()
         semantic: SemanticPending | None = None
-        if self.semantic_on and isinstance(data, dict):
+        if self.semantic_on and isinstance(data, dict) and (semantic_ok is None or semantic_ok()):
             looked = await self._semantic(facts, data)
             if isinstance(looked, Answer):
                 self._count("hit")

@@ -69,10 +69,11 @@ class ResponseCache(Protocol):
 
     A stage that also has ``enabled`` and ``lookup_request(facts, body) -> Answer | Keyed | None`` (Tier 2's
     ``picker.cache.response_cache.ResponseCache``) is consulted through it, only while ``enabled``: it gets the
-    request body the facts were parsed from and returns the hit, else an eligible miss's ``Keyed`` (its ``key``
-    set on the exchange as ``cache_key``, its ``semantic`` as ``cache_semantic``, with ``x_cache`` MISS: the
-    response is stored under them by the cache's response observer), else None (not eligible: ``x_cache``
-    BYPASS)."""
+    request body the facts were parsed from and ``semantic_ok`` (the admission check, asked after an exact miss:
+    a saturated pool gets its exact hits but no semantic lookup) and returns the hit, else an eligible miss's
+    ``Keyed`` (its ``key`` set on the exchange as ``cache_key``, its ``semantic`` as ``cache_semantic``, with
+    ``x_cache`` MISS: the response is stored under them by the cache's response observer), else None (not
+    eligible: ``x_cache`` BYPASS)."""
 
     async def lookup(self, facts: RequestFacts) -> Answer | None: ...
 
@@ -393,6 +394,10 @@ class RequestPath:
                 "kv-epp envoy-config --response-mode full, or sampled with --body-mode BUFFERED",
             )
 
+    def _admits(self, req: Inbound) -> bool:
+        """Not saturated (admission control): the response cache's semantic path may run."""
+        return self.admission.saturation(self.pool.view(req.subset), self.pool.view()) is None
+
     def overloaded(self, why: str) -> Answer:
         """The 429 of admission control (counted as outcome ``overloaded``)."""
         self.recorder.refused("overloaded")
@@ -418,7 +423,9 @@ class RequestPath:
                     self.recorder.cache_hit()
                     return hit
             elif cache.enabled:  # type: ignore[attr-defined]
-                looked = await keyed(facts, req.body)
+                # the exact lookup before the admission check (a saturated pool still gets its hits), the
+                # semantic one (an embedding request) only when the pool is not saturated
+                looked = await keyed(facts, req.body, semantic_ok=lambda: self._admits(req))
                 if isinstance(looked, Answer):
                     self.recorder.cache_hit()
                     return looked

@@ -401,3 +401,26 @@ def test_semantic_backend_must_be_a_url(backend: str) -> None:
     with pytest.raises(ConfigError) as err:
         settings(backend)
     assert [p for p, _ in err.value.problems] == ["response_cache.semantic.backend"]
+
+
+async def test_a_saturated_pool_gets_exact_hits_but_no_embedding_request(sim: EngineSimulator) -> None:
+    app = make(sim_url(sim), admission={"max_in_flight_total": 1})
+    try:
+        first = await route(app, chat(QUESTION))
+        assert isinstance(first, Exchange)
+        await answer(app, first)  # stored; its slot released
+        requests = app.embeddings.stats.requests
+        held = await route(app, chat("Which planets have rings?"))  # a miss that keeps its slot: saturated
+        assert isinstance(held, Exchange)
+        try:
+            exact = await route(app, chat(QUESTION))  # the exact lookup comes before the admission check
+            assert isinstance(exact, Answer) and dict(exact.headers)["x-cache"] == "HIT"
+            shed = await route(app, chat(NEAR))  # would be a semantic hit, but saturated: no embedding, a 429
+            assert isinstance(shed, Answer) and shed.status == 429
+            assert app.embeddings.stats.requests == requests + 1  # only the held miss's embedding
+        finally:
+            held.end(completed=False)
+        hit = await route(app, chat(NEAR))  # not saturated any more: the semantic path runs again
+        assert isinstance(hit, Answer) and dict(hit.headers).get("x-cache-mode") == "semantic"
+    finally:
+        await app.embeddings.close()
