@@ -74,7 +74,7 @@ def caller_identity(headers: Mapping[str, str], header: str) -> str | None:
     value = headers.get(header)
     if not value and header == "authorization":
         header, value = "x-api-key", headers.get("x-api-key")
-    if not value:
+    if not value or "\ufffd" in value:  # absent, or not UTF-8 (decoded lossily: two callers could collide)
         return None
     h = hashlib.sha256(b"kv-epp caller identity v1\x00")
     h.update(header.encode("ascii", "replace") + b"\x00" + value.encode("utf-8", "surrogatepass"))

@@ -301,6 +301,7 @@ class RequestPath:
         # request headers the stages read: the protocol layer decodes only these
         self.wanted_headers = frozenset(
             {":path", ":method", "content-length", self.session_header, self.tenant_header, "x-request-id", *ident}
+            | {"anthropic-beta", "anthropic-version"}  # output-shaping: part of the response cache's key
         )
 
     # -- the stages -------------------------------------------------------------------------------
@@ -425,7 +426,7 @@ class RequestPath:
             elif cache.enabled:  # type: ignore[attr-defined]
                 # the exact lookup before the admission check (a saturated pool still gets its hits), the
                 # semantic one (an embedding request) only when the pool is not saturated
-                looked = await keyed(facts, req.body, semantic_ok=lambda: self._admits(req))
+                looked = await keyed(facts, req.body, req.headers, semantic_ok=lambda: self._admits(req))
                 if isinstance(looked, Answer):
                     self.recorder.cache_hit()
                     return looked

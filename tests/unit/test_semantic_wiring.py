@@ -424,3 +424,18 @@ async def test_a_saturated_pool_gets_exact_hits_but_no_embedding_request(sim: En
         assert isinstance(hit, Answer) and dict(hit.headers).get("x-cache-mode") == "semantic"
     finally:
         await app.embeddings.close()
+
+
+async def test_the_path_keys_anthropic_output_shaping_headers_and_skips_a_lossy_identity() -> None:
+    """The route passes the request headers to the cache: anthropic-beta is part of the exact key; an identity
+    header that was not UTF-8 (decoded lossily, so two callers could collide) gets no semantic path."""
+    app = make("http://127.0.0.1:1")
+    ex = await route(app, chat(QUESTION))
+    assert isinstance(ex, Exchange)
+    await answer(app, ex)
+    assert isinstance(await route(app, chat(QUESTION)), Answer)  # the exact hit
+    beta = await route(app, chat(QUESTION), {**ALICE, "anthropic-beta": "output-128k-2025-02-19"})
+    assert isinstance(beta, Exchange) and beta.x_cache == "MISS"  # another key: not served the plain answer
+    from picker.request.facts import caller_identity
+
+    assert caller_identity({"authorization": "Bearer \ufffd"}, "authorization") is None
