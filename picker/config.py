@@ -584,6 +584,11 @@ def _seconds(v: object) -> object:
 Duration = Annotated[float, BeforeValidator(_seconds), Field(gt=0, le=30 * 86_400)]
 
 
+# The Redis KV index's keys (kv_cache_index.backend redis) on the response cache's server: a response_cache.redis
+# key_prefix inside them is refused; one that covers them (e.g. "cr:") is fine, the cache's clear skips them
+KV_INDEX_KEY_PREFIX = "cr:kvidx:"
+
+
 class RedisConfig(_Section):
     """Tier 3: the Redis/Valkey connection the response cache and the Redis KV index share (one pool)."""
 
@@ -610,6 +615,8 @@ class RedisConfig(_Section):
     def _no_glob(cls, v: str) -> str:
         if not v or any(c in v for c in "*?[]") or any(c.isspace() for c in v) or len(v) > 64:
             raise ValueError("key_prefix: 1-64 characters, no glob characters (*?[]) and no spaces")
+        if v.startswith(KV_INDEX_KEY_PREFIX):  # the cache's keys would mix with the index's hashes
+            raise ValueError(f"key_prefix must not be inside the Redis KV index's keys ({KV_INDEX_KEY_PREFIX}*)")
         return v
 
 

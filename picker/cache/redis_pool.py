@@ -28,10 +28,6 @@ from redis.backoff import NoBackoff
 
 from picker.config import RedisConfig
 
-# The Redis KV index's keys (``picker.kv.redis_index``) on the same server: the response cache's ``clear`` never
-# deletes them, even when its key_prefix is a prefix of this one (e.g. ``cr:``)
-KV_INDEX_KEY_PREFIX = "cr:kvidx:"
-
 
 @dataclass(frozen=True, slots=True)
 class RedisEndpoint:

@@ -18,8 +18,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from picker.cache import CacheStoreError, CacheStoreStats
 from picker.cache.metrics import CacheStoreMetrics
-from picker.cache.redis_pool import KV_INDEX_KEY_PREFIX, RedisEndpoint, redis_endpoint
-from picker.config import RedisConfig
+from picker.cache.redis_pool import RedisEndpoint, redis_endpoint
+from picker.config import KV_INDEX_KEY_PREFIX, RedisConfig
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from picker.cache.redis_pool import KV_INDEX_KEY_PREFIX
+from picker.config import KV_INDEX_KEY_PREFIX
 from picker.kv.index import InMemoryKvIndex
 from picker.routing.endpoints import BackendHold
 from picker.shared.tiers import StorageTier

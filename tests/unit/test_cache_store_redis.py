@@ -13,7 +13,7 @@ from picker.cache import CacheStore, CacheStoreError
 from picker.cache.metrics import CacheStoreMetrics
 from picker.cache.redis_pool import build_redis, close_shared_redis, effective_url, redis_endpoint, shared_redis
 from picker.cache.store import CLEAR_BATCH, RedisCacheStore
-from picker.config import RedisConfig
+from picker.config import ConfigError, RedisConfig, parse_settings
 from tests.support.poll import async_wait_until
 from tests.support.valkey import ValkeyProcess, free_port, valkey_server  # noqa: F401  (the fixture)
 
@@ -262,6 +262,7 @@ async def test_a_prefix_that_covers_the_kv_index_keys_does_not_clear_them(
         assert sorted(await raw.keys("*")) == [b"cr:kvidx:b:sim-0", b"cr:kvidx:backends"]
     finally:
         await s.client.aclose(close_connection_pool=True)
-    inside = RedisConfig(url=valkey_server.url, key_prefix="cr:kvidx:resp:")
-    with pytest.raises(ValueError, match=r"response_cache\.redis\.key_prefix"):
-        RedisCacheStore(inside, build_redis(inside))
+    # a prefix inside the index's keys: refused by the config, with its path
+    with pytest.raises(ConfigError) as exc:
+        parse_settings({"response_cache": {"redis": {"key_prefix": "cr:kvidx:resp:"}}})
+    assert "response_cache.redis.key_prefix" in [p for p, _ in exc.value.problems], exc.value.problems
