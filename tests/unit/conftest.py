@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq.asyncio
 
+from tests.support.admin_redis import admin  # noqa: F401  (a fixture: admin clients on Redis-backed apps)
+
 
 @pytest.fixture
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:

@@ -11,18 +11,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-from redis.asyncio import Redis
+from aiohttp.test_utils import TestClient
 
-from picker.cache.redis_pool import close_shared_redis
-from picker.cache.store import RedisCacheStore
 from picker.config import parse_settings
 from picker.kv.redis_index import RedisKvIndex
 from picker.kv.tier4 import Tier4
-from picker.ops.admin import build_admin_app
 from picker.ops.metrics import PickerMetrics
 from picker.runtime.app import PickerApp
 from picker.shared.tiers import StorageTier
+from tests.support.admin_redis import require_password
 from tests.support.valkey import ValkeyProcess, free_port, valkey_server  # noqa: F401  (the fixture)
 
 TOKEN = "adm1n-t0ken"
@@ -51,32 +48,9 @@ def with_redis_index(app: PickerApp) -> RedisKvIndex:
 
 
 @pytest.fixture
-async def admin() -> AsyncIterator[Any]:
-    started: list[tuple[TestClient, PickerApp]] = []
-
-    async def start(app: PickerApp) -> TestClient:
-        client = TestClient(TestServer(build_admin_app(app)))
-        await client.start_server()
-        started.append((client, app))
-        return client
-
-    try:
-        yield start
-    finally:
-        for client, app in started:
-            await client.close()
-            if isinstance(app.cache_store, RedisCacheStore):
-                await app.cache_store.aclose()
-        await close_shared_redis()
-
-
-@pytest.fixture
 async def secured(valkey_server: ValkeyProcess) -> AsyncIterator[ValkeyProcess]:  # noqa: F811
-    raw = Redis.from_url(valkey_server.url)
-    try:
-        await raw.config_set("requirepass", PASSWORD)
-    finally:
-        await raw.aclose()
+    """The Valkey with ``requirepass`` set."""
+    await require_password(valkey_server, PASSWORD)
     yield valkey_server
 
 

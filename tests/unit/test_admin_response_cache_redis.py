@@ -9,16 +9,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
-from picker.cache.redis_pool import close_shared_redis
-from picker.cache.store import RedisCacheStore
 from picker.config import parse_settings
-from picker.ops.admin import build_admin_app, scrub
+from picker.ops.admin import scrub
 from picker.ops.metrics import PickerMetrics
 from picker.request.path import Answer, Exchange, Inbound
 from picker.runtime.app import PickerApp
+from tests.support.admin_redis import require_password
 from tests.support.valkey import ValkeyProcess, free_port, valkey_server  # noqa: F401  (the fixture)
 
 TOKEN = "adm1n-t0ken"
@@ -46,35 +44,9 @@ def make_app(url: str, **redis: Any) -> PickerApp:
 
 @pytest.fixture
 async def secured(valkey_server: ValkeyProcess) -> AsyncIterator[ValkeyProcess]:  # noqa: F811
-    """The Valkey with ``requirepass`` set (the server process is the fixture's, stopped by its pid)."""
-    raw = Redis.from_url(valkey_server.url)
-    try:
-        await raw.config_set("requirepass", PASSWORD)
-    finally:
-        await raw.aclose()
+    """The Valkey with ``requirepass`` set."""
+    await require_password(valkey_server, PASSWORD)
     yield valkey_server
-
-
-@pytest.fixture
-async def admin() -> AsyncIterator[Any]:
-    """``await admin(app)`` -> a TestClient on the app's admin; closed with the app's store and the shared pool."""
-    started: list[tuple[TestClient, PickerApp]] = []
-
-    async def start(app: PickerApp) -> TestClient:
-        client = TestClient(TestServer(build_admin_app(app)))
-        await client.start_server()
-        started.append((client, app))
-        return client
-
-    try:
-        yield start
-    finally:
-        for client, app in started:
-            await client.close()
-            store = app.response_cache.store
-            if isinstance(store, RedisCacheStore):
-                await store.aclose()
-        await close_shared_redis()
 
 
 def authed_url(server: ValkeyProcess, password: str = PASSWORD, user: str = "default") -> str:
