@@ -15,8 +15,10 @@ Request: ``{"model": ..., "input": "text" | ["text", ...], "encoding_format": "f
 
 ``base64`` is the little-endian float32 bytes of the vector (what OpenAI's Python client asks for by
 default). ``usage`` counts the simulator tokenizer's tokens (one per whitespace-separated word). Bounds: at
-most ``MAX_INPUTS`` texts of at most ``MAX_INPUT_CHARS`` characters each; anything else is refused with a
-message naming the field (``EmbeddingsError``, answered 400 by the server).
+most ``MAX_INPUTS`` texts of at most ``MAX_INPUT_CHARS`` characters each and ``MAX_TOTAL_CHARS`` in all (OpenAI
+caps a request near 300k tokens), and at most ``MAX_OUTPUT_VALUES`` coordinates in the answer (texts ×
+dimensions); anything else is refused with a message naming the field (``EmbeddingsError``, answered 400 by the
+server). The server computes a large request off its event loop (``OFFLOAD_CHARS``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ DEFAULT_DIM = 256
 MAX_DIM = 4096
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 MAX_INPUT_CHARS = 1 << 20
+MAX_TOTAL_CHARS = 2 << 20  # all texts of one request together
+MAX_OUTPUT_VALUES = 1 << 19  # texts × dimensions: 2,048 texts of the default 256, or 128 of 4,096
+OFFLOAD_CHARS = 64 << 10  # a request with more characters is computed in a worker thread by the server
 _WORD = re.compile(r"\w+")
 
 
@@ -85,7 +90,20 @@ def _inputs(raw: Any) -> list[str]:
             raise EmbeddingsError(f"input[{i}] must not be empty")
         if len(t) > MAX_INPUT_CHARS:
             raise EmbeddingsError(f"input[{i}] is longer than {MAX_INPUT_CHARS} characters")
+    total = sum(map(len, texts))
+    if total > MAX_TOTAL_CHARS:
+        raise EmbeddingsError(f"'input' has {total} characters in all; at most {MAX_TOTAL_CHARS}")
     return texts
+
+
+def input_chars(body: Mapping[str, Any]) -> int:
+    """The characters of a request's ``input`` (0 when it is not a string or a list of strings)."""
+    raw = body.get("input")
+    if isinstance(raw, str):
+        return len(raw)
+    if isinstance(raw, list):
+        return sum(len(t) for t in raw if isinstance(t, str))
+    return 0
 
 
 def embeddings_body(body: Mapping[str, Any], served_model: str) -> dict[str, Any]:
@@ -99,6 +117,10 @@ def embeddings_body(body: Mapping[str, Any], served_model: str) -> dict[str, Any
         dim = DEFAULT_DIM
     if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_DIM:
         raise EmbeddingsError(f"'dimensions' must be an integer in 1..{MAX_DIM}")
+    if len(texts) * dim > MAX_OUTPUT_VALUES:
+        raise EmbeddingsError(
+            f"'input' × 'dimensions' is {len(texts)} × {dim} coordinates; at most {MAX_OUTPUT_VALUES} in all"
+        )
     data: list[dict[str, Any]] = []
     tokens = 0
     for i, text in enumerate(texts):

@@ -49,7 +49,7 @@ from typing import Any
 from aiohttp import web
 
 from benchmarks.engine_sim.config import SimConfig
-from benchmarks.engine_sim.embeddings import EmbeddingsError, embeddings_body
+from benchmarks.engine_sim.embeddings import OFFLOAD_CHARS, EmbeddingsError, embeddings_body, input_chars
 from benchmarks.engine_sim.kv_events import KvEventPublisher, KvEventsSettings
 from benchmarks.engine_sim.prefix_cache import PagedPrefixCache
 from benchmarks.engine_sim.scheduler import BatchScheduler, RequestRejected, SimRequest, StepOutput
@@ -251,7 +251,11 @@ class EngineSimulator:
         if isinstance(body, web.Response):
             return body
         try:
-            return web.json_response(embeddings_body(body, self.config.model))
+            if input_chars(body) > OFFLOAD_CHARS:  # seconds of hashing: not on the loop that serves the engine
+                answer = await asyncio.to_thread(embeddings_body, body, self.config.model)
+            else:
+                answer = embeddings_body(body, self.config.model)
+            return web.json_response(answer)
         except EmbeddingsError as exc:
             return error_response(400, str(exc))
 

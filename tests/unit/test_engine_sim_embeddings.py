@@ -11,7 +11,16 @@ import aiohttp
 import pytest
 
 from benchmarks.engine_sim import EngineSimulator, SimConfig
-from benchmarks.engine_sim.embeddings import DEFAULT_DIM, cosine, embed_text
+from benchmarks.engine_sim.embeddings import (
+    DEFAULT_DIM,
+    MAX_DIM,
+    MAX_INPUT_CHARS,
+    MAX_OUTPUT_VALUES,
+    MAX_TOTAL_CHARS,
+    OFFLOAD_CHARS,
+    cosine,
+    embed_text,
+)
 
 FAST = SimConfig(time_scale=0.001, kv_events_enabled=False)
 
@@ -96,6 +105,18 @@ async def test_string_input_dimensions_and_base64(sim: EngineSimulator) -> None:
         ({"model": FAST.model, "input": "x", "dimensions": 0}, 400, "'dimensions'"),
         ({"model": FAST.model, "input": "x", "encoding_format": "int8"}, 400, "'encoding_format'"),
         ({"model": "other-model", "input": "x"}, 404, "does not exist"),
+        # the bounds: every text within MAX_INPUT_CHARS, all of them within MAX_TOTAL_CHARS, and the answer
+        # within MAX_OUTPUT_VALUES coordinates (texts x dimensions)
+        (
+            {"model": FAST.model, "input": ["y" * MAX_INPUT_CHARS] * (MAX_TOTAL_CHARS // MAX_INPUT_CHARS + 1)},
+            400,
+            "characters in all",
+        ),
+        (
+            {"model": FAST.model, "input": ["x"] * (MAX_OUTPUT_VALUES // MAX_DIM + 1), "dimensions": MAX_DIM},
+            400,
+            "coordinates",
+        ),
         ([1], 400, "JSON object"),
     ],
 )
@@ -103,3 +124,13 @@ async def test_bad_requests_name_the_field(sim: EngineSimulator, body: Any, stat
     got, out = await post(sim, body)
     assert got == status
     assert fragment in out["message"]
+
+
+async def test_a_large_request_is_answered_as_a_small_one(sim: EngineSimulator) -> None:
+    """Above OFFLOAD_CHARS the server computes in a worker thread: the same vectors as inline."""
+    text = "word " * (OFFLOAD_CHARS // 5 + 10)
+    got, out = await post(sim, {"model": FAST.model, "input": [text, "short"]})
+    assert got == 200
+    assert [d["index"] for d in out["data"]] == [0, 1]
+    assert out["data"][0]["embedding"] == embed_text(text)
+    assert out["data"][1]["embedding"] == embed_text("short")
