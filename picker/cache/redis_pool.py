@@ -8,6 +8,11 @@ free connection (at most the command timeout), it does not open more. redis-py's
 command fails once, and the store decides (fallback, miss); the store also bounds every command by the command
 timeout with an asyncio timeout, so waiting for a connection, connecting and the reply together never exceed it.
 
+One outage state per client (``redis_health``): the response cache's store and the Redis KV index share it, so
+an outage one of them sees is known to the other at once. A request that has waited one command timeout on a
+hung Redis in the cache lookup then does not wait another in the KV index's read (each keeps its own recovery:
+the store's health monitor, the index's ping and resync; either one's successful PING ends the shared outage).
+
 TLS: a ``rediss://`` URL, or ``tls: true`` with a ``redis://`` URL (the scheme is upgraded). The server's
 certificate is verified against the system CAs; redis-py's URL query options (``?ssl_ca_certs=/path``,
 ``ssl_cert_reqs=``...) are honoured for a private CA.
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +34,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from picker.config import RedisConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +137,49 @@ class SharedRedis:
 
 def _none() -> None:
     return None
+
+
+class RedisHealth:
+    """Whether one Redis (one client) is in an outage, as its users saw it. ``outage`` is called by a user that
+    has just decided Redis is out (refused, reset, timed out, as its own policy says); ``answered`` by one whose
+    PING or command succeeded. Users read ``down`` before a call on the request path and, while it is True,
+    answer without Redis (their fallback). No I/O and no await: a flag, a reason and counters."""
+
+    __slots__ = ("down", "outages", "reason", "reported_by", "since")
+
+    def __init__(self) -> None:
+        self.down = False
+        self.reason: str | None = None
+        self.reported_by: str | None = None
+        self.since: float | None = None  # monotonic, the start of the current outage
+        self.outages = 0
+
+    def outage(self, who: str, reason: str) -> None:
+        if self.down:
+            return
+        self.down, self.reason, self.reported_by, self.since = True, reason, who, time.monotonic()
+        self.outages += 1
+        log.info("event=redis_outage_shared reported_by=%s reason=%r", who, reason)
+
+    def answered(self) -> None:
+        if self.down:
+            self.down = False
+            log.info("event=redis_outage_over down_s=%.1f", time.monotonic() - (self.since or time.monotonic()))
+
+    def as_json(self) -> dict[str, object]:
+        return {"down": self.down, "reported_by": self.reported_by if self.down else None, "outages": self.outages}
+
+
+# bound: one entry per live client (weak keys: a closed, dropped client takes its entry with it)
+_HEALTH: weakref.WeakKeyDictionary[Redis, RedisHealth] = weakref.WeakKeyDictionary()
+
+
+def redis_health(client: Redis) -> RedisHealth:
+    """The outage state shared by every user of ``client`` (created at the first call)."""
+    health = _HEALTH.get(client)
+    if health is None:
+        health = _HEALTH[client] = RedisHealth()
+    return health
 
 
 SHARED = SharedRedis()

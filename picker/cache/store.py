@@ -18,7 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from picker.cache import CacheStoreError, CacheStoreStats
 from picker.cache.metrics import CacheStoreMetrics
-from picker.cache.redis_pool import RedisEndpoint, redis_endpoint
+from picker.cache.redis_pool import RedisEndpoint, redis_endpoint, redis_health
 from picker.config import KV_INDEX_KEY_PREFIX, RedisConfig
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,10 @@ class RedisCacheStore:
     An error reply (``OOM`` at ``maxmemory`` with ``noeviction``, ``READONLY`` from a replica, ...) is not an
     outage: it raises ``CacheStoreError`` (counted, kind ``other``: a ``set`` is not stored, a ``get`` a miss) and
     the store stays on Redis, whatever ``fallback_to_memory`` says.
+
+    The outage is shared (``redis_health``): engaging the fallback tells the Redis KV index on the same client,
+    and an outage the KV index saw first engages this fallback at the next call, without a command (and without
+    waiting a command timeout again); a command or PING that succeeds ends the shared outage.
     """
 
     def __init__(
@@ -174,6 +178,7 @@ class RedisCacheStore:
         self.metrics = metrics if metrics is not None else CacheStoreMetrics()
         self.clock = clock
         self.endpoint: RedisEndpoint = redis_endpoint(cfg)
+        self.health = redis_health(client)
         if cfg.key_prefix.startswith(KV_INDEX_KEY_PREFIX):
             raise ValueError(
                 f"response_cache.redis.key_prefix: {cfg.key_prefix!r} is inside the Redis KV index's keys "
@@ -203,7 +208,7 @@ class RedisCacheStore:
     # --- CacheStore
 
     async def get(self, key: str) -> bytes | None:
-        fallback = self._fallback
+        fallback = self._fallback if not self.health.down else self._shared_outage()
         if fallback is not None:
             value = fallback.get_now(key)
         else:
@@ -222,7 +227,7 @@ class RedisCacheStore:
         return value
 
     async def set(self, key: str, value: bytes, ttl_seconds: float) -> None:
-        fallback = self._fallback
+        fallback = self._fallback if not self.health.down else self._shared_outage()
         if ttl_seconds <= 0:
             return
         if fallback is None:
@@ -237,7 +242,7 @@ class RedisCacheStore:
         fallback.set_now(key, value, ttl_seconds)
 
     async def delete(self, key: str) -> None:
-        fallback = self._fallback
+        fallback = self._fallback if not self.health.down else self._shared_outage()
         if fallback is None:
             try:
                 await self._command("delete", self.client.unlink(self.prefix + key))
@@ -252,7 +257,7 @@ class RedisCacheStore:
     async def clear(self) -> None:
         """Delete every key under the prefix. Not on the request path (admin): each SCAN or UNLINK round trip is
         bounded by the command timeout; the number of rounds grows with the keys (``CLEAR_BATCH`` a round)."""
-        fallback = self._fallback
+        fallback = self._fallback if not self.health.down else self._shared_outage()
         if fallback is None:
             try:
                 await self._clear_redis()
@@ -335,6 +340,8 @@ class RedisCacheStore:
             raise
         self.metrics.latency[operation].observe(time.perf_counter() - start)
         self.connected = True
+        if self.health.down:
+            self.health.answered()
         return result
 
     def _failed(self, operation: str, exc: BaseException) -> None:
@@ -352,7 +359,17 @@ class RedisCacheStore:
         if outage and engage:
             self._engage_fallback()
 
+    def _shared_outage(self) -> MemoryCacheStore | None:
+        """The shared state says Redis is out (the KV index saw it): engage the fallback now, without a command
+        (when configured; without ``fallback_to_memory`` every call still tries Redis, bounded by the timeout)."""
+        if self._fallback is None and self.cfg.fallback_to_memory and not self._closed:
+            self.connected = False
+            self.last_error = f"outage reported by {self.health.reported_by}: {self.health.reason}"[:300]
+            self._engage_fallback()
+        return self._fallback
+
     def _engage_fallback(self) -> None:
+        self.health.outage("response_cache", self.last_error or "")
         self._fallback = MemoryCacheStore(
             self.cfg.fallback_capacity, max_ttl_seconds=float(self.cfg.fallback_ttl_seconds), clock=self.clock
         )

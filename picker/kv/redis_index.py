@@ -50,7 +50,12 @@ answers). After a refused or reset connection, or ``DOWN_AFTER_FAILURES`` consec
 (one slow command is not an outage), it keeps answering locally, without trying Redis, until the writer task's
 ``PING`` (every ``retry_interval_s`` × 0.5-1.5, the first up to ``RECOVERY_JITTER_S`` after the failure, so the
 pickers do not all resync at once) succeeds and its resync is done: a hung Redis costs at most
-``DOWN_AFTER_FAILURES`` calls one command timeout each per outage.
+``DOWN_AFTER_FAILURES`` calls one command timeout each per outage. The outage is shared with the response
+cache's store on the same client (``picker.cache.redis_pool.redis_health``): when this index goes down it says
+so, and an outage the store saw first (it switches at its first timeout, as the seed's fallback does) takes
+reads off Redis at the next ``holds``, without a call: a request never waits one command timeout in the cache
+lookup and another here. The recovery is this index's own (ping, resync); its successful ping ends the shared
+outage.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from picker.cache.redis_pool import redis_health
 from picker.config import KV_INDEX_KEY_PREFIX
 from picker.kv.index import InMemoryKvIndex
 from picker.routing.endpoints import BackendHold
@@ -167,6 +173,7 @@ class RedisKvIndex(InMemoryKvIndex):
     ) -> None:
         super().__init__(max_entries, ttl_seconds)
         self.client = client
+        self.health = redis_health(client)  # the outage state shared with the response cache's store
         self.prefix = key_prefix
         self.hash_prefix = (key_prefix + "b:").encode()
         self.set_key = key_prefix + "backends"
@@ -267,6 +274,8 @@ class RedisKvIndex(InMemoryKvIndex):
         now = time.monotonic()
         if now >= self._next_expiry:
             self._expire(now)  # as the in-memory lookup does: the consumer of a silent feed then asks for a snapshot
+        if self.health.down and self.stats.up:
+            self._go_down("read", f"outage reported by {self.health.reported_by}: {self.health.reason}")
         if not self.stats.up:
             self.stats.fallbacks += 1
             return self.lookup(keys)
@@ -305,17 +314,24 @@ class RedisKvIndex(InMemoryKvIndex):
             self._recover_at = time.monotonic() + self._jitter()
         refused = isinstance(exc, aioredis.ConnectionError | ConnectionError)  # refused, reset, auth: not slowness
         if self.stats.up and (refused or self._failures >= self.down_after_failures):
-            self.stats.up = False
-            self._resync_due = True  # writes may have been lost: rebuild the shared copy when it is back
-            self._queue.clear()
-            self.stats.queued_keys = 0
-            self._recover_at = time.monotonic() + self._jitter()
-            log.warning(
-                "event=kv_redis_down during=%s error=%r action=local_index retry_in_s=%.1f",
-                what,
-                str(exc)[:200] or type(exc).__name__,
-                self.retry_interval_s,
-            )
+            reason = str(exc)[:200] or type(exc).__name__
+            self._go_down(what, reason)
+            self.health.outage("kv_index", reason)
+        self._wake.set()
+
+    def _go_down(self, what: str, reason: str) -> None:
+        """Reads leave Redis until the writer's ping and resync (writes may have been lost: a resync is due)."""
+        self.stats.up = False
+        self._resync_due = True
+        self._queue.clear()
+        self.stats.queued_keys = 0
+        self._recover_at = time.monotonic() + self._jitter()
+        log.warning(
+            "event=kv_redis_down during=%s error=%r action=local_index retry_in_s=%.1f",
+            what,
+            reason,
+            self.retry_interval_s,
+        )
         self._wake.set()
 
     def _jitter(self) -> float:
@@ -329,6 +345,8 @@ class RedisKvIndex(InMemoryKvIndex):
         ``retry_interval_s`` and, once it answers, resync and read from it again. Never raises but on
         cancellation."""
         while True:
+            if self.health.down and self.stats.up:  # the store saw an outage: no write into it either
+                self._go_down("write", f"outage reported by {self.health.reported_by}: {self.health.reason}")
             if not self.stats.up or self._resync_due:
                 wait = self._recover_at - time.monotonic()  # jitter: the pickers do not all resync at once
                 if wait > 0:
@@ -423,6 +441,7 @@ class RedisKvIndex(InMemoryKvIndex):
         if not self.stats.up:
             log.info("event=kv_redis_back action=read_shared_index")
         self.stats.up = True
+        self.health.answered()
         self._down_logged = False
         return True
 

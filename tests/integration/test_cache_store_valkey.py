@@ -6,6 +6,8 @@
 - A blackholed Redis (a socket that accepts and never answers): an operation returns after about the command
   timeout (asserted only against a generous deadline), the fallback engages, and later operations send nothing
   to that socket.
+- One outage for the store and the Redis KV index on one client: whichever sees it first, the other answers
+  without a command (no second command timeout for one request), and a successful PING ends it.
 - ``rediss://`` through a TLS proxy in front of Valkey: the server is verified (a private CA via ``ssl_ca_certs``;
   without it the system CAs refuse the test certificate).
 """
@@ -24,9 +26,11 @@ from redis.asyncio import Redis
 
 from picker.cache import CacheStoreError
 from picker.cache.metrics import CacheStoreMetrics
-from picker.cache.redis_pool import close_shared_redis, shared_redis
+from picker.cache.redis_pool import close_shared_redis, redis_health, shared_redis
 from picker.cache.store import RedisCacheStore
 from picker.config import RedisConfig
+from picker.kv.redis_index import RedisKvIndex
+from picker.shared.tiers import StorageTier
 from tests.support.certs import TestCA
 from tests.support.poll import async_wait_until
 from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
@@ -188,6 +192,105 @@ async def test_a_blackholed_redis_without_fallback_raises_within_the_deadline(
         with pytest.raises(CacheStoreError):
             await asyncio.wait_for(store.get("k"), GENEROUS)
         assert not store.fallback_active and gauge(store) == 0
+    finally:
+        await store.aclose()
+        await close_shared_redis()
+
+
+def blackholed(port: int) -> RedisConfig:
+    return RedisConfig(
+        url=f"redis://127.0.0.1:{port}/0", command_timeout_ms=300, connect_timeout_ms=5000,
+        health_check_interval_seconds=3600,
+    )  # fmt: skip
+
+
+async def settled(hole: Blackhole) -> int:
+    """The bytes the blackhole has received, once anything in flight on loopback has arrived."""
+    await asyncio.sleep(0.05)
+    return hole.received
+
+
+async def test_the_store_s_outage_keeps_the_kv_index_off_redis_at_once(blackhole: tuple[Blackhole, int]) -> None:
+    """A hung Redis: the cache lookup waits one command timeout and engages the fallback; the KV index's read in
+    the same request then answers from its local index without sending anything (no second timeout)."""
+    hole, port = blackhole
+    cfg = blackholed(port)
+    client = shared_redis(cfg)
+    store = RedisCacheStore(cfg, client, CacheStoreMetrics(CollectorRegistry()))
+    index = RedisKvIndex(client, command_timeout_s=0.3, retry_interval_s=3600)
+    index.put("engine-a", [11, 12], StorageTier.GPU_HOT)
+    try:
+        assert await asyncio.wait_for(store.get("k"), GENEROUS) is None
+        assert store.fallback_active and redis_health(client).down
+        assert redis_health(client).reported_by == "response_cache"
+        sent = await settled(hole)
+        got = await asyncio.wait_for(index.holds([11, 12, 13]), GENEROUS)
+        assert got["engine-a"].blocks == 2  # the local index's answer
+        assert index.stats.errors == 0 and index.stats.fallbacks == 1 and not index.stats.up
+        assert await settled(hole) == sent  # the index sent nothing to the hung Redis
+        assert index.redis_stats()["connected"] is False
+    finally:
+        await store.aclose()
+        await index.aclose()
+        await close_shared_redis()
+
+
+async def test_the_kv_index_s_outage_engages_the_store_fallback_without_a_command(
+    blackhole: tuple[Blackhole, int],
+) -> None:
+    hole, port = blackhole
+    cfg = blackholed(port)
+    client = shared_redis(cfg)
+    store = RedisCacheStore(cfg, client, CacheStoreMetrics(CollectorRegistry()))
+    index = RedisKvIndex(client, command_timeout_s=0.3, retry_interval_s=3600, down_after_failures=1)
+    try:
+        assert await asyncio.wait_for(index.holds([1, 2]), GENEROUS) == {}
+        assert not index.stats.up and index.stats.errors == 1
+        assert redis_health(client).down and redis_health(client).reported_by == "kv_index"
+        sent = await settled(hole)
+        assert await asyncio.wait_for(store.get("k"), GENEROUS) is None
+        await asyncio.wait_for(store.set("k", b"v", 60), GENEROUS)
+        assert await asyncio.wait_for(store.get("k"), GENEROUS) == b"v"  # the fallback, at once
+        assert store.fallback_active and gauge(store) == 1
+        assert sum(store.redis_stats()["errors"].values()) == 0  # no command failed: none was sent
+        assert "kv_index" in (store.redis_stats()["last_error"] or "")
+        assert await settled(hole) == sent
+    finally:
+        await store.aclose()
+        await index.aclose()
+        await close_shared_redis()
+
+
+@pytest.mark.valkey
+async def test_a_shared_outage_ends_with_the_first_successful_ping(valkey_server: ValkeyProcess) -> None:  # noqa: F811
+    cfg = RedisConfig(url=valkey_server.url, command_timeout_ms=5000, health_check_interval_seconds=0.2)
+    client = shared_redis(cfg)
+    store = RedisCacheStore(cfg, client, CacheStoreMetrics(CollectorRegistry()))
+    try:
+        await store.set("k", b"on valkey", 60)
+        redis_health(client).outage("kv_index", "seen by the other user")  # as the KV index reports one
+        assert await store.get("k") is None  # the fallback, engaged without a command: empty
+        assert store.fallback_active
+        await async_wait_until(lambda: not store.fallback_active, timeout=GENEROUS, what="the monitor's PING")
+        assert not redis_health(client).down and redis_health(client).outages == 1
+        assert await store.get("k") == b"on valkey"
+    finally:
+        await store.aclose()
+        await close_shared_redis()
+
+
+@pytest.mark.valkey
+async def test_without_the_fallback_a_shared_outage_still_tries_redis(valkey_server: ValkeyProcess) -> None:  # noqa: F811
+    """No fallback to engage (``fallback_to_memory: false``) and no monitor of its own: the store keeps asking
+    Redis (each call bounded by the command timeout), and its success ends the shared outage."""
+    cfg = RedisConfig(url=valkey_server.url, command_timeout_ms=5000, fallback_to_memory=False)
+    client = shared_redis(cfg)
+    store = RedisCacheStore(cfg, client, CacheStoreMetrics(CollectorRegistry()))
+    try:
+        await store.set("k", b"v", 60)
+        redis_health(client).outage("kv_index", "seen by the other user")
+        assert await store.get("k") == b"v"
+        assert not store.fallback_active and not redis_health(client).down
     finally:
         await store.aclose()
         await close_shared_redis()
