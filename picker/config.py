@@ -661,9 +661,40 @@ class SemanticCacheConfig(_Section):
         return self
 
 
+# response headers a cache entry never holds, whatever response_cache.stored_headers says: hop-by-hop and framing
+# headers, per-response ones (set-cookie, date), the cache's own answer headers, content-encoding (an encoded
+# response is never stored), pseudo-headers and what Envoy or the picker set on the way out
+NEVER_STORED_HEADERS = frozenset(
+    {
+        "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+        "content-length", "set-cookie", "date", "x-cache", "x-cache-mode", "content-encoding",
+    }
+)  # fmt: skip
+NEVER_STORED_PREFIXES = (":", "x-envoy-", "x-kv-epp-")
+MAX_STORED_HEADERS = 64
+
+
+def _stored_header(v: str) -> str:
+    """A ``response_cache.stored_headers`` entry: an HTTP header name, lower-cased, that may be replayed."""
+    name = v.lower()
+    if name.startswith(NEVER_STORED_PREFIXES) or name in NEVER_STORED_HEADERS:
+        raise ValueError(
+            f"{name!r} is never stored (hop-by-hop, framing, per-response, the cache's own or set by Envoy/the picker)"
+        )
+    return _header_name(name)
+
+
+StoredHeader = Annotated[str, AfterValidator(_stored_header)]
+
+
 class ResponseCacheConfig(_Section):
     """Tier 2: whole responses of deterministic requests (temperature 0 or absent), answered by the picker.
-    ``backend`` is restart-required; the other keys hot-reloadable."""
+    ``backend`` is restart-required; the other keys hot-reloadable.
+
+    ``stored_headers``: the only response headers an entry keeps and a hit replays (an allow-list, names
+    lower-cased): any other header an engine or gateway adds (an id, a session token, a per-caller value) is
+    dropped before the entry reaches the store. At most 64 names; ``NEVER_STORED_HEADERS`` and names starting
+    with ``:``, ``x-envoy-`` or ``x-kv-epp-`` are refused."""
 
     enabled: bool = False
     backend: Literal["memory", "redis"] = "memory"
@@ -671,6 +702,9 @@ class ResponseCacheConfig(_Section):
     ttl: Duration = 300.0
     max_response_size: int = Field(1 << 20, ge=1, le=1 << 30)
     max_stream_buffer_size: int = Field(10 << 20, ge=1, le=1 << 30)
+    stored_headers: tuple[StoredHeader, ...] = Field(
+        ("content-type", "content-language"), max_length=MAX_STORED_HEADERS
+    )  # the response headers an entry keeps and a hit replays (an allow-list)
     semantic: SemanticCacheConfig = SemanticCacheConfig()
     redis: RedisConfig = RedisConfig()
 
