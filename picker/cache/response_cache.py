@@ -10,12 +10,21 @@ the request is routed with ``X-Cache: MISS`` and its response is stored when it 
 200, the body complete (its ``end_of_stream`` seen) and within ``max_response_size`` (a stream: within the smaller
 of ``max_stream_buffer_size`` and ``max_response_size``: the seed buffers a stream up to the former and makes only
 a response whose accumulated size is within the latter eligible; a complete SSE stream: its last event ``data:
-[DONE]``, Anthropic's ``message_stop``), and a finished answer (``finished_body``/``finished_stream``: JSON, no
-in-band error object or event, no ``finish_reason``/``stop_reason`` other than a normal end such as vLLM's
-``abort``). Not stored either: a ``Content-Encoding`` other than identity (``Accept-Encoding`` is not keyed) and
-``Cache-Control: no-store``/``private``. Stored headers: all but per-connection, per-response and caching ones
-(``_NOT_STORED``, ``_NOT_STORED_PREFIXES``: ids, dates, rate-limit state, the caller's organisation, Envoy's).
-Not eligible: routed with ``X-Cache: BYPASS``.
+[DONE]``, Anthropic's ``message_stop``), and a finished answer (``finished_body``/``finished_stream``, strict per
+API: JSON, no in-band error object or event; chat and completions: a non-empty ``choices`` whose every choice
+(a stream: every choice index seen, its last non-null ``finish_reason``) ended with ``stop``, ``length``,
+``tool_calls`` or ``function_call``: no ``finish_reason`` at all, a null, vLLM's or SGLang's ``abort`` are not
+finished; Anthropic: ``stop_reason`` (a stream: in a ``message_delta``) ``end_turn``, ``max_tokens``,
+``stop_sequence`` or ``tool_use``); the others are counted ``unfinished`` in ``not_stored``. Not stored either: a
+``Content-Encoding`` other than identity (``Accept-Encoding`` is not keyed) and ``Cache-Control:
+no-store``/``private``. Stored headers: an allow-list, ``response_cache.stored_headers`` (hot-reloadable,
+default ``content-type`` and ``content-language``), applied when the entry is built: any other header (an id, a
+session token, a per-caller ``x-user-...`` an engine or gateway added) never reaches the store, memory or Redis,
+so it is never replayed to another caller; a hit also replays only the names the list holds now (an entry
+written by an older version or before a name left the list). The config refuses names that must never be
+replayed (``picker.config.NEVER_STORED_HEADERS``: hop-by-hop and framing headers, ``set-cookie``, ``date``, the
+cache's own, ``content-encoding``; pseudo-headers, ``x-envoy-*``, ``x-kv-epp-*``). Not eligible: routed with
+``X-Cache: BYPASS``.
 
 The key (``cache_key``) is the seed's SHA-256, hex, over these bytes::
 
@@ -103,18 +112,6 @@ _SEP = b"\x00"
 # request headers that shape the answer, keyed when present (lower-case names: the request path's headers)
 SHAPING_HEADERS = ("anthropic-beta", "anthropic-version")
 _KEYED_FIELDS = ("model", "messages", "prompt", "temperature", "max_tokens", "top_p")
-# response headers never stored: per-connection, per-response (ids, timings, rate-limit state, the caller's
-# organisation), caching directives, or set by the proxy/picker on the way out
-_NOT_STORED = frozenset(
-    {
-        "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-        "content-length", "date", "set-cookie", "x-request-id", X_CACHE, X_CACHE_MODE, "server",
-        "request-id", "anthropic-organization-id", "openai-organization", "openai-project", "openai-processing-ms",
-        "cache-control", "expires", "age", "etag", "last-modified", "vary", "via", "alt-svc", "retry-after",
-        "content-encoding", "strict-transport-security", "cf-ray", "www-authenticate",
-    }
-)  # fmt: skip
-_NOT_STORED_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-", "x-envoy-", "x-amzn-", "x-kv-epp-")
 LINK_HEADER = ":kv-epp-semantic-key"  # an exact entry's pseudo-header: its semantic copy's key (never sent)
 _NO_STORE_DIRECTIVES = frozenset({"no-store", "private"})
 _OPENAI_FINISHED = frozenset({"stop", "length", "tool_calls", "function_call"})
@@ -261,10 +258,14 @@ class CacheEntry:
         """The key of this exact entry's semantic copy (the ``LINK_HEADER`` pseudo-header), if any."""
         return next((v for k, v in self.headers if k == LINK_HEADER), None)
 
-    def answer(self, semantic: bool = False) -> Answer:
+    def answer(self, semantic: bool = False, allowed: frozenset[str] | None = None) -> Answer:
         """The picker's answer on a hit (``semantic``: a similar question's entry, ``X-Cache-Mode: semantic``);
-        pseudo-headers (``:``...) are the cache's own and never sent."""
-        stored = tuple((k, v) for k, v in self.headers if not k.startswith(":"))
+        pseudo-headers (``:``...) are the cache's own and never sent. ``allowed``: the headers replayed (the
+        current ``stored_headers``: an entry written before a header left the list, or by another picker on the
+        same Redis, replays no more than this picker would store)."""
+        stored = tuple(
+            (k, v) for k, v in self.headers if not k.startswith(":") and (allowed is None or k.lower() in allowed)
+        )
         if semantic:
             headers = (*stored, (X_CACHE, HIT), (X_CACHE_MODE, "semantic"))
             return Answer(self.status, self.body, "kv_epp_response_cache_semantic_hit", headers)
@@ -332,52 +333,55 @@ def _is_error(obj: Any) -> bool:
     return isinstance(obj, dict) and ("error" in obj or obj.get("object") == "error" or obj.get("type") == "error")
 
 
-def _choices_finished(choices: Any, reasons: dict[str, Any]) -> bool:
-    """Record each choice's ``finish_reason`` (by index) in ``reasons``; False on a malformed choice or an
-    error object."""
-    if choices is None:
-        return True
-    if not isinstance(choices, list):
-        return False
-    for c in choices:
-        if not isinstance(c, dict) or _is_error(c):
-            return False
-        if "finish_reason" in c:
-            reason = c["finish_reason"]
-            if reason is not None or str(c.get("index", 0)) not in reasons:
-                reasons[str(c.get("index", 0))] = reason
-    return True
+def _choice_index(c: Any) -> int | None:
+    """A choice's ``index`` (0 when absent, as a single-choice answer may omit it); None when the choice is not an
+    object, is an error object or has an index that is not an integer."""
+    if not isinstance(c, dict) or _is_error(c):
+        return None
+    i = c.get("index", 0)
+    return i if isinstance(i, int) and not isinstance(i, bool) else None
 
 
 def finished_body(api: str, body: bytes) -> bool:
-    """A non-streamed body that is a finished answer: a JSON object, no error object, every choice's
-    ``finish_reason`` (when the choice has one) ``stop``, ``length``, ``tool_calls`` or ``function_call``
-    (vLLM's ``abort``, a null: not finished); Anthropic's ``stop_reason`` (when present) ``end_turn``,
-    ``max_tokens``, ``stop_sequence`` or ``tool_use``. A body without these fields (not OpenAI/Anthropic-shaped)
-    is judged by the first two rules alone."""
+    """A non-streamed body that is a finished answer, strictly per API. A JSON object with no error object, and:
+    chat and completions: a non-empty ``choices`` list whose every choice has a ``finish_reason`` in ``stop``,
+    ``length``, ``tool_calls``, ``function_call`` (absent, null, vLLM's and SGLang's ``abort``, anything else: not
+    finished); Anthropic: a ``stop_reason`` in ``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``
+    (absent, null, ``refusal``, ``pause_turn``: not finished). Any other API: never."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
         return False
     if not isinstance(obj, dict) or _is_error(obj):
         return False
-    if "stop_reason" in obj and obj["stop_reason"] not in _ANTHROPIC_FINISHED:
+    if api == "anthropic":
+        return obj.get("stop_reason") in _ANTHROPIC_FINISHED
+    if api not in ("chat", "completions"):
         return False
-    reasons: dict[str, Any] = {}
-    return _choices_finished(obj.get("choices"), reasons) and all(r in _OPENAI_FINISHED for r in reasons.values())
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    return all(_choice_index(c) is not None and c.get("finish_reason") in _OPENAI_FINISHED for c in choices)
 
 
 def finished_stream(api: str, events: Sequence[tuple[str | None, bytes]]) -> bool:
-    """A complete stream (``complete_stream``) that ended well: every event's data JSON (but OpenAI's
-    ``[DONE]``), no error event or object (vLLM's in-band ``data: {"error": ...}`` before ``[DONE]``), each
-    choice's last ``finish_reason`` as in ``finished_body``, Anthropic's ``message_delta`` ``stop_reason`` too."""
+    """A complete stream (``complete_stream``) that ended well, strictly per API: every event's data JSON (but
+    OpenAI's ``[DONE]``), no error event or object (vLLM's in-band ``data: {"error": ...}`` before ``[DONE]``), and:
+    chat and completions: at least one choice seen, and for every choice index seen, the last non-null
+    ``finish_reason`` it got is in ``finished_body``'s set (a ``choices`` that is not a list, or a malformed
+    choice: not finished; an event without ``choices``, such as a usage chunk with ``[]``, adds nothing);
+    Anthropic: a ``message_delta`` whose last non-null ``stop_reason`` is in ``finished_body``'s set."""
     if not complete_stream(api, events):
         return False
-    reasons: dict[str, Any] = {}
+    anthropic = api == "anthropic"
+    if not anthropic and api not in ("chat", "completions"):
+        return False
+    reasons: dict[int, Any] = {}  # choice index -> its last non-null finish_reason (None: none yet)
+    stop_reason: Any = None
     for kind, data in events:
         if kind == "error":
             return False
-        if api != "anthropic" and data.strip() == _OPENAI_STREAM_END:
+        if not anthropic and data.strip() == _OPENAI_STREAM_END:
             continue
         try:
             obj = orjson.loads(data)
@@ -385,16 +389,28 @@ def finished_stream(api: str, events: Sequence[tuple[str | None, bytes]]) -> boo
             return False
         if not isinstance(obj, dict) or _is_error(obj):
             return False
-        delta = obj.get("delta")
-        if (
-            obj.get("type") == "message_delta"
-            and isinstance(delta, dict)
-            and delta.get("stop_reason", "end_turn") not in _ANTHROPIC_FINISHED
-        ):
+        if anthropic:
+            delta = obj.get("delta")
+            if obj.get("type") == "message_delta" and isinstance(delta, dict) and delta.get("stop_reason") is not None:
+                stop_reason = delta["stop_reason"]
+            continue
+        choices = obj.get("choices")
+        if choices is None:
+            continue
+        if not isinstance(choices, list):
             return False
-        if not _choices_finished(obj.get("choices"), reasons):
-            return False
-    return all(r in _OPENAI_FINISHED for r in reasons.values())
+        for c in choices:
+            i = _choice_index(c)
+            if i is None:
+                return False
+            reason = c.get("finish_reason")
+            if reason is not None:
+                reasons[i] = reason
+            else:
+                reasons.setdefault(i, None)
+    if anthropic:
+        return stop_reason in _ANTHROPIC_FINISHED
+    return bool(reasons) and all(r in _OPENAI_FINISHED for r in reasons.values())
 
 
 # -- the stage and the observer --------------------------------------------------------------------------
@@ -461,6 +477,7 @@ class ResponseCache:
         self.ttl = cfg.ttl
         self.max_response = cfg.max_response_size
         self.max_stream = cfg.max_stream_buffer_size
+        self.stored_headers = frozenset(cfg.stored_headers)  # validated: lower-case, never a refused name
         sem = cfg.semantic
         self.semantic_ttl = sem.ttl if sem.ttl is not None else cfg.ttl
         self.semantic_on = sem.enabled and self.embeddings is not None and self.index is not None
@@ -516,7 +533,7 @@ class ResponseCache:
                 log.warning("event=response_cache_bad_entry key=%s error=%s", key, exc)
             else:
                 self._count("hit")
-                return entry.answer()
+                return entry.answer(allowed=self.stored_headers)
         semantic: SemanticPending | None = None
         if self.semantic_on and isinstance(data, dict) and (semantic_ok is None or semantic_ok()):
             looked = await self._semantic(facts, data)
@@ -567,7 +584,7 @@ class ResponseCache:
             if entry is not None:
                 if m is not None:
                     m.hit.inc()
-                return entry.answer(semantic=True)
+                return entry.answer(semantic=True, allowed=self.stored_headers)
             index.remove(match.key)  # its body is gone from the store (evicted, expired, cleared)
         if m is not None:
             m.miss.inc()
@@ -674,11 +691,8 @@ class ResponseCache:
     def _entry(self, ex: Exchange, body: bytes) -> CacheEntry | None:
         """The entry to store, or None when the body is not a finished answer (``finished_body``,
         ``finished_stream``)."""
-        headers = tuple(
-            (k, v)
-            for k, v in ex.resp_headers
-            if k not in _NOT_STORED and not k.startswith((":", *_NOT_STORED_PREFIXES))
-        )
+        allowed = self.stored_headers
+        headers = tuple((k, v) for k, v in ex.resp_headers if k.lower() in allowed)  # the allow-list only
         if not ex.facts.stream:
             return CacheEntry(200, headers, body) if finished_body(ex.facts.api, body) else None
         events = sse_events(body)

@@ -1,5 +1,9 @@
 """A tiny OpenAI-shaped upstream for picker tests: answers with its own name, can stream, fail or stall.
 
+Its answers are finished ones, as an engine's (the response cache stores only those): a JSON answer carries one
+choice with ``finish_reason: stop`` (on ``/v1/messages`` also ``stop_reason: end_turn``), a stream's last token
+chunk ``finish_reason: length`` (as vLLM's last chunk when ``max_tokens`` ran out), the chunks before it null.
+
 Run: python -m tests.support.echo_backend --ports 8001,8002 | --count N [--names a,b]
 Once every port listens it prints ``echo-backend ready ports=P1,P2,...`` on stdout.
 Control (per port): POST /control {"fail": true|false, "delay_ms": N}
@@ -48,15 +52,23 @@ def make_app(name: str) -> web.Application:
             if data.get("stream"):
                 resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
                 await resp.prepare(request)
-                for i in range(int(data.get("max_tokens") or 5)):
-                    chunk = {"backend": name, "index": i, "choices": [{"delta": {"content": f"tok{i} "}}]}
+                n = int(data.get("max_tokens") or 5)
+                for i in range(n):
+                    choice = {"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}
+                    if i == n - 1:
+                        choice["finish_reason"] = "length"
+                    chunk = {"backend": name, "index": i, "choices": [choice]}
                     await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return resp
-            return web.json_response(
-                {"backend": name, "body_bytes": len(body), "echo_model": data.get("model")}, headers=headers
-            )
+            answer = {"backend": name, "body_bytes": len(body), "echo_model": data.get("model")}
+            answer["choices"] = [
+                {"index": 0, "message": {"role": "assistant", "content": name}, "finish_reason": "stop"}
+            ]
+            if request.path == "/v1/messages":
+                answer.update(type="message", stop_reason="end_turn", content=[{"type": "text", "text": name}])
+            return web.json_response(answer, headers=headers)
         finally:
             state["active"] -= 1
 

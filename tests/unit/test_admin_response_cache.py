@@ -70,7 +70,7 @@ async def store_one(app: PickerApp, content: str) -> str:
     assert isinstance(ex, Exchange) and ex.cache_key is not None
     ex.resp_headers = ((":status", "200"), ("content-type", "application/json"))
     ex.response_headers(200)
-    ex.response_body(b'{"choices":[{"message":{"content":"' + content.encode() + b'"}}]}', True)
+    ex.response_body(b'{"choices":[{"message":{"content":"' + content.encode() + b'"},"finish_reason":"stop"}]}', True)
     await app.response_cache.flush()
     return ex.cache_key
 

@@ -24,7 +24,7 @@ from picker.cache.response_cache import (
     sse_events,
     sse_replay,
 )
-from picker.config import parse_settings
+from picker.config import ConfigError, parse_settings
 from picker.ops.metrics import PickerMetrics
 from picker.request.facts import RequestFacts, parse_request
 from picker.request.path import Answer, Exchange, Inbound
@@ -211,6 +211,9 @@ async def route(app: PickerApp, data: dict[str, Any], headers: dict[str, str] | 
     return await app.path.route(Inbound(CHAT, {":method": "POST", **(headers or {})}, json.dumps(data).encode()))
 
 
+OK = b'{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}'  # a finished completions-shaped answer
+
+
 def respond(ex: Exchange, body: list[bytes], status: int = 200, ctype: str = "application/json") -> None:
     ex.resp_headers = ((":status", str(status)), ("content-type", ctype), ("date", "now"), ("x-engine", "e1"))
     ex.response_headers(status)
@@ -222,12 +225,14 @@ async def test_miss_is_stored_then_hit_without_routing() -> None:
     app, cache, store = make()
     ex = await route(app, req(temperature=0))
     assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_key is not None and ex.wants_body
-    respond(ex, [b'{"choices":', b'[{"text":"ok"}]}'])
+    respond(ex, [OK[:11], OK[11:]])
     await cache.flush()
     assert list(store.data) == [ex.cache_key] and store.ttls[ex.cache_key] == 300.0
+    # only the allow-list (response_cache.stored_headers) reaches the store: no date, no engine header
+    assert CacheEntry.decode(store.data[ex.cache_key]).headers == (("content-type", "application/json"),)
     hit = await route(app, req(temperature=0))
-    assert isinstance(hit, Answer) and hit.status == 200 and hit.body == b'{"choices":[{"text":"ok"}]}'
-    assert dict(hit.headers) == {"content-type": "application/json", "x-engine": "e1", "x-cache": "HIT"}
+    assert isinstance(hit, Answer) and hit.status == 200 and hit.body == OK
+    assert dict(hit.headers) == {"content-type": "application/json", "x-cache": "HIT"}
     assert app.pool.in_flight() == {"a": 0, "b": 0}
     assert (count(app, "hit"), count(app, "miss"), count(app, "skip")) == (1, 1, 0)
     assert cache.buffered == 0
@@ -285,24 +290,28 @@ async def test_declared_length_over_the_bound_is_not_buffered() -> None:
 
 
 async def test_all_buffers_together_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rc, "MAX_BUFFERED_TOTAL", 20)
+    monkeypatch.setattr(rc, "MAX_BUFFERED_TOTAL", len(OK) + 20)
     app, cache, _ = make()
     one, two = await route(app, req(temperature=0)), await route(app, req(temperature=0, seed=2))
     assert isinstance(one, Exchange) and isinstance(two, Exchange)
     for ex in (one, two):
         ex.resp_headers = ()
         ex.response_headers(200)
-    one.response_body(b'{"a":1', False)
-    two.response_body(b'{"b":"123456789', False)  # 21 > 20 together: the second is dropped, the first goes on
-    assert one.cache_buf is not None and two.cache_buf is None and cache.buffered == 6
-    one.response_body(b"}", True)  # its entry (16 bytes encoded) fits the bound
+    one.response_body(OK[:-1], False)
+    two.response_body(b'{"b":"12345678901234567', False)  # 21 over the rest: the second is dropped, the first goes on
+    assert one.cache_buf is not None and two.cache_buf is None and cache.buffered == len(OK) - 1
+    one.response_body(OK[-1:], True)  # its entry (the body + 9 bytes encoded) fits the bound
     await cache.flush()
     assert cache.buffered == 0 and cache.not_stored == {"buffer_full": 1} and cache.stored == 1
 
 
 async def test_stream_stored_as_replayable_sse_and_incomplete_streams_are_not() -> None:
     app, cache, store = make()
-    sse = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', b'data: {"choices":[]}\n\ndata: [DONE]\n\n']
+    sse = [
+        b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: {"choices":[]}\n\n'
+        b"data: [DONE]\n\n",
+    ]
     ex = await route(app, req(temperature=0, stream=True))
     assert isinstance(ex, Exchange)
     respond(ex, sse, ctype="text/event-stream")
@@ -324,7 +333,7 @@ async def test_store_failures_are_misses() -> None:
     app, cache, _ = make(store)
     ex = await route(app, req(temperature=0))
     assert isinstance(ex, Exchange) and ex.x_cache == "MISS"
-    respond(ex, [b"{}"])
+    respond(ex, [OK])
     await cache.flush()
     assert cache.not_stored == {"store_error": 1}
     store.fail = False
@@ -337,7 +346,7 @@ async def test_tenants_do_not_share_entries() -> None:
     app, cache, _ = make()
     ex = await route(app, req(temperature=0), {"x-tenant-id": "t1"})
     assert isinstance(ex, Exchange)
-    respond(ex, [b"{}"])
+    respond(ex, [OK])
     await cache.flush()
     other = await route(app, req(temperature=0), {"x-tenant-id": "t2"})
     assert isinstance(other, Exchange) and other.x_cache == "MISS"
@@ -375,6 +384,17 @@ STREAM_OK = [
         pytest.param(b'{"object":"error","message":"x"}', id="vllm-error"),
         pytest.param(b'{"choices":[{"message":{"content":"tru', id="unparsable"),
         pytest.param(b"[1,2]", id="not-an-object"),
+        # accepted as finished before: no finish_reason at all, no choices, an empty list, one choice unfinished
+        pytest.param(b'{"choices":[{"index":0,"message":{"content":"par"}}]}', id="no-finish-reason"),
+        pytest.param(b'{"id":"x","object":"chat.completion"}', id="no-choices"),
+        pytest.param(b'{"choices":[]}', id="empty-choices"),
+        pytest.param(b'{"choices":{"0":{"finish_reason":"stop"}}}', id="choices-not-a-list"),
+        pytest.param(
+            b'{"choices":[{"index":0,"finish_reason":"stop"},{"index":1,"message":{"content":"p"}}]}',
+            id="one-of-two-unfinished",
+        ),
+        pytest.param(b'{"choices":[{"index":"0","finish_reason":"stop"}]}', id="index-not-an-integer"),
+        pytest.param(b'{"choices":[{"index":0,"finish_reason":"content_filter"}]}', id="content-filter"),
     ],
 )
 async def test_an_unfinished_or_error_body_is_not_stored(body: bytes) -> None:
@@ -397,6 +417,28 @@ async def test_an_unfinished_or_error_body_is_not_stored(body: bytes) -> None:
             id="aborted",
         ),
         pytest.param([STREAM_OK[0], b"data: [DONE]\n\n"], id="no-finish-reason-after-null"),
+        # accepted as finished before: no finish_reason key anywhere, no choice at all, one index of two unfinished
+        pytest.param(
+            [b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n', b"data: [DONE]\n\n"],
+            id="no-finish-reason-key",
+        ),
+        pytest.param([b'data: {"choices":[]}\n\n', b"data: [DONE]\n\n"], id="no-choice"),
+        pytest.param([b'data: {"id":"x"}\n\n', b"data: [DONE]\n\n"], id="no-choices-key"),
+        pytest.param(
+            [
+                b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null},'
+                b'{"index":1,"delta":{"content":"b"},"finish_reason":null}]}\n\n',
+                b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n',
+            ],
+            id="one-index-of-two-unfinished",
+        ),
+        pytest.param(
+            [
+                b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+                b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"abort"}]}\n\ndata: [DONE]\n\n',
+            ],
+            id="last-reason-abort",
+        ),
         pytest.param([b"data: {not json}\n\n", b"data: [DONE]\n\n"], id="unparsable-event"),
     ],
 )
@@ -430,20 +472,118 @@ def test_anthropic_endings() -> None:
     assert not rc.finished_body("anthropic", b'{"type":"error","error":{"type":"api_error"}}')
 
 
-async def test_per_response_headers_are_not_replayed_and_encoded_or_private_responses_are_not_stored() -> None:
-    app, cache, store = make()
-    ex = await route(app, req(temperature=0))
+def test_finished_is_strict_per_api() -> None:
+    """Accepted before: an answer with no finish_reason/stop_reason at all, or the other API's shape."""
+    start = b'event: message_start\ndata: {"type":"message_start","message":{"stop_reason":null}}\n\n'
+    stop = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    delta = b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":%s}}\n\n'
+    for raw, want in (
+        (start + stop, False),  # no message_delta
+        (start + delta % b"null" + stop, False),
+        (start + delta % b'"max_tokens"' + stop, True),
+        (start + delta % b'"pause_turn"' + stop, False),
+        (start + delta % b'"tool_use"' + delta % b"null" + stop, True),  # the last non-null reason
+    ):
+        events = sse_events(raw)
+        assert events is not None and rc.finished_stream("anthropic", events) is want, raw
+    assert not rc.finished_body("anthropic", b'{"type":"message","content":[]}')  # no stop_reason
+    assert not rc.finished_body("anthropic", b'{"choices":[{"index":0,"finish_reason":"stop"}]}')  # OpenAI-shaped
+    openai = b'{"choices":[{"index":0,"finish_reason":"tool_calls"},{"index":1,"finish_reason":"length"}]}'
+    assert rc.finished_body("chat", openai) and rc.finished_body("completions", openai)
+    assert not rc.finished_body("chat", b'{"stop_reason":"end_turn"}')  # Anthropic-shaped on an OpenAI path
+    assert not rc.finished_body("responses", openai)
+    two = sse_events(
+        b'data: {"choices":[{"index":1,"delta":{},"finish_reason":"stop"}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"function_call"}]}\n\n'
+        b'data: {"choices":[],"usage":{"total_tokens":3}}\n\ndata: [DONE]\n\n'
+    )
+    assert two is not None and rc.finished_stream("chat", two) and rc.finished_stream("completions", two)
+
+
+UPSTREAM_HEADERS = (
+    ("content-type", "application/json"), ("content-language", "en"), ("request-id", "req_1"),
+    ("anthropic-organization-id", "org"), ("x-ratelimit-remaining-requests", "9"),
+    ("x-envoy-upstream-service-time", "3"), ("x-engine", "e1"), ("x-user-session", "alice-token"),
+    ("set-cookie", "sid=alice"), ("X-Caller-Id", "alice"), ("date", "now"),
+)  # fmt: skip
+
+
+async def store_with(app: PickerApp, cache: ResponseCache, **fields: Any) -> Exchange:
+    ex = await route(app, req(temperature=0, **fields))
     assert isinstance(ex, Exchange)
-    ex.resp_headers = (
-        ("content-type", "application/json"), ("request-id", "req_1"), ("anthropic-organization-id", "org"),
-        ("x-ratelimit-remaining-requests", "9"), ("x-envoy-upstream-service-time", "3"), ("x-engine", "e1"),
-    )  # fmt: skip
+    ex.resp_headers = UPSTREAM_HEADERS
     ex.response_headers(200)
     ex.response_body(b'{"choices":[{"finish_reason":"stop"}]}', True)
     await cache.flush()
+    return ex
+
+
+async def test_only_the_allow_listed_headers_are_stored_and_replayed() -> None:
+    """The old deny-list stored (and replayed to other callers) any header it did not name: a per-caller id, a
+    session token, an ``x-user-...``. Only ``response_cache.stored_headers`` reach the store now."""
+    app, cache, store = make()
+    ex = await store_with(app, cache)
+    stored = CacheEntry.decode(store.data[str(ex.cache_key)]).headers  # filtered before the store: not at replay
+    assert stored == (("content-type", "application/json"), ("content-language", "en"))
+    hit = await route(app, req(temperature=0), {"authorization": "Bearer bob"})  # another caller
+    assert isinstance(hit, Answer)
+    assert dict(hit.headers) == {"content-type": "application/json", "content-language": "en", "x-cache": "HIT"}
+    assert "x-engine" not in dict(hit.headers) and "x-user-session" not in dict(hit.headers)
+
+
+async def test_configured_stored_headers_are_replayed_and_the_list_is_hot_reloadable() -> None:
+    app, cache, store = make(stored_headers=["content-type", "x-engine", "X-Caller-Id"])
+    assert cache.stored_headers == {"content-type", "x-engine", "x-caller-id"}  # lower-cased by the config
+    ex = await store_with(app, cache)
     hit = await route(app, req(temperature=0))
     assert isinstance(hit, Answer)
-    assert dict(hit.headers) == {"content-type": "application/json", "x-engine": "e1", "x-cache": "HIT"}
+    assert dict(hit.headers) == {"content-type": "application/json", "x-engine": "e1", "X-Caller-Id": "alice",
+                                 "x-cache": "HIT"}  # fmt: skip
+    narrower = parse_settings(
+        {"pool": {"backends": BACKENDS}, "response_cache": {"enabled": True, "stored_headers": ["content-type"]}}
+    )
+    app.apply(narrower)
+    assert CacheEntry.decode(store.data[str(ex.cache_key)]).headers[1] == ("x-engine", "e1")  # stored earlier
+    hit = await route(app, req(temperature=0))  # an older entry replays no more than the list says now
+    assert isinstance(hit, Answer) and dict(hit.headers) == {"content-type": "application/json", "x-cache": "HIT"}
+    other = await store_with(app, cache, seed=1)
+    assert CacheEntry.decode(store.data[str(other.cache_key)]).headers == (("content-type", "application/json"),)
+
+
+@pytest.mark.parametrize(
+    ("names", "path"),
+    [
+        pytest.param(["content-type", "x-engine", "set-cookie"], "response_cache.stored_headers[2]", id="set-cookie"),
+        pytest.param(["Transfer-Encoding"], "response_cache.stored_headers[0]", id="hop-by-hop"),
+        pytest.param(["x-a", "content-length"], "response_cache.stored_headers[1]", id="framing"),
+        pytest.param(["date"], "response_cache.stored_headers[0]", id="date"),
+        pytest.param(["x-cache"], "response_cache.stored_headers[0]", id="x-cache"),
+        pytest.param(["x-cache-mode"], "response_cache.stored_headers[0]", id="x-cache-mode"),
+        pytest.param(["content-encoding"], "response_cache.stored_headers[0]", id="content-encoding"),
+        pytest.param([":status"], "response_cache.stored_headers[0]", id="pseudo"),
+        pytest.param(["x-envoy-upstream-service-time"], "response_cache.stored_headers[0]", id="envoy"),
+        pytest.param(["x-kv-epp-endpoint"], "response_cache.stored_headers[0]", id="picker"),
+        pytest.param(["x engine"], "response_cache.stored_headers[0]", id="not-a-token"),
+        pytest.param(["x-a", ""], "response_cache.stored_headers[1]", id="empty"),
+        pytest.param([f"x-h{i}" for i in range(65)], "response_cache.stored_headers", id="too-many"),
+        pytest.param("content-type", "response_cache.stored_headers", id="not-a-list"),
+    ],
+)
+def test_stored_headers_are_validated_with_the_path_of_the_bad_key(names: Any, path: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_settings({"response_cache": {"stored_headers": names}})
+    assert [p for p, _ in err.value.problems] == [path], err.value.problems
+
+
+def test_stored_headers_default_and_bound() -> None:
+    assert parse_settings({}).response_cache.stored_headers == ("content-type", "content-language")
+    names = [f"x-h{i}" for i in range(64)]
+    assert parse_settings({"response_cache": {"stored_headers": names}}).response_cache.stored_headers == tuple(names)
+
+
+async def test_encoded_or_private_responses_are_not_stored() -> None:
+    app, cache, store = make()
+    await store_with(app, cache, seed=99)
     for i, header in enumerate(
         [("content-encoding", "gzip"), ("cache-control", "no-store"), ("cache-control", "max-age=0, Private")]
     ):

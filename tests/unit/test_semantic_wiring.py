@@ -40,7 +40,10 @@ QUESTION = (
 NEAR = QUESTION.replace("three", "four")
 SYSTEM = "You answer questions about kv-epp."
 TOOLS = [{"type": "function", "function": {"name": "search_docs", "parameters": {"type": "object"}}}]
-ANSWER = b'{"choices":[{"message":{"role":"assistant","content":"Set response_cache.capacity."}}]}'
+ANSWER = (
+    b'{"choices":[{"index":0,"message":{"role":"assistant","content":"Set response_cache.capacity."},'
+    b'"finish_reason":"stop"}]}'
+)
 
 
 @pytest.fixture
@@ -59,7 +62,7 @@ def sim_url(sim: EngineSimulator) -> str:
 
 def settings(
     backend: str, *, enabled: bool = True, timeout_ms: int = 5000, semantic_extra: dict[str, Any] | None = None,
-    **extra: Any,
+    cache_extra: dict[str, Any] | None = None, **extra: Any,
 ) -> Any:  # fmt: skip
     semantic = {"enabled": enabled, "backend": backend, "embedding_model": EMB, "embedding_timeout_ms": timeout_ms}
     semantic.update(semantic_extra or {})
@@ -67,7 +70,7 @@ def settings(
         {
             "pool": {"backends": BACKENDS},
             "admin": {"enabled": False},
-            "response_cache": {"enabled": True, "semantic": semantic},
+            "response_cache": {"enabled": True, "semantic": semantic, **(cache_extra or {})},
             **extra,
         }
     )
@@ -121,13 +124,27 @@ async def test_near_duplicate_is_a_semantic_hit(sim: EngineSimulator) -> None:
         assert isinstance(hit, Answer), hit
         headers = dict(hit.headers)
         assert headers["x-cache"] == "HIT" and headers["x-cache-mode"] == "semantic"
-        assert hit.body == ANSWER and headers["x-engine"] == "e1"
+        assert hit.body == ANSWER and headers["content-type"] == "application/json"
+        assert "x-engine" not in headers  # not in response_cache.stored_headers (the default): never replayed
         assert app.pool.in_flight() == {"a": 0, "b": 0}  # no engine slot taken
         exact = await route(app, chat(QUESTION))  # the same question: the exact entry, no mode header
         assert isinstance(exact, Answer) and "x-cache-mode" not in dict(exact.headers)
         rc = "continuum_response_cache_requests_total"
         assert (sample(app, rc, "hit"), sample(app, rc, "miss")) == (2, 1)
         assert (semantic_count(app, "hit"), semantic_count(app, "miss"), semantic_count(app, "error")) == (1, 1, 0)
+    finally:
+        await app.embeddings.close()
+
+
+async def test_a_configured_stored_header_is_replayed_on_a_semantic_hit(sim: EngineSimulator) -> None:
+    app = make(sim_url(sim), cache_extra={"stored_headers": ["content-type", "x-engine"]})
+    try:
+        first = await route(app, chat(QUESTION))
+        assert isinstance(first, Exchange) and isinstance(first.cache_semantic, SemanticPending)
+        await answer(app, first)
+        hit = await route(app, chat(NEAR))
+        assert isinstance(hit, Answer) and dict(hit.headers).get("x-cache-mode") == "semantic", hit
+        assert dict(hit.headers)["x-engine"] == "e1"
     finally:
         await app.embeddings.close()
 
