@@ -317,6 +317,7 @@ class RedisCacheStore:
             "fallback_active": self.fallback_active,
             "fallback_entries": len(self._fallback) if self._fallback is not None else 0,
             "fallback_switches": self.fallback_switches,
+            "shared_outage": self.health.as_json(),  # the outage state shared with the Redis KV index
             "errors": dict(self.errors),
             "last_error": self.last_error,
         }

@@ -491,6 +491,7 @@ class RedisKvIndex(InMemoryKvIndex):
         s = self.stats
         return {
             "connected": s.up,
+            "shared_outage": self.health.as_json(),  # as the response cache's store on the same pool sees it too
             "lookups": s.lookups,
             "fallbacks": s.fallbacks,
             "errors": s.errors,

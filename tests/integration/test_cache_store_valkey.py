@@ -254,6 +254,7 @@ async def test_the_kv_index_s_outage_engages_the_store_fallback_without_a_comman
         assert store.fallback_active and gauge(store) == 1
         assert sum(store.redis_stats()["errors"].values()) == 0  # no command failed: none was sent
         assert "kv_index" in (store.redis_stats()["last_error"] or "")
+        assert store.redis_stats()["shared_outage"] == {"down": True, "reported_by": "kv_index", "outages": 1}
         assert await settled(hole) == sent
     finally:
         await store.aclose()
