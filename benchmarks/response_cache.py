@@ -481,6 +481,14 @@ def report(res: dict[str, Any]) -> str:
             f"    the Valkey picker's own mean wait per GET in those miss phases: {gets} ms (its SET, after the "
             f"response: {sets} ms)"
         )
+    cpu = [(row["picker_memory"].get("cpu_us_per_req"), row["picker_valkey"].get("cpu_us_per_req"))
+           for row in res["rounds"]["miss"]]  # fmt: skip
+    if cpu and all(m is not None and v is not None for m, v in cpu):
+        lines.append(
+            f"    the picker process's CPU per miss (all its threads, medians of the rounds): memory store "
+            f"{statistics.median(m for m, _ in cpu):.0f} µs, Valkey store {statistics.median(v for _, v in cpu):.0f} "
+            f"µs (paired difference {statistics.median(v - m for m, v in cpu):+.0f} µs)"
+        )
     h, d = g["histogram"], g["direct"]
     if h["p99_ms"] is not None:
         lines.append(
