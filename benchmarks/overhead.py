@@ -82,8 +82,12 @@ def chat_body(system: str, stream: bool = False) -> dict[str, Any]:
     return body
 
 
-def upstream_bootstrap(port: int, admin_port: int) -> dict[str, Any]:
-    """An Envoy that answers every request itself: the trivial upstream, listening on all of 127/8.
+UPSTREAM_BODY = '{"ok":true}'
+
+
+def upstream_bootstrap(port: int, admin_port: int, body: str = UPSTREAM_BODY) -> dict[str, Any]:
+    """An Envoy that answers every request itself (``body``, status 200): the trivial upstream, listening on all
+    of 127/8.
 
     The buffer filter holds the request until its body has arrived, so the direct response goes out after
     the whole request was read: answered before its body, a request would leave the connection unusable
@@ -101,7 +105,7 @@ def upstream_bootstrap(port: int, admin_port: int) -> dict[str, Any]:
                     "routes": [
                         {
                             "match": {"prefix": "/"},
-                            "direct_response": {"status": 200, "body": {"inline_string": '{"ok":true}'}},
+                            "direct_response": {"status": 200, "body": {"inline_string": body}},
                         }
                     ],
                 }
@@ -138,10 +142,10 @@ def upstream_bootstrap(port: int, admin_port: int) -> dict[str, Any]:
     }
 
 
-def start_upstream(workdir: Path) -> tuple[ManagedProcess, int]:
+def start_upstream(workdir: Path, body: str = UPSTREAM_BODY) -> tuple[ManagedProcess, int]:
     port, admin = free_port(), free_port()
     cfg = workdir / "upstream.yaml"
-    cfg.write_text(yaml.safe_dump(upstream_bootstrap(port, admin)))
+    cfg.write_text(yaml.safe_dump(upstream_bootstrap(port, admin, body)))
     mp = spawn(
         "upstream",
         [envoy_binary(), "-c", str(cfg), "--disable-hot-restart", "--concurrency", "1", "-l", "warning"],

@@ -78,6 +78,11 @@ WARMUP_S = 0.5
 CHAT_PATH = "/v1/chat/completions"
 GET_HIST = "continuum_cache_redis_latency_seconds"
 REQUESTS_COUNTER = "continuum_response_cache_requests_total"
+# the trivial upstream's answer: a finished chat completion (the cache stores nothing else)
+FINISHED_ANSWER = (
+    '{"id":"cmpl-1","object":"chat.completion","model":"m","choices":[{"index":0,'
+    '"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}'
+)
 
 
 # -- Prometheus text, the few series read here ---------------------------------------------------------
@@ -339,7 +344,7 @@ def run(seconds: float, rounds: int, concurrency: int, plaintext: bool, gets: in
     workdir = make_workdir("kv-epp-response-cache-")
     procs: list[Any] = []
     try:
-        upstream, up_port = start_upstream(workdir)
+        upstream, up_port = start_upstream(workdir, FINISHED_ANSWER)
         procs.append(upstream)
         valkey, url = start_valkey(workdir)
         procs.append(valkey)

@@ -6,7 +6,15 @@ from typing import Any
 
 import pytest
 
-from benchmarks.response_cache import histogram_buckets, histogram_quantile, report, sample, summarize
+from benchmarks.response_cache import (
+    FINISHED_ANSWER,
+    histogram_buckets,
+    histogram_quantile,
+    report,
+    sample,
+    summarize,
+)
+from picker.cache.response_cache import finished_body
 
 TEXT = """# HELP continuum_cache_redis_latency_seconds Time
 # TYPE continuum_cache_redis_latency_seconds histogram
@@ -92,3 +100,9 @@ def test_a_phase_that_did_not_measure_what_it_claims_is_flagged() -> None:
     res = summarize(hit, miss, [], None, None, 1.0, 3.0, 8, False)
     assert len(res["problems"]) == 4
     assert report(res).count("CHECK FAILED") == 4
+
+
+def test_the_benchmark_upstream_answer_is_one_the_cache_stores() -> None:
+    """The hit phases prime the cache with the trivial upstream's answer: it must be a finished one."""
+    assert finished_body("chat", FINISHED_ANSWER.encode())
+    assert not finished_body("chat", b'{"ok":true}')  # what benchmarks.overhead's upstream answers
