@@ -117,6 +117,7 @@ _NO_STORE_DIRECTIVES = frozenset({"no-store", "private"})
 _OPENAI_FINISHED = frozenset({"stop", "length", "tool_calls", "function_call"})
 _ANTHROPIC_FINISHED = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use"})
 _ENTRY_MAGIC = b"KVR1"
+STORED_STATUS = 200  # the only status ever stored (an entry with another one is corrupt or forged: a miss)
 _OPENAI_STREAM_END = b"[DONE]"
 
 
@@ -153,7 +154,8 @@ def _tenant_bytes(tenant: str) -> bytes | None:
 
 def key_material(facts: RequestFacts, data: dict[str, Any], headers: Mapping[str, str] | None = None) -> bytes | None:
     """The bytes whose SHA-256 is the key (module docstring), or None when the request cannot be keyed (no
-    model, a NUL in the model or tenant, a tenant a lossy decode left U+FFFD in, max_tokens outside int64)."""
+    model, a NUL in the model or tenant, a tenant a lossy decode left U+FFFD in, max_tokens outside int64, a body
+    nested deeper than the canonical JSON can be written)."""
     model = facts.model
     if model is None or "\x00" in model:
         return None
@@ -167,15 +169,20 @@ def key_material(facts: RequestFacts, data: dict[str, Any], headers: Mapping[str
     rest = {k: v for k, v in data.items() if k not in _KEYED_FIELDS}
     rest["api"] = facts.api  # a body field named "api" is overwritten: the API is the path's (keyed here)
     shaping = {h: headers[h] for h in SHAPING_HEADERS if headers and h in headers}
+    try:
+        conversation_hash = hashlib.sha256(canonical_json(conversation)).digest()
+        rest_hash = hashlib.sha256(canonical_json([rest, shaping] if shaping else rest)).digest()
+    except (orjson.JSONEncodeError, TypeError):  # nested deeper than orjson writes (it reads deeper): not keyable
+        return None
     return b"".join(
         (
             model.encode("utf-8", "surrogatepass"), _SEP,
-            hashlib.sha256(canonical_json(conversation)).digest(), _SEP,
+            conversation_hash, _SEP,
             _opt_f64(facts.temperature), _SEP,
             _opt_i64(mt), _SEP,
             _opt_f64(facts.top_p), _SEP,
             _NONE if tenant is None else _SOME + tenant, _SEP,
-            hashlib.sha256(canonical_json([rest, shaping] if shaping else rest)).digest(),
+            rest_hash,
         )
     )  # fmt: skip
 
@@ -251,6 +258,8 @@ class CacheEntry:
                 headers.append((k.decode(), v.decode()))
         except (struct.error, UnicodeDecodeError) as exc:
             raise EntryError(f"malformed entry: {exc}") from None
+        if status != STORED_STATUS:
+            raise EntryError(f"status {status} (only {STORED_STATUS} is stored)")
         return cls(status, tuple(headers), raw[off:], bool(flags & 1))
 
     @property
@@ -342,6 +351,11 @@ def _choice_index(c: Any) -> int | None:
     return i if isinstance(i, int) and not isinstance(i, bool) else None
 
 
+def _named(value: Any, names: frozenset[str]) -> bool:
+    """``value`` is one of ``names`` (a list or an object from a broken engine is not: never hashed)."""
+    return isinstance(value, str) and value in names
+
+
 def finished_body(api: str, body: bytes) -> bool:
     """A non-streamed body that is a finished answer, strictly per API. A JSON object with no error object, and:
     chat and completions: a non-empty ``choices`` list whose every choice has a ``finish_reason`` in ``stop``,
@@ -355,13 +369,13 @@ def finished_body(api: str, body: bytes) -> bool:
     if not isinstance(obj, dict) or _is_error(obj):
         return False
     if api == "anthropic":
-        return obj.get("stop_reason") in _ANTHROPIC_FINISHED
+        return _named(obj.get("stop_reason"), _ANTHROPIC_FINISHED)
     if api not in ("chat", "completions"):
         return False
     choices = obj.get("choices")
     if not isinstance(choices, list) or not choices:
         return False
-    return all(_choice_index(c) is not None and c.get("finish_reason") in _OPENAI_FINISHED for c in choices)
+    return all(_choice_index(c) is not None and _named(c.get("finish_reason"), _OPENAI_FINISHED) for c in choices)
 
 
 def finished_stream(api: str, events: Sequence[tuple[str | None, bytes]]) -> bool:
@@ -409,8 +423,8 @@ def finished_stream(api: str, events: Sequence[tuple[str | None, bytes]]) -> boo
             else:
                 reasons.setdefault(i, None)
     if anthropic:
-        return stop_reason in _ANTHROPIC_FINISHED
-    return bool(reasons) and all(r in _OPENAI_FINISHED for r in reasons.values())
+        return _named(stop_reason, _ANTHROPIC_FINISHED)
+    return bool(reasons) and all(_named(r, _OPENAI_FINISHED) for r in reasons.values())
 
 
 # -- the stage and the observer --------------------------------------------------------------------------

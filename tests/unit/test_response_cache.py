@@ -143,6 +143,22 @@ def test_unkeyable_requests() -> None:
     data = req(model="a\x00b")
     assert key_of(data) is None  # a NUL in the model would make the layout ambiguous
     assert key_of(req(max_tokens=1 << 63)) is None
+    deep: Any = "x"
+    for _ in range(300):  # orjson reads 1,024 levels but writes about 254: the key's canonical JSON cannot be made
+        deep = [deep]
+    assert json.loads(json.dumps(req(tools=deep)))  # a body the request parser accepts
+    assert key_of(req(tools=deep)) is None
+
+
+async def test_a_body_too_deep_to_key_is_routed_as_a_bypass() -> None:
+    """It raised out of the route (an internal-error 500 and a traceback per request) before."""
+    app, _, _ = make()
+    deep: Any = {"a": 1}
+    for _ in range(300):
+        deep = [deep]
+    ex = await route(app, req(temperature=0, tools=deep))
+    assert isinstance(ex, Exchange) and ex.x_cache == "BYPASS" and ex.cache_key is None
+    assert count(app, "skip") == 1
 
 
 def test_eligibility() -> None:
@@ -168,8 +184,9 @@ def test_entry_round_trip_and_refusals() -> None:
     assert CacheEntry.decode(e.encode()) == e
     s = CacheEntry(200, (("content-type", "text/event-stream"),), b"data: [DONE]\n\n", stream=True)
     assert CacheEntry.decode(s.encode()) == s
-    for bad in (b"", b"XXXX" + e.encode()[4:], e.encode()[:12]):
-        with pytest.raises(EntryError):
+    forged = CacheEntry(0, e.headers, e.body).encode()  # only a 200 is ever stored: anything else was written
+    for bad in (b"", b"XXXX" + e.encode()[4:], e.encode()[:12], forged, CacheEntry(404, (), b"").encode()):
+        with pytest.raises(EntryError):  # by someone else, or corrupted: a miss
             CacheEntry.decode(bad)
     a = e.answer()
     assert a.status == 200 and a.body == e.body and ("x-cache", "HIT") in a.headers
@@ -498,6 +515,28 @@ def test_finished_is_strict_per_api() -> None:
         b'data: {"choices":[],"usage":{"total_tokens":3}}\n\ndata: [DONE]\n\n'
     )
     assert two is not None and rc.finished_stream("chat", two) and rc.finished_stream("completions", two)
+
+
+def test_a_reason_that_is_not_a_string_is_not_finished() -> None:
+    """A list or an object where the reason goes (a broken engine) raised TypeError (unhashable) out of the
+    response observer before: the client lost a good answer to the servicer's 500."""
+    for reason in (b'["stop"]', b'{"a":1}', b"1", b"true"):
+        assert not rc.finished_body("chat", b'{"choices":[{"index":0,"finish_reason":%s}]}' % reason)
+        assert not rc.finished_body("anthropic", b'{"stop_reason":%s}' % reason)
+        stream = sse_events(b'data: {"choices":[{"index":0,"finish_reason":%s}]}\n\ndata: [DONE]\n\n' % reason)
+        assert stream is not None and not rc.finished_stream("chat", stream)
+        delta = b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":%s}}\n\n' % reason
+        anthropic = sse_events(delta + b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+        assert anthropic is not None and not rc.finished_stream("anthropic", anthropic)
+
+
+async def test_a_malformed_reason_from_the_engine_is_answered_not_stored() -> None:
+    app, cache, store = make()
+    ex = await route(app, req(temperature=0))
+    assert isinstance(ex, Exchange)
+    respond(ex, [b'{"choices":[{"index":0,"text":"ok","finish_reason":["stop"]}]}'])  # no exception
+    await cache.flush()
+    assert store.data == {} and cache.not_stored.get("unfinished") == 1
 
 
 UPSTREAM_HEADERS = (
