@@ -162,11 +162,17 @@ class Exchange:
             placements.unrecord(name, keys)
             self.placed = None
         for o in self._observers:
-            o.on_headers(self, status)
+            try:
+                o.on_headers(self, status)
+            except Exception:
+                _observer_failed(o, "on_headers")
 
     def response_body(self, chunk: bytes, end: bool) -> None:
         for o in self._body_observers:
-            o.on_body(self, chunk, end)
+            try:
+                o.on_body(self, chunk, end)
+            except Exception:
+                _observer_failed(o, "on_body")
         if end:
             self.end(completed=True)
 
@@ -177,7 +183,22 @@ class Exchange:
         self._ended = True
         self.lease.release()
         for o in self._observers:
-            o.on_end(self, completed)
+            try:
+                o.on_end(self, completed)
+            except Exception:
+                _observer_failed(o, "on_end")
+
+
+OBSERVER_FAILURES: dict[tuple[str, str], int] = {}  # (observer class, method) → failures; bound: the few observers
+
+
+def _observer_failed(o: object, method: str) -> None:
+    """An observer raised (a bug, or an input it did not foresee): the response goes on to the client and the
+    other observers still run. Logged with its traceback the first time and every 1,000th after, counted."""
+    key = (type(o).__name__, method)
+    n = OBSERVER_FAILURES[key] = OBSERVER_FAILURES.get(key, 0) + 1
+    if n % 1000 == 1:
+        log.exception("event=response_observer_failed observer=%s method=%s failures=%d", key[0], method, n)
 
 
 class HealthObserver:

@@ -169,6 +169,39 @@ async def test_observers_see_status_body_and_end() -> None:
     assert ex.first_byte_at is not None and ex.first_byte_at >= ex.decided_at
 
 
+class Broken(BodyTap):
+    """An observer with a bug (or an input it did not foresee): every callback raises."""
+
+    def on_headers(self, ex: Exchange, status: int | None) -> None:
+        raise TypeError("unhashable type: 'list'")
+
+    def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:
+        raise ValueError("bad chunk")
+
+    def on_end(self, ex: Exchange, completed: bool) -> None:
+        raise KeyError("x")
+
+
+async def test_an_observer_that_raises_stops_neither_the_response_nor_the_others() -> None:
+    from picker.request import path as path_module
+
+    app = make_app()
+    tap = BodyTap()
+    app.path.observers = (Broken(), *app.path.observers, tap)
+    app.path.body_observers = (Broken(), tap)
+    before = dict(path_module.OBSERVER_FAILURES)
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
+    assert isinstance(ex, Exchange)
+    ex.response_headers(200)
+    ex.response_body(b"{}", end=True)  # no exception reaches the protocol layer
+    assert tap.events == [("headers", 200), ("body", b"{}"), ("end", True)]
+    assert in_flight(app) == {"a": 0, "b": 0}  # the slot was freed all the same
+    assert app.pool.success_rate(ex.decision.endpoint.name) == 1.0  # the health observer after it still ran
+    after = path_module.OBSERVER_FAILURES
+    for method in ("on_headers", "on_body", "on_end"):
+        assert after[("Broken", method)] == before.get(("Broken", method), 0) + 1
+
+
 async def test_an_aborted_stream_ends_the_exchange_uncompleted() -> None:
     app = make_app()
     tap = BodyTap()
