@@ -10,8 +10,11 @@ timeout with an asyncio timeout, so waiting for a connection, connecting and the
 
 One outage state per client (``redis_health``): the response cache's store and the Redis KV index share it, so
 an outage one of them sees is known to the other at once. A request that has waited one command timeout on a
-hung Redis in the cache lookup then does not wait another in the KV index's read (each keeps its own recovery:
-the store's health monitor, the index's ping and resync; either one's successful PING ends the shared outage).
+hung Redis in the cache lookup then does not wait another in the KV index's read. Only outages are shared
+(refused, reset or timed-out connections, as each user's own policy decides), never error replies (``OOM``,
+``READONLY``: Redis answers). Each user keeps its own recovery (the store's health monitor, the index's ping
+and resync); either one's successful command or PING ends the shared outage and tells the other
+(``on_answered``), so a single slow command costs the store's fallback only until the next successful PING.
 
 TLS: a ``rediss://`` URL, or ``tls: true`` with a ``redis://`` URL (the scheme is upgraded). The server's
 certificate is verified against the system CAs; redis-py's URL query options (``?ssl_ca_certs=/path``,
@@ -145,7 +148,7 @@ class RedisHealth:
     PING or command succeeded. Users read ``down`` before a call on the request path and, while it is True,
     answer without Redis (their fallback). No I/O and no await: a flag, a reason and counters."""
 
-    __slots__ = ("down", "outages", "reason", "reported_by", "since")
+    __slots__ = ("_listeners", "down", "outages", "reason", "reported_by", "since")
 
     def __init__(self) -> None:
         self.down = False
@@ -153,6 +156,14 @@ class RedisHealth:
         self.reported_by: str | None = None
         self.since: float | None = None  # monotonic, the start of the current outage
         self.outages = 0
+        # bound: the users of one client (the store, the index); weak, so a user (which holds the client, the
+        # key of this state's entry) never keeps the client alive through its own listener
+        self._listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
+
+    def on_answered(self, listener: Callable[[], None]) -> None:
+        """Call the bound method ``listener`` (no I/O, no await: it wakes a task) each time an outage ends."""
+        self._listeners = [w for w in self._listeners if w() is not None]
+        self._listeners.append(weakref.WeakMethod(listener))
 
     def outage(self, who: str, reason: str) -> None:
         if self.down:
@@ -165,6 +176,10 @@ class RedisHealth:
         if self.down:
             self.down = False
             log.info("event=redis_outage_over down_s=%.1f", time.monotonic() - (self.since or time.monotonic()))
+            for ref in self._listeners:
+                listener = ref()
+                if listener is not None:
+                    listener()
 
     def as_json(self) -> dict[str, object]:
         return {"down": self.down, "reported_by": self.reported_by if self.down else None, "outages": self.outages}

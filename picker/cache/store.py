@@ -163,7 +163,10 @@ class RedisCacheStore:
 
     The outage is shared (``redis_health``): engaging the fallback tells the Redis KV index on the same client,
     and an outage the KV index saw first engages this fallback at the next call, without a command (and without
-    waiting a command timeout again); a command or PING that succeeds ends the shared outage.
+    waiting a command timeout again); a command or PING that succeeds ends the shared outage, and when another
+    user's PING ends it the health monitor is woken at once (it PINGs and switches back then, not at the end of
+    its interval): one slow command does not keep the store on its fallback for a whole interval when the KV
+    index probes sooner.
     """
 
     def __init__(
@@ -179,6 +182,8 @@ class RedisCacheStore:
         self.clock = clock
         self.endpoint: RedisEndpoint = redis_endpoint(cfg)
         self.health = redis_health(client)
+        self._monitor_wake = asyncio.Event()  # set when another user of the client saw Redis answer again
+        self.health.on_answered(self._outage_over)
         if cfg.key_prefix.startswith(KV_INDEX_KEY_PREFIX):
             raise ValueError(
                 f"response_cache.redis.key_prefix: {cfg.key_prefix!r} is inside the Redis KV index's keys "
@@ -360,6 +365,11 @@ class RedisCacheStore:
         if outage and engage:
             self._engage_fallback()
 
+    def _outage_over(self) -> None:
+        """The shared outage ended (a PING or command of any user answered): the monitor checks now."""
+        if self._fallback is not None:
+            self._monitor_wake.set()
+
     def _shared_outage(self) -> MemoryCacheStore | None:
         """The shared state says Redis is out (the KV index saw it): engage the fallback now, without a command
         (when configured; without ``fallback_to_memory`` every call still tries Redis, bounded by the timeout)."""
@@ -370,6 +380,7 @@ class RedisCacheStore:
         return self._fallback
 
     def _engage_fallback(self) -> None:
+        self._monitor_wake.clear()  # a wake-up left from an earlier outage must not end this one at once
         self.health.outage("response_cache", self.last_error or "")
         self._fallback = MemoryCacheStore(
             self.cfg.fallback_capacity, max_ttl_seconds=float(self.cfg.fallback_ttl_seconds), clock=self.clock
@@ -390,7 +401,9 @@ class RedisCacheStore:
         switch back. Never raises (a failure is counted and retried)."""
         interval = self.cfg.health_check_interval_seconds
         while self._fallback is not None and not self._closed:
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._monitor_wake.wait(), interval)
+            self._monitor_wake.clear()
             try:
                 await self._command("ping", self.client.ping(), timeout=self.health_timeout)
                 await self._replay_invalidations()

@@ -51,11 +51,15 @@ answers). After a refused or reset connection, or ``DOWN_AFTER_FAILURES`` consec
 ``PING`` (every ``retry_interval_s`` × 0.5-1.5, the first up to ``RECOVERY_JITTER_S`` after the failure, so the
 pickers do not all resync at once) succeeds and its resync is done: a hung Redis costs at most
 ``DOWN_AFTER_FAILURES`` calls one command timeout each per outage. The outage is shared with the response
-cache's store on the same client (``picker.cache.redis_pool.redis_health``): when this index goes down it says
-so, and an outage the store saw first (it switches at its first timeout, as the seed's fallback does) takes
-reads off Redis at the next ``holds``, without a call: a request never waits one command timeout in the cache
-lookup and another here. The recovery is this index's own (ping, resync); its successful ping ends the shared
-outage.
+cache's store on the same client (``picker.cache.redis_pool.redis_health``): when this index goes down on
+timeouts or refused connections it says so (not on error replies: Redis answers), and an outage the store saw
+first (it switches at its first timeout, as the seed's fallback does) suspends this index's use of Redis at
+once: ``holds`` answers locally without a call (a request never waits one command timeout in the cache lookup
+and another here), writes wait in the queue, and the writer task PINGs (every ``PROBE_INTERVAL_S``). A PING
+that answers ends the shared outage (the store's monitor is woken and leaves its fallback too) and the index
+goes on with no resync, nothing having been dropped: one slow command costs a moment of local answers. A PING
+that fails counts as a failure of this index's own (refused: down at once; ``DOWN_AFTER_FAILURES`` timeouts:
+down), and then the recovery is this index's own (ping, resync).
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ KEY_PREFIX = KV_INDEX_KEY_PREFIX  # the response cache's clear leaves these keys
 RESYNC_CHUNK = 5_000  # fields per HSET (one round trip, not a transaction) while rebuilding a backend's hash
 BATCH_MAX_KEYS = 10_000  # block keys per write transaction (MULTI/EXEC): no long stall of the other clients
 DOWN_AFTER_FAILURES = 3  # consecutive failed calls (reads, writes) before reads stop using Redis
+PROBE_INTERVAL_S = 1.0  # while the store reports an outage: the writer's PING period (at most retry_interval_s)
 RECOVERY_JITTER_S = 2.0  # the first recovery after a failure waits a random part of this (or of the retry)
 _PACK = struct.Struct(">Q")
 _TIER = {StorageTier.GPU_HOT: b"g", StorageTier.STORAGE_WARM: b"w"}
@@ -274,9 +279,9 @@ class RedisKvIndex(InMemoryKvIndex):
         now = time.monotonic()
         if now >= self._next_expiry:
             self._expire(now)  # as the in-memory lookup does: the consumer of a silent feed then asks for a snapshot
-        if self.health.down and self.stats.up:
-            self._go_down("read", f"outage reported by {self.health.reported_by}: {self.health.reason}")
-        if not self.stats.up:
+        if not self.stats.up or self.health.down:  # down, or the store saw an outage: the writer probes it
+            if self.stats.up:
+                self._wake.set()  # a writer idle on an empty queue wakes up to probe
             self.stats.fallbacks += 1
             return self.lookup(keys)
         args = [self.hash_prefix, pack_keys(keys)]
@@ -314,9 +319,10 @@ class RedisKvIndex(InMemoryKvIndex):
             self._recover_at = time.monotonic() + self._jitter()
         refused = isinstance(exc, aioredis.ConnectionError | ConnectionError)  # refused, reset, auth: not slowness
         if self.stats.up and (refused or self._failures >= self.down_after_failures):
-            reason = str(exc)[:200] or type(exc).__name__
-            self._go_down(what, reason)
-            self.health.outage("kv_index", reason)
+            self._go_down(what, str(exc)[:200] or type(exc).__name__)
+            if refused or isinstance(exc, TimeoutError | aioredis.TimeoutError):  # an outage, not an error reply
+                # the type only: an error's text may quote a command's arguments (block keys)
+                self.health.outage("kv_index", f"{what}: {type(exc).__name__}")
         self._wake.set()
 
     def _go_down(self, what: str, reason: str) -> None:
@@ -345,8 +351,10 @@ class RedisKvIndex(InMemoryKvIndex):
         ``retry_interval_s`` and, once it answers, resync and read from it again. Never raises but on
         cancellation."""
         while True:
-            if self.health.down and self.stats.up:  # the store saw an outage: no write into it either
-                self._go_down("write", f"outage reported by {self.health.reported_by}: {self.health.reason}")
+            if self.health.down and self.stats.up and not self._resync_due:  # the store saw an outage
+                if not await self._probe():
+                    await asyncio.sleep(min(PROBE_INTERVAL_S, self.retry_interval_s))
+                continue
             if not self.stats.up or self._resync_due:
                 wait = self._recover_at - time.monotonic()  # jitter: the pickers do not all resync at once
                 if wait > 0:
@@ -416,6 +424,19 @@ class RedisKvIndex(InMemoryKvIndex):
         await pipe.execute()
         self.stats.batches += 1
         self.stats.ops_written += len(batch)
+
+    async def _probe(self) -> bool:
+        """One PING while another user of the client reports an outage: True (and the outage ended for all)
+        when Redis answers; a failure counts as this index's own (``_failed``)."""
+        try:
+            async with asyncio.timeout(self.command_timeout_s):
+                await self.client.ping()
+        except (aioredis.RedisError, OSError, TimeoutError) as exc:
+            self._failed("ping", exc)
+            return False
+        self._failures = 0
+        self.health.answered()
+        return True
 
     async def _recover(self) -> bool:
         """Ping, then rebuild the shared copy from the local index; True when reads may use Redis again."""

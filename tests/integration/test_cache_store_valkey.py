@@ -226,9 +226,10 @@ async def test_the_store_s_outage_keeps_the_kv_index_off_redis_at_once(blackhole
         sent = await settled(hole)
         got = await asyncio.wait_for(index.holds([11, 12, 13]), GENEROUS)
         assert got["engine-a"].blocks == 2  # the local index's answer
-        assert index.stats.errors == 0 and index.stats.fallbacks == 1 and not index.stats.up
+        assert index.stats.errors == 0 and index.stats.fallbacks == 1
+        assert index.stats.up  # suspended, not down: its writer task's PING decides (not running here)
         assert await settled(hole) == sent  # the index sent nothing to the hung Redis
-        assert index.redis_stats()["connected"] is False
+        assert index.redis_stats()["shared_outage"]["reported_by"] == "response_cache"
     finally:
         await store.aclose()
         await index.aclose()
@@ -257,6 +258,76 @@ async def test_the_kv_index_s_outage_engages_the_store_fallback_without_a_comman
         assert store.redis_stats()["shared_outage"] == {"down": True, "reported_by": "kv_index", "outages": 1}
         assert await settled(hole) == sent
     finally:
+        await store.aclose()
+        await index.aclose()
+        await close_shared_redis()
+
+
+@pytest.mark.valkey
+async def test_one_slow_command_costs_a_moment_of_fallback_not_a_resync(valkey_server: ValkeyProcess) -> None:  # noqa: F811
+    """Valkey stalls once: the store falls back at its first timeout (the seed's policy) and says so; the KV
+    index answers locally meanwhile, its writer PINGs, and once Valkey answers the outage ends for both: the
+    store is back on Redis long before its own monitor's interval (an hour here), the index never went down and
+    never resynced."""
+    cfg = RedisConfig(url=valkey_server.url, command_timeout_ms=200, health_check_interval_seconds=3600)
+    client = shared_redis(cfg)
+    store = RedisCacheStore(cfg, client, CacheStoreMetrics(CollectorRegistry()))
+    # many strikes allowed: how many probes fail while the stall lasts depends on the machine's speed
+    index = RedisKvIndex(client, command_timeout_s=0.2, retry_interval_s=3600, down_after_failures=1000)
+    writer = asyncio.create_task(index.run())
+    try:
+        await store.set("k", b"on valkey", 60)
+        await asyncio.to_thread(valkey_server.pause)
+        try:
+            assert await asyncio.wait_for(store.get("k"), GENEROUS) is None  # timed out: the fallback
+            assert store.fallback_active and redis_health(client).down
+            # a read wakes the idle writer to probe (no write is queued yet); a write is queued, not dropped
+            assert await asyncio.wait_for(index.holds([1, 2]), GENEROUS) == {}  # local (nothing there yet)
+            index.put("engine-a", [1, 2], StorageTier.GPU_HOT)
+        finally:
+            await asyncio.to_thread(valkey_server.resume)
+        await async_wait_until(lambda: not store.fallback_active, timeout=GENEROUS, what="the store back on Redis")
+        assert not redis_health(client).down and store.fallback_switches == 1
+        assert await store.get("k") == b"on valkey"
+        await index.flush(timeout_s=GENEROUS)
+        assert index.stats.up and index.stats.resyncs == 0 and index.stats.writes_dropped == 0
+        assert index.stats.lookups == 0 and index.stats.fallbacks == 1
+        assert (await index.holds([1, 2]))["engine-a"].blocks == 2 and index.stats.lookups == 1  # from Valkey
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+        await store.aclose()
+        await index.aclose()
+        await close_shared_redis()
+
+
+@pytest.mark.valkey
+async def test_error_replies_to_the_kv_index_leave_the_store_on_redis(valkey_server: ValkeyProcess) -> None:  # noqa: F811
+    """An error reply (OOM at maxmemory with noeviction) is Redis answering: the KV index counts it (and goes
+    down by its own policy) but reports no outage, so the store stays on Redis and keeps reading it."""
+    cfg = RedisConfig(url=valkey_server.url, command_timeout_ms=5000)
+    client = shared_redis(cfg)
+    store = RedisCacheStore(cfg, client, CacheStoreMetrics(CollectorRegistry()))
+    index = RedisKvIndex(client, command_timeout_s=5.0, retry_interval_s=3600, down_after_failures=1)
+    raw = Redis.from_url(valkey_server.url)
+    writer = asyncio.create_task(index.run())
+    try:
+        await store.set("k", b"stored before", 60)
+        await raw.config_set("maxmemory-policy", "noeviction")
+        await raw.config_set("maxmemory", "1")
+        index.put("engine-a", [1, 2, 3], StorageTier.GPU_HOT)
+        await async_wait_until(lambda: index.stats.errors >= 1, timeout=GENEROUS, what="the OOM reply")
+        assert not index.stats.up  # its own policy: one strike here
+        assert not redis_health(client).down and redis_health(client).outages == 0
+        assert await store.get("k") == b"stored before"  # still read from Valkey
+        assert not store.fallback_active and sum(store.redis_stats()["errors"].values()) == 0
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+        await raw.config_set("maxmemory", "0")
+        await raw.aclose()
         await store.aclose()
         await index.aclose()
         await close_shared_redis()
