@@ -69,8 +69,28 @@ Bounds: the store's own (``capacity`` LRU + ``ttl``, or Redis TTLs); per routed 
 encoded values of the store writes in flight (counted until each write ends) together at most
 ``MAX_BUFFERED_TOTAL``: past it, that response's buffer is dropped (or its value not written) and it is not
 stored; at most ``MAX_PENDING_WRITES`` store writes in flight (more: not stored). Store failures are misses, never
-request errors. ``invalidate`` deletes an exact entry with its semantic copy (the exact entry names it) and the
-copy's vector, or a ``sem:`` entry and its vector.
+request errors.
+
+Invalidation (``invalidate``): a ``sem:`` key: that entry and its vector. An exact key: a tombstone first, then the
+exact entry and the semantic copy it names (``LINK_HEADER``, its last writer's) with the copy's vector. The
+tombstone (``tomb:<exact key>`` in the same store, 8 bytes: the invalidation's wall-clock time, ``time.time()``,
+float64 big-endian; TTL the larger of ``ttl`` and the semantic TTL, so it outlives every copy it must stop) reaches
+the copies the link does not name: two callers (two identities, so two partitions and two ``sem:`` keys) that
+missed the same question each stored a copy, and the exact entry names only the last. Every semantic copy
+records the exact key it was stored for and the wall-clock time its request missed (``ORIGIN_HEADER``,
+``MISSED_AT_HEADER``: pseudo-headers, never sent; the miss, not the write, so an answer an engine was producing
+while the invalidation ran is stopped too); a semantic match reads ``tomb:<its exact key>`` before answering
+(one more GET, only on a semantic match) and a tombstone at or after the copy's time makes it a semantic miss:
+its vector leaves the index and its ``sem:`` key is deleted (best effort). A store error on that GET, or the
+store falling back to memory between the copy's read and the tombstone's, is a miss too (an outage must not undo
+an invalidation). A copy without those headers (an older version's) answers as before; exact hits never read
+tombstones, and answers stored after the invalidation (later times) are served. Tombstones are store entries:
+the store's bounds apply (memory: ``capacity`` LRU and bytes, so a tombstone may be evicted before a copy it
+stops; Redis: its TTL and ``maxmemory`` policy). Times are wall clocks of possibly different pickers: a copy
+whose request missed within the pickers' clock skew of the invalidation may be judged on the wrong side of it.
+While a Redis store is on its in-memory fallback an exact key cannot be invalidated (the copies and tombstone
+live in Redis): ``invalidate`` raises ``CacheStoreError`` before touching the store (the admin answers 503), or
+after, when the store fell back during it (retry).
 """
 
 from __future__ import annotations
@@ -78,9 +98,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import struct
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -95,6 +117,7 @@ from picker.cache.semantic import (
     entry_key,
     semantic_query,
 )
+from picker.cache.store import MemoryCacheStore
 from picker.config import ResponseCacheConfig
 from picker.request.facts import RequestFacts
 from picker.request.path import Answer, Exchange
@@ -113,6 +136,10 @@ _SEP = b"\x00"
 SHAPING_HEADERS = ("anthropic-beta", "anthropic-version")
 _KEYED_FIELDS = ("model", "messages", "prompt", "temperature", "max_tokens", "top_p")
 LINK_HEADER = ":kv-epp-semantic-key"  # an exact entry's pseudo-header: its semantic copy's key (never sent)
+ORIGIN_HEADER = ":kv-epp-exact-key"  # a semantic copy's pseudo-header: the exact key it was stored for
+MISSED_AT_HEADER = ":kv-epp-missed-at"  # a semantic copy's pseudo-header: its request's miss, time.time() (repr)
+TOMB_PREFIX = "tomb:"  # tomb:<exact key>: an invalidation's time.time(), float64 big-endian (module docstring)
+_TOMB = struct.Struct(">d")
 _NO_STORE_DIRECTIVES = frozenset({"no-store", "private"})
 _OPENAI_FINISHED = frozenset({"stop", "length", "tool_calls", "function_call"})
 _ANTHROPIC_FINISHED = frozenset({"end_turn", "max_tokens", "stop_sequence", "tool_use"})
@@ -266,6 +293,25 @@ class CacheEntry:
     def link(self) -> str | None:
         """The key of this exact entry's semantic copy (the ``LINK_HEADER`` pseudo-header), if any."""
         return next((v for k, v in self.headers if k == LINK_HEADER), None)
+
+    @property
+    def origin(self) -> tuple[str, float] | None:
+        """A semantic copy's exact key and its request's miss time (``ORIGIN_HEADER``, ``MISSED_AT_HEADER``), or
+        None when it has neither (an older version's copy). Raises ``EntryError`` when it has one without the other
+        or a time that is not a finite number (corrupt or forged)."""
+        exact = next((v for k, v in self.headers if k == ORIGIN_HEADER), None)
+        at = next((v for k, v in self.headers if k == MISSED_AT_HEADER), None)
+        if exact is None and at is None:
+            return None
+        if exact is None or at is None:
+            raise EntryError("a semantic copy with only one of its origin headers")
+        try:
+            missed_at = float(at)
+        except ValueError:
+            raise EntryError(f"a semantic copy's time is not a number: {at[:40]!r}") from None
+        if not math.isfinite(missed_at):
+            raise EntryError(f"a semantic copy's time is not finite: {at[:40]!r}")
+        return exact, missed_at
 
     def answer(self, semantic: bool = False, allowed: frozenset[str] | None = None) -> Answer:
         """The picker's answer on a hit (``semantic``: a similar question's entry, ``X-Cache-Mode: semantic``);
@@ -431,11 +477,13 @@ def finished_stream(api: str, events: Sequence[tuple[str | None, bytes]]) -> boo
 @dataclass(frozen=True, slots=True)
 class SemanticPending:
     """A semantic miss: where its response goes once stored (the ``sem:`` entry key, the partition and the
-    request's unit vector, indexed after the store write succeeds)."""
+    request's unit vector, indexed after the store write succeeds; ``missed_at``: when the request missed, wall
+    clock, recorded in the copy and compared with a tombstone's time)."""
 
     partition: str
     vector: Vector
     key: str
+    missed_at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,6 +524,8 @@ class ResponseCache:
         self._writes: set[asyncio.Task[None]] = set()
         self.stored = 0
         self.not_stored: dict[str, int] = {}  # why eligible responses were not stored (small fixed set of reasons)
+        self.tombstoned = 0  # semantic matches stopped by a tombstone (their copy was invalidated)
+        self.tombstone_unknown = 0  # semantic matches not answered: the tombstone could not be read
         self._counters: dict[str, Any] = {}
         if metrics is not None:
             c = metrics.response_cache_requests
@@ -582,27 +632,69 @@ class ResponseCache:
             if m is not None:
                 m.error.inc()
             return None
+        missed_at = time.time()
         match = await index.lookup_async(q.partition, vector)
         if match is not None:
-            try:
-                raw = await self.store.get(match.key)
-            except CacheStoreError as exc:
-                log.debug("event=semantic_cache_get_failed error=%r", exc)
-                raw = None
-            entry: CacheEntry | None = None
-            if raw is not None:
-                try:
-                    entry = CacheEntry.decode(raw)
-                except EntryError as exc:
-                    log.warning("event=semantic_cache_bad_entry key=%s error=%s", match.key, exc)
+            entry = await self._live_copy(index, match.key)
             if entry is not None:
                 if m is not None:
                     m.hit.inc()
                 return entry.answer(semantic=True, allowed=self.stored_headers)
-            index.remove(match.key)  # its body is gone from the store (evicted, expired, cleared)
         if m is not None:
             m.miss.inc()
-        return SemanticPending(q.partition, vector, entry_key(q.partition, q.text))
+        return SemanticPending(q.partition, vector, entry_key(q.partition, q.text), missed_at)
+
+    def _on_fallback(self) -> bool:
+        """The store is a Redis store on its in-memory fallback (``RedisCacheStore.fallback_active``)."""
+        return bool(getattr(self.store, "fallback_active", False))
+
+    async def _live_copy(self, index: SemanticIndex, key: str) -> CacheEntry | None:
+        """The semantic copy ``key`` when it may answer, else None (a semantic miss): its body is gone or corrupt
+        (its vector leaves the index), it was invalidated (a tombstone of its exact key at or after its time: its
+        vector leaves the index and the ``sem:`` key is deleted), or whether it was cannot be known (the
+        tombstone's GET failed, or the store fell back to memory between the two reads)."""
+        was_on_fallback = self._on_fallback()
+        try:
+            raw = await self.store.get(key)
+        except CacheStoreError as exc:
+            log.debug("event=semantic_cache_get_failed error=%r", exc)
+            raw = None
+        entry: CacheEntry | None = None
+        origin: tuple[str, float] | None = None
+        if raw is not None:
+            try:
+                entry = CacheEntry.decode(raw)
+                origin = entry.origin
+            except EntryError as exc:
+                log.warning("event=semantic_cache_bad_entry key=%s error=%s", key, exc)
+                entry = None
+        if entry is None:
+            index.remove(key)  # its body is gone from the store (evicted, expired, cleared) or unusable
+            return None
+        if origin is None:
+            return entry  # an older version's copy: no origin to check
+        exact, missed_at = origin
+        try:
+            tomb = await self.store.get(TOMB_PREFIX + exact)
+        except CacheStoreError as exc:  # an invalidation must not be undone by an outage: not answered
+            log.debug("event=semantic_cache_tombstone_get_failed error=%r", exc)
+            self.tombstone_unknown += 1
+            return None
+        if self._on_fallback() and not was_on_fallback:  # the copy came from Redis, the answer from the fallback
+            self.tombstone_unknown += 1
+            return None
+        if tomb is None:
+            return entry
+        invalidated_at = _TOMB.unpack(tomb)[0] if len(tomb) == _TOMB.size else math.inf  # malformed: stop it
+        if not invalidated_at >= missed_at:  # NaN: stop it too
+            return entry
+        self.tombstoned += 1
+        index.remove(key)
+        try:
+            await self.store.delete(key)
+        except CacheStoreError as exc:  # best effort: the tombstone keeps stopping it
+            log.debug("event=semantic_cache_delete_failed error=%r", exc)
+        return None
 
     # -- the observer: store a miss's response -------------------------------------------------------------
     def _skip(self, ex: Exchange, why: str) -> None:
@@ -675,7 +767,10 @@ class ResponseCache:
             self._not_stored("writes_full")
             return
         if isinstance(sem, SemanticPending) and link is not None:
-            sem_value = entry.encode()  # the exact entry names its semantic copy: an invalidation reaches both
+            # the copy names its exact key and its request's miss time (a tombstone stops it), the exact entry
+            # names its copy (an invalidation deletes both)
+            origin = ((ORIGIN_HEADER, ex.cache_key), (MISSED_AT_HEADER, repr(sem.missed_at)))
+            sem_value = CacheEntry(200, (*entry.headers, *origin), entry.body).encode()
             value = CacheEntry(200, (*entry.headers, (LINK_HEADER, link)), entry.body).encode()
             held = len(value) + len(sem_value)
         else:
@@ -736,26 +831,46 @@ class ResponseCache:
                 self.index.add(sem.partition, sem.vector, sem.key)
         await self._write(key, value)
 
-    async def invalidate(self, key: str) -> int:
-        """Delete the entry ``key`` (an exact key, or a ``sem:`` key) so that it answers no more: an exact
-        entry's semantic copy (named in it) is deleted too, and a semantic entry's vector leaves the index. The
-        number of keys deleted that existed is not known for every store: returns the keys deleted (1 or 2).
-        Raises ``CacheStoreError`` when the store fails."""
-        keys = [key]
-        if not key.startswith(ENTRY_PREFIX):
+    async def invalidate(self, key: str) -> int | None:
+        """Make the entry ``key`` answer no more (module docstring, Invalidation). A ``sem:`` key: that entry is
+        deleted and its vector leaves the index. An exact key: ``tomb:<key>`` is written first (the invalidation's
+        time, TTL the larger of ``ttl`` and the semantic TTL: every semantic copy of the answer, in any partition,
+        stops answering at its next match), then the semantic copy the entry names (and its vector) and the entry
+        are deleted. Returns the entries deleted that existed when the store can count them (the in-memory store;
+        the tombstone is not counted), else None. Raises ``CacheStoreError`` when the store fails, and, for an
+        exact key, when the store is (or fell, during the call) on a Redis store's in-memory fallback: the
+        tombstone and the copies are in Redis, out of reach; retry once Redis is back."""
+        if key.startswith(ENTRY_PREFIX):
+            keys = [key]
+        else:
+            self._refuse_on_fallback()
             raw = await self.store.get(key)
+            link: str | None = None
             if raw is not None:
                 try:
                     link = CacheEntry.decode(raw).link
                 except EntryError:
                     link = None
-                if link is not None:
-                    keys.append(link)
+            tomb_ttl = max(self.ttl, self.semantic_ttl)
+            await self.store.set(TOMB_PREFIX + key, _TOMB.pack(time.time()), tomb_ttl)
+            self._refuse_on_fallback()  # the GET or the SET met the outage: the tombstone is not in Redis
+            keys = [link, key] if link is not None else [key]
+        store = self.store
+        before = len(store) if isinstance(store, MemoryCacheStore) else None
         for k in keys:
             if k.startswith(ENTRY_PREFIX) and self.index is not None:
                 self.index.remove(k)  # first: a lookup meanwhile finds no vector for a body being deleted
-            await self.store.delete(k)
-        return len(keys)
+            await store.delete(k)
+        if not key.startswith(ENTRY_PREFIX):
+            self._refuse_on_fallback()
+        return before - len(store) if before is not None and isinstance(store, MemoryCacheStore) else None
+
+    def _refuse_on_fallback(self) -> None:
+        if self._on_fallback():
+            raise CacheStoreError(
+                "Redis is unreachable (the response cache is on its in-memory fallback): the invalidation could not "
+                "reach the shared store"
+            )
 
     async def flush(self) -> None:
         """Wait for the store writes in flight (tests, shutdown)."""

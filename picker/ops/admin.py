@@ -10,8 +10,11 @@ Extra route groups (e.g. the KV index's) are registered through ``AdminRoutes`` 
 The response cache (Tier 2): ``GET /admin/response-cache/stats`` (the seed's JSON; ``enabled: false`` when
 ``response_cache.enabled`` is off, with the store's figures all the same: its entries survive until re-enabled),
 ``POST /admin/response-cache/invalidate`` (``{"clear_all": true}`` as the seed, or ``{"key": "<sha256 hex>"}``:
-that entry and its semantic copy, whose vector leaves the index; or ``{"key": "sem:<sha256 hex>"}``: a semantic
-entry and its vector) and ``POST /admin/response-cache/clear``. A Redis URL is shown without its password.
+that entry and its semantic copy, whose vector leaves the index, and a tombstone that stops every other semantic
+copy of it, in any caller's partition; or ``{"key": "sem:<sha256 hex>"}``: a semantic entry and its vector) and
+``POST /admin/response-cache/clear``. A ``key`` invalidation while a Redis store is on its in-memory fallback
+answers 503 (``REDIS_UNREACHABLE``: the tombstone and the copies are in Redis; retry, or clear all, which is
+replayed on Redis when it is back). A Redis URL is shown without its password.
 """
 
 from __future__ import annotations
@@ -295,6 +298,13 @@ def _is_key(value: object) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
+REDIS_UNREACHABLE = (
+    "Redis is unreachable (the response cache is on its in-memory fallback): the invalidation could not reach the "
+    'shared store; retry later, or use {"clear_all": true} (a clear made during the outage is replayed when Redis '
+    "is back)"
+)
+
+
 def response_cache_routes(app: PickerApp) -> list[web.RouteDef]:
     """The response cache's admin routes, registered whether or not the cache is enabled (never a 404)."""
 
@@ -314,15 +324,21 @@ def response_cache_routes(app: PickerApp) -> list[web.RouteDef]:
         body = {"success": True, "action": action, "entries_before_clear": before, "cleared_entries": before}
         return web.json_response(body)
 
+    def unreachable() -> web.Response:
+        body = {"success": False, "action": "key", "error": REDIS_UNREACHABLE}
+        return web.json_response(body, status=503)
+
     async def delete_key(key: str) -> web.Response:
-        store = app.response_cache.store
-        before = len(store) if isinstance(store, MemoryCacheStore) else None
+        if getattr(app.response_cache.store, "fallback_active", False):  # a Redis store on its fallback
+            return unreachable()
         try:
-            await app.response_cache.invalidate(key)  # an exact entry's semantic copy and its vector too
+            # a tombstone, the exact entry, its semantic copy and the copy's vector (every copy stops answering)
+            cleared = await app.response_cache.invalidate(key)
         except CacheStoreError as exc:
+            if getattr(app.response_cache.store, "fallback_active", False):  # Redis went away during the call
+                return unreachable()
             return web.json_response({"success": False, "action": "key", "error": str(exc)}, status=503)
         # the in-memory store's count; null for Redis (the store does not return UNLINK's count)
-        cleared = before - len(store) if isinstance(store, MemoryCacheStore) and before is not None else None
         return web.json_response({"success": True, "action": "key", "key": key, "cleared_entries": cleared})
 
     async def invalidate(request: web.Request) -> web.Response:

@@ -293,6 +293,7 @@ async def test_invalidating_a_key_removes_its_semantic_copy_and_vector(client_of
     assert hit is not None and dict(CacheEntry.decode(hit).answer().headers).keys() == {"content-type", "x-cache"}
     r = await client.post("/admin/response-cache/invalidate", headers=JSON, json={"key": sem_two})  # a sem: key
     assert await r.json() == {"success": True, "action": "key", "key": sem_two, "cleared_entries": 1}
-    assert await store.get(sem_two) is None and len(index) == 0 and len(store) == 1  # "two"'s exact entry stays
+    assert await store.get(sem_two) is None and len(index) == 0
+    assert len(store) == 2 and await store.get("tomb:" + key) is not None  # "two"'s exact entry and one's tombstone
     bad = await client.post("/admin/response-cache/invalidate", headers=JSON, json={"key": "sem:xyz"})
     assert bad.status == 400

@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from picker.config import parse_settings
-from picker.ops.admin import scrub
+from picker.ops.admin import REDIS_UNREACHABLE, scrub
 from picker.ops.metrics import PickerMetrics
 from picker.request.path import Answer, Exchange, Inbound
 from picker.runtime.app import PickerApp
@@ -108,8 +108,17 @@ async def test_a_wrong_password_engages_the_fallback_and_neither_password_shows(
     assert redis["connected"] is False and redis["fallback_active"] is True
     assert sum(redis["errors"].values()) >= 1 and redis["last_error"]
     assert json.loads(text)["entries"] == 1  # the fallback's
+    # an exact key cannot be invalidated on the fallback (its tombstone and copies live in Redis): 503, nothing done
     r = await client.post("/admin/response-cache/invalidate", headers=JSON, json={"key": key})
-    assert r.status == 200 and wrong not in await r.text()
+    text = await r.text()
+    assert r.status == 503 and wrong not in text and PASSWORD not in text
+    body = json.loads(text)
+    assert body["success"] is False and body["action"] == "key" and body["error"] == REDIS_UNREACHABLE
+    assert "Redis is unreachable" in body["error"] and '{"clear_all": true}' in body["error"]
+    assert json.loads(await (await client.get("/admin/response-cache/stats", headers=AUTH)).text())["entries"] == 1
+    # clear-all is unchanged: done on the fallback (and replayed on Redis when it is back)
+    r = await client.post("/admin/response-cache/invalidate", headers=JSON, json={"clear_all": True})
+    assert r.status == 200 and (await r.json())["success"] is True
 
 
 @pytest.mark.valkey
@@ -121,7 +130,7 @@ async def test_invalidate_a_key_and_clear_all_in_valkey(secured: ValkeyProcess, 
     assert await prefixed_keys(secured) == {(PREFIX + one).encode(), (PREFIX + two).encode()}
     r = await client.post("/admin/response-cache/invalidate", headers=JSON, json={"key": one})
     assert await r.json() == {"success": True, "action": "key", "key": one, "cleared_entries": None}
-    assert await prefixed_keys(secured) == {(PREFIX + two).encode()}
+    assert await prefixed_keys(secured) == {(PREFIX + two).encode(), (PREFIX + "tomb:" + one).encode()}
     r = await client.post("/admin/response-cache/invalidate", headers=JSON, json={"clear_all": True})
     body = await r.json()
     assert body["success"] is True and body["action"] == "clear_all" and PASSWORD not in json.dumps(body)
