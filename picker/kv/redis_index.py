@@ -156,6 +156,23 @@ class RedisIndexStats:
     writes_dropped: int = 0  # ops dropped (queue full or Redis down): a resync follows
     resyncs: int = 0
     queued_keys: int = 0
+    bad_replies: int = 0  # holds() replies that were not the script's shape (answered by the local index)
+
+
+def _parse_holds(flat: Any) -> dict[str, BackendHold]:
+    """The holds script's flat reply (backend, leading blocks, 1 when all GpuHot) as holds; ValueError (and
+    TypeError, IndexError) on anything else: a backend name that is not UTF-8 (our names are), a count that is
+    not a non-negative integer. Anyone who can write to Redis can write there: its reply is input, not trusted."""
+    if not isinstance(flat, list) or len(flat) % 3:
+        raise ValueError("not a list of (backend, blocks, gpu) triples")
+    out: dict[str, BackendHold] = {}
+    for i in range(0, len(flat), 3):
+        raw, blocks, gpu = flat[i], int(flat[i + 1]), int(flat[i + 2])
+        name = raw.decode() if isinstance(raw, bytes) else str(raw)  # UnicodeDecodeError is a ValueError
+        if blocks < 0:
+            raise ValueError("a negative block count")
+        out[name] = BackendHold(blocks, StorageTier.GPU_HOT if gpu else StorageTier.STORAGE_WARM)
+    return out
 
 
 class RedisKvIndex(InMemoryKvIndex):
@@ -293,14 +310,16 @@ class RedisKvIndex(InMemoryKvIndex):
             self.stats.fallbacks += 1
             return self.lookup(keys)
         self._failures = 0
+        try:
+            out = _parse_holds(flat)
+        except (ValueError, TypeError, IndexError) as exc:  # not what the script returns: written by someone else
+            self.stats.bad_replies += 1
+            if self.stats.bad_replies % 1000 == 1:
+                log.warning("event=kv_redis_bad_reply error=%r count=%d", type(exc).__name__, self.stats.bad_replies)
+            self.stats.fallbacks += 1
+            return self.lookup(keys)
         self.stats.lookups += 1
         self.total_lookups += 1
-        out: dict[str, BackendHold] = {}
-        for i in range(0, len(flat) - 2, 3):
-            name = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
-            out[name] = BackendHold(
-                int(flat[i + 1]), StorageTier.GPU_HOT if int(flat[i + 2]) else StorageTier.STORAGE_WARM
-            )
         if out:
             self.total_hits += 1
         return out
@@ -520,6 +539,7 @@ class RedisKvIndex(InMemoryKvIndex):
             "ops_written": s.ops_written,
             "writes_dropped": s.writes_dropped,
             "resyncs": s.resyncs,
+            "bad_replies": s.bad_replies,
             "queued_keys": s.queued_keys,
         }
 

@@ -342,3 +342,27 @@ async def test_the_resync_writes_chunks_then_renames_and_batches_are_capped(
                     assert await reader.holds(chain) == idx.lookup(chain)
     finally:
         await raw.aclose()
+
+
+async def test_a_forged_backend_name_in_valkey_is_a_counted_local_answer_not_an_error(
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    """Valkey's content is input: a backend name that is not UTF-8 (written by anyone with access) made every
+    holds() raise after a good round trip, uncounted. Now: counted, answered by the local index, and the index
+    stays on Redis (Redis answered)."""
+    raw = _client(valkey_server.url)
+    try:
+        async with running(RedisKvIndex(_client(valkey_server.url))) as index:
+            index.put("sim-0", [1, 2], GPU)
+            await index.flush()
+            bad = b"\xff\xfe-not-utf8"
+            await raw.sadd(index.set_key, bad)
+            await raw.hset(index.hash_prefix + bad, mapping={(1).to_bytes(8, "big"): b"g"})
+            got = await index.holds([1, 2])
+            assert got == index.lookup([1, 2]) and got["sim-0"].blocks == 2  # the local answer
+            assert index.stats.bad_replies == 1 and index.stats.fallbacks == 1 and index.stats.up
+            assert index.redis_stats()["bad_replies"] == 1
+            await raw.srem(index.set_key, bad)
+            assert (await index.holds([1, 2]))["sim-0"].blocks == 2 and index.stats.lookups == 1  # Redis again
+    finally:
+        await raw.aclose()
