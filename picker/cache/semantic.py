@@ -4,7 +4,11 @@ The serving path (``picker.cache.response_cache.ResponseCache``) runs these on a
 gives the partition and the text to embed, ``EmbeddingsClient.embed`` the unit vector (``None``: a plain
 miss), ``SemanticIndex.lookup`` the key of the best entry at or above the threshold in that partition; on
 a miss the vector is kept and ``SemanticIndex.add`` indexes the stored response under it (the body lives in
-the ``CacheStore`` under ``entry_key``: the seed's ``sem:`` key space).
+the ``CacheStore`` under ``entry_key``: the seed's ``sem:`` key space). Each stored copy names the exact key it
+was stored for and when its request missed; a match is answered only when no tombstone of that exact key
+(``tomb:<exact key>``, written by ``ResponseCache.invalidate``) is at or after that time, so invalidating an exact
+key stops the copies of every caller's partition, not only the one the exact entry links (see
+``picker.cache.response_cache``, Invalidation). ``SemanticIndex.remove`` drops a stopped copy's vector.
 
 Eligibility (the seed's, read literally): a non-streaming ``/v1/chat/completions`` request with an explicit
 ``temperature: 0`` (absent means the engine's default, often 1: the answer to a *different* question is

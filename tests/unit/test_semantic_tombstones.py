@@ -17,6 +17,7 @@ import pytest
 from redis.asyncio import Redis
 
 from benchmarks.engine_sim import EngineSimulator, SimConfig
+from picker.cache import CacheStoreError
 from picker.cache.redis_pool import close_shared_redis
 from picker.cache.response_cache import (
     LINK_HEADER,
@@ -245,5 +246,67 @@ async def test_a_store_error_on_the_tombstone_get_is_no_semantic_answer(
         assert await raw.exists(PREFIX + ex.cache_semantic.key) == 1 and len(app.semantic_index) >= 1
         await raw.delete(PREFIX + TOMB_PREFIX + ex.cache_key)
         assert isinstance(await route(app, chat(NEAR), ALICE), Answer)  # readable again: the copy answers
+    finally:
+        await raw.aclose()
+
+
+@pytest.mark.valkey
+async def test_redis_lost_between_the_copy_and_its_tombstone_is_no_semantic_answer(
+    engine: EngineSimulator,
+    apps: Any,
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    """The copy is read from Redis; Redis then stops answering (SIGSTOP): the tombstone's GET times out, the store
+    falls back to memory and that GET reads the (empty) fallback. Whether the copy was invalidated is not known:
+    no semantic answer."""
+    app = make(apps, engine, valkey_server.url, command_timeout_ms=300)
+    store = app.cache_store
+    assert isinstance(store, RedisCacheStore)
+    ex = await route(app, chat(QUESTION), ALICE)
+    assert isinstance(ex, Exchange) and isinstance(ex.cache_semantic, SemanticPending)
+    await answer(app, ex)
+    read = store.get
+
+    async def get_then_pause(key: str) -> bytes | None:
+        value = await read(key)
+        if key.startswith(ENTRY_PREFIX):
+            valkey_server.pause()  # the next command (the tombstone's GET) gets no reply
+        return value
+
+    store.get = get_then_pause  # type: ignore[method-assign]
+    try:
+        miss = await route(app, chat(NEAR), ALICE)
+        assert isinstance(miss, Exchange) and miss.x_cache == "MISS"
+        assert store.fallback_active and app.response_cache.tombstone_unknown == 1
+    finally:
+        valkey_server.resume()
+
+
+@pytest.mark.valkey
+async def test_redis_lost_during_an_invalidation_is_refused(
+    engine: EngineSimulator,
+    apps: Any,
+    valkey_server: ValkeyProcess,  # noqa: F811
+) -> None:
+    """Redis stops answering before an invalidation: its first command times out and the store falls back to
+    memory; the tombstone would be written there only, so ``invalidate`` raises (the admin answers 503) and the
+    copies in Redis are untouched."""
+    app = make(apps, engine, valkey_server.url, command_timeout_ms=300)
+    store = app.cache_store
+    assert isinstance(store, RedisCacheStore)
+    key, sem_alice, sem_bob = await both_callers_store(app)
+    valkey_server.pause()
+    try:
+        with pytest.raises(CacheStoreError, match="unreachable"):
+            await app.response_cache.invalidate(key)
+        assert store.fallback_active
+        with pytest.raises(CacheStoreError, match="unreachable"):  # and while on the fallback, at once
+            await app.response_cache.invalidate(key)
+    finally:
+        valkey_server.resume()
+    raw = await raw_client(valkey_server)
+    try:
+        assert await raw.exists(PREFIX + sem_alice, PREFIX + sem_bob, PREFIX + key) == 3
+        assert await raw.exists(PREFIX + TOMB_PREFIX + key) == 0
     finally:
         await raw.aclose()
