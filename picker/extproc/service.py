@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from picker.extproc.sampling import ResponseSampling
-from picker.extproc.stream import RESPONSE_PHASES, RequestStream, error_body, immediate
+from picker.extproc.stream import RESPONSE_PHASES, RequestStream, error_body, immediate, with_bypass
 from picker.ops.metrics import RouteSeconds
 
 if TYPE_CHECKING:
@@ -64,7 +64,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             answer = self.app.path.overloaded(f"{admission.cfg.max_open_streams} requests are open")
             async for _ in request_iterator:  # an ImmediateResponse must answer a message of Envoy's
                 received = time.monotonic()
-                yield immediate(answer.status, answer.body, answer.details, answer.headers)
+                headers = with_bypass(self.app.path.cache, answer.headers)
+                yield immediate(answer.status, answer.body, answer.details, headers)
                 self.route_seconds.observe("overloaded", time.monotonic() - received)
                 return
             return

@@ -98,6 +98,14 @@ class Phase(Enum):
     DONE = "done"  # the picker answered the request itself, or the response ended
 
 
+def with_bypass(cache: object, headers: Sequence[tuple[str, str]]) -> Sequence[tuple[str, str]]:
+    """The picker's own answers (400, 429, 503) carry ``x-cache: BYPASS`` when the response cache is on:
+    nothing was looked up."""
+    if getattr(cache, "enabled", False) and not any(k == "x-cache" for k, _ in headers):
+        return (*headers, ("x-cache", "BYPASS"))
+    return headers
+
+
 class RequestStream:
     """State of one ext_proc stream (one HTTP request)."""
 
@@ -288,11 +296,7 @@ class RequestStream:
         self._release_body()
         self.phase = Phase.DONE
         self.answer = STATUS_OUTCOMES.get(a.status, "answered")
-        headers = a.headers
-        cache = self.app.path.cache
-        if getattr(cache, "enabled", False) and not any(k == "x-cache" for k, _ in headers):
-            headers = (*headers, ("x-cache", "BYPASS"))  # the picker's own 400/429/503: nothing was looked up
-        return immediate(a.status, a.body, a.details, headers)
+        return immediate(a.status, a.body, a.details, with_bypass(self.app.path.cache, a.headers))
 
     def _pick(
         self, dest: str, body: bytes, at_headers: bool, body_eos: bool, mutated: bool = False

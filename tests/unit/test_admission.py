@@ -23,13 +23,14 @@ CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}).encode()
 
 
-def make_app(admission: dict[str, Any] | None = None, mode: str = "FULL_DUPLEX_STREAMED") -> PickerApp:
+def make_app(admission: dict[str, Any] | None = None, mode: str = "FULL_DUPLEX_STREAMED", **extra: Any) -> PickerApp:
     return PickerApp(
         parse_settings(
             {
                 "pool": {"backends": BACKENDS},
                 "extproc": {"default_body_mode": mode, "max_body_bytes": 8192},
                 "admission": {"max_buffered_body_bytes": 8192, **(admission or {})},
+                **extra,
             }
         )
     )
@@ -64,11 +65,15 @@ def outcome(app: PickerApp, name: str) -> float:
     return app.metrics.registry.get_sample_value("continuum_picker_requests_total", {"outcome": name}) or 0.0
 
 
-def retry_after(r: pb.ProcessingResponse) -> str | None:
+def answer_header(r: pb.ProcessingResponse, name: str) -> str | None:
     for h in r.immediate_response.headers.set_headers:
-        if h.header.key == "retry-after":
+        if h.header.key == name:
             return (h.header.raw_value or h.header.value.encode()).decode()
     return None
+
+
+def retry_after(r: pb.ProcessingResponse) -> str | None:
+    return answer_header(r, "retry-after")
 
 
 async def send(stream: RequestStream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -192,6 +197,24 @@ async def test_streams_past_the_bound_get_429_and_closing_one_admits_the_next() 
     assert adm.open_streams == 0 and adm.body_bytes == 0
     ok = await drain(svc.Process(_messages(headers(len(BODY)), body(BODY, True)), _Context()))
     assert ok and not ok[0].HasField("immediate_response")
+
+
+@pytest.mark.parametrize("cache", [True, False])
+async def test_the_open_streams_429_says_x_cache_bypass_when_the_response_cache_is_on(cache: bool) -> None:
+    app = make_app({"max_open_streams": 1}, response_cache={"enabled": cache})
+    svc = ExternalProcessor(app)
+    release = asyncio.Event()
+
+    async def drain(it: AsyncIterator[pb.ProcessingResponse]) -> list[pb.ProcessingResponse]:
+        return [r async for r in it]
+
+    held = asyncio.create_task(drain(svc.Process(_held(release), _Context())))
+    await async_wait_until(lambda: app.path.admission.open_streams == 1, what="one stream open")
+    refused = await drain(svc.Process(_messages(headers(len(BODY)), body(BODY, True)), _Context()))
+    release.set()
+    await held
+    assert refused[0].immediate_response.status.code == 429
+    assert answer_header(refused[0], "x-cache") == ("BYPASS" if cache else None)
 
 
 # -- saturation -----------------------------------------------------------------------------------
