@@ -260,13 +260,18 @@ def response_cache_stats(app: PickerApp) -> dict[str, Any]:
 
 def semantic_cache_stats(app: PickerApp) -> dict[str, Any]:
     """The semantic path's part of the stats: whether it runs, its threshold, its lookups by result
-    (``continuum_response_cache_semantic_requests_total``) and its in-memory vector index."""
+    (``continuum_response_cache_semantic_requests_total``), its in-memory vector index, and the semantic matches
+    not answered because of an invalidation: ``tombstoned`` (a tombstone of the copy's exact key at or after the
+    copy's time: the copy was deleted) and ``tombstone_unknown`` (the tombstone could not be read: a store error,
+    or Redis lost between the two reads; the copy is kept)."""
     cache = app.response_cache
     cfg = app.settings.response_cache.semantic
     body: dict[str, Any] = {
         "enabled": bool(getattr(cache, "semantic_on", False)),
         "threshold": cfg.threshold,
         "max_entries": cfg.max_entries,
+        "tombstoned": getattr(cache, "tombstoned", 0),
+        "tombstone_unknown": getattr(cache, "tombstone_unknown", 0),
     }
     sem_metrics = getattr(cache, "semantic_metrics", None)
     if sem_metrics is not None:

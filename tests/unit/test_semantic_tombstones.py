@@ -29,6 +29,7 @@ from picker.cache.response_cache import (
 )
 from picker.cache.semantic import ENTRY_PREFIX
 from picker.cache.store import RedisCacheStore
+from picker.ops.admin import response_cache_stats
 from picker.ops.metrics import PickerMetrics
 from picker.request.path import Answer, Exchange
 from picker.runtime.app import PickerApp
@@ -129,6 +130,8 @@ async def test_invalidating_the_exact_key_stops_both_callers_copies(engine: Engi
     assert await app.cache_store.get(sem_alice) is None  # the unlinked copy: deleted when the tombstone stopped it
     assert len(app.semantic_index) == 0  # both vectors left the index
     assert app.response_cache.tombstoned == 1
+    sem_stats = response_cache_stats(app)["semantic"]
+    assert (sem_stats["tombstoned"], sem_stats["tombstone_unknown"]) == (1, 0)
     assert isinstance(await route(app, chat(QUESTION), ALICE), Exchange)  # the exact entry is gone too
 
 
@@ -243,6 +246,7 @@ async def test_a_store_error_on_the_tombstone_get_is_no_semantic_answer(
         miss = await route(app, chat(NEAR), ALICE)
         assert isinstance(miss, Exchange) and miss.x_cache == "MISS"
         assert app.response_cache.tombstone_unknown == 1
+        assert response_cache_stats(app)["semantic"]["tombstone_unknown"] == 1
         assert await raw.exists(PREFIX + ex.cache_semantic.key) == 1 and len(app.semantic_index) >= 1
         await raw.delete(PREFIX + TOMB_PREFIX + ex.cache_key)
         assert isinstance(await route(app, chat(NEAR), ALICE), Answer)  # readable again: the copy answers
