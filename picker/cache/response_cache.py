@@ -74,23 +74,26 @@ request errors.
 Invalidation (``invalidate``): a ``sem:`` key: that entry and its vector. An exact key: a tombstone first, then the
 exact entry and the semantic copy it names (``LINK_HEADER``, its last writer's) with the copy's vector. The
 tombstone (``tomb:<exact key>`` in the same store, 8 bytes: the invalidation's wall-clock time, ``time.time()``,
-float64 big-endian; TTL the larger of ``ttl`` and the semantic TTL, so it outlives every copy it must stop) reaches
-the copies the link does not name: two callers (two identities, so two partitions and two ``sem:`` keys) that
-missed the same question each stored a copy, and the exact entry names only the last. Every semantic copy
-records the exact key it was stored for and the wall-clock time its request missed (``ORIGIN_HEADER``,
-``MISSED_AT_HEADER``: pseudo-headers, never sent; the miss, not the write, so an answer an engine was producing
-while the invalidation ran is stopped too); a semantic match reads ``tomb:<its exact key>`` before answering
-(one more GET, only on a semantic match) and a tombstone at or after the copy's time makes it a semantic miss:
-its vector leaves the index and its ``sem:`` key is deleted (best effort). A store error on that GET, or the
-store falling back to memory between the copy's read and the tombstone's, is a miss too (an outage must not undo
-an invalidation). A copy without those headers (an older version's) answers as before; exact hits never read
-tombstones, and answers stored after the invalidation (later times) are served. Tombstones are store entries:
-the store's bounds apply (memory: ``capacity`` LRU and bytes, so a tombstone may be evicted before a copy it
-stops; Redis: its TTL and ``maxmemory`` policy). Times are wall clocks of possibly different pickers: a copy
-whose request missed within the pickers' clock skew of the invalidation may be judged on the wrong side of it.
-While a Redis store is on its in-memory fallback an exact key cannot be invalidated (the copies and tombstone
-live in Redis): ``invalidate`` raises ``CacheStoreError`` before touching the store (the admin answers 503), or
-after, when the store fell back during it (retry).
+float64 big-endian; TTL the longest ``ttl`` or semantic TTL this process has had, plus ``TOMB_MARGIN_S``, and a copy
+lives its semantic TTL from its request's miss, not from its write, so the tombstone outlives every copy it must
+stop; pickers with different TTLs are not covered) reaches the copies the link does not name: two callers (two
+identities, so two partitions and two ``sem:`` keys) that missed the same question each stored a copy, and the exact
+entry names only the last. Every semantic copy records the exact key it was stored for and the wall-clock time its
+request missed (``ORIGIN_HEADER``, ``MISSED_AT_HEADER``: pseudo-headers, never sent; the miss, not the write, so an
+answer an engine was producing while the invalidation ran is stopped too); a semantic match reads ``tomb:<its exact
+key>`` before answering (one more GET, only on a semantic match) and a tombstone at or after the copy's time makes
+it a semantic miss: its vector leaves the index and its ``sem:`` key is deleted (best effort). A store error on that
+GET, or the store falling back to memory between the copy's read and the tombstone's, is a miss too (an outage must
+not undo an invalidation); neither removes the copy's vector (the copy may be alive in Redis). A copy without those
+headers (an older version's) answers as before; exact hits never read tombstones, and answers stored after the
+invalidation (later times) are served. Tombstones are store entries: the store's bounds apply (memory: ``capacity``
+LRU and bytes, so a tombstone may be evicted before a copy it stops; Redis: its TTL and ``maxmemory`` policy). The
+exact entry is not stopped by a tombstone: an answer an engine was producing while the invalidation ran is stored
+under the exact key afterwards and is an exact hit (invalidate again, or clear). Times are wall clocks of possibly
+different pickers: a copy whose request missed within the pickers' clock skew of the invalidation may be judged on
+the wrong side of it. While a Redis store is on its in-memory fallback an exact key cannot be invalidated (the
+copies and tombstone live in Redis): ``invalidate`` raises ``CacheStoreError`` before touching the store (the admin
+answers 503), or after, when the store fell back during it (retry).
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ _KEYED_FIELDS = ("model", "messages", "prompt", "temperature", "max_tokens", "to
 LINK_HEADER = ":kv-epp-semantic-key"  # an exact entry's pseudo-header: its semantic copy's key (never sent)
 ORIGIN_HEADER = ":kv-epp-exact-key"  # a semantic copy's pseudo-header: the exact key it was stored for
 MISSED_AT_HEADER = ":kv-epp-missed-at"  # a semantic copy's pseudo-header: its request's miss, time.time() (repr)
+TOMB_MARGIN_S = 2.0  # a tombstone outlives the copies it stops by this much (Redis rounds EX to whole seconds)
 TOMB_PREFIX = "tomb:"  # tomb:<exact key>: an invalidation's time.time(), float64 big-endian (module docstring)
 _TOMB = struct.Struct(">d")
 _NO_STORE_DIRECTIVES = frozenset({"no-store", "private"})
@@ -544,6 +548,9 @@ class ResponseCache:
         self.stored_headers = frozenset(cfg.stored_headers)  # validated: lower-case, never a refused name
         sem = cfg.semantic
         self.semantic_ttl = sem.ttl if sem.ttl is not None else cfg.ttl
+        # a tombstone's TTL: the longest TTL this process has had (a hot reload that shortens the TTLs must not let
+        # a copy written before it outlive the tombstones written after it)
+        self.longest_ttl = max(getattr(self, "longest_ttl", 0.0), cfg.ttl, self.semantic_ttl)
         self.semantic_on = sem.enabled and self.embeddings is not None and self.index is not None
         if self.index is not None:
             self.index.configure(
@@ -654,11 +661,12 @@ class ResponseCache:
         vector leaves the index and the ``sem:`` key is deleted), or whether it was cannot be known (the
         tombstone's GET failed, or the store fell back to memory between the two reads)."""
         was_on_fallback = self._on_fallback()
+        failed = False
         try:
             raw = await self.store.get(key)
         except CacheStoreError as exc:
             log.debug("event=semantic_cache_get_failed error=%r", exc)
-            raw = None
+            raw, failed = None, True
         entry: CacheEntry | None = None
         origin: tuple[str, float] | None = None
         if raw is not None:
@@ -669,7 +677,10 @@ class ResponseCache:
                 log.warning("event=semantic_cache_bad_entry key=%s error=%s", key, exc)
                 entry = None
         if entry is None:
-            index.remove(key)  # its body is gone from the store (evicted, expired, cleared) or unusable
+            # its body is gone (evicted, expired, cleared) or unusable: the vector goes, but only when the store
+            # itself answered; a failed GET or one the fallback answered says nothing of the copy in Redis
+            if not (failed or was_on_fallback or self._on_fallback()):
+                index.remove(key)
             return None
         if origin is None:
             return entry  # an older version's copy: no origin to check
@@ -821,8 +832,15 @@ class ResponseCache:
         """The semantic entry (the ``sem:`` key, its own TTL), its vector indexed once its body is stored (an
         index entry never points at a body that was not written), then the exact entry (``value``, which names
         the ``sem:`` key: ``invalidate`` deletes both): once the exact entry answers, the semantic one does too."""
+        # the copy lives semantic_ttl from its request's miss, not from this write: a tombstone written in between
+        # (TTL: the longest this process has configured, from a time after the miss) outlives it
+        ttl = self.semantic_ttl - (time.time() - sem.missed_at)
+        if ttl <= 0:
+            self.not_stored["expired"] = self.not_stored.get("expired", 0) + 1
+            await self._write(key, value)
+            return
         try:
-            await self.store.set(sem.key, sem_value, self.semantic_ttl)
+            await self.store.set(sem.key, sem_value, ttl)
         except CacheStoreError as exc:
             log.debug("event=semantic_cache_set_failed error=%r", exc)
             self.not_stored["store_error"] = self.not_stored.get("store_error", 0) + 1
@@ -851,7 +869,7 @@ class ResponseCache:
                     link = CacheEntry.decode(raw).link
                 except EntryError:
                     link = None
-            tomb_ttl = max(self.ttl, self.semantic_ttl)
+            tomb_ttl = self.longest_ttl + TOMB_MARGIN_S
             await self.store.set(TOMB_PREFIX + key, _TOMB.pack(time.time()), tomb_ttl)
             self._refuse_on_fallback()  # the GET or the SET met the outage: the tombstone is not in Redis
             keys = [link, key] if link is not None else [key]

@@ -9,7 +9,9 @@ that one copy and the other caller kept being served the purged answer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import struct
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +25,7 @@ from picker.cache.response_cache import (
     LINK_HEADER,
     MISSED_AT_HEADER,
     ORIGIN_HEADER,
+    TOMB_MARGIN_S,
     TOMB_PREFIX,
     CacheEntry,
     SemanticPending,
@@ -314,3 +317,64 @@ async def test_redis_lost_during_an_invalidation_is_refused(
         assert await raw.exists(PREFIX + TOMB_PREFIX + key) == 0
     finally:
         await raw.aclose()
+
+
+async def test_a_copy_lives_its_ttl_from_its_miss_and_a_tombstone_outlives_it(
+    engine: EngineSimulator, apps: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy written long after its request missed got the whole semantic TTL from its write, so it outlived a
+    tombstone written in between (TTL from the invalidation) and came back. Now its TTL runs from the miss, and a
+    tombstone's is the longest TTL the process has had (a hot reload that shortens them included)."""
+    app = make(apps, engine)
+    cache = app.response_cache
+    ttls: dict[str, float] = {}
+    real_set = cache.store.set
+
+    async def spy(key: str, value: bytes, ttl_seconds: float) -> None:
+        ttls[key] = ttl_seconds
+        await real_set(key, value, ttl_seconds)
+
+    monkeypatch.setattr(cache.store, "set", spy)
+    ex = await route(app, chat(QUESTION), ALICE)
+    assert isinstance(ex, Exchange) and isinstance(ex.cache_semantic, SemanticPending) and ex.cache_key
+    sem = ex.cache_semantic
+    ex.cache_semantic = dataclasses.replace(sem, missed_at=sem.missed_at - 100)  # the engine took 100 s
+    await answer(app, ex)
+    assert cache.semantic_ttl - 101 <= ttls[sem.key] <= cache.semantic_ttl - 100
+    late = await route(app, chat(QUESTION, max_tokens=7), BOB)  # another exact key, another copy
+    assert isinstance(late, Exchange) and isinstance(late.cache_semantic, SemanticPending) and late.cache_key
+    late.cache_semantic = dataclasses.replace(late.cache_semantic, missed_at=time.time() - cache.semantic_ttl - 1)
+    await answer(app, late)
+    assert late.cache_semantic.key not in ttls and late.cache_key in ttls  # no copy; the exact entry as before
+    assert cache.not_stored.get("expired") == 1
+    longest = max(cache.ttl, cache.semantic_ttl)
+    cache.configure(app.settings.response_cache.model_copy(update={"ttl": 10.0}))  # a hot reload: shorter
+    await cache.invalidate(ex.cache_key)
+    assert ttls[TOMB_PREFIX + ex.cache_key] == longest + TOMB_MARGIN_S
+
+
+async def test_a_failed_copy_read_keeps_its_vector(
+    engine: EngineSimulator, apps: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GET of the copy that fails says nothing of the copy in Redis: a miss, but its vector stays (it was
+    dropped for good before, and the copy never answered again)."""
+    app = make(apps, engine)
+    cache = app.response_cache
+    assert cache.index is not None
+    ex = await route(app, chat(QUESTION), ALICE)
+    assert isinstance(ex, Exchange)
+    await answer(app, ex)
+    assert len(cache.index) == 1
+    real_get = cache.store.get
+
+    async def failing(key: str) -> bytes | None:
+        if key.startswith(ENTRY_PREFIX):
+            raise CacheStoreError("redis get failed: timeout")
+        return await real_get(key)
+
+    monkeypatch.setattr(cache.store, "get", failing)
+    assert isinstance(await route(app, chat(NEAR), ALICE), Exchange)  # a miss
+    assert len(cache.index) == 1
+    monkeypatch.setattr(cache.store, "get", real_get)
+    hit = await route(app, chat(NEAR), ALICE)
+    assert isinstance(hit, Answer) and dict(hit.headers)["x-cache-mode"] == "semantic"
