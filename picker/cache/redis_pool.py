@@ -14,7 +14,9 @@ hung Redis in the cache lookup then does not wait another in the KV index's read
 (refused, reset or timed-out connections, as each user's own policy decides), never error replies (``OOM``,
 ``READONLY``: Redis answers). Each user keeps its own recovery (the store's health monitor, the index's ping
 and resync); either one's successful command or PING ends the shared outage and tells the other
-(``on_answered``), so a single slow command costs the store's fallback only until the next successful PING.
+(``on_answered``: the store's monitor PINGs at once, a down KV index tries its recovery at once), so a single
+slow command costs the store's fallback only until the next successful PING (a Redis that keeps stalling is
+damped: the store's early switch back waits longer after each flap, ``store.FLAP_WINDOW_S``).
 
 TLS: a ``rediss://`` URL, or ``tls: true`` with a ``redis://`` URL (the scheme is upgraded). The server's
 certificate is verified against the system CAs; redis-py's URL query options (``?ssl_ca_certs=/path``,

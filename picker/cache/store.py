@@ -23,6 +23,7 @@ from picker.config import KV_INDEX_KEY_PREFIX, RedisConfig
 
 log = logging.getLogger(__name__)
 
+FLAP_WINDOW_S = 60.0  # an outage this soon after the last recovery is a flap: the early switch back is held off
 DEFAULT_MAX_BYTES = 256 << 20  # the memory store's byte bound unless the caller sets one
 CLEAR_BATCH = 500  # keys per SCAN COUNT hint and per UNLINK
 _FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
@@ -183,6 +184,9 @@ class RedisCacheStore:
         self.endpoint: RedisEndpoint = redis_endpoint(cfg)
         self.health = redis_health(client)
         self._monitor_wake = asyncio.Event()  # set when another user of the client saw Redis answer again
+        self._fallback_since = 0.0  # clock(): when the current fallback began
+        self._hold_s = 0.0  # the least time on the fallback before an early switch back (grows while it flaps)
+        self._recovered_at: float | None = None  # clock(): when the store last switched back to Redis
         self.health.on_answered(self._outage_over)
         if cfg.key_prefix.startswith(KV_INDEX_KEY_PREFIX):
             raise ValueError(
@@ -361,6 +365,8 @@ class RedisCacheStore:
         outage = kind != "other"
         self.connected = not outage
         self.last_error = f"{kind}: {type(exc).__name__}: {exc}"[:300]
+        if outage and not self._closed:  # shared with the KV index whatever fallback_to_memory says
+            self.health.outage("response_cache", f"{kind}: {type(exc).__name__}")
         engage = self.cfg.fallback_to_memory and self._fallback is None and operation != "ping" and not self._closed
         if outage and engage:
             self._engage_fallback()
@@ -381,7 +387,13 @@ class RedisCacheStore:
 
     def _engage_fallback(self) -> None:
         self._monitor_wake.clear()  # a wake-up left from an earlier outage must not end this one at once
-        self.health.outage("response_cache", self.last_error or "")
+        now = self.clock()
+        recent = self._recovered_at is not None and now - self._recovered_at < FLAP_WINDOW_S
+        # an outage soon after the last one ended: the early switch back waits 1 s, then 2, 4, ... (at most the
+        # health interval); an outage after a quiet minute may end at once again
+        interval = self.cfg.health_check_interval_seconds
+        self._hold_s = min(interval, max(1.0, 2 * self._hold_s)) if recent else 0.0
+        self._fallback_since = now
         self._fallback = MemoryCacheStore(
             self.cfg.fallback_capacity, max_ttl_seconds=float(self.cfg.fallback_ttl_seconds), clock=self.clock
         )
@@ -401,9 +413,13 @@ class RedisCacheStore:
         switch back. Never raises (a failure is counted and retried)."""
         interval = self.cfg.health_check_interval_seconds
         while self._fallback is not None and not self._closed:
+            woken = False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._monitor_wake.wait(), interval)
+                woken = await asyncio.wait_for(self._monitor_wake.wait(), interval)
             self._monitor_wake.clear()
+            hold = self._fallback_since + self._hold_s - self.clock()
+            if woken and hold > 0:  # a Redis that keeps stalling: stay on the fallback a while (damping)
+                await asyncio.sleep(min(hold, interval))
             try:
                 await self._command("ping", self.client.ping(), timeout=self.health_timeout)
                 await self._replay_invalidations()
@@ -413,6 +429,7 @@ class RedisCacheStore:
                 log.exception("event=cache_redis_health_error error=%r", exc)
                 continue
             self._fallback = None
+            self._recovered_at = self.clock()
             self.metrics.fallback_active.set(0)
             log.warning("event=cache_redis_recovered url=%s", self.endpoint.display())
 

@@ -196,6 +196,8 @@ class RedisKvIndex(InMemoryKvIndex):
         super().__init__(max_entries, ttl_seconds)
         self.client = client
         self.health = redis_health(client)  # the outage state shared with the response cache's store
+        self._recover_now = asyncio.Event()  # set when another user of the client saw Redis answer again
+        self.health.on_answered(self._outage_over)
         self.prefix = key_prefix
         self.hash_prefix = (key_prefix + "b:").encode()
         self.set_key = key_prefix + "backends"
@@ -380,7 +382,9 @@ class RedisKvIndex(InMemoryKvIndex):
                     await asyncio.sleep(wait)
                 if await self._recover():
                     continue
-                await asyncio.sleep(self.retry_interval_s * random.uniform(0.5, 1.5))
+                self._recover_now.clear()
+                with contextlib.suppress(TimeoutError):  # the next try: the retry interval, or the store's PING
+                    await asyncio.wait_for(self._recover_now.wait(), self.retry_interval_s * random.uniform(0.5, 1.5))
                 continue
             if not self._queue:
                 self._wake.clear()
@@ -443,6 +447,12 @@ class RedisKvIndex(InMemoryKvIndex):
         await pipe.execute()
         self.stats.batches += 1
         self.stats.ops_written += len(batch)
+
+    def _outage_over(self) -> None:
+        """Another user of the client (the store's monitor) saw Redis answer: a down index tries its recovery now
+        rather than at the end of its retry interval."""
+        if not self.stats.up:
+            self._recover_now.set()
 
     async def _probe(self) -> bool:
         """One PING while another user of the client reports an outage: True (and the outage ended for all)

@@ -368,6 +368,100 @@ async def test_without_the_fallback_a_shared_outage_still_tries_redis(valkey_ser
         await close_shared_redis()
 
 
+async def test_without_the_fallback_a_timeout_is_still_shared(blackhole: tuple[Blackhole, int]) -> None:
+    """``fallback_to_memory: false``: the store's timeout is reported all the same, so the KV index's read in the
+    same request does not wait a second command timeout."""
+    hole, port = blackhole
+    cfg = RedisConfig(url=f"redis://127.0.0.1:{port}/0", command_timeout_ms=300, fallback_to_memory=False)
+    client = shared_redis(cfg)
+    store = RedisCacheStore(cfg, client, CacheStoreMetrics(CollectorRegistry()))
+    index = RedisKvIndex(client, command_timeout_s=0.3, retry_interval_s=3600)
+    try:
+        with pytest.raises(CacheStoreError, match="timeout"):
+            await asyncio.wait_for(store.get("k"), GENEROUS)
+        assert not store.fallback_active and redis_health(client).down
+        sent = await settled(hole)
+        assert await asyncio.wait_for(index.holds([1, 2]), GENEROUS) == {}
+        assert index.stats.errors == 0 and index.stats.fallbacks == 1
+        assert await settled(hole) == sent
+    finally:
+        await store.aclose()
+        await index.aclose()
+        await close_shared_redis()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.valkey
+async def test_a_flapping_redis_is_damped(valkey_server: ValkeyProcess) -> None:  # noqa: F811
+    """Outages that follow each other within FLAP_WINDOW_S hold the early switch back off for 1 s, then 2, 4 ...
+    (at most the health interval); after a quiet window the first outage may end at once again. The store comes
+    back every time."""
+    cfg = RedisConfig(url=valkey_server.url, command_timeout_ms=5000, health_check_interval_seconds=3)
+    client = shared_redis(cfg)
+    clock = FakeClock()
+    store = RedisCacheStore(cfg, client, CacheStoreMetrics(CollectorRegistry()), clock=clock)
+    health = redis_health(client)
+    try:
+        holds = []
+        for _ in range(4):
+            health.outage("kv_index", "a stall")  # as the KV index reports one
+            await store.get("k")
+            assert store.fallback_active
+            holds.append(store._hold_s)
+            health.answered()  # as the KV index's PING ends it
+            await async_wait_until(lambda: not store.fallback_active, timeout=GENEROUS, what="the store back")
+        assert holds == [0.0, 1.0, 2.0, 3.0]  # the last capped at the 3 s interval
+        clock.now += 61  # a quiet minute
+        health.outage("kv_index", "a stall")
+        await store.get("k")
+        assert store.fallback_active and store._hold_s == 0.0
+        health.answered()
+        await async_wait_until(lambda: not store.fallback_active, timeout=GENEROUS, what="the store back")
+        assert store.fallback_switches == 5
+    finally:
+        await store.aclose()
+        await close_shared_redis()
+
+
+@pytest.mark.valkey
+async def test_a_down_kv_index_recovers_when_the_store_sees_redis_answer(valkey_server: ValkeyProcess) -> None:  # noqa: F811
+    """The index went down on its own count; its retry interval is an hour here: the store's PING that answers
+    wakes its recovery (ping, resync) at once."""
+    cfg = RedisConfig(url=valkey_server.url, command_timeout_ms=300, health_check_interval_seconds=0.2)
+    client = shared_redis(cfg)
+    store = RedisCacheStore(cfg, client, CacheStoreMetrics(CollectorRegistry()))
+    index = RedisKvIndex(client, command_timeout_s=0.3, retry_interval_s=3600, down_after_failures=1)
+    writer = asyncio.create_task(index.run())
+    try:
+        index.put("engine-a", [1, 2], StorageTier.GPU_HOT)
+        await index.flush(timeout_s=GENEROUS)
+        await asyncio.to_thread(valkey_server.pause)
+        try:
+            assert (await asyncio.wait_for(index.holds([1, 2]), GENEROUS))["engine-a"].blocks == 2  # timed out
+            assert not index.stats.up and redis_health(client).reported_by == "kv_index"
+            assert await asyncio.wait_for(store.get("k"), GENEROUS) is None  # the fallback, no command
+            assert store.fallback_active
+        finally:
+            await asyncio.to_thread(valkey_server.resume)
+        await async_wait_until(lambda: not store.fallback_active, timeout=GENEROUS, what="the store's monitor")
+        await async_wait_until(lambda: index.stats.up, timeout=GENEROUS, what="the index's recovery")
+        assert index.stats.resyncs >= 1  # its own recovery: rebuilt from the local copy
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+        await store.aclose()
+        await index.aclose()
+        await close_shared_redis()
+
+
 class TlsProxy:
     """TLS in front of Valkey (this Valkey build has no TLS): terminates TLS with a test CA's certificate and
     pipes the bytes to Valkey's plain port, so ``rediss://`` is exercised against a real server."""
