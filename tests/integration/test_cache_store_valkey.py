@@ -204,6 +204,17 @@ def blackholed(port: int) -> RedisConfig:
     )  # fmt: skip
 
 
+async def stop_all(store: RedisCacheStore, index: RedisKvIndex, writer: asyncio.Task[None] | None = None) -> None:
+    """The index's writer task cancelled, the store and the index closed, the shared pool closed."""
+    if writer is not None:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+    await store.aclose()
+    await index.aclose()
+    await close_shared_redis()
+
+
 async def settled(hole: Blackhole) -> int:
     """The bytes the blackhole has received, once anything in flight on loopback has arrived."""
     await asyncio.sleep(0.05)
@@ -231,9 +242,7 @@ async def test_the_store_s_outage_keeps_the_kv_index_off_redis_at_once(blackhole
         assert await settled(hole) == sent  # the index sent nothing to the hung Redis
         assert index.redis_stats()["shared_outage"]["reported_by"] == "response_cache"
     finally:
-        await store.aclose()
-        await index.aclose()
-        await close_shared_redis()
+        await stop_all(store, index)
 
 
 async def test_the_kv_index_s_outage_engages_the_store_fallback_without_a_command(
@@ -258,9 +267,7 @@ async def test_the_kv_index_s_outage_engages_the_store_fallback_without_a_comman
         assert store.redis_stats()["shared_outage"] == {"down": True, "reported_by": "kv_index", "outages": 1}
         assert await settled(hole) == sent
     finally:
-        await store.aclose()
-        await index.aclose()
-        await close_shared_redis()
+        await stop_all(store, index)
 
 
 @pytest.mark.valkey
@@ -294,12 +301,7 @@ async def test_one_slow_command_costs_a_moment_of_fallback_not_a_resync(valkey_s
         assert index.stats.lookups == 0 and index.stats.fallbacks == 1
         assert (await index.holds([1, 2]))["engine-a"].blocks == 2 and index.stats.lookups == 1  # from Valkey
     finally:
-        writer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await writer
-        await store.aclose()
-        await index.aclose()
-        await close_shared_redis()
+        await stop_all(store, index, writer)
 
 
 @pytest.mark.valkey
@@ -385,9 +387,7 @@ async def test_without_the_fallback_a_timeout_is_still_shared(blackhole: tuple[B
         assert index.stats.errors == 0 and index.stats.fallbacks == 1
         assert await settled(hole) == sent
     finally:
-        await store.aclose()
-        await index.aclose()
-        await close_shared_redis()
+        await stop_all(store, index)
 
 
 class FakeClock:
@@ -454,12 +454,7 @@ async def test_a_down_kv_index_recovers_when_the_store_sees_redis_answer(valkey_
         await async_wait_until(lambda: index.stats.up, timeout=GENEROUS, what="the index's recovery")
         assert index.stats.resyncs >= 1  # its own recovery: rebuilt from the local copy
     finally:
-        writer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await writer
-        await store.aclose()
-        await index.aclose()
-        await close_shared_redis()
+        await stop_all(store, index, writer)
 
 
 @pytest.mark.valkey

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from benchmarks.engine_sim import EngineSimulator, SimConfig
+from benchmarks.engine_sim import EngineSimulator
 from picker.cache import CacheStoreError
 from picker.cache.redis_pool import close_shared_redis
 from picker.cache.response_cache import (
@@ -41,7 +41,6 @@ from tests.unit.test_semantic_wiring import (
     ALICE,
     ANSWER,
     BOB,
-    EMB,
     NEAR,
     QUESTION,
     answer,
@@ -49,6 +48,7 @@ from tests.unit.test_semantic_wiring import (
     route,
     semantic_count,
     settings,
+    sim,  # noqa: F401  (the fixture)
     sim_url,
 )
 
@@ -60,14 +60,9 @@ OTHER = (
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[EngineSimulator]:
-    """The simulator (its deterministic ``/v1/embeddings``) on a free port, stopped at teardown."""
-    simulator = EngineSimulator(SimConfig(time_scale=0.001, kv_events_enabled=False, model=EMB))
-    await simulator.start()
-    try:
-        yield simulator
-    finally:
-        await simulator.stop()
+async def engine(sim: EngineSimulator) -> EngineSimulator:  # noqa: F811
+    """The simulator (its deterministic ``/v1/embeddings``): test_semantic_wiring's ``sim`` fixture."""
+    return sim
 
 
 @pytest.fixture
