@@ -577,17 +577,20 @@ class ResponseCache:
         body: bytes | None,
         headers: Mapping[str, str] | None = None,
         semantic_ok: Callable[[], bool] | None = None,
+        data: dict[str, Any] | None = None,
     ) -> Answer | Keyed | None:
         """An ``Answer`` on a hit (exact, else semantic); the keys of an eligible miss (the exchange stores its
         response under them); None when the request is not eligible (BYPASS). ``semantic_ok`` (the request
-        path's admission check), asked after an exact miss: False skips the semantic path (no embedding)."""
+        path's admission check), asked after an exact miss: False skips the semantic path (no embedding).
+        ``data``: ``body`` already parsed (the request path's parse; read, never changed), else it is parsed here."""
         if not body or not eligible(facts):
             self._count("skip")
             return None
-        try:
-            data = orjson.loads(body)  # parsed again here: the facts keep only what routing reads
-        except orjson.JSONDecodeError:
-            data = None
+        if data is None:
+            try:
+                data = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                data = None
         key = cache_key(facts, data, headers) if isinstance(data, dict) else None
         if key is None:
             self._count("skip")

@@ -230,26 +230,43 @@ def parse_request(
     identity: str | None = None,
 ) -> RequestFacts:
     """Parse ``body`` of a request to ``path``. Raises BadRequest on anything malformed."""
+    return parse_request_body(
+        body, path, max_body_bytes=max_body_bytes, session_id=session_id, tenant_id=tenant_id, identity=identity
+    )[0]
+
+
+def parse_request_body(
+    body: bytes,
+    path: str,
+    *,
+    max_body_bytes: int,
+    session_id: str | None = None,
+    tenant_id: str | None = None,
+    identity: str | None = None,
+) -> tuple[RequestFacts, dict[str, Any] | None]:
+    """``parse_request``, and the body's JSON object it parsed (None when it parsed none): a later stage that
+    reads more of the body than the facts keep (the response cache's key) takes it rather than parsing the
+    body again. The caller must not keep it past the request's routing, nor change it."""
     api = api_for_path(path)
     if len(body) > max_body_bytes:
         raise BadRequest(
             f"request body of {len(body)} bytes exceeds the limit of {max_body_bytes} bytes", "body_too_large"
         )
     if api == "other" and not body:
-        return RequestFacts(api="other", session_id=session_id, tenant_id=tenant_id, identity=identity)
+        return RequestFacts(api="other", session_id=session_id, tenant_id=tenant_id, identity=identity), None
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         if api == "other":  # e.g. a multipart upload to another endpoint: route it, do not judge it
             return RequestFacts(
                 api="other", session_id=session_id, tenant_id=tenant_id, identity=identity, body_bytes=len(body)
-            )
+            ), None
         raise BadRequest(f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(data, dict):
         if api == "other":
             return RequestFacts(
                 api="other", session_id=session_id, tenant_id=tenant_id, identity=identity, body_bytes=len(body)
-            )
+            ), None
         raise BadRequest("request body must be a JSON object", "invalid_type")
     model = data.get("model")
     if api not in ("other", "responses") and model is None:  # a stored Responses prompt may name the model
@@ -314,7 +331,7 @@ def parse_request(
         max_tokens = _opt_int(data, "max_completion_tokens")
     if max_tokens is None and api == "responses":
         max_tokens = _opt_int(data, "max_output_tokens")
-    return RequestFacts(
+    facts = RequestFacts(
         api=api,
         model=model,
         system=system or None,
@@ -334,3 +351,4 @@ def parse_request(
         cache_salt=cache_salt,
         body_bytes=len(body),
     )
+    return facts, data

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from picker.config import Settings
 from picker.kv.placements import RecentPlacements
@@ -31,7 +31,14 @@ from picker.ops.recorder import DecisionRecorder
 from picker.pool.pool import Lease, Pool
 from picker.request.admission import Admission, overloaded_body
 from picker.request.anthropic import inject_cache_control, is_native_anthropic
-from picker.request.facts import BadRequest, RequestFacts, api_for_path, caller_identity, error_body, parse_request
+from picker.request.facts import (
+    BadRequest,
+    RequestFacts,
+    api_for_path,
+    caller_identity,
+    error_body,
+    parse_request_body,
+)
 from picker.request.popularity import PrefixRates
 from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key
@@ -69,7 +76,8 @@ class ResponseCache(Protocol):
 
     A stage that also has ``enabled`` and ``lookup_request(facts, body) -> Answer | Keyed | None`` (Tier 2's
     ``picker.cache.response_cache.ResponseCache``) is consulted through it, only while ``enabled``: it gets the
-    request body the facts were parsed from and ``semantic_ok`` (the admission check, asked after an exact miss:
+    request body the facts were parsed from, its parsed JSON object as ``data`` (not parsed twice), and
+    ``semantic_ok`` (the admission check, asked after an exact miss:
     a saturated pool gets its exact hits but no semantic lookup) and returns the hit, else an eligible miss's
     ``Keyed`` (its ``key`` set on the exchange as ``cache_key``, its ``semantic`` as ``cache_semantic``, with
     ``x_cache`` MISS: the response is stored under them by the cache's response observer), else None (not
@@ -328,6 +336,10 @@ class RequestPath:
     # -- the stages -------------------------------------------------------------------------------
     def parse(self, req: Inbound) -> RequestFacts:
         """Stage 1. Raises BadRequest on anything a client sent wrong."""
+        return self.parse_body(req)[0]
+
+    def parse_body(self, req: Inbound) -> tuple[RequestFacts, dict[str, Any] | None]:
+        """``parse``, and the body's JSON object (``parse_request_body``; None without one), for the cache stage."""
         h = req.headers
         session = h.get(self.session_header)
         tenant = h.get(self.tenant_header)
@@ -336,10 +348,11 @@ class RequestPath:
         # the body is not available before the pick, or the method carries no inference request (a CORS
         # preflight OPTIONS, a GET): route on the path alone, without judging a body
         if req.body is None or method != "POST":
-            return RequestFacts(api=api_for_path(req.path), session_id=session, tenant_id=tenant, identity=identity)
+            facts = RequestFacts(api=api_for_path(req.path), session_id=session, tenant_id=tenant, identity=identity)
+            return facts, None
         if not req.body and api_for_path(req.path) != "other":
             raise BadRequest(NO_BODY_REQUIRED, "empty_body")
-        return parse_request(
+        return parse_request_body(
             req.body, req.path, max_body_bytes=self.max_body_bytes, session_id=session, tenant_id=tenant,
             identity=identity,
         )  # fmt: skip
@@ -430,7 +443,7 @@ class RequestPath:
         """Run the stages; an ``Answer`` when the picker answers the request itself."""
         t0 = _perf()
         try:
-            facts = self.parse(req)
+            facts, data = self.parse_body(req)
         except BadRequest as exc:
             self.recorder.refused("bad_request")
             return Answer(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}")
@@ -447,7 +460,7 @@ class RequestPath:
             elif cache.enabled:  # type: ignore[attr-defined]
                 # the exact lookup before the admission check (a saturated pool still gets its hits), the
                 # semantic one (an embedding request) only when the pool is not saturated
-                looked = await keyed(facts, req.body, req.headers, semantic_ok=lambda: self._admits(req))
+                looked = await keyed(facts, req.body, req.headers, semantic_ok=lambda: self._admits(req), data=data)
                 if isinstance(looked, Answer):
                     self.recorder.cache_hit()
                     return looked
