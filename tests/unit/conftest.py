@@ -8,6 +8,7 @@ import pytest
 import zmq.asyncio
 
 from tests.support.admin_redis import admin  # noqa: F401  (a fixture: admin clients on Redis-backed apps)
+from tests.support.embeddings_sim import sim  # noqa: F401  (a fixture: the simulator's /v1/embeddings; a module may define its own)
 
 
 @pytest.fixture

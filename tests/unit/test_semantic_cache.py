@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -14,7 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from benchmarks.engine_sim import EngineSimulator, SimConfig
+from benchmarks.engine_sim import EngineSimulator
 from benchmarks.engine_sim.embeddings import embed_text
 from picker.cache.semantic import (
     ENTRY_PREFIX,
@@ -27,10 +26,10 @@ from picker.cache.semantic import (
     semantic_query,
 )
 from picker.request.facts import caller_identity
+from tests.support.embeddings_sim import EMB
 from tests.support.http_server import serve
 from tests.support.poll import async_wait_until
 
-EMB = "sim-model"
 QUESTION = (
     "How do I configure the maximum number of cached entries for the response cache in the picker "
     "when running on Kubernetes with three replicas?"
@@ -325,14 +324,6 @@ def test_vectors_of_another_dimension_are_skipped() -> None:
 
 
 # -- the embeddings client ------------------------------------------------------------------------------
-@pytest.fixture
-async def sim() -> AsyncIterator[EngineSimulator]:
-    simulator = EngineSimulator(SimConfig(time_scale=0.001, kv_events_enabled=False, model=EMB))
-    await simulator.start()
-    try:
-        yield simulator
-    finally:
-        await simulator.stop()
 
 
 async def embed(client: EmbeddingsClient, backend: str, text: str = QUESTION, **kw: Any) -> Any:

@@ -48,7 +48,6 @@ from tests.unit.test_semantic_wiring import (
     route,
     semantic_count,
     settings,
-    sim,  # noqa: F401  (the fixture)
     sim_url,
 )
 
@@ -60,7 +59,7 @@ OTHER = (
 
 
 @pytest.fixture
-async def engine(sim: EngineSimulator) -> EngineSimulator:  # noqa: F811
+async def engine(sim: EngineSimulator) -> EngineSimulator:
     """The simulator (its deterministic ``/v1/embeddings``): test_semantic_wiring's ``sim`` fixture."""
     return sim
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -19,7 +18,7 @@ import pytest
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from benchmarks.engine_sim import EngineSimulator, SimConfig
+from benchmarks.engine_sim import EngineSimulator
 from picker.cache.response_cache import SemanticPending
 from picker.cache.semantic import ENTRY_PREFIX
 from picker.config import ConfigError, parse_settings
@@ -28,11 +27,11 @@ from picker.ops.metrics import PickerMetrics
 from picker.request.anthropic import count_markers
 from picker.request.path import Answer, Exchange, Inbound
 from picker.runtime.app import PickerApp
+from tests.support.embeddings_sim import EMB
 from tests.support.http_server import serve
 
 CHAT = "/v1/chat/completions"
 BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
-EMB = "sim-model"
 QUESTION = (
     "How do I configure the maximum number of cached entries for the response cache in the picker "
     "when running on Kubernetes with three replicas?"
@@ -44,16 +43,6 @@ ANSWER = (
     b'{"choices":[{"index":0,"message":{"role":"assistant","content":"Set response_cache.capacity."},'
     b'"finish_reason":"stop"}]}'
 )
-
-
-@pytest.fixture
-async def sim() -> AsyncIterator[EngineSimulator]:
-    simulator = EngineSimulator(SimConfig(time_scale=0.001, kv_events_enabled=False, model=EMB))
-    await simulator.start()
-    try:
-        yield simulator
-    finally:
-        await simulator.stop()
 
 
 def sim_url(sim: EngineSimulator) -> str:
