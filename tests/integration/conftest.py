@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
@@ -87,6 +88,60 @@ def start_backends(n: int, workdir: Path) -> Backends:
     proc, line = spawn_ready_line("backends", argv, workdir, READY_PREFIX, env={"PYTHONPATH": str(ROOT)})
     ports = [int(p) for p in line.rpartition("ports=")[2].split(",")]
     return Backends(ports, names, proc)
+
+
+@dataclass
+class CachePickers:
+    """Pickers with ``response_cache.backend: redis`` on one Valkey, each behind its own Envoy (response mode
+    full), over the same echo backends."""
+
+    backends: Backends
+    pickers: list[PickerProcess]
+    envoys: list[EnvoyProcess]
+
+
+@contextlib.contextmanager
+def cache_pickers_on_valkey(
+    valkey_url: str, workdir: Path, name: str, count: int = 2, **redis: Any
+) -> Iterator[CachePickers]:
+    """``count`` pickers (``redis``: more ``response_cache.redis`` keys) and their Envoys over 2 echo backends,
+    all stopped by pid on the way out."""
+    backends = start_backends(2, workdir)
+    pickers: list[PickerProcess] = []
+    envoys: list[EnvoyProcess] = []
+    try:
+        for i in range(count):
+            cfg = {
+                "selection_strategy": "RoundRobin",
+                "pool": {"backends": backends.pool()},
+                "response_cache": {"enabled": True, "backend": "redis", "redis": {"url": valkey_url, **redis}},
+            }
+            picker = start_picker(cfg, workdir, name=f"{name}-{i}")
+            pickers.append(picker)
+            opts = EnvoyOptions(
+                listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
+                picker_address=f"127.0.0.1:{picker.extproc_port}", picker_tls=picker.tls, response_mode="full",
+                backends=tuple(b["address"] for b in backends.pool()),
+            )  # fmt: skip
+            envoys.append(start_envoy(opts, workdir))
+        yield CachePickers(backends, pickers, envoys)
+    finally:
+        for e in envoys:
+            e.stop()
+        for p in pickers:
+            p.stop()
+        backends.process.stop()
+
+
+def valkey_keys(url: str, prefix: str = "") -> list[str]:
+    """The keys of the Valkey at ``url`` under ``prefix``, sorted."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return sorted(k.decode() for k in client.scan_iter(prefix + "*"))
+    finally:
+        client.close()
 
 
 @dataclass

@@ -21,9 +21,14 @@ from typing import Any
 
 import pytest
 
-from benchmarks.stack import EnvoyProcess, PickerProcess, free_port, start_envoy, start_picker
-from picker.runtime.envoy_config import EnvoyOptions
-from tests.integration.conftest import HttpResult, Stack, build_stack, http, start_backends
+from tests.integration.conftest import (
+    HttpResult,
+    Stack,
+    build_stack,
+    cache_pickers_on_valkey,
+    http,
+    valkey_keys,
+)
 from tests.support.valkey import running_valkey
 
 pytestmark = pytest.mark.envoy
@@ -142,48 +147,18 @@ def test_two_pickers_share_entries_on_valkey(workdir: Path) -> None:
     """Two pickers (each behind its own Envoy) on one Valkey: a response cached through one is a HIT through
     the other, and the engines saw one request."""
     (workdir / "shared").mkdir(exist_ok=True)
-    backends = start_backends(2, workdir / "shared")
-    pickers: list[PickerProcess] = []
-    envoys: list[EnvoyProcess] = []
-    try:
-        with running_valkey(workdir / "valkey") as valkey:
-            for i in range(2):
-                cfg = {
-                    "selection_strategy": "RoundRobin",
-                    "pool": {"backends": backends.pool()},
-                    "response_cache": {"enabled": True, "backend": "redis", "redis": {"url": valkey.url}},
-                }
-                picker = start_picker(cfg, workdir, name=f"picker-valkey-{i}")
-                pickers.append(picker)
-                opts = EnvoyOptions(
-                    listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
-                    picker_address=f"127.0.0.1:{picker.extproc_port}", response_mode="full",
-                    backends=tuple(b["address"] for b in backends.pool()),
-                )  # fmt: skip
-                envoys.append(start_envoy(opts, workdir))
-            body = {"model": "m", "messages": [{"role": "user", "content": uuid.uuid4().hex}], "temperature": 0}
-            seen_before = sum(backends.stats(i)["seen"] for i in range(2))
-            first = http("POST", envoys[0].url + "/v1/chat/completions", body)
-            assert first.status == 200 and first.headers.get("x-cache") == "MISS"
-            second = http("POST", envoys[1].url + "/v1/chat/completions", body)
-            assert second.status == 200 and second.headers.get("x-cache") == "HIT", second.headers
-            assert second.body == first.body
-            assert sum(backends.stats(i)["seen"] for i in range(2)) == seen_before + 1
-            keys = valkey_keys(valkey.url)
-            assert len(keys) == 1 and keys[0].startswith("cr:resp:") and len(keys[0]) == len("cr:resp:") + 64
-    finally:
-        for e in envoys:
-            e.stop()
-        for p in pickers:
-            p.stop()
-        backends.process.stop()
-
-
-def valkey_keys(url: str) -> list[str]:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        return sorted(k.decode() for k in client.scan_iter("*"))
-    finally:
-        client.close()
+    with (
+        running_valkey(workdir / "valkey") as valkey,
+        cache_pickers_on_valkey(valkey.url, workdir / "shared", "picker-valkey") as s,
+    ):
+        backends, envoys = s.backends, s.envoys
+        body = {"model": "m", "messages": [{"role": "user", "content": uuid.uuid4().hex}], "temperature": 0}
+        seen_before = sum(backends.stats(i)["seen"] for i in range(2))
+        first = http("POST", envoys[0].url + "/v1/chat/completions", body)
+        assert first.status == 200 and first.headers.get("x-cache") == "MISS"
+        second = http("POST", envoys[1].url + "/v1/chat/completions", body)
+        assert second.status == 200 and second.headers.get("x-cache") == "HIT", second.headers
+        assert second.body == first.body
+        assert sum(backends.stats(i)["seen"] for i in range(2)) == seen_before + 1
+        keys = valkey_keys(valkey.url)
+        assert len(keys) == 1 and keys[0].startswith("cr:resp:") and len(keys[0]) == len("cr:resp:") + 64

@@ -26,9 +26,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.stack import EnvoyProcess, PickerProcess, free_port, start_envoy, start_picker
-from picker.runtime.envoy_config import EnvoyOptions
-from tests.integration.conftest import Backends, http, start_backends
+from benchmarks.stack import EnvoyProcess, PickerProcess
+from tests.integration.conftest import Backends, cache_pickers_on_valkey, http, valkey_keys
 from tests.support.poll import wait_until
 from tests.support.valkey import ValkeyProcess, running_valkey
 
@@ -101,46 +100,17 @@ class TwoPickers:
 
 @pytest.fixture
 def two_pickers(tmp_path: Path) -> Iterator[TwoPickers]:
-    backends = start_backends(2, tmp_path)
-    pickers: list[PickerProcess] = []
-    envoys: list[EnvoyProcess] = []
-    try:
-        with running_valkey(tmp_path / "valkey") as valkey:
-            for i in range(2):
-                cfg = {
-                    "selection_strategy": "RoundRobin",
-                    "pool": {"backends": backends.pool()},
-                    "response_cache": {
-                        "enabled": True,
-                        "backend": "redis",
-                        "redis": {"url": valkey.url, "health_check_interval_seconds": HEALTH_INTERVAL_S},
-                    },
-                }
-                picker = start_picker(cfg, tmp_path, name=f"picker-failover-{i}")
-                pickers.append(picker)
-                opts = EnvoyOptions(
-                    listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
-                    picker_address=f"127.0.0.1:{picker.extproc_port}", picker_tls=picker.tls, response_mode="full",
-                    backends=tuple(b["address"] for b in backends.pool()),
-                )  # fmt: skip
-                envoys.append(start_envoy(opts, tmp_path))
-            yield TwoPickers(valkey, backends, pickers, envoys)
-    finally:
-        for e in envoys:
-            e.stop()
-        for p in pickers:
-            p.stop()
-        backends.process.stop()
+    with (
+        running_valkey(tmp_path / "valkey") as valkey,
+        cache_pickers_on_valkey(
+            valkey.url, tmp_path, "picker-failover", health_check_interval_seconds=HEALTH_INTERVAL_S
+        ) as s,
+    ):
+        yield TwoPickers(valkey, s.backends, s.pickers, s.envoys)
 
 
 def valkey_has(url: str, prefix: str = "cr:resp:") -> int:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        return sum(1 for _ in client.scan_iter(prefix + "*"))
-    finally:
-        client.close()
+    return len(valkey_keys(url, prefix))
 
 
 def test_valkey_killed_under_load_then_back(two_pickers: TwoPickers) -> None:
