@@ -67,7 +67,7 @@ def run_case(case: str) -> dict[str, Any]:
     from listener.api import BlockChainTracker, DecodeError, LimitsConfig, SourceConfig, decode_batch, work_units
 
     class Sink:
-        def emit(self, op: str, keys: list[int], tier: str | None) -> None:
+        def emit(self, op: str, keys: list[int], tier: str | None, page: int = 0) -> None:
             pass
 
         def clear(self, reason: str) -> None:

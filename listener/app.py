@@ -90,9 +90,9 @@ class _CountingSink:
         self.metrics = metrics
         self.source = source
 
-    def emit(self, op: str, keys: list[int], tier: str | None) -> None:
+    def emit(self, op: str, keys: list[int], tier: str | None, page: int = 0) -> None:
         before = self.feed.last_id
-        self.feed.emit(op, keys, tier)
+        self.feed.emit(op, keys, tier, page)
         self.metrics.feed_records.labels(self.source).inc(self.feed.last_id - before)
 
     def clear(self, reason: str) -> None:

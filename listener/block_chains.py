@@ -78,7 +78,7 @@ DEFAULT_KEY_BLOCK_SIZE: int = ListenerConfig.model_fields["key_block_size"].defa
 class DeltaSink(Protocol):
     """Where index deltas go (the feed hub of one backend)."""
 
-    def emit(self, op: str, keys: list[int], tier: str | None) -> None: ...
+    def emit(self, op: str, keys: list[int], tier: str | None, page: int = 0) -> None: ...
 
     def clear(self, reason: str) -> None: ...
 
@@ -160,12 +160,14 @@ def work_units(events: Iterable[KvEvent], max_blocks: int) -> Iterator[list[KvEv
 
 
 class _Emitter:
-    """Coalesces consecutive deltas of the same op and tier, preserving order."""
+    """Coalesces consecutive deltas of the same op and tier, preserving order. ``page``: the engine page size
+    of the store being applied (0 outside stores), carried by its puts."""
 
-    __slots__ = ("keys", "op", "sink", "tier")
+    __slots__ = ("keys", "op", "page", "sink", "tier")
 
-    def __init__(self, sink: DeltaSink) -> None:
+    def __init__(self, sink: DeltaSink, page: int = 0) -> None:
         self.sink = sink
+        self.page = page
         self.op = ""
         self.tier: str | None = None
         self.keys: list[int] = []
@@ -178,7 +180,7 @@ class _Emitter:
 
     def flush(self) -> None:
         if self.keys:
-            self.sink.emit(self.op, self.keys, self.tier)
+            self.sink.emit(self.op, self.keys, self.tier, self.page if self.op == "put" else 0)
             self.keys = []
 
 
@@ -385,7 +387,7 @@ class BlockChainTracker:
         else:
             self._full_group_seen = True
         medium = medium_label(ev.medium)
-        em = _Emitter(self.sink)
+        em = _Emitter(self.sink, ev.block_size if self._page_check(ev) else 0)
         if ev.block_size == 0 and not ev.token_ids:
             self._placeholder(em, ev, group, medium)
         elif self._page_check(ev):

@@ -83,7 +83,7 @@ class Record:
         self.id = rec_id
         self.keys = keys  # put/del: block keys ('Q' array)
         self.text = text  # put: tier; clear/close: reason
-        self.num = num  # snapshot_begin: entries
+        self.num = num  # snapshot_begin: entries; put: the engine page size of its store (0: none)
         self.last = last  # snapshot_begin: the snapshot's last id
         self._sse: bytes | None = None
         self._pb: bytes | None = None
@@ -302,7 +302,7 @@ class BackendFeed:
         self._on_overflow = on_overflow or (lambda backend: None)
 
     # -- DeltaSink -----------------------------------------------------------------------------
-    def emit(self, op: str, keys: list[int], tier: str | None) -> None:
+    def emit(self, op: str, keys: list[int], tier: str | None, page: int = 0) -> None:
         step = self.cfg.max_keys_per_record
         for i in range(0, len(keys), step):
             chunk = keys[i : i + step]
@@ -310,7 +310,7 @@ class BackendFeed:
                 t = tier or "gpu_hot"
                 for k in chunk:
                     self.state[k] = t
-                self._publish(Record(PUT, keys=_keys(chunk), text=t))
+                self._publish(Record(PUT, keys=_keys(chunk), text=t, num=page))
             else:
                 for k in chunk:
                     self.state.pop(k, None)

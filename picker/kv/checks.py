@@ -10,7 +10,10 @@ Two silent failures make Tier 4 fall back forever while every component says "ok
 - **Keys that never match** (the listener keyed with another model name or block size, a chat template
   that differs): the start-up self-check sends each backend one probe chat request (a fresh nonce, so it
   is never cached already, ``max_tokens: 1``) straight to the engine, computes the picker's block keys
-  for the same messages as a request would, and waits until the index says that backend holds them.
+  for the same messages as a request would, and waits until the index says that backend holds them. An
+  engine stores only full pages of its own size (vLLM on CPU: multiples of 32 tokens; the probe's last page
+  is usually partial), so the check asks for the key blocks inside the probe's full pages, the page size
+  taken from the feed (each store-made put carries it); until a put has said, every key block is asked for.
   Results: ``ok``; ``keys_differ`` (the feed delivered records after the probe but not these keys: model
   name, block size, chat template or key scheme differ); ``no_events`` (nothing arrived: the engine's
   events do not reach the listener); ``probe_failed`` (the engine refused the probe or the tokenizer
@@ -195,6 +198,8 @@ async def run_self_check(
     holds: Callable[[Sequence[int]], Mapping[str, Any]],
     records: Callable[[], int],
     session: aiohttp.ClientSession,
+    page_tokens: Callable[[], int | None] = lambda: None,
+    key_block_size: int = 0,
 ) -> str:
     """Probe ``backend`` once (see the module docstring); record and return the result."""
     if model is None:
@@ -226,9 +231,16 @@ async def run_self_check(
         return "probe_failed"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + checks.cfg.self_check_timeout_seconds
+    want = len(keys)
     while loop.time() < deadline:
+        want = full_page_blocks(len(ids), len(keys), page_tokens(), key_block_size)
+        if want == 0:
+            checks.set_self_check(
+                backend, "skipped", f"the probe is shorter than one engine page ({page_tokens()} tokens)"
+            )
+            return "skipped"
         held = holds(keys).get(backend)
-        if held is not None and held.blocks == len(keys):  # every block, the nonce's included
+        if held is not None and held.blocks >= want:  # every key block of the full pages, the nonce's too
             checks.set_self_check(backend, "ok")
             return "ok"
         await asyncio.sleep(0.05)
@@ -236,7 +248,7 @@ async def run_self_check(
         checks.set_self_check(
             backend,
             "keys_differ",
-            f"the feed delivered records after the probe but not its {len(keys)} block keys for model "
+            f"the feed delivered records after the probe but not its {want} block keys for model "
             f"{model!r}: the listener's model name, key block size or the chat template differ from the picker's",
         )
         return "keys_differ"
@@ -244,6 +256,14 @@ async def run_self_check(
         backend, "no_events", "no feed record arrived after the probe: the engine's KV events do not reach the listener"
     )
     return "no_events"
+
+
+def full_page_blocks(tokens: int, keys: int, page: int | None, key_block_size: int) -> int:
+    """How many of a ``tokens``-token prompt's ``keys`` key blocks an engine with ``page``-token pages stores:
+    those ending inside its full pages (all of them while the page size is unknown)."""
+    if not page or key_block_size <= 0:
+        return keys
+    return min(keys, (tokens // page) * page // key_block_size)
 
 
 def probe_keys(block_size: int, max_blocks: int) -> Callable[[Sequence[int], str], list[int]]:

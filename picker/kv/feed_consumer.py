@@ -59,6 +59,7 @@ MAX_BACKOFF_S = 60.0
 
 
 MAX_CLOSE_REASONS = 32  # distinct close reasons counted per source; the rest count as "other"
+MAX_PAGE_TOKENS = 65_536  # the largest engine page size the listener accepts (SourceConfig.block_size)
 
 
 class FeedClosed(Exception):
@@ -83,6 +84,8 @@ class ConsumerStats:
     source_model: str | None = None
     source_engine: str | None = None
     key_block_size: int | None = None
+    # the engine's page size (tokens) the newest store-made put carried; None until one arrived
+    page_tokens: int | None = None
     caught_up: bool = False  # this connection applied the feed's initial snapshot / resume (see the module doc)
     ever_caught_up: bool = False  # some connection of this consumer did
 
@@ -349,7 +352,10 @@ class KvFeedConsumer:
 
     def _apply(self, event: str, payload: dict[str, object]) -> None:
         if event == "put":
-            self.apply_put(decode_keys(payload.get("keys")), decode_tier(payload.get("tier")))
+            page = payload.get("page", 0)
+            self.apply_put(
+                decode_keys(payload.get("keys")), decode_tier(payload.get("tier")), page if type(page) is int else 0
+            )
         elif event == "del":
             self.apply_del(decode_keys(payload.get("keys")))
         elif event == "clear":
@@ -389,7 +395,9 @@ class KvFeedConsumer:
         self._snapshot_due = resumed is False
         self._check_caught_up()
 
-    def apply_put(self, keys: list[int], tier: StorageTier) -> None:
+    def apply_put(self, keys: list[int], tier: StorageTier, page: int = 0) -> None:
+        if 0 < page <= MAX_PAGE_TOKENS:  # the engine's page size, for the self-check (0: not from a store)
+            self.stats.page_tokens = page
         if self._staged is not None:
             room = self.index.max_entries - self._staged_count
             if room > 0 and keys:  # an empty put stages nothing (the record count stays bounded by the keys)
@@ -515,7 +523,7 @@ class GrpcFeedConsumer(KvFeedConsumer):
                 tier = PB_TIER_NAMES.get(rec.put.tier)
                 if tier is None:
                     raise ValueError(f"unknown tier {rec.put.tier}")
-                self.apply_put(list(rec.put.keys), decode_tier(tier))
+                self.apply_put(list(rec.put.keys), decode_tier(tier), rec.put.page_tokens)
             elif kind == "del":
                 self.apply_del(list(getattr(rec, "del").keys))
             elif kind == "clear":

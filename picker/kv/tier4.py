@@ -376,6 +376,8 @@ class Tier4:
                 self.index.lookup,
                 lambda: consumer.stats.events_received,
                 session,
+                lambda: consumer.stats.page_tokens,
+                self.cfg.tokenizer.block_size,
             )
         except Exception as exc:  # a check never takes Tier 4 down
             log.warning("event=kv_self_check_error backend=%s error=%r", backend, exc)

@@ -4,7 +4,7 @@ module: SSE records (below) and the gRPC ``kvfeed.v1.KvFeed`` service's protobuf
 
                 event: hello           data: {"backend": B, "model": M, "engine": E, "key_block_size": N,
                                               "last_id": N, "resumed": bool}   (first, every subscription)
-    id: <int>   event: put             data: {"keys": ["<hex>", ...], "tier": "gpu_hot"|"storage_warm"}
+    id: <int>   event: put             data: {"keys": ["<hex>", ...], "tier": "gpu_hot"|"storage_warm", "page": N?}
     id: <int>   event: del             data: {"keys": ["<hex>", ...]}
     id: <int>   event: clear           data: {"reason": "restart"|"all_blocks_cleared"|"gap"|"backend_gone"|...}
                 event: snapshot_begin  data: {"last_id": N, "entries": M}
@@ -14,7 +14,9 @@ module: SSE records (below) and the gRPC ``kvfeed.v1.KvFeed`` service's protobuf
     : keepalive
 
 A block key is written as 16 lowercase hex digits; a reader accepts 1 to 16. Every line and every
-record's data is bounded by ``MAX_RECORD_BYTES`` on the reading side.
+record's data is bounded by ``MAX_RECORD_BYTES`` on the reading side. A put's ``page`` is the engine's page
+size (tokens) of the store that made it, absent for a tier change or a snapshot: the picker's self-check
+judges an engine on the full pages it can store (``picker.kv.checks``).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ def encode_record(event: str, data: dict[str, object], event_id: int | None = No
 
 def sse_data(kind: str, keys: Sequence[int] | None, text: str, num: int, last: int) -> dict[str, object]:
     """The ``data`` object of one SSE record (see the module docstring)."""
-    if kind == PUT:
-        return {"keys": encode_keys(keys or ()), "tier": text}
+    if kind == PUT:  # num: the engine page size of the store behind it (0: none, the key is left out)
+        return {"keys": encode_keys(keys or ()), "tier": text, **({"page": num} if num else {})}
     if kind == DEL:
         return {"keys": encode_keys(keys or ())}
     if kind in (CLEAR, CLOSE):
@@ -82,6 +84,7 @@ def pb_record(kind: str, rec_id: int | None, keys: Sequence[int] | None, text: s
     if kind == PUT:
         rec.put.keys.extend(keys or ())
         rec.put.tier = PB_TIERS.get(text, pb.TIER_UNSPECIFIED)
+        rec.put.page_tokens = num
     elif kind == DEL:
         getattr(rec, "del").keys.extend(keys or ())  # a Python keyword: the field is reached by name
     elif kind == CLEAR:

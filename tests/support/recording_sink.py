@@ -10,9 +10,12 @@ class RecordingSink:
         self.state: dict[int, str] = {}
         self.ops: list[tuple[str, list[int], str | None]] = []
         self.clears: list[str] = []
+        self.pages: list[int] = []  # the page size each put carried (0: not from a store)
 
-    def emit(self, op: str, keys: list[int], tier: str | None) -> None:
+    def emit(self, op: str, keys: list[int], tier: str | None, page: int = 0) -> None:
         self.ops.append((op, list(keys), tier))
+        if op == "put":
+            self.pages.append(page)
         for k in keys:
             if op == "put":
                 assert tier is not None

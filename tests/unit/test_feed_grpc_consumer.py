@@ -40,3 +40,30 @@ def test_grpc_fields_need_a_grpc_endpoint() -> None:
         EventSourceConfig(backend_name="e1", endpoint="http://127.0.0.1:1/events/e1", token_file="/t")
     with pytest.raises(ValidationError, match="grpc://host:port"):
         EventSourceConfig(backend_name="e1", endpoint="grpc://listener/path")
+
+
+def test_a_put_carries_the_engines_page_size_in_both_encodings() -> None:
+    """Issue 20: the self-check judges an engine on its full pages; the listener's puts made by a store carry
+    that store's page size (SSE ``page``, protobuf ``page_tokens``), and the consumer keeps the newest."""
+    import orjson
+
+    from listener.config import FeedConfig
+    from listener.feed import BackendFeed
+    from picker.shared.feed_records import PUT, pb_record, sse_data
+
+    assert sse_data(PUT, [1], "gpu_hot", 32, 0) == {"keys": ["0000000000000001"], "tier": "gpu_hot", "page": 32}
+    assert "page" not in sse_data(PUT, [1], "gpu_hot", 0, 0)  # a tier change or a snapshot: no page
+    feed = BackendFeed("e1", FeedConfig())
+    feed.emit(PUT, [5, 6], "gpu_hot", 64)
+    rec = feed.history[-1]
+    src = EventSourceConfig(backend_name="e1", endpoint="http://127.0.0.1:1/events/e1")
+    sse = KvFeedConsumer(src, InMemoryKvIndex())
+    sse.apply_record(rec.kind, orjson.dumps(sse_data(rec.kind, rec.keys, rec.text, rec.num, rec.last)).decode(), "1")
+    grpc_src = EventSourceConfig(backend_name="e1", endpoint="grpc://127.0.0.1:1")
+    over_grpc = GrpcFeedConsumer(grpc_src, InMemoryKvIndex())
+    over_grpc.apply_message(pb_record(rec.kind, rec.id, rec.keys, rec.text, rec.num, rec.last))
+    for consumer in (sse, over_grpc):
+        assert consumer.stats.page_tokens == 64
+        assert consumer.index.lookup([5, 6])["e1"].blocks == 2
+    sse.apply_record(PUT, orjson.dumps({"keys": ["7"], "tier": "gpu_hot", "page": "x"}).decode(), "2")
+    assert sse.stats.page_tokens == 64  # a page that is not a number is ignored, the keys applied

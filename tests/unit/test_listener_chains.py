@@ -7,7 +7,7 @@ import pytest
 
 from listener.block_chains import BlockChainTracker
 from listener.config import LimitsConfig, SourceConfig
-from listener.events import BlockStored, DecodeError, normalise_hash
+from listener.events import BlockRemoved, BlockStored, DecodeError, normalise_hash
 from listener.msgpack_decoder import decode_batch
 from picker.shared.block_keys import request_block_keys
 from tests.support.recording_sink import RecordingSink
@@ -197,3 +197,15 @@ def test_memory_bounds_hold_under_a_long_stream() -> None:
     # nothing was reset as a whole: the newest chain's first blocks are still keyed
     assert sink.clears == []
     assert len(sink.state) > 0
+
+
+def test_puts_made_by_a_store_carry_its_page_size_and_tier_changes_none() -> None:
+    """Issue 20: the picker's self-check judges an engine on its full pages; each put says the page size of the
+    store that made it (an 8-token page here holds two key blocks of 4), a tier change or a removal none."""
+    t, sink, _ = tracker()
+    pages = [TOKENS[:8]]
+    t.apply(BlockStored(block_hashes=(1,), parent_hash=None, token_ids=pages[0], block_size=8))
+    assert sink.pages == [8] and len(sink.state) == 2
+    t.apply(BlockStored(block_hashes=(1,), parent_hash=None, token_ids=[], block_size=0, medium="CPU"))
+    t.apply(BlockRemoved(block_hashes=(1,), medium="GPU"))  # the CPU copy stays: a put to storage_warm
+    assert sink.pages == [8, 0] and set(sink.state.values()) == {"storage_warm"}

@@ -203,9 +203,9 @@ def record_puts(app: ListenerApp) -> list[tuple[str, list[int]]]:
     out: list[tuple[str, list[int]]] = []
     emit, clear = feed.emit, feed.clear
 
-    def emit_spy(op: str, keys: list[int], tier: str | None) -> None:
+    def emit_spy(op: str, keys: list[int], tier: str | None, page: int = 0) -> None:
         out.append((op, list(keys)))
-        emit(op, keys, tier)
+        emit(op, keys, tier, page)
 
     def clear_spy(reason: str) -> None:
         out.append(("clear", []))

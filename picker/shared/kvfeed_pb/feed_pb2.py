@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvfeed/v1/feed.proto\x12\tkvfeed.v1\"S\n\x10SubscribeRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x1b\n\x0eresume_from_id\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x11\n\x0f_resume_from_id\"q\n\x05Hello\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x16\n\x0ekey_block_size\x18\x04 \x01(\r\x12\x0f\n\x07last_id\x18\x05 \x01(\x04\x12\x0f\n\x07resumed\x18\x06 \x01(\x08\"2\n\x03Put\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvfeed.v1.Tier\"\x13\n\x03\x44\x65l\x12\x0c\n\x04keys\x18\x01 \x03(\x06\"\x17\n\x05\x43lear\x12\x0e\n\x06reason\x18\x01 \x01(\t\"1\n\rSnapshotBegin\x12\x0f\n\x07last_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\"\r\n\x0bSnapshotEnd\"\x17\n\x05\x43lose\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0b\n\tKeepalive\"\xd6\x02\n\nFeedRecord\x12\n\n\x02id\x18\x01 \x01(\x04\x12!\n\x05hello\x18\x02 \x01(\x0b\x32\x10.kvfeed.v1.HelloH\x00\x12\x1d\n\x03put\x18\x03 \x01(\x0b\x32\x0e.kvfeed.v1.PutH\x00\x12\x1d\n\x03\x64\x65l\x18\x04 \x01(\x0b\x32\x0e.kvfeed.v1.DelH\x00\x12!\n\x05\x63lear\x18\x05 \x01(\x0b\x32\x10.kvfeed.v1.ClearH\x00\x12\x32\n\x0esnapshot_begin\x18\x06 \x01(\x0b\x32\x18.kvfeed.v1.SnapshotBeginH\x00\x12.\n\x0csnapshot_end\x18\x07 \x01(\x0b\x32\x16.kvfeed.v1.SnapshotEndH\x00\x12!\n\x05\x63lose\x18\x08 \x01(\x0b\x32\x10.kvfeed.v1.CloseH\x00\x12)\n\tkeepalive\x18\t \x01(\x0b\x32\x14.kvfeed.v1.KeepaliveH\x00\x42\x06\n\x04\x62ody\"\x15\n\x13ListBackendsRequest\"\x8c\x01\n\x0b\x42\x61\x63kendInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x16\n\x0ekey_block_size\x18\x04 \x01(\r\x12\x0f\n\x07last_id\x18\x05 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x06 \x01(\x04\x12\x13\n\x0bsubscribers\x18\x07 \x01(\r\"@\n\x14ListBackendsResponse\x12(\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x16.kvfeed.v1.BackendInfo*E\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x10\n\x0cTIER_GPU_HOT\x10\x01\x12\x15\n\x11TIER_STORAGE_WARM\x10\x02\x32\x9c\x01\n\x06KvFeed\x12\x41\n\tSubscribe\x12\x1b.kvfeed.v1.SubscribeRequest\x1a\x15.kvfeed.v1.FeedRecord0\x01\x12O\n\x0cListBackends\x12\x1e.kvfeed.v1.ListBackendsRequest\x1a\x1f.kvfeed.v1.ListBackendsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvfeed/v1/feed.proto\x12\tkvfeed.v1\"S\n\x10SubscribeRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x1b\n\x0eresume_from_id\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x11\n\x0f_resume_from_id\"q\n\x05Hello\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x16\n\x0ekey_block_size\x18\x04 \x01(\r\x12\x0f\n\x07last_id\x18\x05 \x01(\x04\x12\x0f\n\x07resumed\x18\x06 \x01(\x08\"G\n\x03Put\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvfeed.v1.Tier\x12\x13\n\x0bpage_tokens\x18\x03 \x01(\r\"\x13\n\x03\x44\x65l\x12\x0c\n\x04keys\x18\x01 \x03(\x06\"\x17\n\x05\x43lear\x12\x0e\n\x06reason\x18\x01 \x01(\t\"1\n\rSnapshotBegin\x12\x0f\n\x07last_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\"\r\n\x0bSnapshotEnd\"\x17\n\x05\x43lose\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0b\n\tKeepalive\"\xd6\x02\n\nFeedRecord\x12\n\n\x02id\x18\x01 \x01(\x04\x12!\n\x05hello\x18\x02 \x01(\x0b\x32\x10.kvfeed.v1.HelloH\x00\x12\x1d\n\x03put\x18\x03 \x01(\x0b\x32\x0e.kvfeed.v1.PutH\x00\x12\x1d\n\x03\x64\x65l\x18\x04 \x01(\x0b\x32\x0e.kvfeed.v1.DelH\x00\x12!\n\x05\x63lear\x18\x05 \x01(\x0b\x32\x10.kvfeed.v1.ClearH\x00\x12\x32\n\x0esnapshot_begin\x18\x06 \x01(\x0b\x32\x18.kvfeed.v1.SnapshotBeginH\x00\x12.\n\x0csnapshot_end\x18\x07 \x01(\x0b\x32\x16.kvfeed.v1.SnapshotEndH\x00\x12!\n\x05\x63lose\x18\x08 \x01(\x0b\x32\x10.kvfeed.v1.CloseH\x00\x12)\n\tkeepalive\x18\t \x01(\x0b\x32\x14.kvfeed.v1.KeepaliveH\x00\x42\x06\n\x04\x62ody\"\x15\n\x13ListBackendsRequest\"\x8c\x01\n\x0b\x42\x61\x63kendInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x16\n\x0ekey_block_size\x18\x04 \x01(\r\x12\x0f\n\x07last_id\x18\x05 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x06 \x01(\x04\x12\x13\n\x0bsubscribers\x18\x07 \x01(\r\"@\n\x14ListBackendsResponse\x12(\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x16.kvfeed.v1.BackendInfo*E\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x10\n\x0cTIER_GPU_HOT\x10\x01\x12\x15\n\x11TIER_STORAGE_WARM\x10\x02\x32\x9c\x01\n\x06KvFeed\x12\x41\n\tSubscribe\x12\x1b.kvfeed.v1.SubscribeRequest\x1a\x15.kvfeed.v1.FeedRecord0\x01\x12O\n\x0cListBackends\x12\x1e.kvfeed.v1.ListBackendsRequest\x1a\x1f.kvfeed.v1.ListBackendsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvfeed.v1.feed_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1014
-  _globals['_TIER']._serialized_end=1083
+  _globals['_TIER']._serialized_start=1035
+  _globals['_TIER']._serialized_end=1104
   _globals['_SUBSCRIBEREQUEST']._serialized_start=35
   _globals['_SUBSCRIBEREQUEST']._serialized_end=118
   _globals['_HELLO']._serialized_start=120
   _globals['_HELLO']._serialized_end=233
   _globals['_PUT']._serialized_start=235
-  _globals['_PUT']._serialized_end=285
-  _globals['_DEL']._serialized_start=287
-  _globals['_DEL']._serialized_end=306
-  _globals['_CLEAR']._serialized_start=308
-  _globals['_CLEAR']._serialized_end=331
-  _globals['_SNAPSHOTBEGIN']._serialized_start=333
-  _globals['_SNAPSHOTBEGIN']._serialized_end=382
-  _globals['_SNAPSHOTEND']._serialized_start=384
-  _globals['_SNAPSHOTEND']._serialized_end=397
-  _globals['_CLOSE']._serialized_start=399
-  _globals['_CLOSE']._serialized_end=422
-  _globals['_KEEPALIVE']._serialized_start=424
-  _globals['_KEEPALIVE']._serialized_end=435
-  _globals['_FEEDRECORD']._serialized_start=438
-  _globals['_FEEDRECORD']._serialized_end=780
-  _globals['_LISTBACKENDSREQUEST']._serialized_start=782
-  _globals['_LISTBACKENDSREQUEST']._serialized_end=803
-  _globals['_BACKENDINFO']._serialized_start=806
-  _globals['_BACKENDINFO']._serialized_end=946
-  _globals['_LISTBACKENDSRESPONSE']._serialized_start=948
-  _globals['_LISTBACKENDSRESPONSE']._serialized_end=1012
-  _globals['_KVFEED']._serialized_start=1086
-  _globals['_KVFEED']._serialized_end=1242
+  _globals['_PUT']._serialized_end=306
+  _globals['_DEL']._serialized_start=308
+  _globals['_DEL']._serialized_end=327
+  _globals['_CLEAR']._serialized_start=329
+  _globals['_CLEAR']._serialized_end=352
+  _globals['_SNAPSHOTBEGIN']._serialized_start=354
+  _globals['_SNAPSHOTBEGIN']._serialized_end=403
+  _globals['_SNAPSHOTEND']._serialized_start=405
+  _globals['_SNAPSHOTEND']._serialized_end=418
+  _globals['_CLOSE']._serialized_start=420
+  _globals['_CLOSE']._serialized_end=443
+  _globals['_KEEPALIVE']._serialized_start=445
+  _globals['_KEEPALIVE']._serialized_end=456
+  _globals['_FEEDRECORD']._serialized_start=459
+  _globals['_FEEDRECORD']._serialized_end=801
+  _globals['_LISTBACKENDSREQUEST']._serialized_start=803
+  _globals['_LISTBACKENDSREQUEST']._serialized_end=824
+  _globals['_BACKENDINFO']._serialized_start=827
+  _globals['_BACKENDINFO']._serialized_end=967
+  _globals['_LISTBACKENDSRESPONSE']._serialized_start=969
+  _globals['_LISTBACKENDSRESPONSE']._serialized_end=1033
+  _globals['_KVFEED']._serialized_start=1107
+  _globals['_KVFEED']._serialized_end=1263
 # @@protoc_insertion_point(module_scope)

@@ -41,12 +41,14 @@ class Hello(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., key_block_size: _Optional[int] = ..., last_id: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
 
 class Put(_message.Message):
-    __slots__ = ("keys", "tier")
+    __slots__ = ("keys", "tier", "page_tokens")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[int]
     tier: Tier
-    def __init__(self, keys: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    page_tokens: int
+    def __init__(self, keys: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ..., page_tokens: _Optional[int] = ...) -> None: ...
 
 class Del(_message.Message):
     __slots__ = ("keys",)
