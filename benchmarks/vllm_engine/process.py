@@ -1,0 +1,297 @@
+"""Real ``vllm serve`` processes (the CPU build) on free ports, for the real-engine tests and benchmarks.
+
+``VllmProcess`` has the attributes the harnesses read from a simulator (``config.name``, ``config.model``,
+``config.block_size``, ``address``, ``base_url``, ``kv_events_endpoint``, ``replay_endpoint``), so the same
+``PolicyStack`` runs in front of either. Each engine runs from the engines' virtual environment
+(``.venv-engines``, ``make engines-venv``), serves the tiny model of ``benchmarks.vllm_engine.model``,
+publishes its KV events over ZMQ with replay, reports ``cached_tokens`` in ``usage`` and runs in dev mode
+(``POST /reset_prefix_cache``). It is started in a session of its own (vLLM forks an engine core and a
+worker) and stopped by its pid's process group: SIGTERM, then SIGKILL after a grace period.
+
+Facts of the CPU build this relies on (docs/real-engines.md): ``--block-size`` must be a multiple of 32;
+``VLLM_CPU_KVCACHE_SPACE`` is in GiB and ``--num-gpu-blocks-override`` bounds the cache in pages; a start
+takes tens of seconds on two cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINES_VENV = Path(os.environ.get("KV_EPP_ENGINES_VENV", ROOT / ".venv-engines"))
+MODEL_NAME = "kv-epp-tiny-llama"  # the served model name
+START_TIMEOUT_S = 300.0  # a cold start compiles the model: 40-120 s on two busy cores
+LOG_TAIL_BYTES = 4000
+
+
+class EngineUnavailable(RuntimeError):
+    """The engines' environment is missing (``make engines-venv`` creates it)."""
+
+
+def engines_python() -> Path:
+    """The engines' interpreter; EngineUnavailable when the environment has not been made."""
+    py = ENGINES_VENV / "bin" / "python"
+    if not (ENGINES_VENV / "bin" / "vllm").exists():
+        raise EngineUnavailable(f"no vLLM at {ENGINES_VENV}: run `make engines-venv` (KV_EPP_ENGINES_VENV moves it)")
+    return py
+
+
+def ensure_model(timeout_s: float = 600.0) -> Path:
+    """The tiny model's directory, built on first use by the engines' interpreter (cached on disk)."""
+    out = subprocess.run(
+        [str(engines_python()), "-m", "benchmarks.vllm_engine.model"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"building the tiny model failed: {out.stderr[-LOG_TAIL_BYTES:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """One engine's settings; the defaults suit the 2-core machines here."""
+
+    name: str = "vllm-0"
+    model: str = MODEL_NAME
+    block_size: int = 32  # the CPU attention backend needs a multiple of 32
+    num_gpu_blocks: int | None = 512  # --num-gpu-blocks-override: the KV cache in pages (None: what fits)
+    kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE
+    max_model_len: int = 8192
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None
+    omp_threads: int = 1
+    # bfloat16 (vLLM's default for this model) falls back to slow kernels on CPUs without AVX-512 BF16
+    dtype: str = "float32"
+    enforce_eager: bool = True  # skips torch.compile: a start in ~40 s instead of minutes; prefill cost alike
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def engine_env(cfg: VllmConfig) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(cfg.kvcache_space_gib),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS=str(cfg.omp_threads),
+        VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    )
+    return env
+
+
+class VllmProcess:
+    """One ``vllm serve``; ``start()`` blocks until ``/health`` answers 200 and the model is listed."""
+
+    def __init__(self, config: VllmConfig, model_dir: Path, log_path: Path | None = None) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.port = 0
+        self.events_port = 0
+        self.replay_port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+        self.starts = 0
+
+    def command(self) -> list[str]:
+        c = self.config
+        kv_events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events_port}",
+            "replay_endpoint": f"tcp://*:{self.replay_port}",
+            "topic": "kv-events",
+        }
+        cmd = [
+            str(ENGINES_VENV / "bin" / "vllm"), "serve", str(self.model_dir),
+            "--served-model-name", c.model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--block-size", str(c.block_size),
+            "--dtype", c.dtype,
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--max-model-len", str(c.max_model_len),
+            "--max-num-seqs", str(c.max_num_seqs),
+            "--kv-events-config", json.dumps(kv_events),
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if c.num_gpu_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(c.num_gpu_blocks)]
+        if c.max_num_batched_tokens is not None:
+            cmd += ["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
+        if c.enforce_eager:
+            cmd.append("--enforce-eager")
+        return [*cmd, *c.extra_args]
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start on free ports (the same ports again after a ``stop``, as a restarted pod keeps its own)."""
+        engines_python()
+        if not self.port:
+            self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self._log_file = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            self.command(),
+            cwd=ROOT,
+            env=engine_env(self.config),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if self._log_file else subprocess.DEVNULL,
+            start_new_session=True,  # its engine core and worker share the group: stopped together
+        )
+        self.starts += 1
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("vllm_ready name=%s url=%s pid=%d", self.config.name, self.base_url, self._proc.pid)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise RuntimeError(
+                    f"vllm {self.config.name} exited with {self._proc.returncode} while starting:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.base_url + "/v1/models", timeout=2) as r:
+                    if r.status == 200 and self.config.model in r.read().decode():
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vllm {self.config.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        data = self.log_path.read_bytes()[-LOG_TAIL_BYTES:]
+        return data.decode(errors="replace")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the engine's process group, SIGKILL after ``grace_s``."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            with contextlib.suppress(ProcessLookupError):  # a child left behind by a crash
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def restart(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """A real engine restart on the same ports: a cold cache, and the event sequence starts again at 0."""
+        self.stop()
+        self.start(timeout_s)
+
+    def reset_prefix_cache(self) -> None:
+        """Dev mode's ``POST /reset_prefix_cache``: the engine drops its cache and publishes AllBlocksCleared."""
+        req = urllib.request.Request(self.base_url + "/reset_prefix_cache", b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    def __enter__(self) -> VllmProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_engines(
+    configs: list[VllmConfig], model_dir: Path, log_dir: Path | None = None, timeout_s: float = START_TIMEOUT_S
+) -> list[VllmProcess]:
+    """Start every engine, one after the other (two cold starts at once on two cores take longer than in
+    turn); stops the started ones if one fails."""
+    started: list[VllmProcess] = []
+    try:
+        for cfg in configs:
+            eng = VllmProcess(cfg, model_dir, log_dir / f"{cfg.name}.log" if log_dir else None)
+            eng.start(timeout_s)
+            started.append(eng)
+    except BaseException:
+        for eng in started:
+            eng.stop()
+        raise
+    return started
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.vllm_engine.process [N]``: start N engines, print their URLs, wait for Ctrl-C."""
+    n = int((argv or sys.argv[1:] or ["1"])[0])
+    model = ensure_model()
+    engines = start_engines([VllmConfig(name=f"vllm-{i}") for i in range(n)], model)
+    try:
+        for e in engines:
+            print(json.dumps({"name": e.config.name, "url": e.base_url, "kv_events": e.kv_events_endpoint}), flush=True)
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        for e in engines:
+            e.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["EngineUnavailable", "VllmConfig", "VllmProcess", "ensure_model", "start_engines"]
+_ = Any

@@ -1,0 +1,141 @@
+"""The real-engine tier (``make test-engines``): real ``vllm serve`` processes (the CPU build, from
+``.venv-engines``) serving the tiny model of ``benchmarks.vllm_engine.model``, with the real kv-listener,
+picker and Envoy in front. See docs/real-engines.md.
+
+Two engines for the whole session, with different page sizes (``--block-size`` 32 and 64, what the CPU
+build accepts; the picker keys 16-token blocks), each with a bounded cache. They are expensive to start
+(tens of seconds each on two cores), so the tests share them and reset their prefix caches instead of
+restarting them, except the test that is about a restart.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.stack import free_port, make_workdir, start_envoy, start_listener, start_picker
+from benchmarks.vllm_engine.process import MODEL_NAME, EngineUnavailable, VllmConfig, VllmProcess, ensure_model
+from picker.api import EnvoyOptions
+from tests.engines.real_stack import PIN_HEADER, RealStack
+
+PAGE_SIZES = (32, 64)
+CACHE_PAGES = 384  # per engine: 12,288 tokens at 32, 24,576 at 64 (more than the tests' prompts need)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    try:
+        return ensure_model()
+    except EngineUnavailable as exc:  # the tier was asked for: a missing vLLM is a failure, not a skip
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def engines(model_dir: Path) -> Iterator[list[VllmProcess]]:
+    workdir = make_workdir("kv-epp-engines-")
+    engines = [
+        VllmProcess(
+            VllmConfig(name=f"vllm-p{page}", block_size=page, num_gpu_blocks=CACHE_PAGES),
+            model_dir,
+            workdir / f"vllm-p{page}.log",
+        )
+        for page in PAGE_SIZES
+    ]
+    errors: list[BaseException] = []
+
+    def start(e: VllmProcess) -> None:
+        try:
+            e.start()
+        except BaseException as exc:  # reported below, after both tried
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(e,)) for e in engines]  # two cold starts overlap
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        if errors:
+            raise errors[0]
+        yield engines
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def listener_config(engines: list[VllmProcess], **extra: Any) -> dict[str, Any]:
+    sources = [
+        {
+            "backend_name": e.config.name,
+            "engine": "vllm",
+            "model": MODEL_NAME,
+            "block_size": e.config.block_size,
+            "zmq_endpoint": e.kv_events_endpoint,
+            "replay_endpoint": e.replay_endpoint,
+        }
+        for e in engines
+    ]
+    return {"feed": {"keepalive_seconds": 0.5}, "sources": sources, **extra}
+
+
+def picker_config(engines: list[VllmProcess], feed_url: str, **kv: Any) -> dict[str, Any]:
+    """Tier 4 with the default (cost) scorer over the listener at ``feed_url``; the engine's own /tokenize."""
+    return {
+        "selection_strategy": "RoundRobin",
+        "prefix_routing": {"enabled": True},
+        "kv_cache_index": {
+            "enabled": True,
+            "entry_ttl_seconds": 3600,
+            "event_sources": [
+                {"backend_name": e.config.name, "endpoint": f"{feed_url}/events/{e.config.name}"} for e in engines
+            ],
+            # generous: the engines' API servers share two cores with everything the tests run
+            "tokenizer": {"source": "engine", "timeout_ms": 5000, "timeout_max_ms": 10000, "block_size": 16},
+            "checks": {"self_check_timeout_seconds": 60, "ready_grace_seconds": 5},
+            **kv,
+        },
+        "pool": {"backends": [{"name": e.config.name, "address": e.address} for e in engines]},
+    }
+
+
+@pytest.fixture(scope="session")
+def stack(engines: list[VllmProcess]) -> Iterator[RealStack]:
+    """Listener (with a state file, on a fixed port across restarts) + picker + Envoy, and a reference
+    listener and picker that never restart: the truth the restarted listener's index is compared with."""
+    workdir = make_workdir("kv-epp-real-stack-")
+    procs: list[Any] = []
+    st: RealStack | None = None
+    try:
+        cfg = listener_config(
+            engines,
+            listen=f"127.0.0.1:{free_port()}",
+            state={"path": str(workdir / "listener-state.bin"), "interval_seconds": 0.1},
+        )
+        ref_listener = start_listener(listener_config(engines), workdir, name="ref-listener")
+        procs.append(ref_listener)
+        st = RealStack(engines, workdir, cfg)
+        st.start_listener()
+        picker = start_picker(picker_config(engines, f"http://{cfg['listen']}"), workdir)
+        procs.append(picker)
+        ref_picker = start_picker(
+            picker_config(engines, ref_listener.url, checks={"self_check": False}), workdir, name="ref-picker"
+        )
+        procs.append(ref_picker)
+        envoy = start_envoy(
+            EnvoyOptions(listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
+                         subset_hint_from_header=PIN_HEADER, backends=tuple(e.address for e in engines),
+                         first_byte_timeout_s=300, **picker.envoy_picker_options()),
+            workdir,
+        )  # fmt: skip
+        procs.append(envoy)
+        st.picker, st.ref_picker, st.envoy = picker, ref_picker, envoy
+        yield st
+    finally:
+        if st is not None and st.listener is not None:
+            st.listener.stop()
+        for p in reversed(procs):
+            p.stop()
