@@ -19,19 +19,57 @@ Block hashes are vLLM's (sha256_cbor, the default seed), published as 64-bit int
 2.0...) instead of the publisher's ``time.time()`` so the bytes are reproducible. The committed copy used by
 the unit tests is ``tests/unit/data/vllm_offload_sequence.hex`` (one payload per line);
 ``python -m tests.engines.vllm_offload_events`` prints it.
+
+Another vLLM release's events without installing it (a CUDA wheel does not import on the CPU build):
+``--vllm-src DIR`` loads ``OVERLAY_MODULES`` from DIR (the release's unpacked wheel) in place of the installed
+ones, before anything imports them; the rest comes from the installed vLLM. That is exact only when the rest
+of the code these events go through is the same in both releases. It is for vLLM 0.33 over the installed
+0.32: of that code, 0.33 changes only those three modules (``BlockStored.lookahead_token_ids``,
+``OffloadingEvent.metadata_only``, the tracker's group specs and primary residency on lookups), and
+``BlockPool`` differs only with lookahead hashing, off by default. ``tests/unit/data/vllm033_offload_sequence.hex``
+is ``python -m tests.engines.vllm_offload_events --vllm-src DIR`` with the vllm-0.33.0 wheel unpacked in DIR.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
 PAGE = 32  # vLLM's block size (the CPU build's default)
 PAGES_PER_CHUNK = 2  # the offloading connector's chunk: kv_connector_extra_config block_size 64
 STORAGE_OWNERSHIP = "kvcr"
+# the modules that define these events' shapes and the connector's translation (``--vllm-src``)
+OVERLAY_MODULES = (
+    "vllm.distributed.kv_events",
+    "vllm.v1.kv_offload.base",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.events",
+)
+
+
+def use_vllm_source(src: str) -> None:
+    """Load ``OVERLAY_MODULES`` from the vLLM source tree ``src`` in place of the installed ones."""
+    for name in OVERLAY_MODULES:
+        parent, _, child = name.rpartition(".")
+        package = importlib.import_module(parent)
+        if name in sys.modules:
+            raise RuntimeError(f"{name} was imported before the overlay: its users keep the installed one")
+        spec = importlib.util.spec_from_file_location(name, Path(src, *name.split(".")).with_suffix(".py"))
+        if spec is None or spec.loader is None:
+            raise RuntimeError(f"{name} not found under {src}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        setattr(package, child, module)
 
 
 def offload_sequence_payloads() -> list[bytes]:
     """The six payloads described in the module docstring, from the installed vLLM."""
     import msgspec
     import torch
+    from vllm.distributed import kv_events
     from vllm.distributed.kv_events import KVEventBatch
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
         OffloadingEventsTracker,
@@ -40,6 +78,7 @@ def offload_sequence_payloads() -> list[bytes]:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import GroupOffloadConfig
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core import block_pool
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
@@ -53,6 +92,7 @@ def offload_sequence_payloads() -> list[bytes]:
     )
     from vllm.v1.request import Request
 
+    assert block_pool.BlockStored is kv_events.BlockStored  # with --vllm-src too: the pool publishes its events
     init_none_hash(sha256_cbor)
     n_pages = PAGES_PER_CHUNK
     prompt = list(range(1000, 1000 + n_pages * PAGE + 1))  # the last token is not in a full page
@@ -113,5 +153,10 @@ def offload_sequence_payloads() -> list[bytes]:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-src", help="a vLLM source tree whose OVERLAY_MODULES replace the installed ones")
+    args = parser.parse_args()
+    if args.vllm_src:
+        use_vllm_source(args.vllm_src)
     for payload in offload_sequence_payloads():
         print(payload.hex())

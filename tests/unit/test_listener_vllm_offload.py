@@ -9,6 +9,15 @@ encoded as its ``ZmqEventPublisher`` does (msgspec msgpack), with ``ts`` fixed. 
 The six batches: GPU store of two 32-token pages (64 tokens); CPU store of that chunk (both page hashes, its
 64 tokens, ``block_size`` 32, ``kv_cache_spec_kind`` full_attention); STORAGE store (``locality`` LOCAL,
 ``ownership`` kvcr); GPU eviction (one removal per page); STORAGE removal; CPU removal.
+
+``data/vllm033_offload_sequence.hex``: the same sequence from vLLM 0.33 (the generator's ``--vllm-src`` with
+the vllm-0.33.0 wheel unpacked: its ``vllm/distributed/kv_events.py``, ``vllm/v1/kv_offload/base.py`` and
+``.../kv_connector/v1/offloading/events.py`` over the installed 0.32). 0.33 publishes the same events: its
+``BlockStored`` (kv_events.py lines 56-98: still a tagged map struct, ``omit_defaults``) only gains a last
+field, ``lookahead_token_ids`` (None unless lookahead hashing is on, so omitted). With 15 fields plus the tag
+(14 plus the tag in 0.32) a store no longer fits msgspec's fixmap header, so every store's map header is a
+map16 (``de 00 0a`` where 0.32 wrote ``8a``) with the same entries. The removals (``BlockRemoved``, lines
+123-130) are unchanged to the byte. The listener keeps the keys with both.
 """
 
 from __future__ import annotations
@@ -29,9 +38,11 @@ from tests.support.recording_sink import RecordingSink
 MODEL = "m"
 KB = 16  # the feed's key block size (the default)
 TOKENS = list(range(1000, 1064))  # the prompt's two full pages of 32
-PAYLOADS = [
-    bytes.fromhex(line) for line in (Path(__file__).parent / "data" / "vllm_offload_sequence.hex").read_text().split()
-]
+FIXTURES = {"vllm-0.32": "vllm_offload_sequence.hex", "vllm-0.33": "vllm033_offload_sequence.hex"}
+SEQUENCES = {
+    release: [bytes.fromhex(line) for line in (Path(__file__).parent / "data" / name).read_text().split()]
+    for release, name in FIXTURES.items()
+}
 GPU_STORE, CPU_STORE, STORAGE_STORE, GPU_EVICTION, STORAGE_REMOVAL, CPU_REMOVAL = range(6)
 
 
@@ -76,8 +87,10 @@ def keys() -> list[int]:
     return request_block_keys(TOKENS, KB, MODEL)
 
 
-def test_the_fixture_is_what_vllm_publishes_for_an_offloaded_block() -> None:
-    events = [decode_batch(p, "vllm", 1 << 20).events for p in PAYLOADS]
+@pytest.mark.parametrize("release", SEQUENCES)
+def test_the_fixture_is_what_vllm_publishes_for_an_offloaded_block(release: str) -> None:
+    payloads = SEQUENCES[release]
+    events = [decode_batch(p, "vllm", 1 << 20).events for p in payloads]
     (gpu,) = events[GPU_STORE]
     hashes = gpu.block_hashes
     assert isinstance(gpu, BlockStored) and len(hashes) == 2 and gpu.block_size == 32 and gpu.medium == "GPU"
@@ -91,13 +104,42 @@ def test_the_fixture_is_what_vllm_publishes_for_an_offloaded_block() -> None:
     for at, medium in ((STORAGE_REMOVAL, "STORAGE"), (CPU_REMOVAL, "CPU")):
         (ev,) = events[at]
         assert isinstance(ev, BlockRemoved) and ev.medium == medium and ev.block_hashes == hashes
-    raw = msgpack.unpackb(PAYLOADS[STORAGE_STORE])[1][0]
+    raw = msgpack.unpackb(payloads[STORAGE_STORE])[1][0]
     assert (raw["locality"], raw["ownership"]) == ("LOCAL", "kvcr")
 
 
+def _event_bytes(payload: bytes) -> list[bytes]:
+    """Each event of a batch as the publisher encoded it (``[ts, events, dp_rank]``, events a msgpack array)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(payload)
+    assert unpacker.read_array_header() == 3
+    unpacker.skip()  # ts
+    out = []
+    for _ in range(unpacker.read_array_header()):
+        start = unpacker.tell()
+        unpacker.skip()
+        out.append(payload[start : unpacker.tell()])
+    return out
+
+
+def test_vllm_033_publishes_the_same_events_with_wider_store_map_headers() -> None:
+    """0.33 changes the encoding of the stores (a map16 header), not what any event says."""
+    old, new = SEQUENCES["vllm-0.32"], SEQUENCES["vllm-0.33"]
+    assert [msgpack.unpackb(p) for p in new] == [msgpack.unpackb(p) for p in old]
+    for at, (a, b) in enumerate(zip(old, new, strict=True)):
+        for ev32, ev33 in zip(_event_bytes(a), _event_bytes(b), strict=True):
+            if at in (GPU_STORE, CPU_STORE, STORAGE_STORE):  # BlockStored: fixmap in 0.32, map16 in 0.33
+                assert ev32[0] & 0xF0 == 0x80 and ev33[:3] == b"\xde\x00" + bytes([ev32[0] & 0x0F])
+                assert ev33[3:] == ev32[1:]
+            else:  # BlockRemoved: the same bytes
+                assert ev33 == ev32
+        assert decode_batch(b, "vllm", 1 << 20).events == decode_batch(a, "vllm", 1 << 20).events
+
+
+@pytest.mark.parametrize("release", SEQUENCES)
 @pytest.mark.parametrize("offload", [False, True], ids=["plain", "treat_eviction_as_offload"])
 @pytest.mark.parametrize("slice_blocks", [1024, 1])
-def test_cpu_copy_keeps_the_keys_after_gpu_and_storage_removals(offload: bool, slice_blocks: int) -> None:
+def test_cpu_copy_keeps_the_keys_after_gpu_and_storage_removals(release: str, offload: bool, slice_blocks: int) -> None:
     live = Listener(offload, slice_blocks)
     expected = {
         GPU_STORE: "gpu_hot",
@@ -106,7 +148,7 @@ def test_cpu_copy_keeps_the_keys_after_gpu_and_storage_removals(offload: bool, s
         GPU_EVICTION: "storage_warm",
         STORAGE_REMOVAL: "storage_warm",  # the CPU copy still holds the block
     }
-    for at, payload in enumerate(PAYLOADS):
+    for at, payload in enumerate(SEQUENCES[release]):
         live.apply(payload)
         tier = expected.get(at)
         want = {} if tier is None else dict.fromkeys(keys(), tier)
