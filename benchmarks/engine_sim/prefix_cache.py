@@ -11,6 +11,8 @@ Model, following vLLM's V1 block manager in spirit:
 - When a request finishes, its references are dropped; a block with no reference becomes evictable.
   Eviction takes the least recently released unreferenced block; blocks referenced by a running
   request are never evicted. Released chains are queued tail first, so a prefix outlives its tails.
+- ``reset_prefix_cache`` (vLLM's dev-mode reset) forgets every stored block, and only when no slot is
+  held by a running request.
 - Cached tokens for a request = the longest run of full blocks, from block 0, already present, capped
   like vLLM so at least the last prompt token is computed: at most ``(prompt_len - 1) // block_size``
   blocks.
@@ -136,10 +138,14 @@ class PagedPrefixCache:
         return len(self._evictable)
 
     @property
+    def held_slots(self) -> int:
+        """Slots held by running requests: referenced blocks plus private slots."""
+        return len(self._blocks) - len(self._evictable) + self._private_slots
+
+    @property
     def usage_fraction(self) -> float:
         """vLLM's ``kv_cache_usage_perc``: slots held by running requests / capacity (0..1)."""
-        held = len(self._blocks) - len(self._evictable) + self._private_slots
-        return held / self.capacity_blocks
+        return self.held_slots / self.capacity_blocks
 
     def cached_prefix_blocks(self, digests: Sequence[bytes], max_blocks: int | None = None) -> int:
         """Length of the longest run of ``digests`` from block 0 that is cached."""
@@ -234,6 +240,16 @@ class PagedPrefixCache:
             if block.ref_count == 0:
                 self._evictable[d] = None
         alloc.referenced.clear()
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``BlockPool.reset_prefix_cache``: forget every stored block so no later lookup hits,
+        but only when no slot is held by a running request; otherwise change nothing and return False.
+        The forgotten blocks are never reported removed (vLLM drops their hashes)."""
+        if self.held_slots:
+            return False
+        self._blocks.clear()
+        self._evictable.clear()
+        return True
 
     def clear(self) -> None:
         """Forget everything (engine restart); outstanding allocations become void."""

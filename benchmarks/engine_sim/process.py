@@ -6,6 +6,7 @@ there is no race between picking a free port and binding it. Example::
     with SimulatorProcess(SimConfig(name="sim-0", time_scale=0.1)) as sim:
         print(sim.base_url, sim.kv_events_endpoint, sim.replay_endpoint)
         sim.restart()   # POST /sim/restart
+        sim.reset_prefix_cache()   # POST /reset_prefix_cache, as vLLM's dev mode
 
 ``start_simulators(n, base_config)`` starts ``n`` of them named ``sim-0..n-1``.
 """
@@ -152,6 +153,11 @@ class SimulatorProcess:
     def restart(self) -> dict[str, Any]:
         """Simulated engine restart (blocking HTTP call; use ``asyncio.to_thread`` from async code)."""
         return self._post("/sim/restart", {})
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> dict[str, Any]:
+        """vLLM's dev-mode ``POST /reset_prefix_cache``: ``{"success": bool}`` (blocking HTTP call)."""
+        query = "?reset_running_requests=true" if reset_running_requests else ""
+        return self._post("/reset_prefix_cache" + query, {})
 
     def set_faults(self, **faults: Any) -> dict[str, Any]:
         """``POST /sim/faults`` (error_rate, stall_ms, drop_event_batches, event_drop_rate)."""

@@ -14,8 +14,12 @@ Each step (vLLM V1 style, first come first served):
    this step stores its full prompt blocks and emits its first token, so TTFT = queueing + the steps
    spent on its uncached prompt. Evictions and stores of the step are published as one event batch.
 
-KV slots are reserved for prompt + max_tokens at admission, so there is no preemption
-(``num_preemptions_total`` stays 0).
+KV slots are reserved for prompt + max_tokens at admission, so there is no preemption for space
+(``num_preemptions_total`` grows only through ``reset_prefix_cache(reset_running_requests=True)``).
+
+Utility calls (``reset_prefix_cache``) run between steps, as vLLM's engine core runs them between two
+``step()`` calls: one made while a step is in flight waits for that step to end (its outputs delivered
+and its events published) and runs before the next step is planned.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -68,6 +73,7 @@ class SimRequest:
     prefill_remaining: int = 0
     chunk: int = 0
     generated: int = 0
+    preemptions: int = 0  # times preempted (by reset_prefix_cache); a preempted request recomputes
     finished: bool = False
     aborted: bool = False
 
@@ -82,7 +88,7 @@ class EngineCounters:
 
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of which found cached
-    preemptions: int = 0
+    preemptions: int = 0  # running requests preempted by reset_prefix_cache(reset_running_requests=True)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: int = 0  # finished_reason="length"
@@ -112,7 +118,10 @@ class BatchScheduler:
         self._task: asyncio.Task[None] | None = None
         self._stall_s = 0.0
         self._generation = 0  # bumped by restart(); a step from an older generation is discarded
-        self._pending_events: list[KvEvent] = []
+        self._pending_events: list[KvEvent] = []  # vLLM's BlockPool.kv_event_queue: published by the next step
+        self._in_step = False  # a step is planned and not yet applied
+        # utility calls made during a step, run when it ends; bound: one per HTTP request waiting on it
+        self._utility_calls: deque[tuple[Callable[[], bool], asyncio.Future[bool]]] = deque()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -127,7 +136,12 @@ class BatchScheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self._in_step = False
         self._fail_all("engine stopped")
+        while self._utility_calls:
+            _, future = self._utility_calls.popleft()
+            if not future.done():
+                future.set_exception(RuntimeError("engine stopped"))
 
     # -- request side ------------------------------------------------------------------------------
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
@@ -166,6 +180,66 @@ class BatchScheduler:
         self._stall_s += max(0.0, ms) / 1000.0
         self._wakeup.set()
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``Scheduler.reset_prefix_cache`` (v1/core/sched/scheduler.py), run between steps.
+
+        Without ``reset_running_requests`` the cache is emptied only when no running request holds a
+        slot; otherwise nothing changes and False is returned (vLLM's ``BlockPool.reset_prefix_cache``
+        refuses while blocks are not freed). With it, every running request is first preempted back to
+        the head of the waiting queue in arrival order (its slots freed, its prompt and output so far
+        recomputed when readmitted), so the reset succeeds. On success ``AllBlocksCleared`` is queued and
+        goes out with the next step's event batch: an idle engine publishes nothing until it serves
+        another request. Prometheus counters are untouched (vLLM resets only its logged hit-rate window)."""
+        return await self._between_steps(lambda: self._reset_prefix_cache(reset_running_requests))
+
+    async def _between_steps(self, call: Callable[[], bool]) -> bool:
+        if not self._in_step:
+            return call()
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._utility_calls.append((call, future))
+        return await future
+
+    def _run_utility_calls(self) -> None:
+        while self._utility_calls:
+            call, future = self._utility_calls.popleft()
+            if future.done():
+                continue
+            try:
+                future.set_result(call())
+            except Exception as exc:  # handed to the caller, as vLLM returns a utility call's failure
+                future.set_exception(exc)
+
+    def _reset_prefix_cache(self, reset_running_requests: bool) -> bool:
+        # vLLM frees an aborted request's blocks when it handles the abort, before any later utility call
+        for r in self.running:
+            if r.aborted:
+                self._finish(r, aborted=True)
+        self.running = [r for r in self.running if not r.finished]
+        if reset_running_requests:
+            while self.running:  # from the back, each to the front: the waiting queue keeps their order
+                self._preempt(self.running.pop())
+        if not self.cache.reset_prefix_cache():
+            if reset_running_requests:
+                raise RuntimeError("Failed to reset KV cache even when all the running requests are preempted")
+            log.warning("prefix_cache_reset_failed name=%s held_slots=%d", self.config.name, self.cache.held_slots)
+            return False
+        if self.publisher is not None:
+            self._pending_events.append(AllBlocksClearedEvent())
+        log.info("prefix_cache_reset name=%s", self.config.name)
+        return True
+
+    def _preempt(self, r: SimRequest) -> None:
+        """vLLM's ``_preempt_request``: free the request's slots and queue it first; it is readmitted
+        with no computed tokens, its reported cached tokens kept from its first admission."""
+        if r.alloc is not None:
+            self.cache.release(r.alloc)
+            r.alloc = None
+        r.prefill_remaining = 0
+        r.chunk = 0
+        r.preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.appendleft(r)
+
     async def restart(self) -> None:
         """Simulated engine restart: fail all requests, clear the cache, reset the event sequence,
         and publish ``AllBlocksCleared`` as seq 0."""
@@ -183,6 +257,8 @@ class BatchScheduler:
     async def _run(self) -> None:
         cfg = self.config
         while True:
+            self._in_step = False
+            self._run_utility_calls()
             if self._stall_s > 0:
                 stall, self._stall_s = self._stall_s, 0.0
                 log.info("scheduler_stalled ms=%.0f", stall * 1000)
@@ -192,6 +268,7 @@ class BatchScheduler:
                 await self._wakeup.wait()
                 continue
             generation = self._generation
+            self._in_step = True
             decoding, prefill_tokens = self._plan_step()
             step_ms = (
                 cfg.step_overhead_ms + cfg.prefill_ms_per_token * prefill_tokens + cfg.decode_ms_per_seq * len(decoding)
@@ -227,11 +304,15 @@ class BatchScheduler:
                 break
             self.waiting.popleft()
             head.alloc = alloc
-            head.cached_tokens = alloc.hit_blocks * self.cache.block_size
-            head.prefill_remaining = head.prompt_tokens - head.cached_tokens
-            self.counters.prefix_cache_queries += head.prompt_tokens
-            self.counters.prefix_cache_hits += head.cached_tokens
-            self.counters.prompt_tokens += head.prompt_tokens
+            hit_tokens = alloc.hit_blocks * self.cache.block_size
+            # a preempted request recomputes its output so far too; vLLM counts its lookup apart from
+            # the prefix-cache counters and reports the cached tokens of its first admission
+            head.prefill_remaining = head.prompt_tokens + head.generated - hit_tokens
+            if head.preemptions == 0:
+                head.cached_tokens = hit_tokens
+                self.counters.prefix_cache_queries += head.prompt_tokens
+                self.counters.prefix_cache_hits += hit_tokens
+                self.counters.prompt_tokens += head.prompt_tokens
             head.chunk = min(head.prefill_remaining, budget)
             budget -= head.chunk
             prefill_tokens += head.chunk

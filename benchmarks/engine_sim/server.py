@@ -6,7 +6,22 @@ not; ``usage.prompt_tokens_details.cached_tokens`` always in non-streaming respo
 only: ``instructions`` + ``input`` as a string or message items; a ``prompt`` template is refused with
 400, as vLLM refuses it), ``POST /v1/embeddings`` (deterministic, similar texts similar: ``embeddings``),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /v1/models``,
-``GET /metrics``.
+``GET /metrics``, ``POST /reset_prefix_cache``.
+
+``POST /reset_prefix_cache`` is vLLM's dev-mode route (``VLLM_SERVER_DEV_MODE=1``;
+vllm/entrypoints/serve/dev/cache/api_router.py), always on here. Query parameters
+``reset_running_requests`` and ``reset_external`` (pydantic booleans: 1/0, true/false, yes/no, on/off,
+t/f, y/n in any case; default false; the last of repeated values wins; an unreadable value is 400 with
+vLLM's validation error body ``{"error": {"message", "type": "Bad Request", "param": "query.<name>",
+"code": 400}}``); the body is ignored. It answers 200 ``{"success": true}`` once the cache is emptied,
+and 200 ``{"success": false}`` with the cache untouched when running requests hold KV slots (no waiting,
+no error; the caller may retry). ``reset_running_requests=true`` preempts every running request first
+(back to the head of the waiting queue, recomputed when readmitted, ``num_preemptions`` counted), so it
+succeeds. ``reset_external`` resets the KV connector's cache: the simulator has none, which vLLM treats
+as success. The reset runs between two scheduler steps (a call made during a step answers when it
+ends). ``AllBlocksCleared`` is not published at once: it leads the next step's event batch, so an idle
+engine publishes nothing until it serves another request. The prefix-cache counters in ``/metrics`` are
+unchanged; later requests miss until the cache fills again.
 
 Request forms follow vLLM's CompletionRequest: ``prompt`` is a string, token ids (used as the prompt's
 tokens, cached and published as given), a batch of strings or a batch of token-id lists (one engine
@@ -152,6 +167,19 @@ class EngineSimulator:
     def replay_endpoint(self) -> str | None:
         return self.publisher.replay_endpoint if self.publisher else None
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> bool:
+        """vLLM's ``reset_prefix_cache`` (see the module docstring); True when the cache was emptied.
+        ``reset_external`` asks to reset the KV connector's cache too: the simulator has no connector,
+        which vLLM's ``reset_connector_cache`` counts as success."""
+        assert self.scheduler is not None
+        log.info(
+            "reset_prefix_cache name=%s reset_running_requests=%s reset_external=%s",
+            self.config.name,
+            reset_running_requests,
+            reset_external,
+        )
+        return await self.scheduler.reset_prefix_cache(reset_running_requests)
+
     # -- faults ------------------------------------------------------------------------------------
     async def restart(self) -> None:
         """Simulated restart (see ``BatchScheduler.restart``)."""
@@ -195,6 +223,7 @@ class EngineSimulator:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         app.router.add_post("/sim/faults", self._faults)
         app.router.add_post("/sim/restart", self._restart)
         app.router.add_get("/sim/state", self._state)
@@ -605,6 +634,31 @@ class EngineSimulator:
         log.info("faults_set name=%s %s", self.config.name, json.dumps(body, sort_keys=True))
         return web.json_response(current)
 
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        flags: dict[str, bool] = {}
+        errors: list[dict[str, str]] = []
+        for name in ("reset_running_requests", "reset_external"):
+            values = request.query.getall(name, [])
+            if not values:
+                flags[name] = False
+                continue
+            value = _query_bool(values[-1])  # FastAPI reads the last of repeated values
+            if value is None:
+                errors.append(
+                    {
+                        "type": "bool_parsing",
+                        "loc": f"query.{name}",
+                        "msg": "Input should be a valid boolean, unable to interpret input",
+                        "input": values[-1],
+                    }
+                )
+            else:
+                flags[name] = value
+        if errors:
+            return validation_error_response(errors)
+        success = await self.reset_prefix_cache(flags["reset_running_requests"], flags["reset_external"])
+        return web.json_response({"success": success})
+
     async def _restart(self, request: web.Request) -> web.Response:
         await self.restart()
         return web.json_response({"restarted": True, "next_seq": self.publisher.next_seq if self.publisher else None})
@@ -686,6 +740,37 @@ async def _cors_simple_headers(request: web.Request, response: web.StreamRespons
         response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
     else:
         response.headers["Access-Control-Allow-Origin"] = "*"
+
+
+_QUERY_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_QUERY_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+_MAX_ERROR_INPUT_CHARS = 200  # vLLM bounds the input echoed in a validation error
+
+
+def _query_bool(raw: str) -> bool | None:
+    """A query value read as pydantic's lax ``bool`` reads a string (no stripping); None if unreadable."""
+    lowered = raw.lower()
+    if lowered in _QUERY_TRUE:
+        return True
+    if lowered in _QUERY_FALSE:
+        return False
+    return None
+
+
+def validation_error_response(errors: list[dict[str, str]]) -> web.Response:
+    """vLLM's answer to a FastAPI RequestValidationError (vllm/entrypoints/serve/exception_handling/
+    handlers/validation.py): 400 with ``{"error": {message, type, param, code}}``, the message listing
+    each error as a Python dict, ``param`` the first error's location."""
+    shown = []
+    for err in errors:
+        entry = dict(err)
+        if len(entry["input"]) > _MAX_ERROR_INPUT_CHARS:
+            entry["input"] = entry["input"][:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
+        shown.append(entry)
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "\n".join(f"  {entry}" for entry in shown)
+    body = {"error": {"message": message, "type": "Bad Request", "param": errors[0]["loc"], "code": 400}}
+    return web.json_response(body, status=400)
 
 
 def _opt_float(body: Mapping[str, Any], key: str) -> float | None:
