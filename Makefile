@@ -74,11 +74,14 @@ demo: $(STAMP)
 STATE_DIR ?= out/local-stack
 FREE_PORTS ?=
 ENVOY_PORT ?=
-UP_FLAGS := $(if $(filter 1 yes true,$(FREE_PORTS)),--free-ports) $(if $(ENVOY_PORT),--envoy-port $(ENVOY_PORT))
+# ENGINES=vllm: real vLLM engines (the CPU build, a tiny model) instead of the simulators
+ENGINES ?= sim
+UP_FLAGS := $(if $(filter 1 yes true,$(FREE_PORTS)),--free-ports) $(if $(ENVOY_PORT),--envoy-port $(ENVOY_PORT)) \
+	--engines $(ENGINES)
 # `down` and `status` need only the standard library: they work after `make clean` too.
 STACK_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
-up: $(STAMP)
-	@$(PY) -m benchmarks.local_stack up --state-dir $(STATE_DIR) $(UP_FLAGS)
+up: $(STAMP) $(if $(filter vllm,$(ENGINES)),$(ENGINES_STAMP))
+	@KV_EPP_ENGINES_VENV=$(ENGINES_VENV) $(PY) -m benchmarks.local_stack up --state-dir $(STATE_DIR) $(UP_FLAGS)
 
 down:
 	@$(STACK_PY) -m benchmarks.local_stack down --state-dir $(STATE_DIR)

@@ -1,6 +1,7 @@
 """`make up` / `make down`: the one-command local stack, detached, stopped by pid.
 
     python -m benchmarks.local_stack up [--state-dir out/local-stack] [--free-ports] [--envoy-port N]
+        [--engines sim|vllm]
     python -m benchmarks.local_stack status [--state-dir DIR]
     python -m benchmarks.local_stack down [--state-dir DIR]
 
@@ -12,6 +13,11 @@ key for key: tests/unit/test_examples.py), written to the state dir with every p
 pid file (``pids.json``). It waits until each process is ready, a request through Envoy reaches an
 engine and the picker's Tier 4 self-check has a result per engine, prints the URL, a ``curl`` and an
 ``openai`` snippet, and returns; the processes keep running in their own sessions.
+
+``--engines vllm`` (``make up ENGINES=vllm``) runs real vLLM engines instead of the simulators: the CPU build
+from ``.venv-engines`` (``make engines-venv``) serving the tiny model of ``benchmarks.vllm_engine.model`` under
+the examples' model name, on the same ports, with KV events and replay (docs/real-engines.md); they take a
+minute or two to start on two cores.
 
 ``up`` on a running stack reports it instead of starting a second one; a partly running one is refused
 (``down`` first). ``down`` sends SIGTERM to every recorded pid that is still the process it started
@@ -57,6 +63,7 @@ ENVOY_ADMIN_PORT = 9901
 TERM_GRACE_S = 20.0  # SIGTERM, then SIGKILL after this long (the picker drains for at most 10 s by default)
 KILL_WAIT_S = 5.0
 READY_TIMEOUT_S = 90.0  # per wait; a busy 2-core machine starts five Python/Envoy processes slowly
+VLLM_READY_TIMEOUT_S = 400.0  # two real vLLM engines starting at once on two cores
 PROMPT = "Say hello in five words."
 
 T = TypeVar("T")
@@ -288,6 +295,7 @@ class StackState:
     model: str = ""
     ready: bool = False
     notes: list[str] | None = None
+    engines: str = "sim"  # sim (kv-sim) or vllm (real vLLM, the CPU build)
 
     @staticmethod
     def read(path: Path) -> StackState | None:
@@ -327,12 +335,12 @@ class Launcher:
         self.state = state
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log_path = self.state_dir / f"{name}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.state_dir,
-                start_new_session=True,
+                start_new_session=True, env=env,
             )  # fmt: skip
         self.children[name] = proc
         self.state.processes.append(Recorded(name, proc.pid, proc_start_time(proc.pid), argv, str(log_path)))
@@ -407,6 +415,20 @@ def _wait_gone(p: Recorded, timeout: float) -> bool:
     return True
 
 
+def _signal(pid: int, sig: int) -> None:
+    """Signal the process, and its whole group when it leads one (every process here starts a session; a
+    vLLM server's engine core and worker are in it)."""
+    with contextlib.suppress(ProcessLookupError):
+        try:
+            leader = os.getpgid(pid) == pid
+        except OSError:
+            leader = False
+        if leader:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+
 def terminate(processes: list[Recorded], grace: float = TERM_GRACE_S) -> tuple[list[str], list[str]]:
     """Stop the live processes one by one, last started first (Envoy, the picker, the listener, the
     engines: nothing logs a lost peer that is meant to go): SIGTERM, SIGKILL after ``grace`` s. Returns
@@ -415,12 +437,10 @@ def terminate(processes: list[Recorded], grace: float = TERM_GRACE_S) -> tuple[l
     for p in reversed(processes):
         if not p.alive():
             continue
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, signal.SIGTERM)
+        _signal(p.pid, signal.SIGTERM)
         if not _wait_gone(p, grace):
             print(f"{p.name} (pid {p.pid}) still running {grace:.0f} s after SIGTERM: SIGKILL", file=sys.stderr)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGKILL)
+            _signal(p.pid, signal.SIGKILL)
             if not _wait_gone(p, KILL_WAIT_S):
                 survivors.append(f"{p.name} (pid {p.pid})")
                 continue
@@ -456,7 +476,9 @@ def banner(state: StackState, state_dir: Path, already: bool = False) -> str:
     lines += [f"  {note}" for note in state.notes or []]
     lines += [
         "",
-        f"URL: {state.url}/v1  (OpenAI API through Envoy -> kv-epp -> a simulated engine; model {state.model})",
+        f"URL: {state.url}/v1  (OpenAI API through Envoy -> kv-epp -> "
+        f"{'a real vLLM engine (tiny model)' if state.engines == 'vllm' else 'a simulated engine'}; "
+        f"model {state.model})",
         "",
         "curl:",
         curl,
@@ -494,7 +516,29 @@ def _models_through(envoy_url: str) -> str | None:
         return None
 
 
-def start(state_dir: Path, ports: Ports) -> StackState:
+def _vllm_engines(stack_engines: list[Engine]) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, environment) of a real ``vllm serve`` per engine, on the engine's ports, serving the tiny model
+    under the model name the configs use (imported here: ``down`` needs only the standard library)."""
+    from benchmarks.vllm_engine.process import EngineUnavailable, VllmConfig, VllmProcess, engine_env, ensure_model
+
+    try:
+        model_dir = ensure_model()
+    except EngineUnavailable as exc:
+        raise StackError(str(exc)) from None
+    out = []
+    for e in stack_engines:
+        proc = VllmProcess(VllmConfig(name=e.name, model=e.model), model_dir)
+        proc.port, proc.events_port, proc.replay_port = e.http_port, e.events_port, e.replay_port
+        out.append((proc.command(), engine_env(proc.config)))
+    return out
+
+
+def _models_of(base_url: str) -> bool | None:
+    got = _ok_json(f"{base_url}/v1/models")
+    return True if got is not None else None
+
+
+def start(state_dir: Path, ports: Ports, engines_kind: str = "sim") -> StackState:
     """Start the stack on ``ports`` (the caller holds the lock and has checked nothing runs)."""
     state_dir = state_dir.resolve()  # the processes run in it: every path they are given is absolute
     picker_cfg, listener_cfg = picker_config(ports), listener_config(ports)
@@ -502,22 +546,31 @@ def start(state_dir: Path, ports: Ports) -> StackState:
     picker_path, listener_path, envoy_path = (state_dir / n for n in ("picker.yaml", "listener.yaml", "envoy.yaml"))
     _write_yaml(picker_path, picker_cfg)
     _write_yaml(listener_path, listener_cfg)
-    state = StackState(processes=[], ports=ports.named(), url=f"http://127.0.0.1:{ports.envoy}")
+    state = StackState(processes=[], ports=ports.named(), url=f"http://127.0.0.1:{ports.envoy}", engines=engines_kind)
     launcher = Launcher(state_dir, state)
     try:
-        for e in stack_engines:
-            launcher.spawn(e.name, [
-                _bin("kv-sim"), "--name", e.name, "--model", e.model, "--host", "127.0.0.1",
-                "--port", str(e.http_port), "--kv-events-bind",
-                "--kv-events-endpoint", f"tcp://127.0.0.1:{e.events_port}",
-                "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{e.replay_port}",
-            ])  # fmt: skip
+        if engines_kind == "vllm":
+            for e, (argv, env) in zip(stack_engines, _vllm_engines(stack_engines), strict=True):
+                launcher.spawn(e.name, argv, env)
+        else:
+            for e in stack_engines:
+                launcher.spawn(e.name, [
+                    _bin("kv-sim"), "--name", e.name, "--model", e.model, "--host", "127.0.0.1",
+                    "--port", str(e.http_port), "--kv-events-bind",
+                    "--kv-events-endpoint", f"tcp://127.0.0.1:{e.events_port}",
+                    "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{e.replay_port}",
+                ])  # fmt: skip
         launcher.spawn("listener", [_bin("kv-listener"), "run", "--config", str(listener_path)])
-        for name, prefix in [(e.name, '{"event": "kv_sim_ready"') for e in stack_engines] + [
-            ("listener", "kv-listener ready")
-        ]:
-            log = state_dir / f"{name}.log"
-            launcher.wait(name, "its ready line", functools.partial(_log_line, log, prefix))
+        for e in stack_engines:
+            if engines_kind == "vllm":
+                check = functools.partial(_models_of, f"http://{e.address}")
+                launcher.wait(e.name, "an answer to GET /v1/models", check, VLLM_READY_TIMEOUT_S)
+            else:
+                log = state_dir / f"{e.name}.log"
+                launcher.wait(e.name, "its ready line", functools.partial(_log_line, log, '{"event": "kv_sim_ready"'))
+        launcher.wait(
+            "listener", "its ready line", functools.partial(_log_line, state_dir / "listener.log", "kv-listener ready")
+        )
         launcher.spawn("picker", [_bin("kv-epp"), "serve", "--config", str(picker_path)])
         bootstrap = subprocess.run(
             [_bin("kv-epp"), "envoy-config", "--picker-config", str(picker_path),
@@ -556,7 +609,7 @@ def start(state_dir: Path, ports: Ports) -> StackState:
     return state
 
 
-def up(state_dir: Path, free: bool, envoy_port: int | None) -> int:
+def up(state_dir: Path, free: bool, envoy_port: int | None, engines_kind: str = "sim") -> int:
     with state_lock(state_dir):
         existing = StackState.read(state_dir / PIDS_FILE)
         if existing is not None:
@@ -585,7 +638,7 @@ def up(state_dir: Path, free: bool, envoy_port: int | None) -> int:
         # The engines start empty: a previous run's listener state describes caches that are gone.
         (state_dir / LISTENER_STATE_FILE).unlink(missing_ok=True)
         print(f"starting the local stack in {state_dir}/ ...", flush=True)
-        state = start(state_dir, ports)
+        state = start(state_dir, ports, engines_kind)
         print(banner(state, state_dir))
     return 0
 
@@ -625,10 +678,11 @@ def main(argv: list[str] | None = None) -> int:
         if name == "up":
             p.add_argument("--free-ports", action="store_true", help="free ports instead of the examples' ones")
             p.add_argument("--envoy-port", type=int, help=f"Envoy's listener port (default {ENVOY_PORT})")
+            p.add_argument("--engines", choices=("sim", "vllm"), default="sim", help="simulated or real vLLM engines")
     args = ap.parse_args(argv)
     try:
         if args.command == "up":
-            return up(args.state_dir, args.free_ports, args.envoy_port)
+            return up(args.state_dir, args.free_ports, args.envoy_port, args.engines)
         if args.command == "down":
             return down(args.state_dir)
         return status(args.state_dir)

@@ -10,7 +10,6 @@ restarting them, except the test that is about a restart.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,14 @@ from typing import Any
 import pytest
 
 from benchmarks.stack import free_port, make_workdir, start_envoy, start_listener, start_picker
-from benchmarks.vllm_engine.process import MODEL_NAME, EngineUnavailable, VllmConfig, VllmProcess, ensure_model
+from benchmarks.vllm_engine.process import (
+    MODEL_NAME,
+    EngineUnavailable,
+    VllmConfig,
+    VllmProcess,
+    ensure_model,
+    start_engines,
+)
 from picker.api import EnvoyOptions
 from tests.engines.real_stack import PIN_HEADER, RealStack
 
@@ -37,30 +43,9 @@ def model_dir() -> Path:
 @pytest.fixture(scope="session")
 def engines(model_dir: Path) -> Iterator[list[VllmProcess]]:
     workdir = make_workdir("kv-epp-engines-")
-    engines = [
-        VllmProcess(
-            VllmConfig(name=f"vllm-p{page}", block_size=page, num_gpu_blocks=CACHE_PAGES),
-            model_dir,
-            workdir / f"vllm-p{page}.log",
-        )
-        for page in PAGE_SIZES
-    ]
-    errors: list[BaseException] = []
-
-    def start(e: VllmProcess) -> None:
-        try:
-            e.start()
-        except BaseException as exc:  # reported below, after both tried
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(e,)) for e in engines]  # two cold starts overlap
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    configs = [VllmConfig(name=f"vllm-p{page}", block_size=page, num_gpu_blocks=CACHE_PAGES) for page in PAGE_SIZES]
+    engines = start_engines(configs, model_dir, workdir)
     try:
-        if errors:
-            raise errors[0]
         yield engines
     finally:
         for e in engines:

@@ -47,7 +47,7 @@ def reset_engines(stack: RealStack) -> None:
     """Dev mode's reset on both engines. vLLM publishes the AllBlocksCleared with its next step's events, so a
     short request to each engine makes the engine step (a real-engine fact: an idle engine publishes nothing)."""
     for e in stack.engines:
-        e.reset_prefix_cache()
+        assert e.reset_prefix_cache() == {"success": True}
         stack.chat(SHORT, pin=e.config.name)
     wait_until(lambda: not any(stack.entries().values()), timeout=30.0, what="both engines' entries cleared")
 
@@ -128,7 +128,7 @@ def test_reset_prefix_cache_publishes_all_blocks_cleared_and_empties_the_index(s
     stack.chat([{"role": "system", "content": text("reset", 40)}, {"role": "user", "content": "hi"}], pin=P32)
     wait_until(lambda: stack.entries()[P32] > 0, timeout=30.0, what="the prompt's blocks in the index")
     cleared = listener_metric(stack, "kv_listener_backend_clears_total", source=P32, reason="all_blocks_cleared")
-    stack.engine(P32).reset_prefix_cache()
+    assert stack.engine(P32).reset_prefix_cache() == {"success": True}
     stack.chat(SHORT, pin=P32)  # the engine publishes the clear with its next step
     wait_until(lambda: stack.entries()[P32] == 0, timeout=30.0, what="vllm-p32's entries dropped")
     assert (
