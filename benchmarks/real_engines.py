@@ -440,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--engines", choices=("vllm", "sim"), default="vllm")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--session-rate", type=float, default=None, help="sessions started per second (the load)")
     ap.add_argument("--out", type=Path, default=Path("out/real-engines"))
     ap.add_argument("--measured", type=Path, default=None, help="with --engines sim: a vLLM run's results.json")
     a = ap.parse_args(argv)
@@ -461,7 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in names:
         measured = (measured_doc or {}).get("regimes", {}).get(name)
-        doc["regimes"][name] = run_regime(REGIMES[name], policies, a.repeats, a.seed, a.engines, workdir, measured)
+        regime = REGIMES[name]
+        if a.session_rate is not None:
+            regime = dataclasses.replace(regime, session_rate=a.session_rate)
+        doc["regimes"][name] = run_regime(regime, policies, a.repeats, a.seed, a.engines, workdir, measured)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps(doc, indent=1))
     text = markdown(doc)
