@@ -65,8 +65,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             async for _ in request_iterator:  # an ImmediateResponse must answer a message of Envoy's
                 received = time.monotonic()
                 headers = with_bypass(self.app.path.cache, answer.headers)
-                yield immediate(answer.status, answer.body, answer.details, headers)
-                self.route_seconds.observe("overloaded", time.monotonic() - received)
+                try:
+                    yield immediate(answer.status, answer.body, answer.details, headers)
+                finally:  # also when gRPC closes this generator at the yield (Envoy ended the stream)
+                    self.route_seconds.observe("overloaded", time.monotonic() - received)
                 return
             return
         stream = RequestStream(self.app, self.sampling)
@@ -85,15 +87,22 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     log.exception("event=extproc_error path=%r", stream.path)  # client text: escaped
                     self.app.recorder.refused("error")
                     stream.answer = "error"  # counted unless the routing answer was sent already
-                    yield immediate(
-                        500, error_body("internal picker error", "picker_error", "api_error"), "kv_epp_error"
-                    )
-                    stream.answer_sent()
+                    try:
+                        yield immediate(
+                            500, error_body("internal picker error", "picker_error", "api_error"), "kv_epp_error"
+                        )
+                    finally:
+                        stream.answer_sent()
                     return
                 for r in responses:
-                    yield r
-                    if stream.answer is not None:  # that was the routing answer (always the first of its batch)
-                        stream.answer_sent()
+                    # The sample is taken once gRPC has the answer: after the yield, or when gRPC closes this
+                    # generator at the yield. Envoy ends the stream at an ImmediateResponse, and gRPC may
+                    # close the generator before resuming it: a sample taken only after the yield was lost.
+                    try:
+                        yield r
+                    finally:
+                        if stream.answer is not None:  # the routing answer (always the first of its batch)
+                            stream.answer_sent()
                 if stream.answered_itself:
                     return  # immediate response sent: nothing more to process
         finally:

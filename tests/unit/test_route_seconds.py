@@ -212,3 +212,25 @@ async def test_a_failure_before_the_pick_is_an_error_sample_and_after_it_none(
     out = await exchange(stub, request_headers(), request_body(BODY))
     assert out[0].immediate_response.status.code == 500
     assert counts(app) == {**only("routed"), "error": 1.0}
+
+
+async def test_a_sample_is_taken_when_grpc_closes_the_stream_at_an_immediate_answer() -> None:
+    """Found in CI (test_dashboard_metrics, loaded machine): Envoy ends the stream at an ImmediateResponse, and
+    gRPC may close the servicer's generator at its yield instead of resuming it; the sample was taken after the
+    yield only, so a 400 (or a 429, a 500) could go uncounted. Here the generator is closed at the yield,
+    deterministically, as gRPC does."""
+    app = make_app()
+    servicer = ExternalProcessor(app)
+
+    async def envoy() -> AsyncIterator[pb.ProcessingRequest]:
+        yield request_headers(body_mode=BUFFERED)
+        yield request_body(b"{not json")
+
+    gen = servicer.Process(envoy(), None)  # type: ignore[arg-type]
+    answer = await anext(gen)
+    while not answer.HasField("immediate_response"):  # the headers' own answer comes first in this mode
+        answer = await anext(gen)
+    assert answer.immediate_response.status.code == 400
+    await gen.aclose()  # gRPC's close at the yield: the stream ended before the generator resumed
+    sample = app.metrics.registry.get_sample_value("continuum_picker_route_seconds_count", {"outcome": "bad_request"})
+    assert sample == 1
