@@ -27,6 +27,7 @@ from benchmarks.vllm_engine.process import (
 )
 from picker.api import EnvoyOptions
 from tests.engines.real_stack import PIN_HEADER, RealStack
+from tests.support.kv_stack import kv_picker_config, listener_sources
 
 PAGE_SIZES = (32, 64)
 CACHE_PAGES = 384  # per engine: 12,288 tokens at 32, 24,576 at 64 (more than the tests' prompts need)
@@ -53,38 +54,15 @@ def engines(model_dir: Path) -> Iterator[list[VllmProcess]]:
 
 
 def listener_config(engines: list[VllmProcess], **extra: Any) -> dict[str, Any]:
-    sources = [
-        {
-            "backend_name": e.config.name,
-            "engine": "vllm",
-            "model": MODEL_NAME,
-            "block_size": e.config.block_size,
-            "zmq_endpoint": e.kv_events_endpoint,
-            "replay_endpoint": e.replay_endpoint,
-        }
-        for e in engines
-    ]
-    return {"feed": {"keepalive_seconds": 0.5}, "sources": sources, **extra}
+    return {"feed": {"keepalive_seconds": 0.5}, "sources": listener_sources(engines, MODEL_NAME), **extra}
 
 
 def picker_config(engines: list[VllmProcess], feed_url: str, **kv: Any) -> dict[str, Any]:
-    """Tier 4 with the default (cost) scorer over the listener at ``feed_url``; the engine's own /tokenize."""
-    return {
-        "selection_strategy": "RoundRobin",
-        "prefix_routing": {"enabled": True},
-        "kv_cache_index": {
-            "enabled": True,
-            "entry_ttl_seconds": 3600,
-            "event_sources": [
-                {"backend_name": e.config.name, "endpoint": f"{feed_url}/events/{e.config.name}"} for e in engines
-            ],
-            # generous: the engines' API servers share two cores with everything the tests run
-            "tokenizer": {"source": "engine", "timeout_ms": 5000, "timeout_max_ms": 10000, "block_size": 16},
-            "checks": {"self_check_timeout_seconds": 60, "ready_grace_seconds": 5},
-            **kv,
-        },
-        "pool": {"backends": [{"name": e.config.name, "address": e.address} for e in engines]},
-    }
+    """Tier 4 with the default (cost) scorer over the listener at ``feed_url``; the engine's own /tokenize,
+    with generous waits: the engines' API servers share two cores with everything the tests run."""
+    tokenizer = {"source": "engine", "timeout_ms": 5000, "timeout_max_ms": 10000, "block_size": 16}
+    checks = {"self_check_timeout_seconds": 60, "ready_grace_seconds": 5, **kv.pop("checks", {})}
+    return kv_picker_config(engines, feed_url, tokenizer=tokenizer, checks=checks, **kv)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from benchmarks.loadgen import parse_prometheus_text
 from benchmarks.stack import ListenerProcess, start_listener
 from benchmarks.vllm_engine.process import MODEL_NAME, VllmProcess
 from tests.integration.conftest import http
+from tests.support.kv_stack import KvStackClient
 
 PIN_HEADER = "x-test-subset"  # Envoy's subset hint from a header: pins a request to one engine's address
 
@@ -58,7 +59,9 @@ def stream_chat(url: str, messages: list[dict[str, str]], max_tokens: int = 4, h
     return Usage(int(usage["prompt_tokens"]), details.get("cached_tokens"), chunks)
 
 
-class RealStack:
+class RealStack(KvStackClient):
+    """``KvStackClient``'s admin views (backends, entries, decisions) over real engines; ``chat`` streams."""
+
     def __init__(self, engines: list[VllmProcess], workdir: Path, listener_cfg: dict[str, Any]) -> None:
         self.engines = engines
         self.workdir = workdir
@@ -94,15 +97,6 @@ class RealStack:
         return [int(t) for t in r.json()["tokens"]]
 
     # -- the picker's view ---------------------------------------------------------------------------
-    def admin(self, path: str, picker: Any = None) -> Any:
-        return http("GET", (picker or self.picker).admin_url + path).json()
-
-    def backends(self, picker: Any = None) -> dict[str, dict[str, Any]]:
-        return {b["backend_name"]: b for b in self.admin("/admin/kv-index/backends", picker)["backends"]}
-
-    def entries(self) -> dict[str, int]:
-        return {name: int(b["entries"]) for name, b in self.backends().items()}
-
     def self_checks(self) -> dict[str, str]:
         return {b: v["self_check"] for b, v in self.admin("/readyz")["kv_feeds"].items()}
 

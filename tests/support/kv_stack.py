@@ -31,16 +31,20 @@ def start_sims(workdir: Path, n: int, capacity_blocks: int, **events: Any) -> li
     return sims
 
 
-def listener_sources(sims: list[SimulatorProcess]) -> list[dict[str, Any]]:
+def listener_sources(engines: list[Any], model: str = MODEL) -> list[dict[str, Any]]:
+    """A listener source per engine (a simulator or a real vLLM: ``config.name``, the event endpoints)."""
     return [
-        {"backend_name": s.config.name, "engine": "vllm", "model": MODEL, "zmq_endpoint": s.kv_events_endpoint,
+        {"backend_name": s.config.name, "engine": "vllm", "model": model, "zmq_endpoint": s.kv_events_endpoint,
          "replay_endpoint": s.replay_endpoint}
-        for s in sims
+        for s in engines
     ]  # fmt: skip
 
 
-def kv_picker_config(sims: list[SimulatorProcess], feed_url: str, **kv: Any) -> dict[str, Any]:
-    """RoundRobin + Tier 4 over the listener at ``feed_url``; ``kv`` overrides kv_cache_index keys."""
+def kv_picker_config(
+    sims: list[Any], feed_url: str, tokenizer: dict[str, Any] | None = None, **kv: Any
+) -> dict[str, Any]:
+    """RoundRobin + Tier 4 over the listener at ``feed_url`` for ``sims`` (simulators or real engines: their
+    ``config.name`` and ``address``); ``tokenizer`` and ``kv`` override kv_cache_index keys."""
     return {
         "selection_strategy": "RoundRobin",
         "prefix_routing": {"enabled": True},
@@ -50,7 +54,7 @@ def kv_picker_config(sims: list[SimulatorProcess], feed_url: str, **kv: Any) -> 
             "event_sources": [
                 {"backend_name": s.config.name, "endpoint": f"{feed_url}/events/{s.config.name}"} for s in sims
             ],
-            "tokenizer": {"source": "engine", "timeout_ms": 3000, "block_size": 16},
+            "tokenizer": tokenizer or {"source": "engine", "timeout_ms": 3000, "block_size": 16},
             **kv,
         },
         "pool": {"backends": [{"name": s.config.name, "address": s.address} for s in sims]},
