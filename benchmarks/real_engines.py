@@ -312,7 +312,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def checks(runs: list[dict[str, Any]], regime: str) -> list[str]:
     """Issue 20's targets, in every repeat (pair i of kv_cost with pair i of round robin)."""
     rr = [r for r in runs if r["policy"] == "round_robin"]
-    kv = [r for r in runs if r["policy"] == "kv_cost"]
+    kv = [r for r in runs if r["policy"].split("+")[0] == "kv_cost"]
     lines: list[str] = []
     for i, (a, b) in enumerate(zip(rr, kv, strict=False)):
         share = (b["engine_cached_share"] or 0) - (a["engine_cached_share"] or 0)
@@ -377,9 +377,27 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:.1f}%"
 
 
+def with_measured_prior(policy: PolicySpec, prefill: dict[str, Any]) -> PolicySpec:
+    """``policy`` with the cost model's prefill prior set to the engines' measured prefill cost (the median over
+    the engines), as an operator who measured the engine would set it: a diagnostic variant, named ``+prior``."""
+    if policy.picker is None or "kv_cache_index" not in policy.picker:
+        return policy
+    ms = statistics.median(e["prefill_ms_per_token"] for e in prefill.values() if e.get("prefill_ms_per_token"))
+    kv = dict(policy.picker["kv_cache_index"])
+    scoring = dict(kv.get("scoring", {}))
+    scoring["cost"] = {**dict(scoring.get("cost", {})), "prior_prefill_ms_per_token": round(ms, 4)}
+    kv["scoring"] = scoring
+    return dataclasses.replace(
+        policy,
+        name=f"{policy.name}+prior",
+        description=f"{policy.description}; prefill prior {ms:.4f} ms/token (measured on the engines)",
+        picker={**policy.picker, "kv_cache_index": kv},
+    )
+
+
 def run_regime(
     regime: Regime, policies: list[PolicySpec], repeats: int, seed: int, engines_kind: str, workdir: Path,
-    measured: dict[str, Any] | None = None,
+    measured: dict[str, Any] | None = None, measured_prior: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     trace = regime_trace(regime, seed)
     log_dir = workdir / regime.name
@@ -398,6 +416,8 @@ def run_regime(
     try:
         prefill = {e.config.name: measure_prefill(e) for e in engines}
         print(f"[{regime.name}] engine prefill: {prefill}", flush=True)
+        if measured_prior:
+            policies = [with_measured_prior(p, prefill) for p in policies]
         for rep in range(repeats):
             for policy in policies:  # interleaved: A, B, A, B
                 reset_caches(engines)
@@ -441,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", choices=("vllm", "sim"), default="vllm")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--session-rate", type=float, default=None, help="sessions started per second (the load)")
+    ap.add_argument(
+        "--measured-prior",
+        action="store_true",
+        help="diagnostic: Tier 4 policies start their cost model at the engines' measured prefill cost",
+    )
     ap.add_argument("--out", type=Path, default=Path("out/real-engines"))
     ap.add_argument("--measured", type=Path, default=None, help="with --engines sim: a vLLM run's results.json")
     a = ap.parse_args(argv)
@@ -465,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
         regime = REGIMES[name]
         if a.session_rate is not None:
             regime = dataclasses.replace(regime, session_rate=a.session_rate)
-        doc["regimes"][name] = run_regime(regime, policies, a.repeats, a.seed, a.engines, workdir, measured)
+        doc["regimes"][name] = run_regime(
+            regime, policies, a.repeats, a.seed, a.engines, workdir, measured, a.measured_prior
+        )
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps(doc, indent=1))
     text = markdown(doc)

@@ -32,7 +32,8 @@ from typing import IO, Any
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINES_VENV = Path(os.environ.get("KV_EPP_ENGINES_VENV", ROOT / ".venv-engines"))
+# absolute: engines may run in another working directory (make up runs them in its state dir)
+ENGINES_VENV = Path(os.environ.get("KV_EPP_ENGINES_VENV", ROOT / ".venv-engines")).resolve()
 MODEL_NAME = "kv-epp-tiny-llama"  # the served model name
 START_TIMEOUT_S = 300.0  # a cold start compiles the model: 40-120 s on two busy cores
 LOG_TAIL_BYTES = 4000
