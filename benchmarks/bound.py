@@ -1,4 +1,4 @@
-"""The hit-rate bound of a trace (BENCHMARKS.md): one replica with unlimited cache that saw the whole
+"""The hit-rate bound of a trace (docs/benchmarks.md): one replica with unlimited cache that saw the whole
 run in arrival order. Each full block of a request's prompt counts as a hit if an earlier request
 contained the same chained block; the rate is hit tokens / prompt tokens (tokens, not requests).
 No router can beat it.
@@ -8,7 +8,7 @@ so the bound is exactly comparable with the simulators' ``prefix_cache_*`` count
 
 ``vllm_last_token_rule=True`` also applies vLLM's rule that the last prompt token is always computed
 (a fully cached prompt hits at most ``(len - 1) // block_size`` blocks), as the simulator does; the
-BENCHMARKS.md definition (the default) counts every full block.
+docs/benchmarks.md definition (the default) counts every full block.
 
 Memory: one 32-byte digest per distinct full block of the trace (the set is the trace's working set).
 

@@ -14,7 +14,7 @@ modes). The streaming row: 256-token SSE responses from ``benchmarks.sse_upstrea
 every path: chunks/s (events arrived within the window) and the ext_proc server's CPU per streamed and
 per non-streamed request. ``--compare-modes`` / ``--variant`` add picker configurations, measured on every
 row next to the default. Also the decision CPU (parse + prefix key + pick) measured in-process. Writes
-DIR/results.json (BENCHMARKS.md shape, more keys) and prints the tables. The load generator shares the
+DIR/results.json (docs/benchmarks.md shape, more keys) and prints the tables. The load generator shares the
 machine's cores with Envoy and the ext_proc server: figures are comparable with each other within one
 run, not with other machines.
 """

@@ -1,7 +1,7 @@
-"""Figures, tables and plots of the routing harness (BENCHMARKS.md definitions).
+"""Figures, tables and plots of the routing harness (docs/benchmarks.md definitions).
 
 ``policy_figures`` turns one policy's raw run (per-request results, engine counters before/after,
-run duration) into the BENCHMARKS.md figures; ``write_report`` writes ``results.json``,
+run duration) into the docs/benchmarks.md figures; ``write_report`` writes ``results.json``,
 ``results.md`` and the PNG plots; ``markdown_table`` is the table printed at the end of a run,
 ``comparison_lines`` and ``goal_checks`` the lines under it that state issue 12's checks per policy.
 ``load_figures`` turns the harness's polls of the engines' queues (``EngineLoadPoller``) into each
@@ -97,7 +97,7 @@ def policy_figures(
     wall_duration_s: float,
     window_s: float,
 ) -> dict[str, Any]:
-    """The BENCHMARKS.md figures of one policy's run (plus the evidence behind them)."""
+    """The docs/benchmarks.md figures of one policy's run (plus the evidence behind them)."""
     replicas = sorted(url_names.values(), key=lambda n: (len(n), n))
     hit = engine_hit_rate(before, after)
     per_replica: dict[str, dict[str, float | None]] = {}

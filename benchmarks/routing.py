@@ -10,7 +10,7 @@ counters; replay the trace (``benchmarks.loadgen.run_trace``) while applying the
 events (S3: a simulator restart, a replica added to the picker's hot-reloaded config file); scrape
 again; read the picker's decision counters; stop everything (by pid). While the trace runs, every pool
 replica's ``vllm:num_requests_running`` / ``_waiting`` is polled each ``--poll-ms`` (wall) for the busy
-fractions and ``idle_while_queued``. Then compute the BENCHMARKS.md figures (``benchmarks.report``)
+fractions and ``idle_while_queued``. Then compute the docs/benchmarks.md figures (``benchmarks.report``)
 against the bound of the trace itself, write ``results.json``, ``results.md`` and PNG plots into
 ``--out``, and print the table and the checks of issue 12 (per policy, and the scenario's goals).
 
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--scenario", choices=list(SCENARIOS))
-    src.add_argument("--trace", type=Path, help="JSONL trace file (BENCHMARKS.md format)")
+    src.add_argument("--trace", type=Path, help="JSONL trace file (docs/benchmarks.md format)")
     ap.add_argument("--policies", default=DEFAULT_POLICIES)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE, help="real s per simulated s")

@@ -1,4 +1,4 @@
-"""The routing harness's scenarios (BENCHMARKS.md S1-S3, hot documents) and the simulator calibration behind them.
+"""The routing harness's scenarios (docs/benchmarks.md S1-S3, hot documents) and the simulator calibration behind them.
 
 A ``Scenario`` is everything a run needs besides the policy: the number of replicas, the simulator
 configuration every replica gets, the trace (built from a fixed seed), the target request rate, the

@@ -1,6 +1,6 @@
 """The JSONL trace format shared by workload generators, the load generator and the harnesses.
 
-One request per line (BENCHMARKS.md)::
+One request per line (docs/benchmarks.md)::
 
     {"t": <arrival offset s>, "session": "<id or null>", "path": "/v1/chat/completions", "body": {...}}
 

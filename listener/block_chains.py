@@ -95,7 +95,7 @@ class _Node:
 
 
 def is_gpu_medium(medium: str | None) -> bool:
-    """WIRE.md §3: ``"GPU"`` or null is GpuHot; every other medium is StorageWarm."""
+    """docs/wire.md §3: ``"GPU"`` or null is GpuHot; every other medium is StorageWarm."""
     return medium is None or medium in _GPU_MEDIA
 
 

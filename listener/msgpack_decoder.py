@@ -3,7 +3,7 @@
 Batch: ``[ts, events, dp_rank]`` or a map ``{"ts", "events", "data_parallel_rank"}``. Events:
 positional arrays with the tag first (vLLM before mid-2026, older SGLang) or maps with the tag under
 ``"type"`` (newer vLLM and SGLang). Unknown keys and extra trailing elements are ignored; fields left
-at their defaults may be missing. Facts from WIRE.md §3-4; no engine code is used.
+at their defaults may be missing. Facts from docs/wire.md §3-4; no engine code is used.
 
 Decoding work is bounded before it can explode (hostile peers): besides msgpack's per-container length
 limits, every array and map built while unpacking is counted (``list_hook`` / ``object_hook``) and the

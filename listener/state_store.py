@@ -4,7 +4,7 @@ applied seq and a digest of that batch, in one file written atomically.
 Why raw engine events and not the tracker's internals: replaying the engine's own events through the
 decoder and the tracker rebuilds exactly what they would build now, whatever their internals (key
 derivation, refcounts, limits) have become since the file was written; the file depends on the wire
-format only (WIRE.md §3), which the engines own and which does not change under a listener upgrade.
+format only (docs/wire.md §3), which the engines own and which does not change under a listener upgrade.
 
 The log is compacted by copy accounting (refcounts, as vLLM means them: a hash stored twice is two
 copies, each removed separately, per medium and KV-cache group), mirroring the tracker's presence rules

@@ -1,6 +1,6 @@
 """vLLM / SGLang event source over ZMQ: SUB socket, sequence tracking, incarnation checks, replay.
 
-Messages are ``[topic, seq (8 bytes BE), msgpack payload]`` (WIRE.md §3). Three tasks per source:
+Messages are ``[topic, seq (8 bytes BE), msgpack payload]`` (docs/wire.md §3). Three tasks per source:
 
 - the reader drains the SUB socket (and its socket monitor) into a queue bounded in bytes
   (``limits.max_backlog_bytes``; a message that does not fit is dropped, reason ``backlog_full``: a gap,

@@ -1,4 +1,4 @@
-"""A stand-in for one vLLM replica, speaking the real interfaces (see BENCHMARKS.md).
+"""A stand-in for one vLLM replica, speaking the real interfaces (see docs/benchmarks.md).
 
 Modules:
 

@@ -1,4 +1,4 @@
-"""KV-cache events over ZMQ in the vLLM wire format (WIRE.md §3), plus the SGLang flavour.
+"""KV-cache events over ZMQ in the vLLM wire format (docs/wire.md §3), plus the SGLang flavour.
 
 PUB socket, three frames per message: ``[topic, seq as 8 bytes big-endian, msgpack payload]``; the
 payload is the positional batch ``[ts, events, data_parallel_rank]``; ``seq`` grows by one per batch
@@ -18,7 +18,7 @@ signed int64 hashes, one ``BlockStored`` per page, and 2-frame replay replies; `
 (a divisor of the cache's block size, 1 being SGLang's common default) splits every block into pages of
 that many tokens, each with its own hash (removals name every page of the block).
 
-Salted and LoRA requests (WIRE.md §3-4, as vLLM 0.33 and SGLang 0.5.23 publish them): the vLLM flavour
+Salted and LoRA requests (docs/wire.md §3-4, as vLLM 0.33 and SGLang 0.5.23 publish them): the vLLM flavour
 sends ``lora_id``, ``lora_name`` and ``extra_keys`` (one entry per block: the adapter name on every block,
 then the cache salt on the first block of a chain, None when a block has neither; appended after
 ``lora_name`` in the array encoding); the SGLang flavour sends ``lora_id``, ``lora_name`` and

@@ -5,7 +5,7 @@ the request path's (``picker.request.path``): the stream hands it an ``Inbound``
 returned ``Exchange`` (a pick) or ``Answer`` (the picker answers itself), then feeds the response
 phases to the ``Exchange``.
 
-Body modes (WIRE.md §1):
+Body modes (docs/wire.md §1):
 - FULL_DUPLEX_STREAMED (GIE): body chunks are buffered unanswered; at end of stream the deferred
   request-headers response carries the destination, ``Content-Length`` and ``clear_route_cache``,
   then the body is echoed as streamed responses of at most 62,000 bytes.

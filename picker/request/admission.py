@@ -1,6 +1,6 @@
 """Admission control: the bounds every stream shares, and the saturation rule over the pool's load.
 
-Three checks, each answered with 429, ``Retry-After`` and an OpenAI-shaped JSON error (WIRE.md §1:
+Three checks, each answered with 429, ``Retry-After`` and an OpenAI-shaped JSON error (docs/wire.md §1:
 shed / overloaded → 429), never with a queue or a hang:
 
 - open streams: a stream past ``admission.max_open_streams`` is refused at its first message

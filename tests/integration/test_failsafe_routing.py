@@ -3,7 +3,7 @@
 - A client's ``x-gateway-destination-endpoint*`` headers never decide the destination: a canary listener
   named in them counts 0 connections, with the picker up and down, with and without fail-open.
 - Picker down + fail-open (BUFFERED): every request is served by a pool replica (override_host's
-  fallback policy). In FULL_DUPLEX_STREAMED, Envoy 1.38-1.40 answer 500 instead (WIRE.md §1): the test
+  fallback policy). In FULL_DUPLEX_STREAMED, Envoy 1.38-1.40 answer 500 instead (docs/wire.md §1): the test
   pins that it is a JSON error and never a forged destination.
 - A replica killed mid-load costs no client request (Envoy retries on the picker's next ranked endpoint).
 - A hung replica (accepts, never answers): each request fails over after the first-byte deadline, the

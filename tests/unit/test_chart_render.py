@@ -23,7 +23,7 @@ from listener.config import parse_listener_config
 from picker.config import config_warnings, parse_settings, settings_json_schema
 
 KUBERNETES = "1.35.0"  # a recent release kubernetes-validate ships strict schemas for
-CRD = Path("/work/shared/crds/inference.networking.k8s.io_inferencepools.yaml")
+CRD = Path(__file__).resolve().parents[1] / "data" / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
 CRD_KINDS = {"InferencePool", "ServiceMonitor", "PrometheusRule"}  # not in kubernetes-validate's schemas
 README = cv.CHART / "README.md"
 

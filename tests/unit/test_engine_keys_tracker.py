@@ -1,4 +1,4 @@
-"""Listener keys equal the picker's for what real vLLM 0.33 and SGLang 0.5.23 publish (WIRE.md §3-4):
+"""Listener keys equal the picker's for what real vLLM 0.33 and SGLang 0.5.23 publish (docs/wire.md §3-4):
 salt and LoRA in extra_keys, KV-cache groups, copies per medium, CPU placeholders, any page size.
 Decoder + tracker, no sockets; the feed's key block size is the default (16)."""
 

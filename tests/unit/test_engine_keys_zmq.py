@@ -1,5 +1,5 @@
 """Over real ZMQ sockets (ListenerApp, an XPUB publisher): the listener's feed holds exactly the keys the
-picker computes for the same request, for what vLLM 0.33 and SGLang 0.5.23 publish (WIRE.md §3-4).
+picker computes for the same request, for what vLLM 0.33 and SGLang 0.5.23 publish (docs/wire.md §3-4).
 The feed's key block size is the default (16); engines publish pages of their own size."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """KV events over real ZMQ: both encodings, both hash forms, replay layouts, restart, SGLang flavour.
 
-Decoding here uses plain msgpack only, as a listener written from WIRE.md would.
+Decoding here uses plain msgpack only, as a listener written from docs/wire.md would.
 """
 
 from __future__ import annotations
