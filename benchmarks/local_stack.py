@@ -533,11 +533,6 @@ def _vllm_engines(stack_engines: list[Engine]) -> list[tuple[list[str], dict[str
     return out
 
 
-def _models_of(base_url: str) -> bool | None:
-    got = _ok_json(f"{base_url}/v1/models")
-    return True if got is not None else None
-
-
 def start(state_dir: Path, ports: Ports, engines_kind: str = "sim") -> StackState:
     """Start the stack on ``ports`` (the caller holds the lock and has checked nothing runs)."""
     state_dir = state_dir.resolve()  # the processes run in it: every path they are given is absolute
@@ -563,7 +558,7 @@ def start(state_dir: Path, ports: Ports, engines_kind: str = "sim") -> StackStat
         launcher.spawn("listener", [_bin("kv-listener"), "run", "--config", str(listener_path)])
         for e in stack_engines:
             if engines_kind == "vllm":
-                check = functools.partial(_models_of, f"http://{e.address}")
+                check = functools.partial(_ok_text, f"http://{e.address}/v1/models")
                 launcher.wait(e.name, "an answer to GET /v1/models", check, VLLM_READY_TIMEOUT_S)
             else:
                 log = state_dir / f"{e.name}.log"

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from benchmarks.stack import free_port
+
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,14 +66,6 @@ def ensure_model(timeout_s: float = 600.0) -> Path:
     if out.returncode != 0:
         raise RuntimeError(f"building the tiny model failed: {out.stderr[-LOG_TAIL_BYTES:]}")
     return Path(out.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
