@@ -108,6 +108,9 @@ class CostModelConfig(_Section):
     (``calibrate``; ``picker.pool.calibration``); no constant needs tuning per workload."""
 
     calibrate: bool = True
+    # the per-token prior becomes the engines' own measured prefill cost (vLLM's /metrics, read by the engine
+    # signals scraper) once enough finished requests back it (``picker.pool.calibration.EnginePrefillFit``)
+    prior_from_engine: bool = True
     prior_base_ms: float = Field(10.0, ge=0.0, le=60_000.0)
     prior_prefill_ms_per_token: float = Field(0.1, gt=0.0, le=100.0)
     prior_decode_ms_per_seq: float = Field(0.5, ge=0.0, le=10_000.0)

@@ -68,6 +68,8 @@ class SimRequest:
     # bound: max_tokens token items + one done/error item, all produced by the scheduler
     outputs: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
     arrival: float = 0.0
+    scheduled_at: float = 0.0  # first admitted to the running set (0: not yet)
+    first_token_at: float = 0.0  # its first output token (0: not yet)
     alloc: Allocation | None = None
     cached_tokens: int = 0
     prefill_remaining: int = 0
@@ -94,6 +96,12 @@ class EngineCounters:
     requests_finished: int = 0  # finished_reason="length"
     requests_aborted: int = 0  # finished_reason="abort"
     restarts: int = 0
+    # per finished request that got its first token, as vLLM records them when the request finishes:
+    # vllm:request_prefill_time_seconds (first scheduled → first token) and
+    # vllm:request_prefill_kv_computed_tokens (prompt − cached), their _sum and _count
+    prefill_requests: int = 0
+    prefill_seconds: float = 0.0
+    prefill_computed_tokens: int = 0
 
 
 class RequestRejected(ValueError):
@@ -309,6 +317,7 @@ class BatchScheduler:
             # the prefix-cache counters and reports the cached tokens of its first admission
             head.prefill_remaining = head.prompt_tokens + head.generated - hit_tokens
             if head.preemptions == 0:
+                head.scheduled_at = time.monotonic()
                 head.cached_tokens = hit_tokens
                 self.counters.prefix_cache_queries += head.prompt_tokens
                 self.counters.prefix_cache_hits += hit_tokens
@@ -351,6 +360,8 @@ class BatchScheduler:
 
     def _emit_token(self, r: SimRequest) -> None:
         word = output_word(r.prompt_ids, r.generated)
+        if r.generated == 0:
+            r.first_token_at = time.monotonic()
         r.generated += 1
         self.counters.generation_tokens += 1
         r.outputs.put_nowait(StepOutput("token", word))
@@ -361,6 +372,10 @@ class BatchScheduler:
         r.finished = True
         if r.alloc is not None:
             self.cache.release(r.alloc)
+        if r.first_token_at > 0.0:
+            self.counters.prefill_requests += 1
+            self.counters.prefill_seconds += max(0.0, r.first_token_at - r.scheduled_at)
+            self.counters.prefill_computed_tokens += r.prompt_tokens - r.cached_tokens
         if aborted:
             self.counters.requests_aborted += 1
         else:

@@ -611,6 +611,18 @@ class EngineSimulator:
             "Number of generation tokens processed.",
             c.generation_tokens,
         )
+        for family, help_text, total in (
+            ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+             c.prefill_seconds),
+            ("vllm:request_prefill_kv_computed_tokens",
+             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+             float(c.prefill_computed_tokens)),
+        ):  # fmt: skip
+            lines.append(f"# HELP {family} {help_text}")
+            lines.append(f"# TYPE {family} histogram")
+            lines.append(f'{family}_bucket{{{labels},le="+Inf"}} {float(c.prefill_requests)!r}')
+            lines.append(f"{family}_count{{{labels}}} {float(c.prefill_requests)!r}")
+            lines.append(f"{family}_sum{{{labels}}} {float(total)!r}")
         lines.append("# HELP vllm:request_success Count of successfully processed requests.")
         lines.append("# TYPE vllm:request_success counter")
         lines.append(f'vllm:request_success_total{{{labels},finished_reason="length"}} {float(c.requests_finished)!r}')

@@ -211,6 +211,11 @@ class Tier4:
                 due = at if due is None or at < due else due
         return out, due
 
+    def page_tokens(self, backend: str) -> int | None:
+        """The page size of ``backend``'s engine, from its feed's puts (None: no put seen yet)."""
+        consumer = self.consumers.consumers.get(backend)
+        return consumer.stats.page_tokens if consumer is not None else None
+
     def resolve_model(self, model: str, lora_name: str | None) -> tuple[str, str | None]:
         """A request's model → (the model the listener keys with, LoRA adapter): an adapter named as the
         model resolves to its base (``lora_adapters``), then an alias to its model (``model_aliases``)."""

@@ -243,7 +243,9 @@ class PickerMetrics:
         self.ttft_model = Gauge(
             "continuum_picker_ttft_model",
             "The cost model's fitted TTFT coefficients (base_ms, prefill_ms_per_token, queue_ms_per_request, "
-            "decode_ms_per_seq), the mean uncached tokens of a request, and the first bytes fitted (samples)",
+            "decode_ms_per_seq), the mean uncached tokens of a request, the first bytes fitted (samples), the "
+            "per-token prior the fit is pulled toward (prior_prefill_ms_per_token: the engines' measured prefill "
+            "cost once engine_prefill_requests back it, else the configured one)",
             ["coefficient"],
             registry=r,
         )

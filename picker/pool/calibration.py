@@ -20,12 +20,28 @@ One observation's pull is clipped to a few times the running mean absolute error
 something the model does not see teaches little). So the coefficients follow the engines' real speed,
 their batch limits, the network and the proxy, with no constant tuned per workload.
 
-Bounds: four coefficients, a 4×4 matrix, a 4-vector and two running means; nothing grows with traffic.
+**The engines' own prefill cost** (``EnginePrefillFit``). The first bytes this picker can time are the
+prefills its KV events end: requests whose last keyed block was not cached there. When conversations share
+their system prompts those are mostly the cold prefills of about the same length, so the first bytes
+alone cannot tell the per-token cost from the constant, and the fit stayed near its prior (measured on real
+vLLM: 0.17 ms per token fitted against 0.33–0.40 measured; ``docs/real-engines.md``). vLLM reports, for
+every finished request, its prefill time (``vllm:request_prefill_time_seconds``: first scheduled to first
+token) and the tokens it computed (``vllm:request_prefill_kv_computed_tokens``: prompt minus cached). The
+engine scraper differences their ``_sum`` and ``_count`` between scrapes (``observe_engine_prefill``), and
+a weighted least-squares line through those points (mean computed tokens → mean prefill ms), once it rests
+on ``ENGINE_MIN_REQUESTS`` requests with computed lengths spread by at least ``ENGINE_MIN_SPREAD_TOKENS``,
+replaces the configured ``prior_prefill_ms_per_token`` as the prior the ridge pulls toward
+(``prior_from_engine``, on by default). The first bytes still fit every coefficient; where they cannot
+tell the per-token cost apart, it is the engine's measured one rather than a configured guess.
+
+Bounds: four coefficients, a 4×4 matrix, a 4-vector and two running means, and the engine fit's five
+weighted sums; nothing grows with traffic.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from picker.config import CostModelConfig
@@ -38,6 +54,9 @@ TOKEN_SCALE = 1000.0  # the fit works in thousands of tokens (a well-conditioned
 MIN_PREFILL_MS_PER_TOKEN = 1e-4
 MAX_MS = 600_000.0
 N = 4
+ENGINE_MIN_REQUESTS = 10  # finished requests before the engines' per-token cost is used as the prior
+ENGINE_MIN_SPREAD_TOKENS = 64.0  # weighted standard deviation of their computed tokens (else no slope)
+MAX_PREFILL_MS_PER_TOKEN = 100.0  # the configured prior's own upper bound
 # typical feature magnitudes, to scale the ridge: 1, thousands of tokens, queued requests, decoding requests
 FEATURE_SCALE = (1.0, 4.0, 4.0, 8.0)
 
@@ -52,6 +71,47 @@ class TtftSample:
     own_tokens: int = 0  # this request's uncached tokens (a record; the mean comes from ``note_prefill``)
 
 
+class EnginePrefillFit:
+    """Weighted least squares of an engine's mean prefill ms over its mean computed tokens (thousands), from
+    per-scrape differences of its counters; forgets like the first-byte fit (``FORGETTING`` per request)."""
+
+    __slots__ = ("requests", "sw", "sx", "sxx", "sxy", "sy")
+
+    def __init__(self) -> None:
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.requests = 0
+
+    def add(self, requests: float, seconds: float, tokens: float) -> bool:
+        """``requests`` finished with ``seconds`` of prefill in all and ``tokens`` computed in all; False:
+        refused (not finite, negative, no request)."""
+        vals = (requests, seconds, tokens)
+        if not all(math.isfinite(v) and v >= 0.0 for v in vals) or requests < 1.0 or requests > 1e6:
+            return False
+        x = tokens / requests / TOKEN_SCALE
+        y = seconds / requests * 1000.0
+        if y >= MAX_MS:
+            return False
+        decay = FORGETTING**requests
+        self.sw = decay * self.sw + requests
+        self.sx = decay * self.sx + requests * x
+        self.sy = decay * self.sy + requests * y
+        self.sxx = decay * self.sxx + requests * x * x
+        self.sxy = decay * self.sxy + requests * x * y
+        self.requests += round(requests)
+        return True
+
+    def ms_per_token(self) -> float | None:
+        """The fitted per-token cost, or None until enough requests with spread lengths back it."""
+        if self.requests < ENGINE_MIN_REQUESTS or self.sw <= 0.0:
+            return None
+        mx = self.sx / self.sw
+        var = self.sxx / self.sw - mx * mx
+        if var <= (ENGINE_MIN_SPREAD_TOKENS / TOKEN_SCALE) ** 2:
+            return None
+        slope = (self.sxy / self.sw - mx * self.sy / self.sw) / var / TOKEN_SCALE
+        return min(MAX_PREFILL_MS_PER_TOKEN, max(MIN_PREFILL_MS_PER_TOKEN, slope))
+
+
 class TtftCalibrator:
     """Weighted ridge least squares over (1, work_tokens/1000, queued, decoding) → observed TTFT in ms."""
 
@@ -63,9 +123,13 @@ class TtftCalibrator:
         enabled: bool = True,
         queue_ms_per_request: float = 0.0,
         mean_prefill_tokens: float = 0.0,
+        prior_from_engine: bool = True,
     ) -> None:
         self.enabled = enabled
-        self.priors = (base_ms, prefill_ms_per_token * TOKEN_SCALE, queue_ms_per_request, decode_ms_per_seq)
+        self.prior_from_engine = prior_from_engine
+        self.engine = EnginePrefillFit()
+        self.configured_priors = (base_ms, prefill_ms_per_token * TOKEN_SCALE, queue_ms_per_request, decode_ms_per_seq)
+        self.priors = self.configured_priors
         self.floors = (0.0, MIN_PREFILL_MS_PER_TOKEN * TOKEN_SCALE, 0.0, 0.0)
         self.theta = list(self.priors)
         self.a = [[0.0] * N for _ in range(N)]  # Σ w φφᵀ
@@ -86,7 +150,25 @@ class TtftCalibrator:
             cfg.calibrate,
             cfg.prior_queue_ms_per_request,
             cfg.prior_mean_prefill_tokens,
+            cfg.prior_from_engine,
         )
+
+    def observe_engine_prefill(self, requests: float, seconds: float, tokens: float) -> None:
+        """An engine's requests finished since its last scrape: their prefill seconds and computed tokens."""
+        if not self.engine.add(requests, seconds, tokens) or not (self.enabled and self.prior_from_engine):
+            return
+        measured = self.engine.ms_per_token()
+        if measured is None:
+            return
+        b, _, q, d = self.configured_priors
+        self.priors = (b, measured * TOKEN_SCALE, q, d)
+        self.theta = self._solve() if self.samples else list(self.priors)
+        self.current = self._coefficients()
+
+    @property
+    def prior_prefill_ms_per_token(self) -> float:
+        """The per-token cost the fit is pulled toward: the engines' measured one, or the configured one."""
+        return self.priors[1] / TOKEN_SCALE
 
     def note_prefill(self, tokens: int) -> None:
         """One routed request's uncached tokens (every request Tier 4 counted, not only the observed ones):

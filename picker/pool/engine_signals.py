@@ -241,7 +241,14 @@ ENGINE_FAMILIES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (VLLM_WAITING, VLLM_RUNNING, (VLLM_KV_USAGE, VLLM_KV_USAGE_OLD)),
     (SGLANG_WAITING, SGLANG_RUNNING, (SGLANG_KV_USAGE,)),
 )
-WANTED_FAMILIES = frozenset(n for w, r, kv in ENGINE_FAMILIES for n in (w, r, *kv))
+# vLLM's per-request prefill records (observed when a request finishes): their sums and counts teach the cost
+# model the engine's prefill cost per computed token (``picker.pool.calibration.EnginePrefillFit``)
+VLLM_PREFILL_COUNT = "vllm:request_prefill_time_seconds_count"
+VLLM_PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
+VLLM_PREFILL_TOKENS = "vllm:request_prefill_kv_computed_tokens_sum"
+VLLM_PREFILL_TOKENS_COUNT = "vllm:request_prefill_kv_computed_tokens_count"
+PREFILL_FAMILIES = (VLLM_PREFILL_COUNT, VLLM_PREFILL_SECONDS, VLLM_PREFILL_TOKENS, VLLM_PREFILL_TOKENS_COUNT)
+WANTED_FAMILIES = frozenset((*(n for w, r, kv in ENGINE_FAMILIES for n in (w, r, *kv)), *PREFILL_FAMILIES))
 # Labels that tell apart reports of ONE scheduler (see the module docstring): series differing only in these
 # are the same queue seen twice; the largest is taken.
 MIRROR_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "pid"})
@@ -291,6 +298,36 @@ def engine_signals(expo: Exposition) -> EngineSignals | None:
     return None
 
 
+@dataclass(slots=True, frozen=True)
+class PrefillTotals:
+    """An engine's cumulative prefill records: finished requests, their prefill seconds and computed tokens."""
+
+    requests: float
+    seconds: float
+    tokens: float
+
+    def since(self, earlier: PrefillTotals) -> PrefillTotals | None:
+        """The requests recorded between ``earlier`` and this reading; None when a counter went back (a
+        restarted engine: the caller starts over from this reading)."""
+        d = PrefillTotals(
+            self.requests - earlier.requests, self.seconds - earlier.seconds, self.tokens - earlier.tokens
+        )
+        return d if min(d.requests, d.seconds, d.tokens) >= 0.0 else None
+
+
+def prefill_totals(expo: Exposition) -> PrefillTotals | None:
+    """vLLM's prefill sums and counts, summed over its engines (mirror series once); None when any is absent
+    or not a finite count, or the two histograms counted different requests (a reading taken mid-update)."""
+    values: list[float] = []
+    for name in PREFILL_FAMILIES:
+        samples = expo.family(name)
+        if not samples or any(not (0.0 <= s.value < 1e15) for s in samples):
+            return None
+        values.append(math.fsum(_per_queue(samples)))
+    requests, seconds, tokens, token_requests = values
+    return PrefillTotals(requests, seconds, tokens) if requests == token_requests else None
+
+
 def read_signals(text: str) -> tuple[EngineSignals | None, Exposition]:
     """Parse a scraped body (only the wanted families) and read the engine's signals from it."""
     expo = parse_exposition(text, WANTED_FAMILIES)
@@ -312,6 +349,7 @@ class ScrapeResult:
     skipped: int = 0
     detail: str = ""
     at: float = 0.0  # when the body was read (clock of the scraper)
+    prefill: PrefillTotals | None = None  # vLLM's cumulative prefill records, when it reports them
 
 
 @dataclass(slots=True)
@@ -324,6 +362,7 @@ class _Target:
     published: bool = False  # the pool holds it now
     failing: str | None = None  # the outcome of the current run of failures (logged once), None while ok
     stale_s: float = 0.0  # the deadline's age when last published
+    prefill: PrefillTotals | None = None  # the last prefill totals read (differenced by the next scrape)
     expiry: asyncio.TimerHandle | None = None
 
 
@@ -441,7 +480,7 @@ class EngineSignalScraper:
                 return ScrapeResult(
                     "unparsed", skipped=expo.skipped, detail=f"no valid waiting/running ({len(body)} bytes)", at=at
                 )
-            return ScrapeResult("ok", signals, expo.skipped, at=at)
+            return ScrapeResult("ok", signals, expo.skipped, at=at, prefill=prefill_totals(expo))
 
     async def _fetch(self, url: str, max_bytes: int) -> bytes | ScrapeResult:
         async with self._get_session().get(url, headers=REQUEST_HEADERS, allow_redirects=False) as resp:
@@ -489,6 +528,7 @@ class EngineSignalScraper:
                 self.metrics.engine_scrape_skipped_lines.labels(name).inc(result.skipped)
         if result.outcome == "ok":
             target.signals, target.ok_at = result.signals, result.at
+            self._prefill(target, result.prefill)
             if target.failing is not None:
                 log.info("event=engine_scrape_recovered backend=%s after=%s", name, target.failing)
             target.failing = None
@@ -498,6 +538,15 @@ class EngineSignalScraper:
                 "event=engine_scrape_failed backend=%s address=%s outcome=%s detail=%r keeping_last=%s",
                 name, target.address, result.outcome, result.detail, target.signals is not None,
             )  # fmt: skip
+
+    def _prefill(self, target: _Target, totals: PrefillTotals | None) -> None:
+        """The requests the engine finished since its last scrape teach the cost model its prefill cost."""
+        before, target.prefill = target.prefill, totals
+        if before is None or totals is None:
+            return
+        d = totals.since(before)
+        if d is not None and d.requests >= 1.0:
+            self.pool.calibrator.observe_engine_prefill(d.requests, d.seconds, d.tokens)
 
     def _publish(self, cfg: EngineMetricsConfig) -> None:
         """Every target's last good reading into the pool with its age, or withdrawn once stale."""
@@ -591,5 +640,6 @@ __all__ = [
     "engine_signals",
     "parse_exposition",
     "parse_sample",
+    "prefill_totals",
     "read_signals",
 ]

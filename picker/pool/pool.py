@@ -387,6 +387,10 @@ class Pool:
             "decode_ms_per_seq": round(c.decode_ms_per_seq, 3),
             "mean_prefill_tokens": round(c.mean_prefill_tokens, 1),
             "samples": float(c.samples),
+            # the per-token cost the fit is pulled toward: the engines' measured one once they report enough
+            # finished requests (vLLM's prefill records), else the configured prior
+            "prior_prefill_ms_per_token": round(self.calibrator.prior_prefill_ms_per_token, 6),
+            "engine_prefill_requests": float(self.calibrator.engine.requests),
         }
 
     def health_snapshot(self) -> list[dict[str, object]]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from picker.config import Settings
+from picker.kv.checks import full_page_blocks
 from picker.kv.placements import RecentPlacements
 from picker.kv.placements import merge as merge_placements
 from picker.ops.recorder import DecisionRecorder
@@ -90,6 +91,10 @@ class HoldsSource(Protocol):
     """Tier 4 in the prepare stage: backend → how much of the request's prefix it holds."""
 
     async def holds_for(self, facts: RequestFacts) -> Mapping[str, BackendHold]: ...
+
+    def page_tokens(self, backend: str) -> int | None:
+        """The page size of ``backend``'s engine, as its KV events announce it (None: not known yet)."""
+        ...
 
 
 class ResponseObserver(Protocol):
@@ -395,7 +400,14 @@ class RequestPath:
         placed = None
         name = decision.endpoint.name
         held = prepared.holds.get(name) if prepared.holds else None
-        watch = bool(block_keys) and self.placements is not None and (held.blocks if held else 0) < len(block_keys)
+        # the block whose store ends the prefill: the last key block inside the engine's full pages (an engine
+        # stores only full pages; a block in the prompt's partial last page is stored, if ever, once decoding
+        # has filled that page, and timing it would teach the model the decode time as prefill)
+        watched = len(block_keys)
+        if block_keys and prepared.prompt_tokens is not None and self.holds is not None:
+            page = self.holds.page_tokens(name)
+            watched = full_page_blocks(prepared.prompt_tokens, len(block_keys), page, self.block_size)
+        watch = watched > 0 and self.placements is not None and (held.blocks if held else 0) < watched
         lease = self.pool.acquire(decision.endpoint, prefill, calibrate=watch)
         if prepared.prompt_tokens is not None:
             self.pool.calibrator.note_prefill(prefill)
@@ -404,7 +416,7 @@ class RequestPath:
                 self.placements.record(name, block_keys, _mono())
                 placed = (self.placements, name, block_keys)
             if watch:
-                self.placements.watch(name, block_keys[-1], lease)
+                self.placements.watch(name, block_keys[watched - 1], lease)
         if prepared.session is not None:
             self.sessions.put(prepared.session, decision.endpoint.name, _mono())
         self.recorder.decided(decision, prepared.key)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from benchmarks.loadgen import parse_prometheus_text
+from picker.pool.engine_signals import parse_exposition, prefill_totals
 from tests.engines.real_stack import RealStack
 from tests.integration.conftest import http
 from tests.support.poll import wait_until
@@ -122,6 +123,23 @@ def test_predicted_cached_tokens_match_what_the_engines_report_on_a_multi_turn_w
     assert abs(routed_prompt - prompt) <= 0.02 * prompt, "the picker's prompt lengths are the engines' within 2%"
     assert delivered > 0.3 * prompt, "shared system prompts and histories must be reused"
     assert abs(predicted - delivered) <= TOLERANCE * delivered, (predicted, delivered)
+
+
+def test_the_cost_model_reads_the_engines_prefill_records(stack: RealStack) -> None:
+    """vLLM's ``vllm:request_prefill_time_seconds`` and ``vllm:request_prefill_kv_computed_tokens`` (recorded
+    when a request finishes) are what the cost model's per-token prior is measured from: both exist on the real
+    engine, count every finished request, and reach the picker's fit (after the multi-turn workload above)."""
+    for e in stack.engines:
+        body = http("GET", e.base_url + "/metrics").body.decode()
+        totals = prefill_totals(parse_exposition(body))
+        finished = sum(v for n, _, v in parse_prometheus_text(body) if n == "vllm:request_success_total")
+        assert totals is not None and totals.requests == finished > 0, (e.config.name, totals, finished)
+        assert totals.seconds > 0.0 and totals.tokens > 0.0
+    model = stack.admin("/admin/pool")["ttft_model"]
+    assert model["engine_prefill_requests"] >= 10, model
+    # the prior is now the engines' measured cost, not the configured 0.1 ms per token
+    assert model["prior_prefill_ms_per_token"] != 0.1, model
+    print(f"\nthe picker's TTFT model after the workload: {model}")
 
 
 def test_reset_prefix_cache_publishes_all_blocks_cleared_and_empties_the_index(stack: RealStack) -> None:

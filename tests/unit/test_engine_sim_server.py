@@ -97,6 +97,13 @@ async def test_usage_and_metrics_agree(sim: EngineSimulator, http: aiohttp.Clien
     assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] == prompt_sum
     assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] == cached_sum
     assert after["vllm:request_success_total:length"] == 6
+    # vLLM's per-request prefill records, observed as each request finishes (what the picker's cost model reads)
+    computed = "vllm:request_prefill_kv_computed_tokens"
+    assert after[computed + "_count"] - before.get(computed + "_count", 0.0) == 6
+    assert after[computed + "_sum"] - before.get(computed + "_sum", 0.0) == prompt_sum - cached_sum
+    prefill = "vllm:request_prefill_time_seconds"
+    assert after[prefill + "_count"] - before.get(prefill + "_count", 0.0) == 6
+    assert after[prefill + "_sum"] - before.get(prefill + "_sum", 0.0) > 0.0
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
     assert 0.0 <= after["vllm:kv_cache_usage_perc"] <= 1.0
 

@@ -269,13 +269,18 @@ async def test_cached_token_accounting_books_the_best_holder_and_the_pick() -> N
 class KeyedHolds:
     """Tier 4's answer with the request's block keys (what the commit stage places and watches)."""
 
-    def __init__(self, keys: list[int]) -> None:
+    def __init__(self, keys: list[int], page: int | None = None, prompt_tokens: int | None = None) -> None:
         self.keys = keys
+        self.page = page  # the engine's page size as its events announce it (None: unknown)
+        self.prompt_tokens = prompt_tokens if prompt_tokens is not None else len(keys) * 16
 
     async def holds_for(self, facts: RequestFacts) -> TokenizedHolds:
-        held = TokenizedHolds({}, prompt_tokens=len(self.keys) * 16)
+        held = TokenizedHolds({}, prompt_tokens=self.prompt_tokens)
         held.block_keys = self.keys  # type: ignore[attr-defined]
         return held
+
+    def page_tokens(self, backend: str) -> int | None:
+        return self.page
 
 
 async def test_a_pick_is_placed_and_watched_until_its_kv_events_and_a_failed_one_is_undone() -> None:
@@ -304,3 +309,30 @@ async def test_a_pick_is_placed_and_watched_until_its_kv_events_and_a_failed_one
     assert placements.holds([21, 22], time.monotonic()) == {}
     failed.end(completed=True)
     assert all(s.in_flight == 0 and s.pending_prefill_tokens == 0 for s in app.pool.view().states)
+
+
+async def test_the_prefill_is_timed_on_the_last_block_of_the_engines_full_pages() -> None:
+    """Pages of 32 tokens and a 56-token prompt (3 key blocks of 16): the engine stores page 0 (blocks 0-1) at
+    prefill and page 1 only once decoding fills it; the prefill ends with block 1's store, not block 2's."""
+    app = make_app(kv_cache_index={"enabled": True})
+    app.path.holds = KeyedHolds([31, 32, 33], page=32, prompt_tokens=56)
+    app.path.configure(app.settings)
+    placements = app.path.placements
+    assert placements is not None
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
+    assert isinstance(ex, Exchange)
+    name = ex.decision.endpoint.name
+    ex.response_headers(200)
+    placements.wrote(name, [31, 32])  # page 0 stored: the prefill is done
+    st = app.pool.view().by_name()[name]
+    assert st.pending_prefill_tokens == 0 and st.decoding == 1 and app.pool.calibrator.samples == 1
+    ex.end(completed=True)
+
+    # a prompt inside one page: nothing the engine stores at prefill ends it, so nothing is timed
+    app.path.holds = KeyedHolds([41], page=32, prompt_tokens=20)
+    short = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body("another system prompt")))
+    assert isinstance(short, Exchange)
+    short.response_headers(200)  # no watch: the headers end its pending prefill
+    assert app.pool.view().by_name()[short.decision.endpoint.name].pending_prefill_tokens == 0
+    short.end(completed=True)
+    assert app.pool.calibrator.samples == 1
