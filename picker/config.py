@@ -337,6 +337,33 @@ def _ip_port(v: str) -> str:
     return f"[{ip.compressed}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
 
 
+def _metrics_path(v: str) -> str:
+    if not v.startswith("/") or len(v) > 256 or not v.isascii() or any(c.isspace() or ord(c) < 0x21 for c in v):
+        raise ValueError("must be an absolute URL path (starts with /, ASCII, no spaces, at most 256 characters)")
+    return v
+
+
+class HealthProbeConfig(_Section):
+    """Active health (``picker.pool.health_probe``): catches a replica that accepts connections and never
+    answers, which no status ever reports when clients give up first.
+
+    A *suspicion* (never a failure on its own) triggers one GET of ``http://<address><path>`` bounded by
+    ``timeout_ms``: a client that gave up before the response's first byte (while that probe runs, the
+    endpoint is routed to only when no other one is eligible), or two engine-metrics scrapes in a row that got
+    no answer (timed out, refused, reset). No answer within the timeout, a refused or reset connection, or
+    a 5xx ejects the endpoint (reason ``probe_failed``); any other status is an answer (a replica without a
+    health route answers 404 and stays). An endpoint ejected so is probed every ``interval_ms`` and readmitted
+    after ``readmit_after`` answers in a row (reason ``probe_ok``), not after a cooldown: a replica that still
+    hangs is never readmitted to hang more clients. At most one probe per endpoint is in flight."""
+
+    enabled: bool = True
+    path: Annotated[str, AfterValidator(_metrics_path)] = "/health"
+    # real vLLM on a loaded 2-core machine answered /health later than 1 s (docs/real-engines.md)
+    timeout_ms: int = Field(3000, ge=50, le=60_000)
+    interval_ms: int = Field(1000, ge=50, le=600_000)  # while ejected by a probe: how often it is probed again
+    readmit_after: int = Field(2, ge=1, le=100)  # answers in a row that readmit it
+
+
 class HealthConfig(_Section):
     """Windowed success rate from response status; below the floor an endpoint is excluded."""
 
@@ -347,12 +374,7 @@ class HealthConfig(_Section):
     # Also ejected after this many failures in a row, whatever the window holds (0: off): bounds how
     # long a replica that just went dead or hung keeps getting traffic after a long healthy history.
     consecutive_failures: int = Field(5, ge=0, le=10_000)
-
-
-def _metrics_path(v: str) -> str:
-    if not v.startswith("/") or len(v) > 256 or not v.isascii() or any(c.isspace() or ord(c) < 0x21 for c in v):
-        raise ValueError("must be an absolute URL path (starts with /, ASCII, no spaces, at most 256 characters)")
-    return v
+    probe: HealthProbeConfig = HealthProbeConfig()
 
 
 class EngineMetricsConfig(_Section):

@@ -297,6 +297,20 @@ class PickerMetrics:
             registry=r,
         )
         # Engine signals (picker.pool.engine_signals): each backend's own /metrics, scraped off the request path
+        self.health_probes = Counter(
+            "continuum_picker_health_probes",
+            "Active health probes of a backend by outcome (ok: any answer below 500; timeout; error: refused or "
+            "reset; status_5xx)",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.health_suspicions = Counter(
+            "continuum_picker_health_suspicions",
+            "Hints that a backend may hang, each triggering a probe (client_abort: a client gave up before the "
+            "first byte; scrape_unanswered: an engine-metrics scrape got no answer)",
+            ["backend", "reason"],
+            registry=r,
+        )
         self.engine_scrapes = Counter(
             "continuum_engine_scrapes",
             "Scrapes of a backend's engine metrics by outcome (ok, timeout, error, too_large, unparsed)",

@@ -335,6 +335,9 @@ def read_signals(text: str) -> tuple[EngineSignals | None, Exposition]:
 
 
 # -- the scraper ---------------------------------------------------------------------------------------
+# unanswered scrapes in a row (timed out, refused, reset) that make a suspicion (``Pool.suspect``): the active
+# health prober then asks the replica's health route (``picker.pool.health_probe``)
+SCRAPE_SUSPICION_AFTER = 2
 CONFIG_POLL_S = 1.0  # while waiting for the next round (or disabled), a reload is seen within this
 THREAD_PARSE_BYTES = 256 * 1024  # a larger body is parsed in a worker thread (the event loop keeps serving)
 REQUEST_HEADERS = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity", "User-Agent": "kv-epp"}
@@ -350,6 +353,12 @@ class ScrapeResult:
     detail: str = ""
     at: float = 0.0  # when the body was read (clock of the scraper)
     prefill: PrefillTotals | None = None  # vLLM's cumulative prefill records, when it reports them
+    answered: bool = False  # an HTTP answer came (an error status, a body too large): the replica is alive
+
+    @property
+    def unanswered(self) -> bool:
+        """No answer at all (timed out, refused, reset): a hint that the replica hangs (``Pool.suspect``)."""
+        return self.outcome == "timeout" or (self.outcome == "error" and not self.answered)
 
 
 @dataclass(slots=True)
@@ -363,6 +372,7 @@ class _Target:
     failing: str | None = None  # the outcome of the current run of failures (logged once), None while ok
     stale_s: float = 0.0  # the deadline's age when last published
     prefill: PrefillTotals | None = None  # the last prefill totals read (differenced by the next scrape)
+    unanswered: int = 0  # scrapes in a row with no answer at all (a hint that the replica hangs)
     expiry: asyncio.TimerHandle | None = None
 
 
@@ -485,12 +495,14 @@ class EngineSignalScraper:
     async def _fetch(self, url: str, max_bytes: int) -> bytes | ScrapeResult:
         async with self._get_session().get(url, headers=REQUEST_HEADERS, allow_redirects=False) as resp:
             if resp.status != 200:
-                return ScrapeResult("error", detail=f"HTTP {resp.status}")
+                return ScrapeResult("error", detail=f"HTTP {resp.status}", answered=True)
             if resp.content_length is not None and resp.content_length > max_bytes:
-                return ScrapeResult("too_large", detail=f"Content-Length {resp.content_length} > {max_bytes}")
+                return ScrapeResult(
+                    "too_large", detail=f"Content-Length {resp.content_length} > {max_bytes}", answered=True
+                )
             body = await _read_capped(resp.content, max_bytes)
             if body is None:
-                return ScrapeResult("too_large", detail=f"body over {max_bytes} bytes")
+                return ScrapeResult("too_large", detail=f"body over {max_bytes} bytes", answered=True)
             return body
 
     # -- state --------------------------------------------------------------------------------------
@@ -526,6 +538,9 @@ class EngineSignalScraper:
             self.metrics.engine_scrapes.labels(name, result.outcome).inc()
             if result.skipped:
                 self.metrics.engine_scrape_skipped_lines.labels(name).inc(result.skipped)
+        target.unanswered = target.unanswered + 1 if result.unanswered else 0
+        if target.unanswered and target.unanswered % SCRAPE_SUSPICION_AFTER == 0:  # a hung replica fails them all
+            self.pool.suspect(name, "scrape_unanswered")
         if result.outcome == "ok":
             target.signals, target.ok_at = result.signals, result.at
             self._prefill(target, result.prefill)

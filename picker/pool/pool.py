@@ -30,8 +30,9 @@ log = logging.getLogger("kv_epp.pool")
 QUEUE_AVG_S = 5.0  # time constant of each endpoint's mean queue (requests before their first byte)
 QUEUE_AVG_REFRESH_S = 0.5  # snapshots show each mean at most this old, even for an endpoint no request reaches
 
-# (event, backend, reason): "ejected" with reason error_rate | consecutive_failures, "readmitted" with
-# reason cooldown_over. Called synchronously where the transition happens (the request path).
+# (event, backend, reason): "ejected" with reason error_rate | consecutive_failures | probe_failed,
+# "readmitted" with reason cooldown_over | probe_ok. Called synchronously where the transition happens (the
+# request path).
 HealthListener = Callable[[str, str, str], None]
 
 
@@ -50,6 +51,7 @@ class _EndpointStats:
     engine: EngineSignals | None = None  # the last engine scrape (set by the engine-signal scraper)
     queued_avg: float = 0.0  # time-weighted mean of this picker's requests there before their first byte
     queued_avg_at: float = -1.0  # not yet started
+    suspected: bool = False  # a health probe is checking it (routed to only when nothing else is eligible)
 
     def load(self, mean_tokens: float) -> tuple[int, int, int]:
         return endpoint_load(self.pending_prefill_tokens, self.in_flight, self.decoding, self.engine, mean_tokens)
@@ -136,6 +138,8 @@ class Pool:
         self._averaged_at = 0.0  # when every endpoint's mean queue was last brought up to date
         self.cfg = cfg
         self.health_listener: HealthListener | None = None  # counts transitions (set by the request path)
+        # (backend, reason): a hint that the endpoint may hang (set by the active health prober)
+        self.suspicion_listener: Callable[[str, str], None] | None = None
         self.update(cfg)
 
     # -- membership -----------------------------------------------------------------------------
@@ -304,14 +308,53 @@ class Pool:
             self._next_readmit = st.ejected_until
         self._transition("ejected", st, reason)
 
+    def suspect(self, name: str, reason: str) -> None:
+        """Something hints ``name`` may be hung (a client gave up before its first byte, a scrape got no
+        answer): never a failure on its own; the active health prober (``suspicion_listener``) checks it."""
+        if name in self._stats and self.suspicion_listener is not None:
+            self.suspicion_listener(name, reason)
+
+    def probing(self, name: str, address: str, on: bool) -> None:
+        """A health probe of ``name`` started (``on``) or answered: while it runs the endpoint is routed to
+        only when no other one is eligible (a replica that answers its probe is back in milliseconds)."""
+        st = self._stats.get(name)
+        if st is not None and st.endpoint.address == address and st.suspected != on:
+            st.suspected = on
+            self._changed(name)
+
+    def probe_failed(self, name: str, address: str) -> None:
+        """The active probe got no answer: ``name`` leaves rotation until probes readmit it (no cooldown)."""
+        st = self._stats.get(name)
+        if st is None or st.endpoint.address != address or st.ejected_until == math.inf:
+            return
+        st.suspected = False
+        st.ejected_until = math.inf  # only ``probe_ok`` readmits it
+        self._changed(name)
+        self._transition("ejected", st, "probe_failed")
+
+    def probe_ok(self, name: str, address: str) -> None:
+        """Probes answered ``health.probe.readmit_after`` times in a row: back in rotation, a fresh window."""
+        st = self._stats.get(name)
+        if st is None or st.endpoint.address != address or st.ejected_until != math.inf:
+            return
+        st.ejected_until = 0.0
+        st.window.clear()
+        st.consecutive_failures = 0
+        self._changed(name)
+        self._transition("readmitted", st, "probe_ok")
+
+    def probe_ejected(self, name: str) -> bool:
+        st = self._stats.get(name)
+        return st is not None and st.ejected_until == math.inf
+
     def _transition(self, event: str, st: _EndpointStats, reason: str) -> None:
         name = st.endpoint.name
         if event == "ejected":
             log.warning(
                 "event=endpoint_ejected backend=%s address=%s reason=%s success_rate=%.2f consecutive_failures=%d"
-                " cooldown_s=%.1f",
+                " until=%s",
                 name, st.endpoint.address, reason, self._rate(st), st.consecutive_failures,
-                self.cfg.health.cooldown_seconds,
+                "probes_answer" if st.ejected_until == math.inf else f"cooldown_{self.cfg.health.cooldown_seconds}s",
             )  # fmt: skip
         else:
             log.info("event=endpoint_readmitted backend=%s address=%s reason=%s", name, st.endpoint.address, reason)
@@ -360,6 +403,7 @@ class Pool:
         full = self._full_view
         if full is None:
             states = []
+            suspected = []
             for name, st in self._stats.items():
                 if st.ejected_until:
                     continue
@@ -370,8 +414,9 @@ class Pool:
                         st.pending_prefill_tokens, st.decoding, st.engine, round(st.queued_avg, 3),
                     )  # fmt: skip
                     self._snaps[name] = snap
-                states.append(snap)
-            full = self._full_view = PoolView(tuple(states), self.calibrator.current)
+                (suspected if st.suspected else states).append(snap)
+            # a suspected endpoint waits for its probe (milliseconds when it answers) unless it is all there is
+            full = self._full_view = PoolView(tuple(states or suspected), self.calibrator.current)
         if subset is None:
             return full
         allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
@@ -400,6 +445,9 @@ class Pool:
                 "backend": name,
                 "address": st.endpoint.address,
                 "healthy": self._healthy(st, now),
+                # out of rotation until its health probes answer (not a cooldown); being probed right now
+                "probe_ejected": st.ejected_until == math.inf,
+                "suspected": st.suspected,
                 "in_flight_requests": st.in_flight,
                 "pending_prefill_tokens": st.pending_prefill_tokens,
                 "decoding_requests": st.decoding,

@@ -261,7 +261,8 @@ class HealthObserver:
         return None
 
     def on_end(self, ex: Exchange, completed: bool) -> None:
-        return None
+        if not completed and ex.status is None:  # the client gave up before the first byte: probe, never charge
+            self.pool.suspect(ex.decision.endpoint.name, "client_abort")
 
 
 def count_health_transitions(pool: Pool, recorder: DecisionRecorder) -> None:

@@ -13,6 +13,7 @@ from picker.config import PoolConfig, Settings
 from picker.kv.redis_index import RedisKvIndex
 from picker.ops.metrics import PickerMetrics
 from picker.pool.engine_signals import EngineSignalScraper
+from picker.pool.health_probe import HealthProber
 from picker.runtime.app import PickerApp
 from picker.runtime.lifecycle import PickerServer
 from picker.shared.discovery import Count, Discovery, make_discovery
@@ -40,6 +41,9 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     scraper = EngineSignalScraper(app.pool, app.metrics)
     server.background.append(scraper.run)
     server.on_stop.append(scraper.close)  # its HTTP session
+    # active health: probes the endpoints the request path and the scraper suspect of hanging (pool.health.probe)
+    prober = HealthProber(app.pool, app.metrics)
+    server.on_stop.append(prober.close)
     server.on_stop.append(app.embeddings.close)  # the semantic cache's HTTP session, when it opened one
     # Stop order: everything that writes to Redis first (the Redis KV index's queue, the response cache's pending
     # store writes, each bounded), then the cache store's health monitor, then the shared pool, last, whichever

@@ -6,7 +6,9 @@ chunk ``finish_reason: length`` (as vLLM's last chunk when ``max_tokens`` ran ou
 
 Run: python -m tests.support.echo_backend --ports 8001,8002 | --count N [--names a,b]
 Once every port listens it prints ``echo-backend ready ports=P1,P2,...`` on stdout.
-Control (per port): POST /control {"fail": true|false, "delay_ms": N}
+Control (per port): POST /control {"fail": true|false, "delay_ms": N, "hang": true|false}. With ``hang`` every
+request but /control and /stats is read and never answered (a replica that accepts connections and hangs:
+its health and metrics routes too) until ``hang`` is false; ``hung`` counts the API requests it held.
 """
 
 from __future__ import annotations
@@ -20,14 +22,28 @@ from aiohttp import web
 
 
 def make_app(name: str) -> web.Application:
-    state = {"fail": False, "delay_ms": 0, "active": 0, "seen": 0, "max_active": 0}
+    state = {"fail": False, "delay_ms": 0, "active": 0, "seen": 0, "max_active": 0, "hang": False, "hung": 0}
+    answering = asyncio.Event()
+    answering.set()
 
     async def control(request: web.Request) -> web.Response:
         data = await request.json()
-        state.update({k: v for k, v in data.items() if k in ("fail", "delay_ms")})
+        state.update({k: v for k, v in data.items() if k in ("fail", "delay_ms", "hang")})
         if data.get("reset"):
-            state.update(seen=0, max_active=0)
+            state.update(seen=0, max_active=0, hung=0)
+        if state["hang"]:
+            answering.clear()
+        else:
+            answering.set()
         return web.json_response(state)
+
+    @web.middleware
+    async def hang(request: web.Request, handler: web.RequestHandler) -> web.StreamResponse:
+        if not answering.is_set() and request.path not in ("/control", "/stats"):
+            if request.path.startswith("/v1/"):
+                state["hung"] += 1
+            await answering.wait()
+        return await handler(request)
 
     async def stats(_: web.Request) -> web.Response:
         return web.json_response({"name": name, **state})
@@ -72,7 +88,7 @@ def make_app(name: str) -> web.Application:
         finally:
             state["active"] -= 1
 
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=64 << 20, middlewares=[hang])
     app.add_routes(
         [
             web.post("/control", control),
