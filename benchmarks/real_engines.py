@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import time
@@ -449,7 +450,12 @@ def run_regime(
     }
 
 
+def _interrupted(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # the regimes' finally clauses stop the engines they started
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupted)
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.real_engines",
         description=__doc__,
