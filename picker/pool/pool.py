@@ -402,8 +402,8 @@ class Pool:
             self._full_view = None
         full = self._full_view
         if full is None:
-            states = []
-            suspected = []
+            states: list[EndpointState] = []
+            suspected: list[EndpointState] = []
             for name, st in self._stats.items():
                 if st.ejected_until:
                     continue
