@@ -26,6 +26,7 @@ adds nothing); a task ends when its endpoint leaves the pool or changes address.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import aiohttp
@@ -79,7 +80,7 @@ class HealthProber:
             self.pool.probing(name, endpoint.address, True)
         task = loop.create_task(self._check(name, endpoint.address, quarantine), name=f"health-probe-{name}")
         self._tasks[name] = task
-        task.add_done_callback(lambda t, n=name: self._done(n, t))
+        task.add_done_callback(functools.partial(self._done, name))
 
     def _done(self, name: str, task: asyncio.Task[None]) -> None:
         if self._tasks.get(name) is task:
