@@ -527,6 +527,9 @@ class ResponseCache:
         self.buffered = 0  # bytes held by all exchanges' buffers (<= MAX_BUFFERED_TOTAL)
         self._writes: set[asyncio.Task[None]] = set()
         self.stored = 0
+        # eligible misses whose response ended: did its body reach the picker (Envoy's response mode full, or
+        # sampled with BUFFERED bodies) or not (none: the response cache can store nothing)
+        self.miss_bodies = {"reached": 0, "missing": 0}
         self.not_stored: dict[str, int] = {}  # why eligible responses were not stored (small fixed set of reasons)
         self.tombstoned = 0  # semantic matches stopped by a tombstone (their copy was invalidated)
         self.tombstone_unknown = 0  # semantic matches not answered: the tombstone could not be read
@@ -743,6 +746,8 @@ class ResponseCache:
         ex.cache_size = 0
 
     def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:
+        if end:
+            ex.cache_complete = True  # the body reached the picker whole (read by on_end)
         buf = ex.cache_buf
         if buf is None:
             return
@@ -757,10 +762,10 @@ class ResponseCache:
             buf.append(chunk)
             ex.cache_size += n
             self.buffered += n
-        if end:
-            ex.cache_complete = True
 
     def on_end(self, ex: Exchange, completed: bool) -> None:
+        if completed and ex.cache_key is not None:  # a cut response (completed False) tells nothing
+            self.miss_bodies["reached" if ex.cache_complete else "missing"] += 1
         buf = ex.cache_buf
         if buf is None or ex.cache_key is None:
             return

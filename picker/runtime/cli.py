@@ -8,11 +8,11 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from picker.config import ConfigError, Settings, config_warnings, load_settings, settings_json_schema
 from picker.runtime.envoy_config import RESPONSE_MODES, EnvoyOptions, bootstrap_yaml
+from picker.runtime.envoy_needs import DEFAULT_PICKER, Given, Refused, derive, read_token
 from picker.shared.cli import LOG_FORMAT, log_level_flag
 from picker.shared.config_files import one_line, other_program_hint
 
@@ -95,11 +95,9 @@ def _picker_tls_options(args: argparse.Namespace) -> dict[str, Any] | str:
     token = None
     if args.picker_token_file is not None:
         try:
-            token = Path(args.picker_token_file).read_text().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            return f"--picker-token-file {args.picker_token_file}: {one_line(exc)}"
-        if not token or any(not 0x21 <= ord(c) <= 0x7E for c in token):
-            return f"--picker-token-file {args.picker_token_file}: the token must be printable ASCII without spaces"
+            token = read_token(args.picker_token_file)
+        except ValueError as exc:
+            return f"--picker-token-file {one_line(exc)}"
     return {
         "picker_tls": not args.picker_plaintext,
         "picker_ca": args.picker_ca,
@@ -111,40 +109,61 @@ def _picker_tls_options(args: argparse.Namespace) -> dict[str, Any] | str:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    picker = args.picker
-    if args.mode == "sidecar" and picker is None:
-        picker = "127.0.0.1:9002"
-    if args.mode == "standalone" and picker is None:
+    """Print the bootstrap. With ``--picker-config`` what the picker's config needs of Envoy is derived from it
+    (``picker.runtime.envoy_needs``: said on stderr), and a flag that would silently disable one of its features
+    is refused: one ``error:`` line, exit 2."""
+    if args.mode == "standalone" and args.picker is None:
         print("error: --picker HOST:PORT is required in standalone mode", file=sys.stderr)
         return 2
-    backends = _envoy_backends(args)
+    settings = None
+    if args.picker_config is not None:
+        try:
+            settings = load_settings(args.picker_config)
+        except (ConfigError, OSError, ValueError) as exc:
+            print(f"error: --picker-config {args.picker_config}: {one_line(exc)}", file=sys.stderr)
+            return 2
+    backends = _envoy_backends(args, settings)
     if isinstance(backends, str):
         print(f"error: {backends}", file=sys.stderr)
         return 2
-    if args.fail_open and args.body_mode == "FULL_DUPLEX_STREAMED" and args.picker_health_interval_s <= 0:
+    picker_tls = _picker_tls_options(args)
+    if isinstance(picker_tls, str):
+        print(f"error: {picker_tls}", file=sys.stderr)
+        return 2
+    given = Given(
+        mode=args.mode, picker=args.picker, body_mode=args.body_mode, response_mode=args.response_mode,
+        plaintext=args.picker_plaintext, ca=args.picker_ca, sni=args.picker_sni, client_cert=args.picker_client_cert,
+        token=picker_tls["picker_token"], token_file=args.picker_token_file,
+        message_timeout_ms=args.message_timeout_ms, retries=args.retries,
+    )  # fmt: skip
+    try:
+        derived = derive(settings, given, args.picker_config or "--picker-config")
+    except Refused as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    options = {**picker_tls, **derived.options}
+    options.setdefault("picker_address", args.picker or DEFAULT_PICKER)
+    if args.mode == "no-picker":
+        options["picker_address"] = None
+    for note in derived.notes:
+        print(f"note: {one_line(note)}", file=sys.stderr)
+    for warning in derived.warnings:
+        print(f"warning: {one_line(warning)}", file=sys.stderr)
+    if args.fail_open and options["body_mode"] == "FULL_DUPLEX_STREAMED" and args.picker_health_interval_s <= 0:
         print(
             "warning: --fail-open in FULL_DUPLEX_STREAMED mode without picker health checks: Envoy answers 500"
             " while the picker is unreachable (it fails open only when no picker is healthy at stream start)",
             file=sys.stderr,
         )
-    picker_tls = _picker_tls_options(args)
-    if isinstance(picker_tls, str):
-        print(f"error: {picker_tls}", file=sys.stderr)
-        return 2
     opts = EnvoyOptions(
-        **picker_tls,
+        **options,
         listen_port=args.listen_port,
         listen_address=args.listen_address,
         admin_port=args.admin_port,
-        picker_address=None if args.mode == "no-picker" else picker,
-        body_mode=args.body_mode,
-        response_mode=args.response_mode,
         fail_open=args.fail_open,
         picker_health_interval_s=args.picker_health_interval_s,
-        message_timeout_ms=args.message_timeout_ms,
         backends=backends,
         first_byte_timeout_s=args.first_byte_timeout_s,
-        retries=args.retries,
         route_timeout_s=args.route_timeout_s,
         pool_dns=args.pool_dns,
         pool_ports=tuple(args.pool_port or ()),
@@ -160,16 +179,12 @@ def _envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _envoy_backends(args: argparse.Namespace) -> tuple[str, ...] | str:
+def _envoy_backends(args: argparse.Namespace, settings: Settings | None) -> tuple[str, ...] | str:
     """The pool's endpoints for Envoy's upstream cluster: every --backend, then the backends of
     --picker-config (the picker's own config file); none with --pool-dns (the cluster is a DNS name then);
     an error message when there are none, or both kinds."""
     found: list[str] = list(args.backend or ())
-    if args.picker_config is not None:
-        try:
-            settings = load_settings(args.picker_config)
-        except (ConfigError, OSError, ValueError) as exc:
-            return f"--picker-config {args.picker_config}: {one_line(exc)}"
+    if settings is not None:
         if settings.pool.discovered and args.pool_dns is None:
             return (
                 f"--picker-config {args.picker_config}: its pool is discovered ({settings.pool.source}), so its "
@@ -222,15 +237,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("envoy-config", help="print an Envoy bootstrap for kv-epp", parents=[common])
     e.add_argument("--mode", choices=["sidecar", "standalone", "no-picker"], default="sidecar")
-    e.add_argument("--picker", help="ext_proc address host:port (default 127.0.0.1:9002 in sidecar mode)")
-    e.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED")
+    e.add_argument(
+        "--picker",
+        help="ext_proc address host:port (sidecar mode: --picker-config's extproc.host:port, else 127.0.0.1:9002)",
+    )
+    e.add_argument(
+        "--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
+        help="request body mode (default FULL_DUPLEX_STREAMED; BUFFERED with response mode sampled)",
+    )  # fmt: skip
     e.add_argument(
         "--response-mode",
         choices=list(RESPONSE_MODES),
-        default="none",
-        help="what of each response reaches the picker: none (status and end only, the default), sampled"
-        " (as none, plus the body of a sample of responses for usage; BUFFERED body mode only), full (every"
-        " response chunk)",
+        help="what of each response reaches the picker: none (status and end only), sampled (as none, plus the body"
+        " of a sample of responses for usage, and of every response-cache miss; BUFFERED body mode only), full (every"
+        " response chunk). Default: what --picker-config needs (full with response_cache.enabled, sampled when it"
+        " sets response sampling), else none; one that disables a feature of that config is refused",
     )
     e.add_argument("--listen-port", type=int, default=8080)
     e.add_argument("--listen-address", default="0.0.0.0")
@@ -242,11 +263,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--picker-health-interval-s", type=float, default=1.0,
         help="active gRPC health checks of the picker's readiness (0: off; full-duplex fail-open needs them)",
     )  # fmt: skip
-    e.add_argument("--message-timeout-ms", type=int, default=5000)
+    e.add_argument(
+        "--message-timeout-ms", type=int,
+        help="ext_proc message timeout (default 5000; --picker-config's semantic cache: its embedding timeout + 1 s)",
+    )  # fmt: skip
     e.add_argument(
         "--backend", action="append", help="ip:port of a pool endpoint (repeatable; required unless --picker-config)"
     )
-    e.add_argument("--picker-config", metavar="FILE", help="the picker's config file: its pool.backends are used")
+    e.add_argument(
+        "--picker-config", metavar="FILE",
+        help="the picker's config file: its pool.backends, and what its features need of Envoy (response mode,"
+        " address, TLS, token, ...: derived, said on stderr)",
+    )  # fmt: skip
     e.add_argument(
         "--pool-dns",
         metavar="NAME",
@@ -268,7 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="per-attempt deadline for the response to start (then retried on the next ranked endpoint; 0: none)",
     )
-    e.add_argument("--retries", type=int, default=2, help="retries on the next ranked endpoint (= pool.fallbacks)")
+    e.add_argument(
+        "--retries", type=int,
+        help="retries on the next ranked endpoint (default 2, or --picker-config's pool.fallbacks when larger)",
+    )  # fmt: skip
     e.add_argument("--route-timeout-s", type=int, default=600, help="bound on the whole exchange (0: none)")
     t = e.add_argument_group(
         "picker TLS",
