@@ -39,6 +39,8 @@ ENV PATH=/opt/kv-epp/bin:$PATH \
     PYTHONUNBUFFERED=1
 WORKDIR /
 USER 65532:65532
-# ext_proc, gRPC health (plaintext, kubelet probes), admin/metrics; the listener's feed and metrics
+# ext_proc, gRPC health (plaintext, kubelet probes), admin/metrics; the listener's feed and metrics. The picker
+# binds ext_proc and health on 127.0.0.1 unless its config sets extproc.host, and beyond loopback it needs
+# extproc.auth.token_file or extproc.tls.client_ca_file (the chart sets host and token: charts/kv-epp).
 EXPOSE 9002 9003 9090 7817
 CMD ["kv-epp", "--help"]

@@ -80,9 +80,18 @@ async def _messages(raw: list[bytes]) -> AsyncIterator[pb.ProcessingRequest]:
         yield pb.ProcessingRequest.FromString(m)
 
 
+class _Context:
+    """What the servicer asks of gRPC's context on every stream: the peer's address (its per-peer stream cap)."""
+
+    @staticmethod
+    def peer() -> str:
+        return "ipv4:127.0.0.1:50000"
+
+
 async def _drive(servicer: Any, requests: list[list[bytes]], n: int) -> None:
+    context = _Context()
     for i in range(n):
-        async for r in servicer.Process(_messages(requests[i % len(requests)]), None):
+        async for r in servicer.Process(_messages(requests[i % len(requests)]), context):
             r.SerializeToString()
 
 

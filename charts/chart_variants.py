@@ -48,6 +48,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "network-policy-standalone": {**KV_AWARE, **NETWORK_POLICY, "envoy": {"mode": "standalone"}},
     "tls-existing-secret": TLS_VERIFIED,
     "tls-plaintext": {"tls": {"mode": "plaintext"}},
+    "extproc-unauthenticated": {
+        "extprocAuth": {"mode": "none"},
+        "envoy": {"mode": "none"},
+        "networkPolicy": {"enabled": True, "extprocFrom": [GATEWAY_PEER]},
+    },
     "buffered-sampled": {"envoy": {"bodyMode": "BUFFERED", "responseMode": "sampled", "failOpen": True}},
     "ipv6": {**KV_AWARE, "bindAddress": "::"},
     "everything": {

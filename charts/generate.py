@@ -65,9 +65,18 @@ def picker_tls(values: Mapping[str, Any]) -> str:
     return "verified" if tls["mode"] == "existingSecret" and tls["verify"] else "unverified"
 
 
-def envoy_options(values: Mapping[str, Any], fullname: str, namespace: str) -> EnvoyOptions:
-    """The Envoy the chart deploys for these (merged) values, release ``fullname`` in ``namespace``."""
+def envoy_options(
+    values: Mapping[str, Any], fullname: str, namespace: str, picker_token: str | None = None
+) -> EnvoyOptions:
+    """The Envoy the chart deploys for these (merged) values, release ``fullname`` in ``namespace``;
+    ``picker_token``: the ext_proc token of the release (its ``<fullname>-extproc-token`` Secret), required with
+    ``extprocAuth.mode`` token (Envoy sends it as gRPC metadata)."""
     v = values["envoy"]
+    token = None
+    if values["extprocAuth"]["mode"] == "token":
+        if picker_token is None:
+            raise ValueError("extprocAuth.mode token: give the release's ext_proc token (picker_token)")
+        token = picker_token
     pool = values["inferencePool"]
     domain = values["clusterDomain"]
     pool_ns = pool["namespace"] or namespace
@@ -99,6 +108,7 @@ def envoy_options(values: Mapping[str, Any], fullname: str, namespace: str) -> E
         picker_tls=tls != "off",
         picker_ca=PICKER_CA if tls == "verified" else None,
         picker_sni=f"{fullname}-epp.{namespace}.svc" if tls == "verified" else None,
+        picker_token=token,
     )
 
 
@@ -112,6 +122,7 @@ DIMENSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("$dResp", ("none", "sampled", "full")),
     ("$dFailOpen", ("false", "true")),
     ("$dBind", tuple(LOOPBACK)),
+    ("$dAuth", ("token", "none")),
 )
 DIMENSION_SOURCES = {
     "$dMode": "toString $v.mode",
@@ -120,6 +131,7 @@ DIMENSION_SOURCES = {
     "$dResp": "toString $v.responseMode",
     "$dFailOpen": "toString $v.failOpen",
     "$dBind": "toString $root.Values.bindAddress",
+    "$dAuth": "toString $root.Values.extprocAuth.mode",
 }
 # Sentinel values put into the options, and the Helm text that replaces them. Numbers are replaced where a
 # leaf equals them, strings where a leaf contains them.
@@ -131,6 +143,7 @@ NUMBER_SENTINELS: dict[int, str] = {
     61005: "{{ int $v.retries }}",
 }
 POOL_PORT_SENTINEL = 61010
+TOKEN_SENTINEL = "qqtokenqq"  # the ext_proc token: the template takes it from the release's Secret (or makes it)
 STRING_SENTINELS: dict[str, str] = {
     "qqfullqq": "{{ $fullname }}",
     "qqpoolnsqq": "{{ $poolNs }}",
@@ -140,6 +153,7 @@ STRING_SENTINELS: dict[str, str] = {
     "61.007s": '{{ printf "%.3f" (divf $v.messageTimeoutMs 1000) }}s',
     "4321.500s": '{{ printf "%.3f" (float64 $v.firstByteTimeoutSeconds) }}s',
     "61.009s": '{{ printf "%.3f" (divf $v.poolDnsRefreshMs 1000) }}s',
+    TOKEN_SENTINEL: '{{ include "kv-epp.extprocToken" $root }}',
 }
 
 
@@ -150,6 +164,7 @@ def sentinel_values(dims: Mapping[str, str]) -> dict[str, Any]:
         "clusterDomain": "qqdomainqq",
         "inferencePool": {"namespace": "qqpoolnsqq", "targetPorts": [{"number": POOL_PORT_SENTINEL}]},
         "picker": {"ports": {"extproc": 61004}},
+        "extprocAuth": {"mode": dims["$dAuth"]},
         "tls": {
             "mode": {"off": "plaintext", "unverified": "selfSigned", "verified": "existingSecret"}[dims["$dTls"]],
             "verify": dims["$dTls"] == "verified",
@@ -293,7 +308,7 @@ def envoy_template() -> str:
     """The ``kv-epp.envoyBootstrap`` named template (JSON)."""
     items = []
     for dims in variants():
-        opts = envoy_options(_merge(DEFAULT_SHAPE, sentinel_values(dims)), "qqfullqq", "qqnsqq")
+        opts = envoy_options(_merge(DEFAULT_SHAPE, sentinel_values(dims)), "qqfullqq", "qqnsqq", TOKEN_SENTINEL)
         items.append((dims, substitute(bootstrap(opts))))
     body = emit(items)
     leftover = _leftover_sentinels(body.replace("{{ int $p.number }}", ""))
@@ -320,6 +335,7 @@ DEFAULT_SHAPE: dict[str, Any] = {
     "inferencePool": {"namespace": "", "targetPorts": [{"number": 8000}]},
     "picker": {"ports": {"extproc": 9002}},
     "tls": {"mode": "selfSigned", "verify": False},
+    "extprocAuth": {"mode": "token"},
     "envoy": {},
 }
 
@@ -617,6 +633,20 @@ def chart_values_schema() -> dict[str, Any]:
                             ),
                             "key": _s("string", "The Secret's key.", minLength=1),
                         },
+                    ),
+                },
+            ),
+            "extprocAuth": _obj(
+                "Client authentication on the pickers' ext_proc port (README, 'ext_proc authentication').",
+                {
+                    "mode": _s(
+                        "string",
+                        "token: a random bearer token (Secret <fullname>-extproc-token, kept across helm upgrades) "
+                        "the picker requires (extproc.auth.token_file) and the chart's Envoy sends; its bootstrap "
+                        "is a Secret. none: extproc.auth.allow_unauthenticated: any pod that reaches the port may "
+                        "open streams (a gateway that cannot send the token; limit it with "
+                        "networkPolicy.extprocFrom).",
+                        enum=["token", "none"],
                     ),
                 },
             ),

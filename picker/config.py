@@ -488,13 +488,22 @@ class ExtProcTlsConfig(_Section):
 
 
 class ExtProcAuthConfig(_Section):
-    """A shared token Envoy sends in gRPC initial metadata (``authorization: Bearer <token>``)."""
+    """A shared token Envoy sends in gRPC initial metadata (``authorization: Bearer <token>``).
+
+    Client authentication is a token (``token_file``) or client certificates (``extproc.tls.client_ca_file``).
+    Bound beyond loopback (``extproc.host``) without either, the picker refuses to start: anyone who reaches the
+    port could open streams, hold in-flight leases and steer routing. ``allow_unauthenticated: true`` starts it
+    anyway (warned at start and in ``/readyz``), for a gateway that cannot authenticate, behind a NetworkPolicy."""
 
     token_file: str | None = None  # file holding the token (read at start); None: no token required
+    allow_unauthenticated: bool = False  # beyond loopback without a token or client certificates: start anyway
 
 
 class ExtProcConfig(_Section):
-    host: str = "0.0.0.0"
+    # Loopback by default (a sidecar picker: Envoy in the same pod or host). Beyond loopback (0.0.0.0, ::, a pod
+    # IP, a name that resolves to one) the port needs client authentication (``auth``), or the picker refuses to
+    # start. The gRPC health port (``health_port``) binds the same host.
+    host: str = "127.0.0.1"
     port: int = Field(9002, ge=0, le=65535)
     health_port: int | None = Field(9003, ge=0, le=65535)  # None: health only on the ext_proc port
     max_body_bytes: int = Field(8 << 20, ge=1024, le=256 << 20)
@@ -517,8 +526,62 @@ class ExtProcConfig(_Section):
     response_sample_header: Annotated[str, AfterValidator(_header_name)] = "x-kv-epp-sample"
     # The process's event loop: uvloop when installed (auto), or forced either way (restart required).
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    # Open ext_proc streams per peer IP address (0: no cap); a stream over it is refused with RESOURCE_EXHAUSTED
+    # before it reaches admission or the pool (it holds no lease), counted in
+    # continuum_picker_extproc_refused_streams_total{reason="peer_limit"}. Per IP, not per identity: the token is
+    # shared by every Envoy and identifies none, while one Envoy is one IP (it multiplexes all its requests, one
+    # stream each, over a few HTTP/2 connections). Admission (admission.max_open_streams, 1,024) admits at most
+    # that many streams from all peers and answers the rest 429 at their first message, so 4x that never
+    # refuses a legitimate Envoy before admission does: it bounds what one peer keeps open beyond admission
+    # (streams that never send a message). Below admission.max_open_streams it also keeps one peer from taking
+    # the whole admission budget when several Envoys share the picker (a sidecar's lone Envoy is then capped
+    # too). Behind a proxy that terminates connections every client is one peer.
+    max_streams_per_peer: int = Field(4096, ge=0, le=1_000_000)
     tls: ExtProcTlsConfig = ExtProcTlsConfig()
     auth: ExtProcAuthConfig = ExtProcAuthConfig()
+
+    @property
+    def client_authentication(self) -> tuple[str, ...]:
+        """How ext_proc clients authenticate: ``token`` and/or ``client_cert``; empty: anonymous."""
+        out = ("token",) if self.auth.token_file is not None else ()
+        return out + (("client_cert",) if self.tls.client_ca_file is not None else ())
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
+
+
+def loopback_host(host: str) -> bool | None:
+    """Whether binding ``host`` listens on loopback only, without a DNS lookup: an IP literal (``[::1]`` too) or
+    ``localhost`` decides; ``0.0.0.0``, ``::`` and ``""`` (every interface) are not loopback; None for another
+    name (resolved at start: ``picker.runtime.tls.bind_is_loopback``)."""
+    literal = host.strip()
+    if literal.startswith("[") and literal.endswith("]"):
+        literal = literal[1:-1]
+    if not literal:
+        return False  # gRPC and asyncio bind every interface for an empty host
+    if literal.lower() in LOOPBACK_NAMES or literal.lower().endswith(".localhost"):
+        return True  # RFC 6761: localhost names resolve to loopback only
+    try:
+        ip = ipaddress.ip_address(literal.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def unauthenticated_exposure(x: ExtProcConfig, loopback: bool | None) -> tuple[str, str] | None:
+    """The refusal (path, message) when ext_proc would listen beyond loopback with no client authentication
+    and ``auth.allow_unauthenticated`` is not set; None otherwise (or when ``loopback`` is unknown)."""
+    if loopback is not False or x.client_authentication or x.auth.allow_unauthenticated:
+        return None
+    return (
+        "extproc.host",
+        f"{x.host!r} is beyond loopback and the ext_proc port has no client authentication: anyone who reaches it "
+        "can open streams, hold in-flight leases and steer routing. Set extproc.auth.token_file (the token Envoy "
+        "sends: kv-epp envoy-config --picker-token-file) or extproc.tls.client_ca_file (client certificates), bind "
+        "extproc.host to 127.0.0.1 (a sidecar), or set extproc.auth.allow_unauthenticated: true",
+    )
 
 
 class AdmissionConfig(_Section):
@@ -811,6 +874,9 @@ def _cross_section_problems(s: Settings) -> list[tuple[str, str]]:
                 f"({s.extproc.max_body_bytes}): a body of the allowed size could never be admitted",
             )
         )
+    exposed = unauthenticated_exposure(s.extproc, loopback_host(s.extproc.host))  # a name: checked at start
+    if exposed is not None:
+        out.append(exposed)
     return out + _pool_source_problems(s)
 
 
@@ -978,7 +1044,25 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
     if s.admin.enabled and s.admin.host not in ("127.0.0.1", "::1", "localhost") and not s.admin.has_token:
         out.append(("admin.bearer_token", "admin listens beyond loopback without a bearer token"))
     x = s.extproc
-    if x.tls.mode == "plaintext" and x.host not in ("127.0.0.1", "::1", "localhost") and not x.auth.token_file:
+    if x.auth.allow_unauthenticated and not x.client_authentication and loopback_host(x.host) is False:
+        out.append(
+            (
+                "extproc.auth.allow_unauthenticated",
+                f"ext_proc on {x.host!r} without client authentication (no extproc.auth.token_file, no "
+                "extproc.tls.client_ca_file): anyone who reaches the port can open streams, hold in-flight leases "
+                "and steer routing; restrict who reaches it (a NetworkPolicy, a firewall)",
+            )
+        )
+    if 0 < x.max_streams_per_peer < s.admission.max_open_streams:
+        out.append(
+            (
+                "extproc.max_streams_per_peer",
+                f"{x.max_streams_per_peer} is below admission.max_open_streams ({s.admission.max_open_streams}): "
+                "one Envoy (a sidecar's only peer) is refused with a gRPC error (Envoy answers 500) before admission "
+                "would answer 429; intended only when several Envoys share this picker",
+            )
+        )
+    if x.tls.mode == "plaintext" and loopback_host(x.host) is not True and not x.auth.token_file:
         out.append(
             (
                 "extproc.tls.mode",

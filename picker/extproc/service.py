@@ -1,7 +1,9 @@
 """The gRPC servicer: one ``RequestStream`` per ``Process()`` call; the protocol lives in ``stream``.
 
 It also admits streams: during a drain the lifecycle turns ``admitting`` off, new streams are
-refused with UNAVAILABLE and ``wait_idle()`` tells when the open ones have finished.
+refused with UNAVAILABLE and ``wait_idle()`` tells when the open ones have finished. A peer (an IP address)
+with ``extproc.max_streams_per_peer`` streams open has its next one refused with RESOURCE_EXHAUSTED, before
+admission and before any ``RequestStream`` exists: it holds no lease and no admission slot.
 """
 
 from __future__ import annotations
@@ -26,11 +28,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("kv_epp.extproc")
 
 
+def peer_key(peer: str | None) -> str:
+    """The peer address a stream counts against: gRPC's ``ipv4:10.0.0.5:41234`` / ``ipv6:[::1]:41234`` without
+    the port (one Envoy opens several connections); anything else (``unix:...``) as given."""
+    if not peer:
+        return "unknown"
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        host, sep, port = rest.rpartition(":")
+        if sep and port.isdigit():
+            return f"{kind}:{host}"
+    return peer
+
+
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """The gRPC service: one RequestStream per Process() call."""
 
     def __init__(self, app: PickerApp) -> None:
         self.app = app
+        # extproc is restart-required: a reloaded cap is reported as such, not applied
+        self.max_per_peer = app.settings.extproc.max_streams_per_peer
+        self.per_peer: dict[str, int] = {}  # open streams by peer address; a peer with none has no entry
+        self.peer_refused = 0  # streams refused over the per-peer cap (logged at stop)
         self.sampling = ResponseSampling.of(app)
         self.route_seconds: RouteSeconds = app.metrics.route_seconds
         self.admitting = True  # turned off by the lifecycle once the drain's propagation delay is over
@@ -59,56 +78,73 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             # while UNAVAILABLE is a processor failure Envoy can fail over on (failure_mode_allow continues
             # without the picker, outlier detection ejects this host, status_on_error picks the client status).
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kv-epp is draining: stream refused")
-        admission = self.app.path.admission
-        if not admission.open_stream():  # over admission.max_open_streams: 429 at the first message
-            answer = self.app.path.overloaded(f"{admission.cfg.max_open_streams} requests are open")
-            async for _ in request_iterator:  # an ImmediateResponse must answer a message of Envoy's
-                received = time.monotonic()
-                headers = with_bypass(self.app.path.cache, answer.headers)
-                try:
-                    yield immediate(answer.status, answer.body, answer.details, headers)
-                finally:  # also when gRPC closes this generator at the yield (Envoy ended the stream)
-                    self.route_seconds.observe("overloaded", time.monotonic() - received)
-                return
-            return
-        stream = RequestStream(self.app, self.sampling)
-        self.app.open_streams += 1
-        self._open += 1
-        self._idle.clear()
+        peer = peer_key(context.peer())
+        held = self.per_peer.get(peer, 0)
+        if self.max_per_peer and held >= self.max_per_peer:
+            self.peer_refused += 1
+            self.app.metrics.child(self.app.metrics.extproc_refused_streams, "peer_limit").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"kv-epp: {held} ext_proc streams open from this peer (extproc.max_streams_per_peer): stream refused",
+            )
+        self.per_peer[peer] = held + 1
         try:
-            async for req in request_iterator:
-                try:
-                    phase = req.WhichOneof("request")
-                    if phase in RESPONSE_PHASES:
-                        responses = stream.respond(req, phase)
-                    else:
-                        responses = await stream.request(req, phase)
-                except Exception:  # a bug must cost one request, never the process
-                    log.exception("event=extproc_error path=%r", stream.path)  # client text: escaped
-                    self.app.recorder.refused("error")
-                    stream.answer = "error"  # counted unless the routing answer was sent already
+            admission = self.app.path.admission
+            if not admission.open_stream():  # over admission.max_open_streams: 429 at the first message
+                answer = self.app.path.overloaded(f"{admission.cfg.max_open_streams} requests are open")
+                async for _ in request_iterator:  # an ImmediateResponse must answer a message of Envoy's
+                    received = time.monotonic()
+                    headers = with_bypass(self.app.path.cache, answer.headers)
                     try:
-                        yield immediate(
-                            500, error_body("internal picker error", "picker_error", "api_error"), "kv_epp_error"
-                        )
-                    finally:
-                        stream.answer_sent()
+                        yield immediate(answer.status, answer.body, answer.details, headers)
+                    finally:  # also when gRPC closes this generator at the yield (Envoy ended the stream)
+                        self.route_seconds.observe("overloaded", time.monotonic() - received)
                     return
-                for r in responses:
-                    # The sample is taken once gRPC has the answer: after the yield, or when gRPC closes this
-                    # generator at the yield. Envoy ends the stream at an ImmediateResponse, and gRPC may
-                    # close the generator before resuming it: a sample taken only after the yield was lost.
+                return
+            stream = RequestStream(self.app, self.sampling)
+            self.app.open_streams += 1
+            self._open += 1
+            self._idle.clear()
+            try:
+                async for req in request_iterator:
                     try:
-                        yield r
-                    finally:
-                        if stream.answer is not None:  # the routing answer (always the first of its batch)
+                        phase = req.WhichOneof("request")
+                        if phase in RESPONSE_PHASES:
+                            responses = stream.respond(req, phase)
+                        else:
+                            responses = await stream.request(req, phase)
+                    except Exception:  # a bug must cost one request, never the process
+                        log.exception("event=extproc_error path=%r", stream.path)  # client text: escaped
+                        self.app.recorder.refused("error")
+                        stream.answer = "error"  # counted unless the routing answer was sent already
+                        try:
+                            yield immediate(
+                                500, error_body("internal picker error", "picker_error", "api_error"), "kv_epp_error"
+                            )
+                        finally:
                             stream.answer_sent()
-                if stream.answered_itself:
-                    return  # immediate response sent: nothing more to process
+                        return
+                    for r in responses:
+                        # The sample is taken once gRPC has the answer: after the yield, or when gRPC closes this
+                        # generator at the yield. Envoy ends the stream at an ImmediateResponse, and gRPC may
+                        # close the generator before resuming it: a sample taken only after the yield was lost.
+                        try:
+                            yield r
+                        finally:
+                            if stream.answer is not None:  # the routing answer (always the first of its batch)
+                                stream.answer_sent()
+                    if stream.answered_itself:
+                        return  # immediate response sent: nothing more to process
+            finally:
+                stream.close()
+                admission.close_stream()
+                self.app.open_streams -= 1
+                self._open -= 1
+                if self._open == 0:
+                    self._idle.set()
         finally:
-            stream.close()
-            admission.close_stream()
-            self.app.open_streams -= 1
-            self._open -= 1
-            if self._open == 0:
-                self._idle.set()
+            left = self.per_peer[peer] - 1
+            if left:
+                self.per_peer[peer] = left
+            else:
+                del self.per_peer[peer]

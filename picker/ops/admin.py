@@ -518,6 +518,8 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
         connecting per live backend); with Tier 4 also the feed checks (``kv_feeds``), which never decide."""
         r = app.readiness()
         body = dict(r.body)
+        if app.extproc_access is not None:  # who may open streams; a "warning" when anyone who reaches it may
+            body["extproc"] = app.extproc_access
         if app.tier4 is not None:  # detail only: a wrong feed costs Tier 4, never the picker's routing
             body["kv_feeds"] = app.tier4.checks.report()
             if app.tier4.unmatched_models:

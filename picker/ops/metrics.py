@@ -264,6 +264,14 @@ class PickerMetrics:
         self.config_reloads = Counter(
             "continuum_picker_config_reloads", "Config reloads by result", ["result"], registry=r
         )
+        # who may hold a stream (issue 21): refused before the stream reaches admission or the pool
+        self.extproc_refused_streams = Counter(
+            "continuum_picker_extproc_refused_streams",
+            "ext_proc streams refused before any work, by reason (unauthenticated: no or a wrong bearer token; "
+            "peer_limit: over extproc.max_streams_per_peer open from one peer address)",
+            ["reason"],
+            registry=r,
+        )
         # Tier 2 (issue 11): hit (answered by the picker), miss (eligible, routed), skip (not eligible, routed)
         self.response_cache_requests = Counter(
             "continuum_response_cache_requests",

@@ -117,6 +117,9 @@ class PickerApp:
         self.ready = False  # started: every port listens
         self.draining = False
         self.task_failure: str | None = None  # why a background task crashed (the first one)
+        # who may open ext_proc streams (set at start: host, loopback, client_auth, the per-peer cap, and a warning
+        # when extproc.auth.allow_unauthenticated is in force): /readyz detail
+        self.extproc_access: dict[str, object] | None = None
         self.serving_since_sync = False  # was ready once: feeds of backends that join later do not hold it back
         self.on_readiness_inputs: Callable[[], None] | None = None  # the server re-evaluates readiness
         if self.tier4 is not None:

@@ -45,10 +45,18 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from picker.config import loopback_host, unauthenticated_exposure
 from picker.extproc.service import ExternalProcessor
 from picker.ops.admin import AdminRoutes, build_admin_app
 from picker.runtime.app import PickerApp
-from picker.runtime.tls import BearerTokenInterceptor, ServerTls, TlsSetupError, read_token, server_tls
+from picker.runtime.tls import (
+    BearerTokenInterceptor,
+    ServerTls,
+    TlsSetupError,
+    bind_is_loopback,
+    read_token,
+    server_tls,
+)
 from picker.shared.supervisor import TaskFailure, TaskSupervisor
 
 log = logging.getLogger("kv_epp.server")
@@ -215,12 +223,45 @@ class PickerServer:
             f"token={'on' if self.auth else 'off'}"
         )
 
+    def _check_exposure(self) -> None:
+        """Refuse ext_proc beyond loopback without client authentication (unless ``allow_unauthenticated``): the
+        config check decides for an IP literal, a name is resolved here. Allowed, it is warned and shown in
+        ``/readyz`` (``PickerApp.extproc_access``)."""
+        x = self.app.settings.extproc
+        loopback = bind_is_loopback(x.host)
+        refused = unauthenticated_exposure(x, loopback)
+        if refused is not None:
+            raise StartupError(f"{refused[0]}: {refused[1]}")
+        access: dict[str, object] = {
+            "host": x.host,
+            "loopback": loopback,
+            "client_auth": list(x.client_authentication),
+            "max_streams_per_peer": x.max_streams_per_peer,
+        }
+        if not loopback and not x.client_authentication:  # allowed: extproc.auth.allow_unauthenticated
+            risk = "anyone who reaches the port can open streams, hold in-flight leases and steer routing"
+            access["warning"] = (
+                f"extproc.auth.allow_unauthenticated: ext_proc listens beyond loopback without client authentication; "
+                f"{risk}"
+            )
+            if loopback_host(x.host) is None:  # an IP literal was warned already (event=config_warning)
+                log.warning(
+                    "event=config_warning path=extproc.auth.allow_unauthenticated message=%r",
+                    f"{x.host!r} resolves beyond loopback and ext_proc has no client authentication: {risk}",
+                )
+        self.app.extproc_access = access
+
     async def _start_servers(self) -> None:
         s = self.app.settings
+        self._check_exposure()
+        refused = self.app.metrics.extproc_refused_streams
+        for reason in ("unauthenticated", "peer_limit"):  # from the start: increase() sees the first refusal
+            self.app.metrics.child(refused, reason).inc(0)
         try:
             self.tls = server_tls(s.extproc)
             if s.extproc.auth.token_file is not None:
-                self.auth = BearerTokenInterceptor(read_token(s.extproc.auth.token_file))
+                unauthenticated = self.app.metrics.child(refused, "unauthenticated")
+                self.auth = BearerTokenInterceptor(read_token(s.extproc.auth.token_file), unauthenticated.inc)
         except TlsSetupError as exc:
             raise StartupError(f"ext_proc tls: {exc}") from None
         interceptors = [self.auth] if self.auth is not None else []
@@ -384,8 +425,8 @@ class PickerServer:
             await self._close_clients()
             await self._close_servers()
             log.info(
-                "event=picker_stopped refused_streams=%d unauthenticated=%d stuck_tasks=%d",
-                self.servicer.refused, self.auth.refused if self.auth else 0, len(stuck),
+                "event=picker_stopped refused_streams=%d unauthenticated=%d peer_limit=%d stuck_tasks=%d",
+                self.servicer.refused, self.auth.refused if self.auth else 0, self.servicer.peer_refused, len(stuck),
             )  # fmt: skip
         finally:
             self._done.set()

@@ -12,6 +12,9 @@
 * ``extproc.auth.token_file``: every ext_proc stream must carry ``authorization: Bearer <token>`` in its
   initial metadata (compared in constant time) or is refused with UNAUTHENTICATED before the servicer
   sees it. gRPC health checks are exempt (they reveal only serving status; probes carry no token).
+* ``bind_is_loopback``: whether ``extproc.host`` listens on loopback only (a name resolved now). Beyond it,
+  the port needs a token or client certificates unless ``extproc.auth.allow_unauthenticated`` (the
+  lifecycle refuses to start otherwise: ``picker.config.unauthenticated_exposure``).
 
 Nothing here logs a key or a token.
 """
@@ -36,7 +39,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from picker.config import ExtProcConfig
+from picker.config import ExtProcConfig, loopback_host
 
 log = logging.getLogger("kv_epp.tls")
 
@@ -251,6 +254,21 @@ def server_tls(cfg: ExtProcConfig) -> ServerTls:
     return ServerTls(creds, "generated", cert_info(cert_pem), client_auth=roots is not None)
 
 
+def bind_is_loopback(host: str) -> bool:
+    """True when binding ``host`` listens on loopback addresses only: an IP literal or ``localhost`` as
+    ``picker.config.loopback_host`` decides, another name when every address it resolves to is loopback. A name
+    that does not resolve counts as beyond loopback (binding it fails anyway)."""
+    decided = loopback_host(host)
+    if decided is not None:
+        return decided
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False
+    addresses = {str(info[4][0]) for info in infos}
+    return bool(addresses) and all(loopback_host(a) is True for a in addresses)
+
+
 def read_token(path: str) -> bytes:
     """The token in ``path`` (surrounding whitespace removed); raise TlsSetupError if unreadable or empty."""
     try:
@@ -270,9 +288,10 @@ Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandl
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuse every RPC but health checks unless it carries ``authorization: Bearer <token>``."""
 
-    def __init__(self, token: bytes) -> None:
+    def __init__(self, token: bytes, on_refused: Callable[[], None] | None = None) -> None:
         self._token = token
         self.refused = 0
+        self._on_refused = on_refused  # e.g. a metric's increment
 
         async def refuse_stream(request_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
@@ -298,4 +317,6 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if method == HEALTH_CHECK_METHOD or self.authorized(handler_call_details.invocation_metadata):
             return await continuation(handler_call_details)
         self.refused += 1
+        if self._on_refused is not None:
+            self._on_refused()
         return self._refuse  # any method, any cardinality: aborted before a message is read

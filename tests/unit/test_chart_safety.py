@@ -224,7 +224,8 @@ def rendered_token_secrets(values: dict[str, Any]) -> list[str]:
         with helm.Chart.load(cv.CHART) as chart:
             text = chart.render(values, name=cv.RELEASE, namespace=cv.NAMESPACE, is_install=True)
         docs = [d for p, t in text.items() if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d]
-        out.extend(yaml.safe_dump(d) for d in docs if d["kind"] == "Secret")
+        admin = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-admin-token")]
+        out.extend(yaml.safe_dump(d) for d in admin)
     return out
 
 
@@ -250,5 +251,6 @@ def test_bind_address_reaches_every_listen_address_and_the_configs_validate() ->
     assert listener.listen == "[::]:7817" and listener.listen_host == "::" and listener.listen_port == 7817
     default = parse_settings(picker_config(cv.objects(cv.REQUIRED)))
     assert default.extproc.host == "0.0.0.0" and default.admin.host == "0.0.0.0"
+    assert default.extproc.client_authentication == ("token",)  # beyond loopback: the chart's token (issue 21)
     with pytest.raises(helm.HelmValuesError, match="/bindAddress"):
         cv.render(cv.merge(cv.REQUIRED, {"bindAddress": "10.0.0.1"}))

@@ -226,7 +226,11 @@ async def test_a_sample_is_taken_when_grpc_closes_the_stream_at_an_immediate_ans
         yield request_headers(body_mode=BUFFERED)
         yield request_body(b"{not json")
 
-    gen = servicer.Process(envoy(), None)  # type: ignore[arg-type]
+    class Context:  # what the servicer asks of gRPC's context before the first message
+        def peer(self) -> str:
+            return "ipv4:127.0.0.1:50000"
+
+    gen = servicer.Process(envoy(), Context())  # type: ignore[arg-type]
     answer = await anext(gen)
     while not answer.HasField("immediate_response"):  # the headers' own answer comes first in this mode
         answer = await anext(gen)

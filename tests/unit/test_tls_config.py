@@ -40,11 +40,13 @@ def test_inconsistent_tls_keys_are_refused(tls: dict[str, str]) -> None:
 
 
 def test_plaintext_beyond_loopback_without_a_token_is_warned(tmp_path: Path) -> None:
-    warned = [p for p, _ in config_warnings(settings(host="0.0.0.0", tls={"mode": "plaintext"}))]
+    # without a token it is refused unless allow_unauthenticated (tests/unit/test_extproc_exposure.py)
+    opted_out = settings(host="0.0.0.0", tls={"mode": "plaintext"}, auth={"allow_unauthenticated": True})
+    warned = [p for p, _ in config_warnings(opted_out)]
     assert "extproc.tls.mode" in warned
     quiet = [
         settings(host="127.0.0.1", tls={"mode": "plaintext"}),
-        settings(host="0.0.0.0"),
+        settings(host="0.0.0.0", auth={"token_file": str(tmp_path / "t")}),
         settings(host="0.0.0.0", tls={"mode": "plaintext"}, auth={"token_file": str(tmp_path / "t")}),
     ]
     for s in quiet:

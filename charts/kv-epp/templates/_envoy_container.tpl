@@ -54,9 +54,10 @@
 
 {{/* The Envoy container's volumes. */}}
 {{- define "kv-epp.envoyVolumes" -}}
-- name: envoy-config
-  configMap:
-    name: {{ include "kv-epp.fullname" . }}-envoy
+- name: envoy-config  # a Secret: the bootstrap holds the ext_proc token (extprocAuth.mode token)
+  secret:
+    secretName: {{ include "kv-epp.fullname" . }}-envoy
+    defaultMode: 0440
 - name: envoy-tmp
   emptyDir:
     sizeLimit: 64Mi

@@ -79,6 +79,45 @@ app.kubernetes.io/part-of: kv-epp
 /etc/kv-epp/admin
 {{- end -}}
 
+{{- define "kv-epp.extprocTokenSecretName" -}}
+{{- printf "%s-extproc-token" (include "kv-epp.fullname" .) -}}
+{{- end -}}
+
+{{/* Where the picker container mounts the ext_proc token Secret (its key as the file "token"). */}}
+{{- define "kv-epp.extprocTokenDir" -}}
+/etc/kv-epp/extproc-auth
+{{- end -}}
+
+{{/* The ext_proc bearer token (extprocAuth.mode token), plain text: the live Secret's (helm upgrade keeps it),
+else a random one. Made once per render and kept on the root context, so the Secret, Envoy's bootstrap and the
+pods' checksums carry the same token. */}}
+{{- define "kv-epp.extprocToken" -}}
+{{- if not (hasKey . "kvEppExtprocToken") -}}
+{{- $name := include "kv-epp.extprocTokenSecretName" . -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace $name -}}
+{{- $token := randAlphaNum 48 -}}
+{{- if and $existing (hasKey (default dict $existing.data) "token") -}}
+{{- $token = index $existing.data "token" | b64dec -}}
+{{- if not (regexMatch "^[A-Za-z0-9._~+/=-]+$" $token) -}}
+{{- fail (printf "the Secret %s (key token) does not hold a bearer token (letters, digits and ._~+/=-): delete it and upgrade to have a new one made" $name) -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set . "kvEppExtprocToken" $token -}}
+{{- end -}}
+{{- index . "kvEppExtprocToken" -}}
+{{- end -}}
+
+{{/* Pod annotations that roll a pod when what it reads at start changes: checksum/envoy-config (Envoy's bootstrap
+without the token) and checksum/extproc-token (the token; the picker and Envoy read it at start). Apart, so that a
+render which only made a new token (helm template: no lookup) is told from a changed config. */}}
+{{- define "kv-epp.envoyConfigChecksum" -}}
+{{- $bootstrap := include "kv-epp.envoyBootstrap" . -}}
+{{- if eq .Values.extprocAuth.mode "token" -}}
+{{- $bootstrap = replace (include "kv-epp.extprocToken" .) "" $bootstrap -}}
+{{- end -}}
+{{- $bootstrap | sha256sum -}}
+{{- end -}}
+
 {{/* How Envoy reaches the picker: off | unverified | verified (charts/generate.py picker_tls). */}}
 {{- define "kv-epp.pickerTls" -}}
 {{- if eq .Values.tls.mode "plaintext" -}}off
@@ -206,6 +245,11 @@ every one of them needs the picker to admit its stream (README, "Shutting down w
 {{- $_ := set $extproc "accepting_until" "refusing" -}}
 {{- else if eq .Values.envoy.mode "standalone" -}}
 {{- $_ := set $extproc "accepting_until" "drain" -}}
+{{- end -}}
+{{- if eq .Values.extprocAuth.mode "token" -}}
+{{- $_ := set $extproc "auth" (dict "token_file" (printf "%s/token" (include "kv-epp.extprocTokenDir" .))) -}}
+{{- else -}}
+{{- $_ := set $extproc "auth" (dict "allow_unauthenticated" true) -}}
 {{- end -}}
 {{- $forced := dict
   "extproc" $extproc
