@@ -39,6 +39,7 @@ from picker.cache.semantic import ENTRY_PREFIX
 from picker.cache.store import MemoryCacheStore, RedisCacheStore
 from picker.config import ConfigError, RedisConfig, Settings
 from picker.kv.admin import kv_index_backends, kv_index_clear, kv_index_stats
+from picker.runtime.envoy_needs import response_cache_detail
 
 if TYPE_CHECKING:
     from picker.runtime.app import PickerApp
@@ -518,6 +519,9 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
         connecting per live backend); with Tier 4 also the feed checks (``kv_feeds``), which never decide."""
         r = app.readiness()
         body = dict(r.body)
+        cache = response_cache_detail(app.settings, app.response_cache.miss_bodies, app.response_cache.stored)
+        if cache is not None:  # the Envoy response mode the cache needs, whether response bodies reach it
+            body["response_cache"] = cache
         if app.extproc_access is not None:  # who may open streams; a "warning" when anyone who reaches it may
             body["extproc"] = app.extproc_access
         if app.tier4 is not None:  # detail only: a wrong feed costs Tier 4, never the picker's routing

@@ -49,6 +49,7 @@ from picker.config import loopback_host, unauthenticated_exposure
 from picker.extproc.service import ExternalProcessor
 from picker.ops.admin import AdminRoutes, build_admin_app
 from picker.runtime.app import PickerApp
+from picker.runtime.envoy_needs import response_cache_log_fields
 from picker.runtime.tls import (
     BearerTokenInterceptor,
     ServerTls,
@@ -207,9 +208,9 @@ class PickerServer:
         self.supervisor.spawn("readiness", self._follow_readiness)
         s = self.app.settings
         log.info(
-            "event=picker_started extproc_port=%d health_port=%d admin_port=%d strategy=%s pool=%s backends=%d %s",
+            "event=picker_started extproc_port=%d health_port=%d admin_port=%d strategy=%s pool=%s backends=%d %s %s",
             self.extproc_port, self.health_port, self.admin_port, s.selection_strategy, self.app.pool_source,
-            len(self.app.pool.names()), self._tls_fields(),
+            len(self.app.pool.names()), self._tls_fields(), response_cache_log_fields(s),
         )  # fmt: skip
 
     def _tls_fields(self) -> str:
