@@ -984,8 +984,8 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
             (
                 "response_cache.semantic.embedding_timeout_ms",
                 f"{sem.embedding_timeout_ms} ms is longer than Envoy's ext_proc message timeout as kv-epp generates "
-                "it (5000 ms, `kv-epp envoy-config --message-timeout-ms`): a slow embedding would time the request "
-                "out in Envoy first; raise that too",
+                "it by default (5000 ms, `kv-epp envoy-config --message-timeout-ms`): a slow embedding would time the "
+                "request out in Envoy first; raise that too (`kv-epp envoy-config --picker-config` does)",
             )
         )
     ip = s.pool.inference_pool
@@ -1036,9 +1036,10 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
         out.append(
             (
                 "response_cache.enabled",
-                "responses are stored only when their bodies reach the picker: Envoy with --response-mode full "
-                "(or sampled with --body-mode BUFFERED); with the default none, hits are answered but nothing is "
-                "stored (warned again at the first eligible miss)",
+                "responses are stored only when their bodies reach the picker: Envoy's response mode full (what "
+                "kv-epp envoy-config --picker-config derives) or sampled with --body-mode BUFFERED; an Envoy in mode "
+                "none answers hits but stores nothing (warned at the first eligible miss; /readyz response_cache says "
+                "whether bodies arrive)",
             )
         )
     if s.admin.enabled and s.admin.host not in ("127.0.0.1", "::1", "localhost") and not s.admin.has_token:
