@@ -1,1 +1,2 @@
-"""kv-listener: engine KV-cache events in, an ordered resumable per-backend stream of index deltas out."""
+"""kv-listener: engine KV-cache events in, an ordered resumable per-backend stream of index deltas out.
+See docs/listener.md."""

@@ -1,4 +1,5 @@
-"""The listener's public entry points, for the benchmarks (the import contracts allow them this module only)."""
+"""The listener's public entry points, for the benchmarks (the import contracts allow them this module only).
+See docs/listener.md."""
 
 from __future__ import annotations
 

@@ -1,52 +1,11 @@
-"""Engine pages → the project's block keys, per source, within the seed's memory limits.
+"""The block-chain tracker: one source's engine pages → the project's block keys, kept exact through stores,
+copies, removals and clears, within the per-source memory limits; and ``work_units``, which slices a decoded
+batch so a source can yield between slices with the effect of applying it whole.
 
-Engines publish pages of their own size (vLLM ``block_size`` 16, 32, 64...; SGLang page size 1 is common,
-and SGLang's last page of a node may be partial). The feed's keys are always in blocks of
-``key_block_size`` tokens (``ListenerConfig.key_block_size``, equal to the picker's block size), computed
-by ``picker.shared.block_keys`` exactly as the picker computes a request's keys. The tracker regroups:
-
-- Every tracked page (a *node*, one per engine hash) keeps its ``anchor`` (the key of the last full
-  key-block ending at or before the node's end; the chain's root key when there is none) and its
-  ``tail`` (the fewer than ``key_block_size`` tokens after the anchor, packed uint32), so a child page
-  continues the chain without re-reading its ancestors.
-- A node *owns* the keys of the key-blocks that END inside it: storing it puts those keys, removing it
-  deletes exactly those keys. With pages of ``key_block_size`` tokens each node owns one key; with page
-  size 1 one node in ``key_block_size`` owns one; a 64-token page owns four.
-- The chain's root key folds the model, the LoRA adapter name and the cache salt (vLLM: the salt rides in
-  the first block's ``extra_keys``; SGLang: ``cache_salt``); children inherit them through the anchor.
-- Pages whose extras cannot be reproduced from token ids (multimodal hashes) are tracked without keys
-  (reason ``multimodal``), and so is everything chained below them.
-
-Presence (what a node's copies mean): a reference count per (KV-cache group, medium). Two stores of one
-hash on one medium need two removals; each medium (GPU; CPU, STORAGE, CPU_PINNED, DISK, EXTERNAL...) is
-counted on its own. vLLM hybrid models publish the same hashes once per KV-cache group and a removal
-names one group: a node is held while any *full-attention* group holds it. Groups announced as sliding
-window (or another non-full kind) through ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` do
-not keep a block alive once the source has shown a full-attention group (they only count on a source
-that never has; a node's tier is recomputed at its next store or removal); a group without kind
-information counts as full attention. A store that fails the
-page check (``len(token_ids) != len(block_hashes) * block_size``, a sliding window "null" block) never
-changes a known node; from a secondary group it is ignored (``null_block``), otherwise its unknown pages
-are tracked without keys. The tier of a node's keys is ``gpu_hot`` while any counted GPU copy exists,
-else ``storage_warm`` while any other copy does; with no copy left the node is forgotten. Keys are
-refcounted across nodes (two engine hashes may carry the same tokens), so the tier sent downstream is
-the best over every node owning the key. vLLM's CPU placeholder stores (``block_size`` 0, no tokens)
-add a copy to known hashes; an unknown one is counted (``placeholder_unknown``) and ignored.
-``treat_eviction_as_offload``: a GPU removal that leaves the group without a GPU copy adds a synthetic
-storage copy, dropped by the node's next non-GPU removal.
-
-Bounds (per source):
-- ``max_tracked_blocks`` nodes; beyond it the oldest node is pruned (its keys deleted downstream when no
-  other node owns them). Never a whole-backend reset.
-- Per node: the tail is fewer than ``key_block_size`` tokens (at most 4 * (key_block_size - 1) bytes);
-  the keys owned are at most ceil(page tokens / key_block_size); copies at most ``MAX_COPIES_PER_NODE``.
-- ``max_retained_tokens`` token ids kept as per-page segments (4 bytes each) for chain reconstruction
-  (``chain_token_ids``); oldest segments are dropped first, the node stays keyed.
-- ``max_chain_tokens``: key-blocks ending past it are not keyed and the chain below is unattributed.
-
-Sliced application: :func:`work_units` splits a decoded batch into lists of events of at most N blocks
-each (a large event is split into consecutive sub-events with the same effect), so a source may yield
-to the event loop between calls to :meth:`BlockChainTracker.apply_all`.
+One cohesive thing over ~450 lines: the key regrouping, the copy accounting and the bounds act on the same nodes
+and must change together (the state log in ``listener.state_log`` mirrors these presence rules); ``work_units``
+splits an event with the tracker's own semantics (the page check, the parent chaining). The rules (keys, anchors
+and tails, presence per group and medium, tiers, bounds) are in docs/listener.md#block-chains.
 """
 
 from __future__ import annotations
@@ -58,17 +17,21 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from listener.config import LimitsConfig, ListenerConfig, SourceConfig
-from listener.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, SourceReset
+from listener.events import (
+    GPU_LABEL,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    SourceReset,
+    medium_label,
+)
 from picker.shared.block_keys import chain_packed_keys, root_key
 
 log = logging.getLogger("kv_listener.block_chains")
 
 GPU = "gpu_hot"
 WARM = "storage_warm"
-_GPU_MEDIA = frozenset({"GPU", "gpu", "cuda", "CUDA"})
-_KNOWN_MEDIA = frozenset({"CPU", "STORAGE", "CPU_PINNED", "DISK", "EXTERNAL"})
-_GPU_LABEL = "GPU"
-_OTHER_LABEL = "OTHER"
 _OFFLOAD_LABEL = "~OFFLOAD"  # synthetic copy of treat_eviction_as_offload
 MAX_COPIES_PER_NODE = 64  # distinct (group, medium) pairs a node may hold; more is a hostile stream
 MAX_ROOTS_CACHED = 1024
@@ -92,20 +55,6 @@ class _Node:
     keys: tuple[int, ...] = ()  # keys of the key-blocks ending inside this page
     copies: dict[tuple[int, str], int] = field(default_factory=dict)
     tier: str | None = None  # the tier this node currently contributes to its keys
-
-
-def is_gpu_medium(medium: str | None) -> bool:
-    """docs/wire.md §3: ``"GPU"`` or null is GpuHot; every other medium is StorageWarm."""
-    return medium is None or medium in _GPU_MEDIA
-
-
-def medium_label(medium: str | None) -> str:
-    """The medium a copy is counted under (the tracker's and the state log's name for it)."""
-    if is_gpu_medium(medium):
-        return _GPU_LABEL
-    assert medium is not None
-    up = medium.upper()
-    return up if up in _KNOWN_MEDIA else _OTHER_LABEL
 
 
 def event_blocks(event: KvEvent) -> int:
@@ -293,7 +242,7 @@ class BlockChainTracker:
         for (group, medium), n in node.copies.items():
             if n <= 0 or group in skip:
                 continue
-            if medium == _GPU_LABEL:
+            if medium == GPU_LABEL:
                 return GPU
             warm = True
         return WARM if warm else None
@@ -453,7 +402,7 @@ class BlockChainTracker:
         nodes = self._nodes
         slot = (group, medium)
         # tier of a fresh node holding only this copy (the common case, without the general recount)
-        fresh_tier = None if ev.secondary_group and self._full_group_seen else GPU if medium == _GPU_LABEL else WARM
+        fresh_tier = None if ev.secondary_group and self._full_group_seen else GPU if medium == GPU_LABEL else WARM
         for i, h in enumerate(ev.block_hashes):
             page = all_packed[i * pstride : (i + 1) * pstride]
             ntok = len(page) // 4
@@ -531,7 +480,7 @@ class BlockChainTracker:
                 copies[slot] = had - 1
             elif had == 1:
                 del copies[slot]
-            if medium == _GPU_LABEL:
+            if medium == GPU_LABEL:
                 if offload and had == 1:
                     copies[(group, _OFFLOAD_LABEL)] = 1
             else:

@@ -1,8 +1,5 @@
-"""The ``kv-listener`` command.
-
-``kv-listener run --config FILE`` runs the listener until SIGTERM/SIGINT, then drains and exits;
-``kv-listener config validate FILE`` checks a config file the way ``kv-epp config validate`` does
-(``kv-listener check --config FILE`` is an alias of it). ``--log-level`` goes before or after the subcommand.
+"""The ``kv-listener`` command: ``run --config FILE`` (serve until SIGTERM/SIGINT, then drain), ``config validate
+FILE`` and its alias ``check --config FILE``. See docs/listener.md#the-command.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A bad key or value raises :class:`ListenerConfigError` naming its dotted path (`
 
 Sources are either a static list (``sources``) or follow the pool (``discovery``): each discovered backend
 gets a source rendered from ``discovery.source_template`` (see :class:`SourceTemplate`), overridden per pod by
-annotations. The two are mutually exclusive.
+annotations. The two are mutually exclusive. How the listener uses them: docs/listener.md.
 """
 
 from __future__ import annotations

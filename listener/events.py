@@ -1,4 +1,5 @@
-"""Typed engine KV events, normalised from every wire format the listener accepts."""
+"""Typed engine KV events, normalised from every wire format the listener accepts, and the normalisation of
+the wire's values (block hashes, media, a source's health state). See docs/listener.md#events-and-decoding."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import time
 from dataclasses import dataclass
 
 U64_MASK = (1 << 64) - 1
+_GPU_MEDIA = frozenset({"GPU", "gpu", "cuda", "CUDA"})
+_KNOWN_MEDIA = frozenset({"CPU", "STORAGE", "CPU_PINNED", "DISK", "EXTERNAL"})
+GPU_LABEL = "GPU"
+OTHER_LABEL = "OTHER"
 
 
 @dataclass(slots=True, frozen=True)
@@ -111,3 +116,17 @@ def normalise_hash(value: object) -> int:
             raise DecodeError("malformed", "empty hash bytes")
         return int.from_bytes(raw[-8:], "big")
     raise DecodeError("malformed", f"hash of type {type(value).__name__}")
+
+
+def is_gpu_medium(medium: str | None) -> bool:
+    """docs/wire.md §3: ``"GPU"`` or null is GpuHot; every other medium is StorageWarm."""
+    return medium is None or medium in _GPU_MEDIA
+
+
+def medium_label(medium: str | None) -> str:
+    """The medium a copy is counted under (the tracker's and the state log's name for it)."""
+    if is_gpu_medium(medium):
+        return GPU_LABEL
+    assert medium is not None
+    up = medium.upper()
+    return up if up in _KNOWN_MEDIA else OTHER_LABEL

@@ -1,32 +1,7 @@
-"""The listener→picker feed: an ordered, resumable per-backend stream of index deltas, served over SSE
-(``listener.feed_server``) and gRPC (``listener.grpc_feed``) from the same records.
-
-The record formats live in ``picker.shared.feed_records`` (written here, read by the picker). A put/del
-record carries at most ``feed.max_keys_per_record`` keys. Each :class:`Record` keeps its keys as a
-64-bit array and encodes itself once per transport (shared by every subscriber).
-
-Event ids increase by one per record within a backend and start at a random epoch of this listener
-process (22 random bits above 40 bits of count), so an id of an earlier process falls outside this one's
-history (a snapshot) whatever the clocks did; a wall-clock base could repeat after a clock step back.
-A subscriber resumes from its last id when the history still holds every later record; else it gets
-a snapshot, then the records after it, then live records.
-
-Bounds against careless or hostile subscribers:
-
-- at most ``feed.max_subscribers_per_backend`` per backend and ``feed.max_subscribers`` in all
-  (:func:`open_subscription` raises :class:`SubscriberLimit`: HTTP 503 / gRPC RESOURCE_EXHAUSTED);
-- a snapshot copies the state once (two flat lists, C speed) and is shared by every subscriber that
-  joins while the history still bridges it to the present (they get it, then the records after it);
-  its records are built chunk by chunk while being written, yielding to the loop between chunks;
-- a subscriber's pending live records are bounded in count (``subscriber_queue_size``) and in bytes
-  (``subscriber_queue_bytes``); past either it is closed with ``buffer_overflow``;
-- every write has a deadline (``write_timeout_seconds``; the transports enforce it).
-
-A backend that leaves the pool (discovery) is retired: :meth:`BackendFeed.retire` publishes one ``clear``
-(reason ``backend_gone``) and ends every subscriber right after it: what it had not yet been sent (the rest of a
-snapshot, history, live records) is skipped, the clear is written, then ``close: backend_gone``. A consumer
-that applies the clear holds none of the backend's blocks; its reconnection finds no such backend (404 /
-NOT_FOUND) until the backend is discovered again.
+"""The listener→picker feed: an ordered, resumable per-backend stream of index deltas (records, ids from a random
+per-process epoch, bounded history, shared snapshots, bounded subscribers, retirement of a backend that left),
+served over SSE (``listener.feed_server``) and gRPC (``listener.grpc_feed``) from the same records. The record
+formats live in ``picker.shared.feed_records``. See docs/listener.md#the-feed.
 """
 
 from __future__ import annotations
@@ -374,7 +349,7 @@ class BackendFeed:
 
     def retire(self, reason: str) -> None:
         """The backend left the pool: one ``clear`` record (``reason``), then every subscriber ends after it
-        (see the module docstring); the state, history and shared snapshot are freed. Nothing is published
+        (docs/listener.md#the-feed); the state, history and shared snapshot are freed. Nothing is published
         after this (the feed is no longer reachable)."""
         self.state = {}
         self._snapshot = None

@@ -1,4 +1,6 @@
-"""HTTP side of the listener (aiohttp): ``GET /events/{backend}`` (SSE), ``/metrics``, ``/healthz``."""
+"""HTTP side of the listener (aiohttp): ``GET /events/{backend}`` (the feed over SSE), ``/metrics``, ``/healthz``
+(the app adds ``/readyz``). See docs/listener.md#the-feed.
+"""
 
 from __future__ import annotations
 

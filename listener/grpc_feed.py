@@ -1,16 +1,6 @@
-"""The feed as the gRPC service ``kvfeed.v1.KvFeed`` (``protos/kvfeed/v1/feed.proto``), on its own port
-(``grpc.listen``; off unless set).
-
-Same records, ids, resume, snapshot, caps and bounds as the SSE feed (``listener.feed``); only the
-encoding differs. Records are serialized once per record (shared by every subscriber) and written
-pre-serialized. ``Subscribe`` starts with a ``hello`` (backend, model, engine, key block size).
-
-- TLS: ``grpc.tls_cert_file`` + ``tls_key_file`` (PEM, read at start; a rotated pair needs a restart).
-- ``grpc.token_file``: every call must carry ``authorization: Bearer <token>``, compared in constant
-  time, else UNAUTHENTICATED. Nothing here logs the token.
-- Refusals: NOT_FOUND (unknown backend), RESOURCE_EXHAUSTED (subscriber cap), UNAVAILABLE (draining).
-- Every write has the deadline ``feed.write_timeout_seconds``; a subscriber that does not read is
-  dropped past it (reason write_timeout).
+"""The feed as the gRPC service ``kvfeed.v1.KvFeed`` (``protos/kvfeed/v1/feed.proto``) on its own port
+(``grpc.listen``; off unless set): the same records, resume, caps and bounds as the SSE feed, with optional TLS
+and a bearer token. See docs/listener.md#the-grpc-feed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Listener counters at ``/metrics``. Labels: source names (configured or discovered) and fixed reason sets only.
-
-A discovered backend that leaves the pool has its series removed (:meth:`ListenerMetrics.forget_source`), so the
-series follow the live sources, not every pod the listener ever saw.
+"""Listener counters at ``/metrics``. Labels: source names (configured or discovered) and fixed reason sets only;
+a departed source's series are removed. See docs/listener.md#metrics.
 """
 
 from __future__ import annotations

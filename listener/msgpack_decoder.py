@@ -1,32 +1,6 @@
-"""Decoder for vLLM and SGLang ZMQ payloads (msgpack), both encodings.
-
-Batch: ``[ts, events, dp_rank]`` or a map ``{"ts", "events", "data_parallel_rank"}``. Events:
-positional arrays with the tag first (vLLM before mid-2026, older SGLang) or maps with the tag under
-``"type"`` (newer vLLM and SGLang). Unknown keys and extra trailing elements are ignored; fields left
-at their defaults may be missing. Facts from docs/wire.md §3-4; no engine code is used.
-
-Decoding work is bounded before it can explode (hostile peers): besides msgpack's per-container length
-limits, every array and map built while unpacking is counted (``list_hook`` / ``object_hook``) and the
-payload is abandoned (reason ``too_large``) past ``LimitsConfig.max_message_containers`` containers or
-``max_message_items`` elements in total; one event with more than ``max_event_hashes`` block hashes is
-dropped (``too_large``) before any hash is converted.
-
-Fields read from ``BlockStored``: ``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``
-(0 only for vLLM's CPU placeholder stores, which carry no tokens), ``lora_id``, ``lora_name``, ``medium``,
-``cache_salt`` (SGLang), ``extra_keys`` (vLLM), ``group_idx``, ``kv_cache_spec_kind``,
-``kv_cache_spec_sliding_window``. vLLM's ``extra_keys`` (one entry per block, None or a list; in the
-array form taken from the position after ``lora_name`` only when it has that shape) lists, in this order:
-the adapter name, the block's multimodal hashes, the cache salt (first block of a request only), the
-prompt-embeds hash. The adapter name is dropped from the head of every block's list (its first element
-only, when it equals ``lora_name``: a cache salt spelled like the adapter stays); on a chain's first block
-(no parent) a single remaining string is the cache salt (the last element); any other remaining extra
-(multimodal hashes, prompt embeds) makes that block and the rest of the event unkeyable
-(``unkeyable_from``).
-
-Known limit: a first block whose only extra is one multimodal identifier (no salt) cannot be told from a
-salted block by shape, and is read as salted with that identifier. Harmless: the picker folds only a
-request's own ``cache_salt`` into its root key, and no request sends a multimodal hash as its salt, so the
-keys of such a chain are never looked up (they only take index room).
+"""Decoder for vLLM and SGLang ZMQ payloads (msgpack, positional and map encodings) into typed events, with the
+decoding work bounded before it can explode (hostile peers). Facts from docs/wire.md §3-4; no engine code is
+used. The fields read, the ``extra_keys`` rules and the bounds: docs/listener.md#events-and-decoding.
 """
 
 from __future__ import annotations

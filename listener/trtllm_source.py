@@ -1,10 +1,6 @@
-"""TensorRT-LLM event source: poll ``POST {http_endpoint}/kv_cache_events`` (trtllm-serve).
-
-The endpoint drains and returns a JSON list of ``{event_id, data: {type, ...}}``. Ids are deduped;
-a gap (an id beyond last+1) means events were lost, so the source's state is cleared; an id that goes
-back to 0 means the server restarted. ``created`` resets the state, ``stored`` creates or extends a
-chain (one tracker block per TRT block, chained through the previous block), ``removed`` drops blocks,
-``updated`` (priority / cache level changes) is ignored.
+"""TensorRT-LLM event source: polls ``POST {http_endpoint}/kv_cache_events`` (trtllm-serve) and applies the
+events in id order; ``decode_trtllm_event`` turns its JSON events into the tracker's events. See
+docs/listener.md#the-tensorrt-llm-source.
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ from listener.events import (
     source_status,
 )
 from listener.metrics import ListenerMetrics
+from listener.state_store import PersistedSource
 
 log = logging.getLogger("kv_listener.trtllm")
 
@@ -115,6 +112,25 @@ class TrtllmHttpSource:
         self.max_response_bytes = limits.max_message_bytes  # a larger response is dropped: state cleared
         assert cfg.http_endpoint is not None
         self.url = cfg.http_endpoint.rstrip("/") + "/kv_cache_events"
+
+    # -- the EventSource protocol: polls need nothing opened, nothing queued, nothing persisted ------------------
+    @property
+    def endpoint(self) -> str:
+        assert self.cfg.http_endpoint is not None  # validated by SourceConfig
+        return self.cfg.http_endpoint
+
+    @property
+    def backlog_bytes(self) -> None:
+        return None
+
+    def open(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def persistence(self) -> PersistedSource | None:
+        return None
 
     def _drop(self, reason: str, n: int = 1) -> None:
         self.metrics.events_dropped.labels(self.name, reason).inc(n)

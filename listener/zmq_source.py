@@ -1,69 +1,45 @@
-"""vLLM / SGLang event source over ZMQ: SUB socket, sequence tracking, incarnation checks, replay.
-
-Messages are ``[topic, seq (8 bytes BE), msgpack payload]`` (docs/wire.md §3). Three tasks per source:
-
-- the reader drains the SUB socket (and its socket monitor) into a queue bounded in bytes
-  (``limits.max_backlog_bytes``; a message that does not fit is dropped, reason ``backlog_full``: a gap,
-  repaired by replay). RCVHWM is ``max(2, max_backlog_bytes // max_message_bytes)`` capped at 1000, so
-  libzmq holds at most RCVHWM × max_message_bytes more; the publisher keeps its own SNDHWM queue.
-- the socket monitor gives the true connection state: ``connected`` only while a peer is connected
-  (EVENT_HANDSHAKE_SUCCEEDED .. EVENT_DISCONNECTED: a ZMTP peer, not just a TCP connection). The
-  reader reads monitor events before each message, so a reconnection is queued before the first
-  message that came over it.
-- the applier applies messages in order, a batch in work units of ``limits.apply_slice_blocks`` blocks
-  (``block_chains.work_units``), and yields to the loop between units (every few ms), so /healthz
-  answers while a big batch is applied (decoding one message is one step: max_message_bytes bounds it).
-
-Incarnation checks. The digest of the last applied batch is kept. After a reconnection, a listener start
-with persisted state (``state_store``) or a sequence gap, the replay ROUTER is asked from the last applied
-seq: the same seq with the same digest proves the same incarnation and the rest of the reply is applied
-(catch-up); a different digest, or no batch at that seq while the engine answers (its seq went back),
-is a restart: the old incarnation is cleared before anything new is applied, then the new one is replayed
-from its earliest buffered seq. No replay endpoint, no answer within ``replay_timeout_ms``, or a buffer
-that no longer holds the seq (rolled over) is unverifiable: cleared too (a route on blocks of a dead
-incarnation is worse than a missed hit). On the live stream a seq that goes back (or repeats with another
-payload) is a restart. A source without state that first sees seq s > 0 replays 0..s-1 from the engine
-(a late start catches up on blocks vLLM will never re-announce); applying any contiguous suffix of the
-engine's current batches is sound: it never claims a block the engine no longer holds.
+"""vLLM / SGLang event source over ZMQ: applies one engine's batches to its block-chain tracker in sequence
+order, checks the engine's incarnation against its replay buffer (after a reconnection, a start with persisted
+state, a sequence gap), catches up, and restores persisted state once the incarnation is proven. The socket side
+is ``listener.zmq_receiver``, the replay client ``listener.zmq_replay``. See docs/listener.md#the-zmq-source.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import zmq as _zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from listener.block_chains import BlockChainTracker, work_units
 from listener.config import LimitsConfig, SourceConfig
 from listener.events import DecodeError, source_status
 from listener.metrics import ListenerMetrics
 from listener.msgpack_decoder import DecodedBatch, decode_batch
-from listener.state_store import EventLog, SourceState, batch_payload, payload_digest
+from listener.source import SourceOpenError
+from listener.state_file import SourceState
+from listener.state_log import EventLog, batch_payload
+from listener.state_store import PersistedSource
+from listener.zmq_receiver import VERIFY, ZmqReceiver
+from listener.zmq_replay import ReplayEnd, replay
 
 log = logging.getLogger("kv_listener.zmq")
-# pyzmq is skipped by the project's mypy config (follow_imports=skip), so its constants are typed Any here
-Z: Any = _zmq
+Z: Any = _zmq  # pyzmq is typed Any (see listener.zmq_receiver)
 
-END_SEQ = b"\xff" * 8
-MAX_RCV_HWM = 1000
-MAX_REPLAY_MESSAGES = 100_000  # one replay applies at most this many batches
 YIELD_EVERY_SECONDS = 0.005  # the applier gives the loop a turn at least this often
 THREAD_DECODE_BYTES = 256 << 10  # payloads larger than this are decoded in a worker thread
 RESTORE_EVENTS_PER_BATCH = 512
-_VERIFY = object()  # queue marker: a new connection; check the incarnation before the next message
 
 
-def rcv_hwm(limits: LimitsConfig) -> int:
-    """libzmq's receive queue in messages: at most this × max_message_bytes bytes wait inside libzmq."""
-    return max(2, min(MAX_RCV_HWM, limits.max_backlog_bytes // limits.max_message_bytes))
+def payload_digest(payload: bytes) -> bytes:
+    """A stable digest of one batch payload (Python's hash() changes between processes)."""
+    return hashlib.blake2b(payload, digest_size=16).digest()
 
 
 def restore_chunks(events: list[bytes], limits: LimitsConfig) -> Iterator[list[bytes]]:
@@ -87,29 +63,9 @@ def restore_chunks(events: list[bytes], limits: LimitsConfig) -> Iterator[list[b
         yield chunk
 
 
-def split_replay_reply(frames: list[bytes]) -> tuple[bytes, bytes] | None:
-    """(seq8, payload) from any accepted replay reply layout, or None when it is not one."""
-    if len(frames) == 4 and frames[0] == b"":
-        frames = frames[1:]
-    if len(frames) == 3:  # [b"", seq, payload] or [topic, seq, payload]: seq is always frame 1
-        return frames[1], frames[2]
-    if len(frames) == 2:
-        return frames[0], frames[1]
-    return None
-
-
-def _ipv6(endpoint: str | None) -> bool:
-    """A tcp endpoint whose host is an IPv6 literal (``tcp://[ip]:port``)."""
-    return bool(endpoint) and "://[" in (endpoint or "")
-
-
 def fingerprint(cfg: SourceConfig) -> str:
     """What identifies the engine behind a source (persisted state of another engine is not restored)."""
     return f"{cfg.engine}|{cfg.zmq_endpoint}|{cfg.topic}|{cfg.model}"
-
-
-class _ReplayEnd(Exception):
-    """The replay stream ended: ``status`` is end, timeout, error or limit."""
 
 
 class ZmqEventSource:
@@ -143,75 +99,46 @@ class ZmqEventSource:
             engine=cfg.engine,
         )
         self._restored: SourceState | None = None  # persisted state, applied once its incarnation is verified
-        self.bound_endpoint: str | None = None  # set when zmq_mode is bind (resolves port 0 / *)
-        # A peer counts once its ZMTP handshake succeeded: a TCP connection alone may be the socket connected
-        # to itself (loopback, a port nobody listens on) or another protocol. With several TCP connections
-        # (bind mode) a drop of one not yet handshaken is not told apart: peers ≤ TCP connections.
-        self.peers = 0
-        self._tcp = 0
-        self.ever_connected = False
-        self.state_since = time.monotonic()  # when the source last lost its peer (or started)
         self.last_event_at: float | None = None
         self.incarnation_checks: dict[str, int] = {"same": 0, "restart": 0, "unverifiable": 0}
-        self.backlog_bytes = 0
         self._turn = 0.0  # loop time by which the applier next yields (see _give_turn)
-        self._queue: deque[Any] = deque()
-        self._wake = asyncio.Event()
-        self._allowed = frozenset(cfg.allowed_publishers)
-        self._sock: zmq.asyncio.Socket | None = None
-        self._mon: zmq.asyncio.Socket | None = None
+        self.receiver = ZmqReceiver(cfg, limits, metrics, ctx)
+
+    # -- the EventSource protocol ------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        assert self.cfg.zmq_endpoint is not None  # validated by SourceConfig
+        return self.cfg.zmq_endpoint
 
     @property
     def connected(self) -> bool:
-        return self.peers > 0
+        return self.receiver.connected
 
-    # -- sockets ---------------------------------------------------------------------------------
+    @property
+    def peers(self) -> int:
+        return self.receiver.peers
+
+    @property
+    def backlog_bytes(self) -> int:
+        return self.receiver.backlog_bytes
+
     def open(self) -> None:
-        """Create and bind/connect the SUB socket and its monitor (synchronous: callers learn the port)."""
-        sock = self.ctx.socket(Z.SUB)
-        sock.setsockopt(Z.LINGER, 0)
-        if _ipv6(self.cfg.zmq_endpoint):
-            sock.setsockopt(Z.IPV6, 1)  # libzmq refuses an IPv6 address unless asked (a discovered pod's may be one)
-        sock.setsockopt(Z.RCVHWM, rcv_hwm(self.limits))
-        sock.setsockopt(Z.MAXMSGSIZE, self.limits.max_message_bytes)
-        sock.setsockopt(Z.SUBSCRIBE, self.cfg.topic.encode())
-        self._sock = sock
-        self._mon = sock.get_monitor_socket(
-            Z.EVENT_CONNECTED | Z.EVENT_ACCEPTED | Z.EVENT_HANDSHAKE_SUCCEEDED | Z.EVENT_DISCONNECTED
-        )
-        assert self.cfg.zmq_endpoint is not None  # validated by SourceConfig
-        if self.cfg.zmq_mode == "bind":
-            sock.bind(self.cfg.zmq_endpoint)
-            last = sock.getsockopt(Z.LAST_ENDPOINT)
-            self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
-        else:
-            sock.connect(self.cfg.zmq_endpoint)
+        """Open the SUB socket and its monitor (synchronous: callers learn the port); on failure the socket is
+        closed and ``SourceOpenError`` raised."""
+        try:
+            self.receiver.open()
+        except Z.ZMQError as exc:
+            self.receiver.close()
+            raise SourceOpenError(str(exc)) from None
 
     def close(self) -> None:
-        if self._sock is not None:
-            with contextlib.suppress(Z.ZMQError):
-                self._sock.disable_monitor()
-            self._sock.close(linger=0)
-            self._sock = None
-        if self._mon is not None:
-            self._mon.close(linger=0)
-            self._mon = None
-        self.peers = self._tcp = 0
+        self.receiver.close()
+
+    def persistence(self) -> PersistedSource:
+        return self
 
     def _drop(self, reason: str, n: int = 1) -> None:
         self.metrics.events_dropped.labels(self.name, reason).inc(n)
-
-    def _peer_allowed(self, frame: Any) -> bool:
-        if not self._allowed:
-            return True
-        try:
-            peer = frame.get("Peer-Address")
-        except (Z.ZMQError, AttributeError, TypeError):
-            return False  # ipc/inproc expose no peer address: an allow-list cannot be satisfied
-        peer = str(peer)
-        if peer.startswith("::ffff:") and "." in peer:  # an IPv4 peer on a dual-stack socket: its IPv4 form counts
-            return peer in self._allowed or peer[7:] in self._allowed
-        return peer in self._allowed
 
     # -- persisted state -------------------------------------------------------------------------
     def restore(self, state: SourceState) -> None:
@@ -233,7 +160,7 @@ class ZmqEventSource:
     # -- tasks -----------------------------------------------------------------------------------
     async def run(self) -> None:
         """Receive and apply until cancelled. Nothing an engine sends can end this."""
-        if self._sock is None:
+        if not self.receiver.opened:
             self.open()
         log.info(
             "event=source_started source=%s engine=%s endpoint=%s restored=%s",
@@ -244,65 +171,10 @@ class ZmqEventSource:
         )
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._read_loop(), name=f"zmq-read-{self.name}")
+                tg.create_task(self.receiver.read_loop(), name=f"zmq-read-{self.name}")
                 tg.create_task(self._apply_loop(), name=f"zmq-apply-{self.name}")
         finally:
             self.close()
-
-    def _monitor_events(self, mon: Any) -> None:
-        while mon.getsockopt(Z.EVENTS) & Z.POLLIN:
-            ev = parse_monitor_message(mon.recv_multipart(Z.NOBLOCK))
-            kind = ev["event"]
-            if kind in (Z.EVENT_CONNECTED, Z.EVENT_ACCEPTED):
-                self._tcp += 1
-            elif kind == Z.EVENT_HANDSHAKE_SUCCEEDED:
-                self.peers = min(self.peers + 1, self._tcp)
-                self.ever_connected = True
-                self.state_since = time.monotonic()
-                log.info("event=peer_connected source=%s peers=%d", self.name, self.peers)
-                self._enqueue(_VERIFY, 0)
-            elif kind == Z.EVENT_DISCONNECTED:
-                self._tcp = max(0, self._tcp - 1)
-                if self.peers > self._tcp:
-                    self.peers = self._tcp
-                    if not self.peers:
-                        self.state_since = time.monotonic()
-                    log.info("event=peer_disconnected source=%s peers=%d", self.name, self.peers)
-
-    def _enqueue(self, item: Any, size: int) -> None:
-        self._queue.append((item, size))
-        self.backlog_bytes += size
-        self._wake.set()
-
-    async def _read_loop(self) -> None:
-        sock, mon = self._sock, self._mon
-        assert sock is not None and mon is not None
-        poller = zmq.asyncio.Poller()
-        poller.register(sock, Z.POLLIN)
-        poller.register(mon, Z.POLLIN)
-        limit = self.limits.max_backlog_bytes
-        sub_now, mon_now = Z.Socket.shadow(sock.underlying), Z.Socket.shadow(mon.underlying)  # non-blocking reads
-        while True:
-            await poller.poll()
-            for _ in range(256):  # a bounded burst, then the loop gets a turn
-                self._monitor_events(mon_now)  # before each message: a reconnection is queued before its data
-                if not sub_now.getsockopt(Z.EVENTS) & Z.POLLIN:
-                    break
-                frames = sub_now.recv_multipart(Z.NOBLOCK, copy=False)
-                self.metrics.messages_received.labels(self.name).inc()
-                if len(frames) != 3 or len(frames[1].bytes) != 8:
-                    self._drop("malformed")
-                    continue
-                if not self._peer_allowed(frames[0]):
-                    self._drop("publisher_not_allowed")
-                    continue
-                payload = frames[2].bytes
-                size = len(payload) + 64
-                if self.backlog_bytes + size > limit:
-                    self._drop("backlog_full")
-                    continue
-                self._enqueue((int.from_bytes(frames[1].bytes, "big"), payload), size)
-            await asyncio.sleep(0)
 
     async def _give_turn(self) -> None:
         """Yield to the event loop once ``YIELD_EVERY_SECONDS`` of applying passed since the last turn, across
@@ -316,19 +188,16 @@ class ZmqEventSource:
         if self._restored is not None:
             await self._guarded(self._resync("start"))
         while True:
-            while not self._queue:
-                self._wake.clear()
-                await self._wake.wait()
-            item, size = self._queue.popleft()
+            item, size = await self.receiver.get()
             try:
-                if item is _VERIFY:
+                if item is VERIFY:
                     self._live_seq = self._live_digest = None
                     if self.last_seq is not None or self._restored is not None:
                         await self._guarded(self._resync("reconnect"))
                 else:
                     await self._guarded(self.handle(*item))
             finally:
-                self.backlog_bytes -= size
+                self.receiver.release(size)
             await self._give_turn()
 
     async def _guarded(self, work: Any) -> None:
@@ -410,34 +279,9 @@ class ZmqEventSource:
         return batch
 
     # -- replay ----------------------------------------------------------------------------------
-    async def _replay(self, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
-        """(seq, payload) replies from the replay ROUTER from ``start``; ends with _ReplayEnd(status)."""
-        assert self.cfg.replay_endpoint
-        dealer = self.ctx.socket(Z.DEALER)
-        dealer.setsockopt(Z.LINGER, 0)
-        if _ipv6(self.cfg.replay_endpoint):
-            dealer.setsockopt(Z.IPV6, 1)
-        dealer.setsockopt(Z.MAXMSGSIZE, self.limits.max_message_bytes)
-        timeout_ms = self.cfg.replay_timeout_ms
-        try:
-            dealer.connect(self.cfg.replay_endpoint)
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            for _ in range(MAX_REPLAY_MESSAGES):
-                if not await dealer.poll(timeout_ms, Z.POLLIN):
-                    raise _ReplayEnd("timeout")
-                reply = split_replay_reply(list(await dealer.recv_multipart()))
-                if reply is None or len(reply[0]) != 8:
-                    self._drop("malformed")
-                    raise _ReplayEnd("error")
-                if reply[0] == END_SEQ:
-                    raise _ReplayEnd("end")
-                yield int.from_bytes(reply[0], "big"), reply[1]
-            raise _ReplayEnd("limit")
-        except Z.ZMQError as exc:
-            log.warning("event=replay_failed source=%s error=%s", self.name, exc)
-            raise _ReplayEnd("error") from None
-        finally:
-            dealer.close(linger=0)
+    def _replay(self, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
+        """(seq, payload) replies of the engine's replay ROUTER from ``start``; ends with ReplayEnd(status)."""
+        return replay(self.ctx, self.cfg, self.limits, start, lambda: self._drop("malformed"))
 
     async def _apply_stream(self, replies: AsyncIterator[tuple[int, bytes]], until: int | None) -> str:
         """Apply contiguous replies (from last_seq + 1, or from the first one when there is no last_seq)."""
@@ -450,7 +294,7 @@ class ZmqEventSource:
                 if self.last_seq is not None and seq != self.last_seq + 1:
                     return "incomplete"
                 await self._apply(seq, payload, payload_digest(payload))
-        except _ReplayEnd as end:
+        except ReplayEnd as end:
             return "ok" if end.args[0] == "end" else "incomplete"
         return "ok"
 
@@ -464,7 +308,7 @@ class ZmqEventSource:
 
     async def _resync(self, cause: str, until: int | None = None) -> None:
         """Check the incarnation against the replay ROUTER from the last applied (or restored) seq and
-        catch up; see the module docstring for the verdicts."""
+        catch up; the verdicts are in docs/listener.md#incarnation-checks."""
         restored = self._restored
         ref_seq, ref_digest = (restored.last_seq, restored.digest) if restored else (self.last_seq, self.last_digest)
         assert ref_seq is not None
@@ -480,7 +324,7 @@ class ZmqEventSource:
             try:
                 first: tuple[int, bytes] | None = await anext(replies)
                 status = "reply"
-            except _ReplayEnd as end:
+            except ReplayEnd as end:
                 first, status = None, end.args[0]
             if first is not None and first[0] == ref_seq and payload_digest(first[1]) == ref_digest:
                 self._verdict(cause, "same", ref_seq, "digest matches")
@@ -549,8 +393,9 @@ class ZmqEventSource:
 
     # -- health ----------------------------------------------------------------------------------
     def status(self, stale_after: float) -> dict[str, object]:
+        rx = self.receiver
         out = source_status(
-            self.peers > 0, self.connected, self.ever_connected, self.state_since, self.last_event_at, stale_after
+            rx.peers > 0, rx.connected, rx.ever_connected, rx.state_since, self.last_event_at, stale_after
         )
         return {
             **out,

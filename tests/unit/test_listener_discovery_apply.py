@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from listener.app import ListenerApp
+from listener.app.discovery import PoolFollower
 from listener.config import DiscoveryConfig, GrpcFeedConfig, ListenerConfig, SourceConfig, SourceTemplate, StateConfig
 from listener.state_store import SourceState, read_state_file, write_state_file
 from listener.zmq_source import ZmqEventSource
@@ -179,6 +180,11 @@ async def get(app: ListenerApp, path: str) -> tuple[int, Any]:
         return r.status, body
 
 
+def follower_of(app: ListenerApp) -> PoolFollower:
+    assert app.follower is not None
+    return app.follower
+
+
 def metric(app: ListenerApp, name: str, **labels: str) -> float | None:
     return app.metrics.registry.get_sample_value(name, labels)
 
@@ -283,11 +289,11 @@ async def test_bad_annotations_and_the_source_bound_skip_backends(tmp_path: Path
         assert await e1.subscription() == b"\x01" and await e2.subscription() == b"\x01"
         await async_wait_until(lambda: app.applied is not None, timeout=30)
         assert sorted(app.sources) == ["vllm-1", "vllm-2"] and app.sources["vllm-1"].cfg.model == "other-model"
-        assert app.skipped["vllm-0"][0] == "bad_annotation" and "kv-epp.io/engine" in app.skipped["vllm-0"][1]
+        assert follower_of(app).skipped["vllm-0"][0] == "bad_annotation" and "kv-epp.io/engine" in follower_of(app).skipped["vllm-0"][1]
         status, _ = await get(app, "/readyz")
         assert status == 200  # a bad pod is skipped, not a failure of the listener
         await discovery.push(*pool)  # the same problem again: logged and counted once
-        await async_wait_until(lambda: app.snapshots_applied == 2, timeout=30)
+        await async_wait_until(lambda: follower_of(app).snapshots_applied == 2, timeout=30)
         assert metric(app, "continuum_listener_discovery_events_total", event="bad_annotation") == 1
         _, health = await get(app, "/healthz")
         assert health["discovery"]["skipped_backends"]["vllm-0"]["event"] == "bad_annotation"
@@ -296,7 +302,7 @@ async def test_bad_annotations_and_the_source_bound_skip_backends(tmp_path: Path
         await discovery.push(e0.backend("vllm-0"), *pool[1:])
         assert await e0.subscription() == b"\x01" and await e2.subscription() == b"\x00"
         assert sorted(app.sources) == ["vllm-0", "vllm-1"]
-        assert app.skipped == {"vllm-2": ("over_max_sources", "discovery.max_sources is 2")}
+        assert follower_of(app).skipped == {"vllm-2": ("over_max_sources", "discovery.max_sources is 2")}
         assert metric(app, "continuum_listener_discovery_events_total", event="over_max_sources") == 1
 
 
@@ -361,12 +367,12 @@ async def test_newest_snapshot_wins(tmp_path: Path, engines: list[Engine]) -> No
     e0, e1 = engines[0], engines[1]
     async with running(config(tmp_path)) as (app, discovery):
         await discovery.push()
-        await async_wait_until(lambda: app.snapshots_applied == 1, timeout=30)
+        await async_wait_until(lambda: follower_of(app).snapshots_applied == 1, timeout=30)
         discovery.publish_now(e0.backend("vllm-0"))
         discovery.publish_now(e1.backend("vllm-1"))  # before the apply task ran: the first is superseded
         assert await e1.subscription() == b"\x01"
         await async_wait_until(lambda: app.applied is not None and app.applied.version == "3", timeout=30)
-        assert sorted(app.sources) == ["vllm-1"] and app.snapshots_applied == 2
+        assert sorted(app.sources) == ["vllm-1"] and follower_of(app).snapshots_applied == 2
 
 
 async def test_an_ipv6_pod_is_subscribed(tmp_path: Path, ctx: zmq.asyncio.Context) -> None:
@@ -471,7 +477,7 @@ async def test_a_ready_flap_keeps_the_source_its_feed_and_its_state(tmp_path: Pa
             source, feed, tracker = app.sources["vllm-0"], app.feeds["vllm-0"], app.trackers["vllm-0"]
             unready = dataclasses.replace(e0.backend("vllm-0"), ready=False)
             await discovery.push(unready, e1.backend("vllm-1"))
-            await async_wait_until(lambda: app.unready == {"vllm-0"}, timeout=30, what="the flap applied")
+            await async_wait_until(lambda: follower_of(app).unready == {"vllm-0"}, timeout=30, what="the flap applied")
             assert app.sources["vllm-0"] is source and app.feeds["vllm-0"] is feed
             assert app.trackers["vllm-0"] is tracker
             k1 = await e0.store_chain()  # the engine still runs and publishes
@@ -484,7 +490,7 @@ async def test_a_ready_flap_keeps_the_source_its_feed_and_its_state(tmp_path: Pa
             assert sorted(read_state_file(state.path or "", 1 << 30)) == ["vllm-0", "vllm-1"]  # its state stays
 
             await discovery.push(e0.backend("vllm-0"), e1.backend("vllm-1"))  # Ready again
-            await async_wait_until(lambda: app.unready == frozenset(), timeout=30)
+            await async_wait_until(lambda: follower_of(app).unready == frozenset(), timeout=30)
             assert app.sources["vllm-0"] is source and app.feeds["vllm-0"] is feed
             assert p0.stats.closes == {} and held(p0) == len(k0) + len(k1)  # one subscription, never cleared
             assert metric(app, "continuum_listener_discovery_events_total", event="source_removed") is None
@@ -515,17 +521,17 @@ async def test_a_source_that_could_not_be_opened_is_retried_with_backoff(
         with caplog.at_level(logging.DEBUG, logger="kv_listener.app"):
             await discovery.push(e0.backend("vllm-0"))
             await async_wait_until(lambda: app.applied is not None, timeout=30)
-            assert "vllm-0" not in app.sources and app.skipped["vllm-0"][0] == "source_open_failed"
-            assert "Too many open files" in app.skipped["vllm-0"][1]
+            assert "vllm-0" not in app.sources and follower_of(app).skipped["vllm-0"][0] == "source_open_failed"
+            assert "Too many open files" in follower_of(app).skipped["vllm-0"][1]
             failed = ("continuum_listener_discovery_events_total", {"event": "source_open_failed"})
             await async_wait_until(
                 lambda: (app.metrics.registry.get_sample_value(*failed) or 0) >= 3, timeout=30, what="two retries"
             )
-            assert app.snapshots_applied == 1  # retried without a new snapshot
+            assert follower_of(app).snapshots_applied == 1  # retried without a new snapshot
             for s in fillers:
                 s.close(linger=0)
             assert await e0.subscription() == b"\x01"  # opened by a retry
-            await async_wait_until(lambda: "vllm-0" in app.sources and not app.skipped, timeout=30)
+            await async_wait_until(lambda: "vllm-0" in app.sources and not follower_of(app).skipped, timeout=30)
         warnings = [r for r in caplog.records if "reason=source_open_failed" in r.getMessage()]
         assert [r.levelno for r in warnings][:1] == [logging.WARNING]
         assert all(r.levelno == logging.DEBUG for r in warnings[1:]) and len(warnings) >= 3

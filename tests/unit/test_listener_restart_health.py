@@ -14,7 +14,8 @@ from aiohttp import ClientSession
 
 from listener.app import ListenerApp
 from listener.config import LimitsConfig, ListenerConfig, SourceConfig
-from listener.zmq_source import ZmqEventSource, rcv_hwm
+from listener.zmq_receiver import rcv_hwm
+from listener.zmq_source import ZmqEventSource
 from tests.support.poll import async_wait_until
 from tests.unit.test_listener_restart_state import BS, MODEL, Engine, stored, tokens
 

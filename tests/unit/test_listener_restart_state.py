@@ -18,7 +18,8 @@ import zmq.asyncio
 
 from listener.app import ListenerApp
 from listener.config import ListenerConfig, SourceConfig, StateConfig
-from listener.state_store import EventLog, batch_payload, compact, read_state_file
+from listener.state_file import read_state_file
+from listener.state_log import EventLog, batch_payload, compact
 from listener.zmq_source import ZmqEventSource
 from picker.shared.block_keys import request_block_keys
 from tests.support.poll import async_wait_until

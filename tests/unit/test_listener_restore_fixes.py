@@ -16,20 +16,15 @@ import msgpack
 import pytest
 import zmq.asyncio
 
-from listener import state_store
+from listener import state_file, state_store
 from listener.app import ListenerApp
 from listener.block_chains import BlockChainTracker
 from listener.config import LimitsConfig, ListenerConfig, SourceConfig, StateConfig
 from listener.metrics import ListenerMetrics
 from listener.msgpack_decoder import decode_batch
-from listener.state_store import (
-    EventLog,
-    SourceState,
-    StatePersister,
-    compact,
-    read_state_file,
-    write_state_file,
-)
+from listener.state_file import SourceState, read_state_file, write_state_file
+from listener.state_log import EventLog, compact
+from listener.state_store import StatePersister
 from listener.zmq_source import ZmqEventSource
 from tests.support.recording_sink import RecordingSink
 
@@ -226,13 +221,13 @@ def test_source_passes_treat_eviction_as_offload_to_its_log() -> None:
 
 def test_each_write_uses_its_own_tmp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     opened: list[str] = []
-    real_open = state_store.os.open
+    real_open = state_file.os.open
 
     def spy(path: str, *args: Any) -> int:
         opened.append(path)
         return real_open(path, *args)
 
-    monkeypatch.setattr(state_store.os, "open", spy)
+    monkeypatch.setattr(state_file.os, "open", spy)
     path = str(tmp_path / "state.bin")
     st = {"e1": SourceState("f", 1, b"d", [])}
     write_state_file(path, st, 1 << 20)

@@ -31,7 +31,7 @@ from listener.block_chains import BlockChainTracker, work_units
 from listener.config import LimitsConfig, SourceConfig
 from listener.events import BlockRemoved, BlockStored
 from listener.msgpack_decoder import decode_batch
-from listener.state_store import EventLog, compact
+from listener.state_log import EventLog, compact
 from picker.shared.block_keys import request_block_keys
 from tests.support.recording_sink import RecordingSink
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +17,8 @@ from aiohttp import ClientSession
 
 from listener.app import ListenerApp
 from listener.config import LimitsConfig, ListenerConfig, SourceConfig
-from listener.zmq_source import ZmqEventSource
+from listener.metrics import ListenerMetrics
+from listener.zmq_receiver import ZmqReceiver
 from picker.shared.block_keys import request_block_keys
 from tests.support.poll import async_wait_until
 
@@ -265,7 +265,7 @@ async def test_restart_after_only_seq_zero_is_not_a_duplicate(ctx: zmq.asyncio.C
         assert sample(app, "kv_listener_engine_restarts_total") == 1
 
 
-def test_an_ipv4_peer_on_a_dual_stack_socket_matches_its_ipv4_allow_entry() -> None:
+def test_an_ipv4_peer_on_a_dual_stack_socket_matches_its_ipv4_allow_entry(ctx: zmq.asyncio.Context) -> None:
     """libzmq reports an IPv4 peer of an IPv6-enabled socket as ::ffff:a.b.c.d: the allow-list's a.b.c.d admits it."""
 
     class Frame:
@@ -275,8 +275,9 @@ def test_an_ipv4_peer_on_a_dual_stack_socket_matches_its_ipv4_allow_entry() -> N
         def get(self, _: str) -> str:
             return self.peer
 
-    allowed = types.SimpleNamespace(_allowed=frozenset({"10.1.2.3"}))
-    assert ZmqEventSource._peer_allowed(allowed, Frame("::ffff:10.1.2.3"))  # type: ignore[arg-type]
-    assert ZmqEventSource._peer_allowed(allowed, Frame("10.1.2.3"))  # type: ignore[arg-type]
-    assert not ZmqEventSource._peer_allowed(allowed, Frame("::ffff:10.1.2.4"))  # type: ignore[arg-type]
-    assert not ZmqEventSource._peer_allowed(allowed, Frame("fd00::10.1.2.3"))  # type: ignore[arg-type]
+    cfg = SourceConfig(backend_name="e1", model=MODEL, zmq_endpoint="tcp://x:1", allowed_publishers=("10.1.2.3",))
+    rx = ZmqReceiver(cfg, LimitsConfig(), ListenerMetrics(), ctx)
+    assert rx.peer_allowed(Frame("::ffff:10.1.2.3"))
+    assert rx.peer_allowed(Frame("10.1.2.3"))
+    assert not rx.peer_allowed(Frame("::ffff:10.1.2.4"))
+    assert not rx.peer_allowed(Frame("fd00::10.1.2.3"))
