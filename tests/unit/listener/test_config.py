@@ -1,28 +1,26 @@
-"""The listener's discovery config: source templates (placeholders, data-parallel ranks, IPv6), pod annotations
-(overrides, bad ones), and the config checks with their dotted paths. The feed's retirement of a backend that
-left the pool (a clear, then the end of the stream) is checked here too; applying snapshots to a running
-listener is in test_listener_discovery_apply.py."""
+"""listener.config: bad keys and values name their dotted path, unreadable files; the discovery config: source
+templates (placeholders, data-parallel ranks, IPv6), pod annotations (overrides, bad ones). Applying snapshots to a
+running listener is in app/test_discovery.py."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from listener.config import (
     DiscoveryConfig,
-    FeedConfig,
     ListenerConfigError,
     SourceConfig,
     SourceTemplate,
     TemplateError,
+    load_listener_config,
     offset_endpoint,
     parse_listener_config,
 )
-from listener.feed import BackendFeed
 from picker.shared.discovery import DiscoveredBackend
-from picker.shared.feed_records import CLEAR, PUT, SNAPSHOT_BEGIN, SNAPSHOT_END
 
 PREFIX = "kv-epp.io/"
 POOL = {"inference_pool": {"name": "pool"}}
@@ -197,38 +195,40 @@ def test_a_valid_discovery_config() -> None:
     assert d.template.engine == "sglang" and d.max_sources == 1024
 
 
-# -- the feed of a backend that left the pool ------------------------------------------------------------
-async def test_retire_mid_snapshot_skips_the_rest_and_ends_after_the_clear() -> None:
-    feed = BackendFeed("a", FeedConfig(max_keys_per_record=2, history_size=16), base_id=1 << 40)
-    feed.emit(PUT, list(range(1, 11)), "gpu_hot")  # 10 keys: a 5-chunk snapshot
-    sub = feed.subscribe(None)
-    it = sub.batches(keepalive_seconds=60)
-    first = await anext(it)
-    assert first[0].kind == SNAPSHOT_BEGIN
-    assert (await anext(it))[0].kind == PUT
-    feed.retire("backend_gone")
-    clear_id = feed.last_id
-    feed.emit(PUT, [99], "gpu_hot")  # a late record of the stopping source reaches nobody
-    rest = [batch async for batch in it]
-    kinds = [r.kind for batch in rest for r in batch]
-    assert kinds == [CLEAR] and rest[0][0].text == "backend_gone" and rest[0][0].id == clear_id
-    assert SNAPSHOT_END not in kinds and sub.close_reason == "backend_gone"
-
-
-async def test_retire_replaces_pending_live_records_with_the_clear() -> None:
-    feed = BackendFeed("a", FeedConfig(), base_id=5 << 40)
-    sub = feed.subscribe(feed.last_id)  # resumed: no snapshot
-    feed.emit(PUT, [1, 2], "gpu_hot")
-    feed.emit(PUT, [3], "gpu_hot")
-    feed.retire("backend_gone")
-    batches = [batch async for batch in sub.batches(keepalive_seconds=60)]
-    assert [[r.kind for r in b] for b in batches] == [[CLEAR]]
-    assert sub.close_reason == "backend_gone"
-
-
 def test_readiness_does_not_change_a_backends_source() -> None:
     """The listener compares rendered sources to decide what to drop: a Ready flap must render the same source
     (readiness gates the picker's routing only; the engine's events are followed all along)."""
     ready = backend(zmq_endpoint="tcp://{ip}:6000")
     unready = dataclasses.replace(ready, ready=False)
     assert not unready.ready and render(unready) == render(ready)
+
+
+# -- every config: paths of bad keys, files ----------------------------------------------------------------------
+SOURCE = {"backend_name": "vllm-0", "model": "m", "zmq_endpoint": "tcp://127.0.0.1:5557"}
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        ({"sources": [{**SOURCE, "backend_name": "bad name"}]}, "sources[0].backend_name"),
+        ({"sources": [{**SOURCE, "bogus": 1}]}, "sources[0].bogus"),
+        ({"sources": [{**SOURCE, "engine": "tgi"}]}, "sources[0].engine"),
+        ({"sources": [{**SOURCE, "zmq_endpoint": None}]}, "sources[0]"),
+        ({"sources": [{**SOURCE, "engine": "trtllm"}]}, "sources[0]"),
+        ({"limits": {"max_tracked_blocks": 0}}, "limits.max_tracked_blocks"),
+    ],
+)
+def test_bad_keys_name_their_path(data: dict, path: str) -> None:
+    with pytest.raises(ListenerConfigError) as exc:
+        parse_listener_config(data)
+    assert path in [p for p, _ in exc.value.problems], exc.value.problems
+
+
+def test_unreadable_and_non_mapping_files(tmp_path: Path) -> None:
+    with pytest.raises(ListenerConfigError):
+        load_listener_config(tmp_path / "missing.yaml")
+    f = tmp_path / "list.yaml"
+    f.write_text("- a\n- b\n")
+    with pytest.raises(ListenerConfigError) as exc:
+        load_listener_config(f)
+    assert exc.value.problems[0][0] == "<root>"

@@ -1,12 +1,10 @@
-"""TensorRT-LLM source against a small aiohttp server serving POST /kv_cache_events."""
+"""listener.trtllm_source: the poller against a small aiohttp server serving POST /kv_cache_events (ids, gaps,
+restarts, bad bodies, the allow-list, a response over the bound) and the decoder of its JSON events."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -15,7 +13,8 @@ from aiohttp import web
 
 from listener.app import ListenerApp
 from listener.config import ListenerConfig, SourceConfig
-from listener.trtllm_source import TrtllmHttpSource
+from listener.events import BlockRemoved, BlockStored, DecodeError, SourceReset
+from listener.trtllm_source import TrtllmHttpSource, decode_trtllm_event
 from picker.shared.block_keys import request_block_keys
 from tests.support.http_server import serve
 
@@ -106,15 +105,65 @@ async def test_trtllm_host_not_allowed(server: tuple[str, list[Any]]) -> None:
     assert not src.connected
 
 
-def test_cli_config_errors_name_the_path(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("sources:\n  - backend_name: 'bad name!'\n    model: m\n    zmq_endpoint: tcp://x:1\n    bogus: 1\n")
-    r = subprocess.run(
-        [sys.executable, "-m", "listener.cli", "check", "--config", str(bad)], capture_output=True, text=True
+async def test_a_response_over_the_bound_clears_and_a_failed_poll_disconnects(server: tuple[str, list[Any]]) -> None:
+    url, queue = server
+    app, src = make(url)
+    src.max_response_bytes = 2048
+    queue.extend(
+        [
+            [{"event_id": 0, "data": {"type": "stored", "parent_hash": None, "blocks": [blk(1, TOK[:4])]}}],
+            [{"event_id": 1, "data": {"type": "stored", "parent_hash": 1, "blocks": [blk(2, TOK[4:8])] * 30}}],
+        ]
     )
-    assert r.returncode == 2
-    assert "sources[0].backend_name" in r.stderr and "sources[0].bogus" in r.stderr
-    good = tmp_path / "good.yaml"
-    good.write_text("sources:\n  - backend_name: e1\n    model: m\n    zmq_endpoint: tcp://127.0.0.1:5557\n")
-    r = subprocess.run([sys.executable, "-m", "listener.cli", "check", "--config", str(good)], capture_output=True)
-    assert r.returncode == 0
+    async with aiohttp.ClientSession() as s:
+        await src.poll_once(s)
+        assert len(app.feeds["t1"].state) == 1 and src.connected and src.last_event_at is not None
+        await src.poll_once(s)  # larger than 2 KiB: events were lost
+        assert app.feeds["t1"].state == {} and src.connected
+    dropped = app.metrics.registry.get_sample_value(
+        "kv_listener_events_dropped_total", {"source": "t1", "reason": "too_large"}
+    )
+    assert dropped == 1
+    down = TrtllmHttpSource(src.cfg.model_copy(update={"http_endpoint": "http://127.0.0.1:1"}), src.limits,
+                            src.tracker, src.metrics)  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        await down.poll_once(s)  # nobody listens: only disconnected
+    assert not down.connected and down.status(60)["state"] == "connecting"
+
+
+def test_the_source_opens_nothing_queues_nothing_and_persists_nothing() -> None:
+    _app, src = make("http://127.0.0.1:1/")
+    assert src.url == "http://127.0.0.1:1/kv_cache_events" and src.endpoint == "http://127.0.0.1:1/"
+    src.open()
+    src.close()
+    assert src.backlog_bytes is None and src.persistence() is None and src.status(60)["last_seq"] is None
+
+
+def test_decode_trtllm_event() -> None:
+    stored = decode_trtllm_event(
+        {"type": "stored", "parent_hash": 7, "blocks": [blk(1, TOK[:4]), blk(2, TOK[4:8], level=1)]}, 1 << 20
+    )
+    assert stored == [
+        BlockStored((1,), 7, TOK[:4], 4, medium="GPU"),
+        BlockStored((2,), 1, TOK[4:8], 4, medium="CPU"),  # chained through the previous block; level 1: CPU
+    ]
+    extra = [{"token_id": 5, "token_extra_id": 3}]
+    (unkeyable,) = decode_trtllm_event({"type": "stored", "blocks": [{"block_hash": 1, "tokens": extra}]}, 99) or []
+    assert isinstance(unkeyable, BlockStored) and unkeyable.first_unkeyable == 0
+    assert decode_trtllm_event({"type": "removed", "block_hashes": [1, -1]}, 99) == [
+        BlockRemoved((1, (1 << 64) - 1), medium=None)
+    ]
+    assert decode_trtllm_event({"type": "created"}, 99) == [SourceReset()]
+    assert decode_trtllm_event({"type": "updated", "block_hash": 1}, 99) is None
+    bad: list[tuple[object, str]] = [
+        ("not a dict", "malformed"),
+        ({"type": "nope"}, "malformed"),
+        ({"type": "removed", "block_hashes": "x"}, "malformed"),
+        ({"type": "stored", "blocks": [{"block_hash": 1, "tokens": [{"token_id": -1}]}]}, "malformed"),
+        ({"type": "stored", "blocks": [{"block_hash": 1, "tokens": [{"token_id": True}]}]}, "malformed"),
+        ({"type": "stored", "blocks": [blk(1, TOK[:4]), blk(2, TOK[4:8])]}, "too_large"),  # over 6 tokens
+    ]
+    for data, reason in bad:
+        with pytest.raises(DecodeError) as exc:
+            decode_trtllm_event(data, 6)
+        assert exc.value.reason == reason

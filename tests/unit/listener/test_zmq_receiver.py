@@ -1,4 +1,5 @@
-"""True connection state, staleness and the receive backlog bound, over real ZMQ sockets (issue 8)."""
+"""listener.zmq_receiver over real ZMQ sockets: the true connection state (and what /healthz makes of it),
+staleness, the receive backlog bound, the publisher allow-list, bind mode."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from aiohttp import ClientSession
 
 from listener.app import ListenerApp
 from listener.config import LimitsConfig, ListenerConfig, SourceConfig
-from listener.zmq_receiver import rcv_hwm
+from listener.metrics import ListenerMetrics
+from listener.zmq_receiver import MAX_RCV_HWM, VERIFY, ZmqReceiver, ipv6, rcv_hwm
 from listener.zmq_source import ZmqEventSource
 from tests.support.poll import async_wait_until
-from tests.unit.test_listener_restart_state import BS, MODEL, Engine, stored, tokens
+from tests.unit.listener.fake_engines import PAGE as BS
+from tests.unit.listener.fake_engines import Engine, stored, tokens
 
+MODEL = "m"
 FREE_PORT_PROBE = "tcp://127.0.0.1"
 
 
@@ -140,27 +144,58 @@ async def test_backlog_is_bounded_in_bytes_and_repaired_by_replay(ctx: zmq.async
         await engine.close()
 
 
-async def test_a_big_batch_does_not_hold_the_loop(ctx: zmq.asyncio.Context) -> None:
-    """The applier yields between events: other tasks (the /healthz handler) run during a big batch."""
-    app = make("tcp://127.0.0.1:1")
-    src = source(app)
-    events = [stored([10_000 + i], None, tokens(i, 1)) for i in range(20_000)]
-    payload = msgpack.packb([0.0, events, 0])
-    ticks = 0
-    done = False
+def test_an_ipv4_peer_on_a_dual_stack_socket_matches_its_ipv4_allow_entry(ctx: zmq.asyncio.Context) -> None:
+    """libzmq reports an IPv4 peer of an IPv6-enabled socket as ::ffff:a.b.c.d: the allow-list's a.b.c.d admits it."""
 
-    async def ticker() -> None:
-        nonlocal ticks
-        while not done:
-            ticks += 1
-            await asyncio.sleep(0)
+    class Frame:
+        def __init__(self, peer: str) -> None:
+            self.peer = peer
 
-    t = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    before = ticks
-    await src.apply_payload(payload)
-    during = ticks - before
-    done = True
-    await t
-    assert src.tracker.tracked_blocks > 0
-    assert during > 1, "the loop did not get a turn while 20 000 events were applied"
+        def get(self, _: str) -> str:
+            return self.peer
+
+    cfg = SourceConfig(backend_name="e1", model=MODEL, zmq_endpoint="tcp://x:1", allowed_publishers=("10.1.2.3",))
+    rx = ZmqReceiver(cfg, LimitsConfig(), ListenerMetrics(), ctx)
+    assert rx.peer_allowed(Frame("::ffff:10.1.2.3"))
+    assert rx.peer_allowed(Frame("10.1.2.3"))
+    assert not rx.peer_allowed(Frame("::ffff:10.1.2.4"))
+    assert not rx.peer_allowed(Frame("fd00::10.1.2.3"))
+
+
+def test_receive_queue_bounds_and_ipv6_endpoints() -> None:
+    assert rcv_hwm(LimitsConfig(max_backlog_bytes=1 << 16, max_message_bytes=1 << 15)) == 2
+    assert rcv_hwm(LimitsConfig(max_backlog_bytes=1 << 16, max_message_bytes=1 << 20)) == 2  # at least 2
+    assert rcv_hwm(LimitsConfig(max_backlog_bytes=1 << 34, max_message_bytes=1024)) == MAX_RCV_HWM
+    assert rcv_hwm(LimitsConfig()) == 8  # 64 MiB over 8 MiB messages
+    assert ipv6("tcp://[::1]:5557") and not ipv6("tcp://10.0.0.1:5557") and not ipv6(None)
+
+
+async def test_bind_mode_queues_the_new_connection_before_its_first_message(ctx: zmq.asyncio.Context) -> None:
+    """In bind mode the engine's publisher connects to the listener: the receiver learns its port, counts the peer
+    once handshaken, and queues the reconnection marker before the first message that came over it."""
+    cfg = SourceConfig(backend_name="e1", model=MODEL, zmq_endpoint="tcp://127.0.0.1:*", zmq_mode="bind")
+    rx = ZmqReceiver(cfg, LimitsConfig(), ListenerMetrics(), ctx)
+    rx.open()
+    reader = asyncio.create_task(rx.read_loop())
+    engine = ctx.socket(zmq.XPUB)  # its subscription message says the listener's SUB is there
+    engine.setsockopt(zmq.LINGER, 0)
+    try:
+        assert rx.bound_endpoint is not None and not rx.bound_endpoint.endswith(":*")
+        engine.connect(rx.bound_endpoint)
+        async with asyncio.timeout(10):
+            assert (await engine.recv())[:1] == b"\x01"
+        await engine.send_multipart([b"", (7).to_bytes(8, "big"), b"payload"])
+        first, size = await asyncio.wait_for(rx.get(), 10)
+        assert first is VERIFY and size == 0
+        assert rx.connected and rx.ever_connected and rx.peers == 1
+        item, size = await asyncio.wait_for(rx.get(), 10)
+        assert item == (7, b"payload") and size == len(b"payload") + 64 and rx.backlog_bytes == size
+        rx.release(size)
+        assert rx.backlog_bytes == 0
+    finally:
+        engine.close(linger=0)
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        rx.close()
+    assert not rx.opened and rx.peers == 0

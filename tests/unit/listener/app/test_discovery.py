@@ -1,7 +1,7 @@
-"""A listener that follows the pool, over real sockets: pool snapshots come from a discovery object scripted
-by the test (the Discovery protocol; Kubernetes itself is in tests/integration/test_listener_discovery.py),
-engines are real ZMQ XPUB sockets, and the pickers are the real feed consumers (SSE and gRPC) filling real
-KV indexes.
+"""listener.app.discovery: a listener that follows the pool, over real sockets. Pool snapshots come from a
+discovery object scripted by the test (the Discovery protocol; Kubernetes itself is in
+tests/integration/test_listener_discovery.py), engines are real ZMQ XPUB sockets, and the pickers are the real
+feed consumers (SSE and gRPC) filling real KV indexes.
 
 Checked: readiness waits for the first snapshot; an added backend is subscribed and its events reach the
 picker; a removed one is dropped at once (the picker's index holds none of its blocks, its stream ends with
@@ -289,7 +289,10 @@ async def test_bad_annotations_and_the_source_bound_skip_backends(tmp_path: Path
         assert await e1.subscription() == b"\x01" and await e2.subscription() == b"\x01"
         await async_wait_until(lambda: app.applied is not None, timeout=30)
         assert sorted(app.sources) == ["vllm-1", "vllm-2"] and app.sources["vllm-1"].cfg.model == "other-model"
-        assert follower_of(app).skipped["vllm-0"][0] == "bad_annotation" and "kv-epp.io/engine" in follower_of(app).skipped["vllm-0"][1]
+        assert (
+            follower_of(app).skipped["vllm-0"][0] == "bad_annotation"
+            and "kv-epp.io/engine" in follower_of(app).skipped["vllm-0"][1]
+        )
         status, _ = await get(app, "/readyz")
         assert status == 200  # a bad pod is skipped, not a failure of the listener
         await discovery.push(*pool)  # the same problem again: logged and counted once
@@ -441,25 +444,6 @@ async def test_backends_file_discovery_from_the_config(tmp_path: Path, engines: 
         assert app.sources == {}
     finally:
         await app.stop()
-
-
-def test_forgetting_many_sources_removes_only_their_series() -> None:
-    """One pass over each metric's series, whatever the number of sources (a deleted pool drops them all)."""
-    from listener.metrics import ListenerMetrics
-
-    m = ListenerMetrics()
-    for n in ("a", "b", "c"):
-        m.messages_received.labels(n).inc()
-        m.events_dropped.labels(n, "gap").inc()
-        m.feed_records.labels(n).inc()
-    assert m.forget_sources({"a", "b"}) == 6
-    left = {s.labels.get("source") or s.labels.get("backend") for f in m.registry.collect() for s in f.samples}
-    assert "c" in left and not {"a", "b"} & left
-    m.background_task_failures.labels("source-c").inc(0)  # a discovered source's task (created at its start)
-    m.background_task_failures.labels("gauges").inc(0)
-    assert m.forget_source("c") == 4 and m.forget_sources(set()) == 0
-    tasks = {s.labels["task"] for f in m.registry.collect() for s in f.samples if "task" in s.labels}
-    assert tasks == {"gauges"}
 
 
 async def test_a_ready_flap_keeps_the_source_its_feed_and_its_state(tmp_path: Path, engines: list[Engine]) -> None:

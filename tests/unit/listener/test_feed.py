@@ -1,4 +1,6 @@
-"""The listener feed's bounds and the two transports' parity (listener.feed, picker.kv.feed_consumer)."""
+"""listener.feed: its bounds (pending records, subscribers, one batch), shared snapshots, ids that a new process
+never takes for an old one's, the retirement of a backend that left the pool (a clear, then the end of the
+stream), and the two transports' parity (the picker's SSE and gRPC consumers build the same index)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from listener.feed import BackendFeed, Record, Subscriber, SubscriberLimit, open
 from picker.config import EventSourceConfig
 from picker.kv.feed_consumer import GrpcFeedConsumer, KvFeedConsumer
 from picker.kv.index import InMemoryKvIndex
-from picker.shared.feed_records import SseParser
+from picker.shared.feed_records import CLEAR, PUT, SNAPSHOT_BEGIN, SNAPSHOT_END, SseParser
 
 
 def feed(**kw: int) -> BackendFeed:
@@ -124,3 +126,58 @@ def test_a_new_process_never_resumes_an_old_process_id() -> None:
     sub = new.subscribe(old.last_id - 3)
     assert not sub.resumed  # a snapshot, not the other process's records
     new.unsubscribe(sub)
+
+
+# -- the feed of a backend that left the pool -------------------------------------------------------------------
+async def test_retire_mid_snapshot_skips_the_rest_and_ends_after_the_clear() -> None:
+    feed = BackendFeed("a", FeedConfig(max_keys_per_record=2, history_size=16), base_id=1 << 40)
+    feed.emit(PUT, list(range(1, 11)), "gpu_hot")  # 10 keys: a 5-chunk snapshot
+    sub = feed.subscribe(None)
+    it = sub.batches(keepalive_seconds=60)
+    first = await anext(it)
+    assert first[0].kind == SNAPSHOT_BEGIN
+    assert (await anext(it))[0].kind == PUT
+    feed.retire("backend_gone")
+    clear_id = feed.last_id
+    feed.emit(PUT, [99], "gpu_hot")  # a late record of the stopping source reaches nobody
+    rest = [batch async for batch in it]
+    kinds = [r.kind for batch in rest for r in batch]
+    assert kinds == [CLEAR] and rest[0][0].text == "backend_gone" and rest[0][0].id == clear_id
+    assert SNAPSHOT_END not in kinds and sub.close_reason == "backend_gone"
+
+
+async def test_retire_replaces_pending_live_records_with_the_clear() -> None:
+    feed = BackendFeed("a", FeedConfig(), base_id=5 << 40)
+    sub = feed.subscribe(feed.last_id)  # resumed: no snapshot
+    feed.emit(PUT, [1, 2], "gpu_hot")
+    feed.emit(PUT, [3], "gpu_hot")
+    feed.retire("backend_gone")
+    batches = [batch async for batch in sub.batches(keepalive_seconds=60)]
+    assert [[r.kind for r in b] for b in batches] == [[CLEAR]]
+    assert sub.close_reason == "backend_gone"
+
+
+# -- resume and keepalives ----------------------------------------------------------------------------------------
+async def test_a_subscriber_resumes_while_the_history_bridges_its_id() -> None:
+    f = feed(history_size=16)
+    f.emit(PUT, [1, 2, 3, 4, 5], "gpu_hot")  # two records (4 keys per record)
+    mark = f.last_id
+    f.emit("del", [1], None)
+    f.emit(PUT, [9], "storage_warm", page=32)
+    sub = f.subscribe(mark)
+    assert sub.resumed and sub.snapshot is None and [r.kind for r in sub.replay] == ["del", PUT]
+    assert sub.replay[-1].num == 32 and sub.initial_records == 2  # a put carries its store's page size
+    for i in range(20):  # the history (16 records) no longer holds the record after mark
+        f.emit(PUT, [100 + i], "gpu_hot")
+    late = f.subscribe(mark)
+    assert not late.resumed and late.snapshot is not None and late.snapshot.entries == len(f.state)
+    assert f.subscribe(f.last_id + 5).snapshot is not None  # an id from the future: a snapshot
+
+
+async def test_an_idle_subscriber_gets_keepalives_and_close_all_ends_it() -> None:
+    f = feed()
+    sub = f.subscribe(f.last_id)
+    batches = sub.batches(keepalive_seconds=0.01)
+    assert await anext(batches) == []  # nothing to send: a keepalive is due
+    f.close_all("draining")
+    assert [b async for b in batches] == [] and sub.close_reason == "draining"
