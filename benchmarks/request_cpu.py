@@ -69,9 +69,10 @@ def picker_settings(addresses: list[str]) -> dict[str, Any]:
 
 def servicers() -> dict[str, Any]:
     addrs = backend_addresses(2, 8000)
+    app = PickerApp(parse_settings(picker_settings(addrs)))
     return {
         "floor": NoopProcessor(addrs),
-        "picker": ExternalProcessor(PickerApp(parse_settings(picker_settings(addrs)))),
+        "picker": ExternalProcessor(app.path, app.metrics, app.settings.extproc, app.sampling),
     }
 
 

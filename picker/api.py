@@ -11,7 +11,8 @@ from picker.extproc.messages import DEST_HEADER, pick_response, streamed_chunks
 from picker.extproc.service import ExternalProcessor
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
-from picker.request.path import Answer, Exchange, Inbound, RequestPath
+from picker.facts import Answer
+from picker.request.path import Exchange, Inbound, RequestPath
 from picker.routing.endpoints import BackendHold, Endpoint, EndpointState, PoolView
 from picker.routing.kv_scorer import KvOverlapScorer
 from picker.runtime.app import PickerApp

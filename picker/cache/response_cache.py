@@ -49,7 +49,7 @@ completions, anthropic), so two requests that differ in anything else that shape
 ``stream_options``, ``tools``, ``response_format``, ``stop``, ``n``, ``seed``, Anthropic's ``system``, ...)
 never share an entry: a streamed request never gets a JSON body, nor the reverse. The request headers that shape
 an Anthropic answer (``SHAPING_HEADERS``: ``anthropic-beta``, ``anthropic-version``) are keyed too when the
-request path passes them (``lookup_request``'s ``headers``): keyed rather than bypassed, so Anthropic clients,
+request path passes them (``lookup``'s ``headers``): keyed rather than bypassed, so Anthropic clients,
 which always send ``anthropic-version``, are still cached. Without those headers the layout is the one above.
 
 The semantic path (``response_cache.semantic.enabled``, hot-reloadable, with the embeddings client and the index
@@ -106,7 +106,7 @@ import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -122,8 +122,8 @@ from picker.cache.semantic import (
 )
 from picker.cache.store import MemoryCacheStore
 from picker.config import ResponseCacheConfig
-from picker.request.facts import RequestFacts
-from picker.request.path import Answer, Exchange
+from picker.facts import RequestFacts
+from picker.facts import Answer
 
 log = logging.getLogger("kv_epp.response_cache")
 
@@ -490,21 +490,39 @@ class SemanticPending:
     missed_at: float = field(default_factory=time.time)
 
 
-@dataclass(frozen=True, slots=True)
-class Keyed:
-    """An eligible miss: the exact key its response is stored under, and the semantic entry too when the
-    semantic path ran and missed."""
+@dataclass(slots=True, eq=False)
+class CacheState:
+    """The response cache's part of one exchange (``Exchange.cache``): the ``X-Cache`` value of its answer (MISS,
+    or BYPASS when the request is not eligible) and, for an eligible miss, the exact ``key`` its response is
+    stored under, the ``semantic`` entry too when the semantic path ran and missed, and the response on its way
+    to the store: its ``headers`` (kept by the protocol layer for an eligible miss only), its bounded body
+    buffer (``buf``, ``size``) and whether the body's ``end_of_stream`` was seen (``complete``)."""
 
-    key: str
+    x_cache: str
+    key: str | None = None
     semantic: SemanticPending | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    buf: list[bytes] | None = None
+    size: int = 0
+    complete: bool = False
+
+
+class CachedExchange(Protocol):
+    """What the storing observer reads of an exchange (``picker.request.path.Exchange``)."""
+
+    @property
+    def facts(self) -> RequestFacts: ...
+
+    @property
+    def cache(self) -> CacheState | None: ...
 
 
 class ResponseCache:
     """The request path's response-cache stage (``lookup``) and the response observer that stores misses.
 
-    Per exchange state lives on the ``Exchange`` (``cache_key``, ``x_cache``, ``cache_buf``, ...). As an observer
-    it sees every routed response's headers and end, and the body chunks of eligible misses only (the request
-    path adds it to those exchanges' body observers): other responses cost no per-chunk work."""
+    Per exchange state is the exchange's ``CacheState`` (``Exchange.cache``). As an observer it sees every routed
+    response's headers and end, and the body chunks of eligible misses only (the request path adds it to those
+    exchanges' body observers): other responses cost no per-chunk work."""
 
     wants_body = False
 
@@ -569,26 +587,23 @@ class ResponseCache:
             c.inc()
 
     # -- lookup ------------------------------------------------------------------------------------------
-    async def lookup(self, facts: RequestFacts, body: bytes | None = None) -> Answer | None:
-        """The stage protocol's form: the hit, else None."""
-        looked = await self.lookup_request(facts, body)
-        return looked if isinstance(looked, Answer) else None
-
-    async def lookup_request(
+    async def lookup(
         self,
         facts: RequestFacts,
         body: bytes | None,
         headers: Mapping[str, str] | None = None,
+        *,
         semantic_ok: Callable[[], bool] | None = None,
         data: dict[str, Any] | None = None,
-    ) -> Answer | Keyed | None:
-        """An ``Answer`` on a hit (exact, else semantic); the keys of an eligible miss (the exchange stores its
-        response under them); None when the request is not eligible (BYPASS). ``semantic_ok`` (the request
-        path's admission check), asked after an exact miss: False skips the semantic path (no embedding).
-        ``data``: ``body`` already parsed (the request path's parse; read, never changed), else it is parsed here."""
+    ) -> Answer | CacheState:
+        """An ``Answer`` on a hit (exact, else semantic); else the exchange's ``CacheState``: an eligible miss's
+        (``MISS``, the keys the exchange stores its response under) or ``BYPASS`` (not eligible). ``semantic_ok``
+        (the request path's admission check), asked after an exact miss: False skips the semantic path (no
+        embedding). ``data``: ``body`` already parsed (the request path's parse; read, never changed), else it is
+        parsed here."""
         if not body or not eligible(facts):
             self._count("skip")
-            return None
+            return CacheState(BYPASS)
         if data is None:
             try:
                 data = orjson.loads(body)
@@ -597,7 +612,7 @@ class ResponseCache:
         key = cache_key(facts, data, headers) if isinstance(data, dict) else None
         if key is None:
             self._count("skip")
-            return None
+            return CacheState(BYPASS)
         try:
             raw = await self.store.get(key)
         except CacheStoreError as exc:
@@ -619,7 +634,7 @@ class ResponseCache:
                 return looked
             semantic = looked
         self._count("miss")
-        return Keyed(key, semantic)
+        return CacheState(MISS, key, semantic)
 
     async def _semantic(self, facts: RequestFacts, data: dict[str, Any]) -> Answer | SemanticPending | None:
         """The semantic path of an exact miss: the hit, else the pending entry to store (None: not eligible for
@@ -659,7 +674,7 @@ class ResponseCache:
 
     def _on_fallback(self) -> bool:
         """The store is a Redis store on its in-memory fallback (``RedisCacheStore.fallback_active``)."""
-        return bool(getattr(self.store, "fallback_active", False))
+        return self.store.fallback_active
 
     async def _live_copy(self, index: SemanticIndex, key: str) -> CacheEntry | None:
         """The semantic copy ``key`` when it may answer, else None (a semantic miss): its body is gone or corrupt
@@ -714,71 +729,79 @@ class ResponseCache:
         return None
 
     # -- the observer: store a miss's response -------------------------------------------------------------
-    def _skip(self, ex: Exchange, why: str) -> None:
-        if ex.cache_buf is not None:
-            self.buffered -= ex.cache_size
-            ex.cache_buf = None
-            ex.cache_size = 0
+    def _skip(self, c: CacheState, why: str) -> None:
+        if c.buf is not None:
+            self.buffered -= c.size
+            c.buf = None
+            c.size = 0
         self.not_stored[why] = self.not_stored.get(why, 0) + 1
 
-    def _limit(self, ex: Exchange) -> int:
+    def _limit(self, ex: CachedExchange) -> int:
         """A response's buffer bound: ``max_response_size``; a stream's also within ``max_stream_buffer_size``
         (the seed: a stream is buffered up to the latter, and an eligible response's accumulated size is at most
         the former, so the smaller of the two)."""
         return min(self.max_stream, self.max_response) if ex.facts.stream else self.max_response
 
-    def on_headers(self, ex: Exchange, status: int | None) -> None:
-        if ex.cache_key is None:
+    def on_headers(self, ex: CachedExchange, status: int | None) -> None:
+        c = ex.cache
+        if c is None or c.key is None:
             return
         if status != 200:
-            self._skip(ex, "status")
+            self._skip(c, "status")
             return
-        why = _unstorable(ex.resp_headers)
+        why = _unstorable(c.headers)
         if why is not None:
-            self._skip(ex, why)
+            self._skip(c, why)
             return
         limit = self._limit(ex)
-        declared = next((v for k, v in ex.resp_headers if k == "content-length"), None)
+        declared = next((v for k, v in c.headers if k == "content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            self._skip(ex, "too_large")
+            self._skip(c, "too_large")
             return
-        ex.cache_buf = []
-        ex.cache_size = 0
+        c.buf = []
+        c.size = 0
 
-    def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:
+    def on_body(self, ex: CachedExchange, chunk: bytes, end: bool) -> None:
+        c = ex.cache
+        if c is None:
+            return
         if end:
-            ex.cache_complete = True  # the body reached the picker whole (read by on_end)
-        buf = ex.cache_buf
+            c.complete = True  # the body reached the picker whole (read by on_end)
+        buf = c.buf
         if buf is None:
             return
         n = len(chunk)
         if n:
-            if ex.cache_size + n > self._limit(ex):
-                self._skip(ex, "too_large")
+            if c.size + n > self._limit(ex):
+                self._skip(c, "too_large")
                 return
             if self.buffered + n > MAX_BUFFERED_TOTAL:
-                self._skip(ex, "buffer_full")
+                self._skip(c, "buffer_full")
                 return
             buf.append(chunk)
-            ex.cache_size += n
+            c.size += n
             self.buffered += n
 
-    def on_end(self, ex: Exchange, completed: bool) -> None:
-        if completed and ex.cache_key is not None:  # a cut response (completed False) tells nothing
-            self.miss_bodies["reached" if ex.cache_complete else "missing"] += 1
-        buf = ex.cache_buf
-        if buf is None or ex.cache_key is None:
+    def on_end(self, ex: CachedExchange, completed: bool) -> None:
+        c = ex.cache
+        if c is None or c.key is None:
             return
-        size = ex.cache_size
+        if completed:  # a cut response (completed False) tells nothing
+            self.miss_bodies["reached" if c.complete else "missing"] += 1
+        buf = c.buf
+        if buf is None:
+            return
+        key = c.key
+        size = c.size
         self.buffered -= size
-        ex.cache_buf = None
-        ex.cache_size = 0
-        if not (completed and ex.cache_complete):  # body mode none, or the response was cut
+        c.buf = None
+        c.size = 0
+        if not (completed and c.complete):  # body mode none, or the response was cut
             self._not_stored("incomplete")
             return
-        sem = ex.cache_semantic
+        sem = c.semantic
         link = sem.key if isinstance(sem, SemanticPending) and not ex.facts.stream else None
-        entry = self._entry(ex, b"".join(buf))
+        entry = self._entry(ex.facts, c.headers, b"".join(buf))
         if entry is None:
             self._not_stored("unfinished")  # cut, an in-band error, an aborted or unparsable answer
             return
@@ -788,7 +811,7 @@ class ResponseCache:
         if isinstance(sem, SemanticPending) and link is not None:
             # the copy names its exact key and its request's miss time (a tombstone stops it), the exact entry
             # names its copy (an invalidation deletes both)
-            origin = ((ORIGIN_HEADER, ex.cache_key), (MISSED_AT_HEADER, repr(sem.missed_at)))
+            origin = ((ORIGIN_HEADER, key), (MISSED_AT_HEADER, repr(sem.missed_at)))
             sem_value = CacheEntry(200, (*entry.headers, *origin), entry.body).encode()
             value = CacheEntry(200, (*entry.headers, (LINK_HEADER, link)), entry.body).encode()
             held = len(value) + len(sem_value)
@@ -800,9 +823,9 @@ class ResponseCache:
             return
         self.buffered += held
         write = (
-            self._write_both(ex.cache_key, value, sem, sem_value)
+            self._write_both(key, value, sem, sem_value)
             if isinstance(sem, SemanticPending) and sem_value is not None
-            else self._write(ex.cache_key, value)
+            else self._write(key, value)
         )
         task = asyncio.get_running_loop().create_task(write)
         self._writes.add(task)
@@ -816,15 +839,15 @@ class ResponseCache:
     def _not_stored(self, why: str) -> None:
         self.not_stored[why] = self.not_stored.get(why, 0) + 1
 
-    def _entry(self, ex: Exchange, body: bytes) -> CacheEntry | None:
+    def _entry(self, facts: RequestFacts, resp_headers: Sequence[tuple[str, str]], body: bytes) -> CacheEntry | None:
         """The entry to store, or None when the body is not a finished answer (``finished_body``,
         ``finished_stream``)."""
         allowed = self.stored_headers
-        headers = tuple((k, v) for k, v in ex.resp_headers if k.lower() in allowed)  # the allow-list only
-        if not ex.facts.stream:
-            return CacheEntry(200, headers, body) if finished_body(ex.facts.api, body) else None
+        headers = tuple((k, v) for k, v in resp_headers if k.lower() in allowed)  # the allow-list only
+        if not facts.stream:
+            return CacheEntry(200, headers, body) if finished_body(facts.api, body) else None
         events = sse_events(body)
-        if events is None or not finished_stream(ex.facts.api, events):
+        if events is None or not finished_stream(facts.api, events):
             return None
         return CacheEntry(200, headers, sse_replay(events), stream=True)
 
@@ -905,7 +928,7 @@ class ResponseCache:
 
 
 __all__ = [
-    "BYPASS", "HIT", "MISS", "CacheEntry", "EntryError", "Keyed", "ResponseCache", "SemanticPending", "cache_key",
+    "BYPASS", "HIT", "MISS", "CacheEntry", "CacheState", "EntryError", "ResponseCache", "SemanticPending", "cache_key",
     "canonical_json",
     "complete_stream", "eligible", "key_material", "sse_events", "sse_replay",
 ]  # fmt: skip

@@ -187,7 +187,7 @@ def semantic_query(
     max_input_bytes: int,
 ) -> SemanticQuery | None:
     """The request's partition and text to embed, or None when the semantic path does not apply
-    (``path_api`` is ``picker.request.facts.api_for_path``'s answer; only ``"chat"`` qualifies; ``identity``
+    (``path_api`` is ``picker.facts.api_for_path``'s answer; only ``"chat"`` qualifies; ``identity``
     is ``RequestFacts.identity``: None, no caller identity, never qualifies)."""
     if not identity or path_api != "chat" or data.get("stream") not in (None, False):
         return None

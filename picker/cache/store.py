@@ -117,6 +117,13 @@ class MemoryCacheStore:
         entries = len(self._entries)
         return CacheStoreStats(backend="memory", entries=entries, hits=self.hits, misses=self.misses, errors=0)
 
+    @property
+    def fallback_active(self) -> bool:
+        return False  # nothing to fall back from
+
+    async def aclose(self) -> None:
+        return None  # nothing runs in the background
+
     def _drop(self, key: str) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:

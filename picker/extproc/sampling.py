@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import random
 import re
-from typing import TYPE_CHECKING
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from prometheus_client import Counter, Gauge
-
-if TYPE_CHECKING:
-    from picker.request.path import Exchange
-    from picker.runtime.app import PickerApp
+from picker.config import ExtProcConfig
+from picker.ops.recorder import DecisionRecorder
+from picker.request.path import Exchange
 
 TAIL_BYTES = 4096  # the usage object of an OpenAI response (last SSE event or end of the JSON) fits in it
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
@@ -49,16 +47,18 @@ def read_usage(tail: bytes) -> tuple[int, int | None] | None:
 
 
 class ResponseSampling:
-    """The sampling decision and the sample's figures (one per picker process)."""
+    """The sampling decision and the sample's figures (one per picker process: its metrics are registered once in
+    ``registry``). ``extproc`` is restart-required: the rate and the header are read once."""
 
-    def __init__(self, app: PickerApp) -> None:
-        cfg = app.settings.extproc
+    def __init__(
+        self, cfg: ExtProcConfig, registry: CollectorRegistry, recorder: DecisionRecorder, block_size: int
+    ) -> None:
         self.rate = cfg.response_sample_rate
         self.header = cfg.response_sample_header.lower()
         # accumulated rate; a response is sampled each time it reaches 1. A random start phase: each picker
         # process samples a different one of the 1/rate interleaved subsets
         self._credit = random.random() * self.rate
-        r = app.metrics.registry
+        r = registry
         self.g_rate = Gauge(
             "kv_epp_response_sample_rate", "Configured fraction of responses streamed through the picker", registry=r
         )
@@ -85,8 +85,8 @@ class ResponseSampling:
         # Tier 4's prediction for every decision and for the observed responses with usage is the recorder's
         # (continuum_picker_cached_tokens_total): delivered/captured on the sample calibrates the prediction
         # over all responses (a ratio estimator, far less noisy than the sample's share alone)
-        self.recorder = app.recorder
-        self.block_size = app.settings.kv_cache_index.tokenizer.block_size  # restart-required setting
+        self.recorder = recorder
+        self.block_size = block_size  # kv_cache_index.tokenizer.block_size: restart-required
 
     def choose(self, opted_in: bool) -> bool:
         """Sample this response? Every opted-in request, and ``rate`` of the others, spread evenly (every
@@ -110,16 +110,8 @@ class ResponseSampling:
         self.c_usage_seen.inc()
         self.c_usage_prompt.inc(u[0])
         self.c_usage_cached.inc(u[1])
-        if ex is not None and ex.prompt_tokens is not None:
+        kv = ex.kv if ex is not None else None
+        if ex is not None and kv is not None:
             self.recorder.delivered(
-                ex.decision.reason, ex.prompt_tokens, ex.available_cached, ex.predicted_cached, u[1], self.block_size
+                ex.decision.reason, kv.prompt_tokens, kv.available_cached, kv.predicted_cached, u[1], self.block_size
             )
-
-    @classmethod
-    def of(cls, app: PickerApp) -> ResponseSampling:
-        """The app's instance (created once: its metrics are registered once per registry)."""
-        existing = getattr(app.metrics, "_kv_epp_response_sampling", None)
-        if existing is None:
-            existing = cls(app)
-            app.metrics._kv_epp_response_sampling = existing  # type: ignore[attr-defined]
-        return existing

@@ -12,18 +12,17 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from picker.config import ExtProcConfig
 from picker.extproc.sampling import ResponseSampling
 from picker.extproc.stream import RESPONSE_PHASES, RequestStream, error_body, immediate, with_bypass
-from picker.ops.metrics import RouteSeconds
-
-if TYPE_CHECKING:
-    from picker.runtime.app import PickerApp
+from picker.ops.metrics import PickerMetrics, RouteSeconds
+from picker.request.path import RequestPath
 
 log = logging.getLogger("kv_epp.extproc")
 
@@ -42,16 +41,20 @@ def peer_key(peer: str | None) -> str:
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """The gRPC service: one RequestStream per Process() call."""
+    """The gRPC service: one RequestStream per Process() call. Its collaborators: the request path, the metrics,
+    the ``extproc`` settings (restart-required: read once) and the response sampling."""
 
-    def __init__(self, app: PickerApp) -> None:
-        self.app = app
+    def __init__(
+        self, path: RequestPath, metrics: PickerMetrics, extproc: ExtProcConfig, sampling: ResponseSampling | None
+    ) -> None:
+        self.path = path
+        self.metrics = metrics
         # extproc is restart-required: a reloaded cap is reported as such, not applied
-        self.max_per_peer = app.settings.extproc.max_streams_per_peer
+        self.max_per_peer = extproc.max_streams_per_peer
         self.per_peer: dict[str, int] = {}  # open streams by peer address; a peer with none has no entry
         self.peer_refused = 0  # streams refused over the per-peer cap (logged at stop)
-        self.sampling = ResponseSampling.of(app)
-        self.route_seconds: RouteSeconds = app.metrics.route_seconds
+        self.sampling = sampling
+        self.route_seconds: RouteSeconds = metrics.route_seconds
         self.admitting = True  # turned off by the lifecycle once the drain's propagation delay is over
         self.refused = 0  # streams refused while draining (logged at stop)
         self._open = 0
@@ -73,7 +76,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[pb.ProcessingResponse]:
         if not self.admitting:
             self.refused += 1
-            self.app.recorder.refused("draining")
+            self.path.recorder.refused("draining")
             # UNAVAILABLE, not an ImmediateResponse 503: a 503 is a final answer Envoy relays to the client,
             # while UNAVAILABLE is a processor failure Envoy can fail over on (failure_mode_allow continues
             # without the picker, outlier detection ejects this host, status_on_error picks the client status).
@@ -82,27 +85,26 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         held = self.per_peer.get(peer, 0)
         if self.max_per_peer and held >= self.max_per_peer:
             self.peer_refused += 1
-            self.app.metrics.child(self.app.metrics.extproc_refused_streams, "peer_limit").inc()
+            self.metrics.child(self.metrics.extproc_refused_streams, "peer_limit").inc()
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"kv-epp: {held} ext_proc streams open from this peer (extproc.max_streams_per_peer): stream refused",
             )
         self.per_peer[peer] = held + 1
         try:
-            admission = self.app.path.admission
+            admission = self.path.admission
             if not admission.open_stream():  # over admission.max_open_streams: 429 at the first message
-                answer = self.app.path.overloaded(f"{admission.cfg.max_open_streams} requests are open")
+                answer = self.path.overloaded(f"{admission.cfg.max_open_streams} requests are open")
                 async for _ in request_iterator:  # an ImmediateResponse must answer a message of Envoy's
                     received = time.monotonic()
-                    headers = with_bypass(self.app.path.cache, answer.headers)
+                    headers = with_bypass(self.path.cache, answer.headers)
                     try:
                         yield immediate(answer.status, answer.body, answer.details, headers)
                     finally:  # also when gRPC closes this generator at the yield (Envoy ended the stream)
                         self.route_seconds.observe("overloaded", time.monotonic() - received)
                     return
                 return
-            stream = RequestStream(self.app, self.sampling)
-            self.app.open_streams += 1
+            stream = RequestStream(self.path, self.route_seconds, self.sampling)
             self._open += 1
             self._idle.clear()
             try:
@@ -115,7 +117,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                             responses = await stream.request(req, phase)
                     except Exception:  # a bug must cost one request, never the process
                         log.exception("event=extproc_error path=%r", stream.path)  # client text: escaped
-                        self.app.recorder.refused("error")
+                        self.path.recorder.refused("error")
                         stream.answer = "error"  # counted unless the routing answer was sent already
                         try:
                             yield immediate(
@@ -138,7 +140,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             finally:
                 stream.close()
                 admission.close_stream()
-                self.app.open_streams -= 1
                 self._open -= 1
                 if self._open == 0:
                     self._idle.set()

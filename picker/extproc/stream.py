@@ -41,8 +41,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from enum import Enum
-from typing import TYPE_CHECKING
-
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -64,13 +62,11 @@ from picker.extproc.messages import (
     subset_hint,
 )
 from picker.extproc.sampling import TAIL_BYTES, ResponseSampling
-from picker.ops.metrics import STATUS_OUTCOMES
-from picker.request.facts import BadRequest, error_body
-from picker.request.path import Answer, Exchange, Inbound
+from picker.ops.metrics import STATUS_OUTCOMES, RouteSeconds
+from picker.facts import BadRequest, error_body
+from picker.facts import Answer
+from picker.request.path import Exchange, Inbound, RequestPath, ResponseCache
 from picker.routing.endpoints import Decision
-
-if TYPE_CHECKING:
-    from picker.runtime.app import PickerApp
 
 __all__ = ["MAX_STREAMED_CHUNK", "RESPONSE_PHASES", "Phase", "RequestStream", "error_body", "immediate"]
 
@@ -98,24 +94,28 @@ class Phase(Enum):
     DONE = "done"  # the picker answered the request itself, or the response ended
 
 
-def with_bypass(cache: object, headers: Sequence[tuple[str, str]]) -> Sequence[tuple[str, str]]:
+def with_bypass(cache: ResponseCache | None, headers: Sequence[tuple[str, str]]) -> Sequence[tuple[str, str]]:
     """The picker's own answers (400, 429, 503) carry ``x-cache: BYPASS`` when the response cache is on:
     nothing was looked up."""
-    if getattr(cache, "enabled", False) and not any(k == "x-cache" for k, _ in headers):
+    if cache is not None and cache.enabled and not any(k == "x-cache" for k, _ in headers):
         return (*headers, ("x-cache", "BYPASS"))
     return headers
 
 
 class RequestStream:
-    """State of one ext_proc stream (one HTTP request)."""
+    """State of one ext_proc stream (one HTTP request). Its collaborators: the request path (``stages``), the
+    routing-latency histogram and the response sampling (None: no response is sampled, nothing is counted)."""
 
     __slots__ = (
-        "answer", "app", "body", "body_len", "exchange", "headers", "headers_at", "mode", "opted_in", "path", "phase",
-        "reserved", "resp_mode", "sampled", "sampling", "subset", "tail",
+        "answer", "body", "body_len", "exchange", "headers", "headers_at", "mode", "opted_in", "path", "phase",
+        "reserved", "resp_mode", "route_seconds", "sampled", "sampling", "stages", "subset", "tail",
     )  # fmt: skip
 
-    def __init__(self, app: PickerApp, sampling: ResponseSampling | None = None) -> None:
-        self.app = app
+    def __init__(
+        self, stages: RequestPath, route_seconds: RouteSeconds, sampling: ResponseSampling | None = None
+    ) -> None:
+        self.stages = stages
+        self.route_seconds = route_seconds
         self.sampling = sampling  # None: no response is sampled, nothing is counted
         self.opted_in = False  # the request carries the sampling opt-in header
         self.sampled = False  # this response's body streams through the picker for its usage
@@ -126,7 +126,7 @@ class RequestStream:
         self.body: list[bytes] = []
         self.body_len = 0
         self.reserved = 0  # body bytes this stream holds of admission's shared budget (released once)
-        self.mode = FULL_DUPLEX if app.settings.extproc.default_body_mode == "FULL_DUPLEX_STREAMED" else BUFFERED
+        self.mode = FULL_DUPLEX if stages.settings.extproc.default_body_mode == "FULL_DUPLEX_STREAMED" else BUFFERED
         self.resp_mode = self.mode
         self.subset: list[str] | None = None
         self.exchange: Exchange | None = None
@@ -186,13 +186,13 @@ class RequestStream:
         outcome = self.answer
         self.answer = None
         if outcome is not None and self.headers_at:
-            self.app.metrics.route_seconds.observe(outcome, _mono() - self.headers_at)
+            self.route_seconds.observe(outcome, _mono() - self.headers_at)
             self.headers_at = 0.0
 
     # -- request phases ---------------------------------------------------------------------------
     async def _request_headers(self, msg: pb.HttpHeaders) -> Sequence[pb.ProcessingResponse]:
         self.headers_at = _mono()
-        wanted = self.app.path.wanted_headers
+        wanted = self.stages.wanted_headers
         opt_in = self.sampling.header if self.sampling is not None else None
         for h in msg.headers.headers:
             key = h.key  # Envoy hands header names lower-cased (HTTP/2 requires it; HTTP/1 is normalised)
@@ -220,15 +220,15 @@ class RequestStream:
             return (_BODY_OK,) if self.mode in ROUTE_AT_HEADERS_MODES else _NOTHING
         if msg.body:
             self.body_len += len(msg.body)
-            limit = self.app.path.max_body_bytes
+            limit = self.stages.max_body_bytes
             if self.body_len > limit:
                 self.body.clear()
                 return (self._too_large(limit),)
             if self.body_len > self.reserved:  # beyond the declared length (or none declared): reserve it
                 need = self.body_len - self.reserved
-                if not self.app.path.admission.reserve(need):
+                if not self.stages.admission.reserve(need):
                     self.body.clear()
-                    return (self._answer_itself(self.app.path.overloaded("the request-body buffer is full")),)
+                    return (self._answer_itself(self.stages.overloaded("the request-body buffer is full")),)
                 self.reserved += need
             self.body.append(msg.body)
         if not msg.end_of_stream and self.mode == FULL_DUPLEX:
@@ -252,22 +252,22 @@ class RequestStream:
         declared = self.headers.get("content-length")
         if declared is None or not (declared.isascii() and declared.isdigit() and len(declared) <= 19):
             return None  # chunked (or malformed: Envoy rejects it): reserved chunk by chunk
-        n = min(int(declared), self.app.path.max_body_bytes)  # never buffered beyond the limit
-        if not self.app.path.admission.reserve(n):
-            return self._answer_itself(self.app.path.overloaded("the request-body buffer is full"))
+        n = min(int(declared), self.stages.max_body_bytes)  # never buffered beyond the limit
+        if not self.stages.admission.reserve(n):
+            return self._answer_itself(self.stages.overloaded("the request-body buffer is full"))
         self.reserved = n
         return None
 
     def _too_large(self, limit: int) -> pb.ProcessingResponse:
         exc = BadRequest(f"request body exceeds the limit of {limit} bytes", "body_too_large")
-        self.app.path.recorder.refused("bad_request")
+        self.stages.recorder.refused("bad_request")
         return self._answer_itself(Answer(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}"))
 
     def _release_body(self) -> None:
         """Give the stream's body reservation back (idempotent: the body went on, was refused, or the
         stream closed)."""
         if self.reserved:
-            self.app.path.admission.release(self.reserved)
+            self.stages.admission.release(self.reserved)
             self.reserved = 0
 
     def _take_body(self) -> bytes:
@@ -279,7 +279,7 @@ class RequestStream:
         self, body: bytes | None, *, at_headers: bool, body_eos: bool = True
     ) -> Sequence[pb.ProcessingResponse]:
         try:
-            result = await self.app.path.route(Inbound(self.path, self.headers, body, self.subset))
+            result = await self.stages.route(Inbound(self.path, self.headers, body, self.subset))
         finally:
             self._release_body()  # the body is out of the stream's buffer (echoed or refused)
         if isinstance(result, Answer):
@@ -296,7 +296,7 @@ class RequestStream:
         self._release_body()
         self.phase = Phase.DONE
         self.answer = STATUS_OUTCOMES.get(a.status, "answered")
-        return immediate(a.status, a.body, a.details, with_bypass(self.app.path.cache, a.headers))
+        return immediate(a.status, a.body, a.details, with_bypass(self.stages.cache, a.headers))
 
     def _pick(
         self, dest: str, body: bytes, at_headers: bool, body_eos: bool, mutated: bool = False
@@ -329,9 +329,10 @@ class RequestStream:
         ex = self.exchange
         if ex is not None:
             self.phase = Phase.RESPONSE
-            store = ex.cache_key is not None  # an eligible response-cache miss: its response is stored
-            if store:  # the cache keeps its headers (decoded for these responses only)
-                ex.resp_headers = tuple((h.key, header_value(h)) for h in msg.headers.headers)
+            cache = ex.cache
+            store = cache is not None and cache.key is not None  # an eligible response-cache miss: it is stored
+            if cache is not None and store:  # the cache keeps its headers (decoded for these responses only)
+                cache.headers = tuple((h.key, header_value(h)) for h in msg.headers.headers)
             ex.response_headers(status, served)
             x_cache = ex.x_cache
             if x_cache is not None:
@@ -350,7 +351,7 @@ class RequestStream:
                     answer = sampled_headers_answer(self.mode, x_cache)
                 sampling.headers_seen(self.sampled)
             if store and self.resp_mode == RESPONSE_NONE and not msg.end_of_stream:
-                self.app.path.cache_cannot_store()
+                self.stages.cache_cannot_store()
         if msg.end_of_stream:
             self._end_response()
         return (answer,)

@@ -32,15 +32,13 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 
 from picker.config import FeedChecksConfig
+from picker.routing.endpoints import Decision
 from picker.shared.block_keys import request_block_keys
-
-if TYPE_CHECKING:
-    from picker.request.path import Exchange
 
 log = logging.getLogger("kv_epp.kv_checks")
 
@@ -59,6 +57,13 @@ class _Progress:
     since: float = 0.0
 
 
+class Routed(Protocol):
+    """What ``FeedWatch`` reads of an exchange (``picker.request.path.Exchange``): its decision."""
+
+    @property
+    def decision(self) -> Decision: ...
+
+
 class FeedWatch:
     """Response observer: counts the responses each backend served (status < 500), nothing per chunk."""
 
@@ -68,17 +73,17 @@ class FeedWatch:
         # bound: the backends with a feed (FeedChecks adds and removes them)
         self.served: dict[str, int] = {}
 
-    def on_headers(self, ex: Exchange, status: int | None) -> None:
+    def on_headers(self, ex: Routed, status: int | None) -> None:
         if status is not None and status < 500:
             name = ex.decision.endpoint.name
             n = self.served.get(name)
             if n is not None:  # only backends with a feed are counted (FeedChecks adds and removes them)
                 self.served[name] = n + 1
 
-    def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:
+    def on_body(self, ex: Routed, chunk: bytes, end: bool) -> None:
         return None
 
-    def on_end(self, ex: Exchange, completed: bool) -> None:
+    def on_end(self, ex: Routed, completed: bool) -> None:
         return None
 
 

@@ -1,13 +1,13 @@
 """Tier 4's inputs, assembled: the KV index, its feed consumers and the tokenizer source.
 
-``Tier4.holds_for`` is the request path's Tier 4 step in the prepare stage: it takes a completions
+``Tier4.lookup`` is the request path's Tier 4 step in the prepare stage: it takes a completions
 prompt's token ids as sent (``RequestFacts.prompt_token_ids``); for a text prompt (chat messages, a
 completions string) it asks the tokenization cache (``picker.kv.token_cache``): the whole prompt's ids, or
 the ids of a cached message (or chunk) prefix that covers ``cache_min_fraction`` of the prompt, without a
 tokenizer call; else it awaits the tokenizer source, bounded by ``timeout_ms + timeout_ms_per_kib × body
 KiB`` capped at ``timeout_cap_ms``. The ids become block keys (``picker.shared.block_keys``, the
 listener's function) looked up in the index (the one round trip an I/O-backed index makes). Any failure
-gives an empty mapping: the core then falls back to the strategy; a request is never failed because of
+gives a lookup that holds nothing: the core then falls back to the strategy; a request is never failed because of
 Tier 4. The feed consumers, the TTL sweep and the cache's fills run as background tasks; scoring is the
 routing core's (``picker.routing.kv_scorer``).
 
@@ -17,7 +17,7 @@ of the snapshot, ready or not (readiness gates routing only: an engine that brie
 keeps its feed and its index entries), and follow it (``follow_pool``): a backend that leaves the snapshot
 loses its feed, its index entries and its checks at once; one that joins is subscribed; one whose address
 changed is another engine (its entries are dropped and its feed resubscribes for a snapshot). The index's
-entries of a backend that is not routed to (not Ready) are kept but never used: ``holds_for`` answers for the
+entries of a backend that is not routed to (not Ready) are kept but never used: ``lookup`` answers for the
 routing pool's backends only, and its self-check waits until it is routed to. ``feed_readiness`` says, per
 routed backend, whether its feed has caught up, which readiness waits for (``checks.ready_grace_seconds`` at
 most); feeds of unready backends do not hold readiness back.
@@ -41,39 +41,21 @@ from picker.kv.checks import FeedChecks, FeedWatch, probe_keys, run_self_check
 from picker.kv.feed_consumer import KvFeedConsumers
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
+from picker.kv.stage import KvLookup
 from picker.kv.token_cache import CachedTokenizer
 from picker.kv.tokenizer_sources import TokenizerSource, make_tokenizer_source
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
 from picker.routing.endpoints import BackendHold
 from picker.shared.block_keys import chain_block_keys, root_key
 
 log = logging.getLogger("kv_epp.tier4")
 
-NOTHING_HELD: Mapping[str, BackendHold] = {}
 MAX_UNMATCHED_MODELS = 32
 # more backends than this leaving (or readdressed) at once: the recent-placement guesses are cleared in one pass
 # (they are short-lived guesses) instead of one pass over them per backend
 BULK_FORGET = 8
-
-
-class Held(dict[str, BackendHold]):
-    """Tier 4's answer for one request: backend → the prefix it holds, plus the request's prompt length in
-    tokens: the best estimate of the whole prompt's count (exact when the whole prompt was tokenized, else a
-    cached prefix's count plus the rest at that prefix's tokens per byte), and ``exact``: True only when
-    every token was known (reported, not used for routing: the TTFT model learns from KV events, see
-    ``picker.pool.pool.Lease``). ``block_keys`` may cover only a cached prefix of the prompt (see
-    ``picker.kv.token_cache``)."""
-
-    __slots__ = ("block_keys", "evicting", "exact", "prompt_tokens")
-
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)
-        self.prompt_tokens: int | None = None
-        self.exact = False
-        self.evicting: frozenset[str] = frozenset()  # backends whose cache is full (they evicted recently)
-        self.block_keys: Sequence[int] = ()  # the request's block keys (the commit stage remembers the placement)
 
 
 class Tier4:
@@ -239,13 +221,14 @@ class Tier4:
         tok = self.cfg.tokenizer
         return min(tok.timeout_cap_ms, tok.timeout_ms + tok.timeout_ms_per_kib * body_bytes / 1024) / 1000
 
-    async def holds_for(self, facts: RequestFacts) -> Mapping[str, BackendHold]:
-        """Backend → the part of the request's prefix it holds; empty when token ids are unavailable."""
+    async def lookup(self, facts: RequestFacts) -> KvLookup:
+        """Backend → the part of the request's prefix it holds, with the prompt's token count and block keys; a
+        lookup that holds nothing when token ids are unavailable."""
         if facts.model is None:
-            return NOTHING_HELD
+            return KvLookup()
         ids: Sequence[int] | None = facts.prompt_token_ids  # token ids given: no tokenizer round trip
         if ids is None and facts.messages is None and facts.prompt is None:
-            return NOTHING_HELD
+            return KvLookup()
         try:
             model, lora = self.resolve_model(facts.model, facts.lora_name)
             if self.known_models and model not in self.known_models:
@@ -265,22 +248,19 @@ class Tier4:
                 )
                 if got is None:
                     self._failed("unavailable")
-                    return NOTHING_HELD
+                    return KvLookup()
                 keys, n, exact = got.keys, got.prompt_tokens, got.exact
-            held = Held(self._routed(await self.index.holds(keys))) if keys else Held()
-            held.prompt_tokens = n
-            held.exact = exact
-            held.block_keys = keys
-            held.evicting = self.index.evicting(self.cfg.scoring.cost.eviction_window_seconds)
-            return held
+            holds = dict(self._routed(await self.index.holds(keys))) if keys else {}  # its own: placements add to it
+            evicting = self.index.evicting(self.cfg.scoring.cost.eviction_window_seconds)
+            return KvLookup(holds, n, exact, keys, evicting)
         except TimeoutError:
             self._failed("timeout")
         except Exception as exc:  # never fail the request because of Tier 4
             log.warning("event=block_keys_failed error=%r", exc)
             self._failed("error")
-        return NOTHING_HELD
+        return KvLookup()
 
-    def _routed(self, holds: Mapping[str, BackendHold]) -> Mapping[str, BackendHold]:
+    def _routed(self, holds: dict[str, BackendHold]) -> dict[str, BackendHold]:
         """Without the holds of backends on standby (discovered, not Ready): their entries are kept for when they
         are back, never offered to a decision (nor counted as what the index says is available). Other names
         pass (a decision only ever picks pool members)."""

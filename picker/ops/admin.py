@@ -39,6 +39,8 @@ from picker.cache.semantic import ENTRY_PREFIX
 from picker.cache.store import MemoryCacheStore, RedisCacheStore
 from picker.config import ConfigError, RedisConfig, Settings
 from picker.kv.admin import kv_index_backends, kv_index_clear, kv_index_stats
+from picker.kv.index import InMemoryKvIndex
+from picker.kv.redis_index import RedisKvIndex
 from picker.runtime.envoy_needs import response_cache_detail
 
 if TYPE_CHECKING:
@@ -103,7 +105,7 @@ def kv_index_routes(app: PickerApp) -> list[web.RouteDef]:
         body = kv_index_stats(tier4.cfg, tier4.index, tier4.consumers.stats(), app.recorder.kv)
         redis = kv_index_redis(tier4.cfg.backend, tier4.index, app.settings.response_cache.redis)
         if redis is not None:
-            if redis.get("active") and redis.get("connected"):
+            if redis.get("active") and redis.get("connected") and isinstance(tier4.index, RedisKvIndex):
                 redis["keys"] = await kv_index_redis_keys(tier4.index)
             body["redis"] = scrub(redis, redis_secrets(app.settings.response_cache.redis))
         return web.json_response(body)
@@ -123,23 +125,22 @@ def kv_index_routes(app: PickerApp) -> list[web.RouteDef]:
     ]
 
 
-def kv_index_redis(backend: str, index: object, redis_cfg: RedisConfig) -> dict[str, Any] | None:
+def kv_index_redis(backend: str, index: InMemoryKvIndex, redis_cfg: RedisConfig) -> dict[str, Any] | None:
     """The ``redis`` object of /admin/kv-index/stats with ``kv_cache_index.backend: redis``: where the index's
     shared pool connects (no password), whether Redis answers (``connected``; ``fallback_active``: holds() are
     answered by the local index meanwhile) and the index's own counters (``RedisKvIndex.redis_stats``). None for
     the in-memory backend; ``{"active": false, ...}`` when the backend is redis but the index runs in memory."""
     if backend != "redis":
         return None
-    redis_stats = getattr(index, "redis_stats", None)
-    if redis_stats is None:
+    if not isinstance(index, RedisKvIndex):
         return {"active": False, "reason": "the KV index runs in memory (no Redis connection was given to it)"}
-    figures: dict[str, Any] = dict(redis_stats())
+    figures: dict[str, Any] = dict(index.redis_stats())
     connected = bool(figures.pop("connected", False))
     figures.pop("url", None)  # only ever the password-free form below
     return {
         "active": True,
         "url": safe_redis_url(redis_cfg),
-        "key_prefix": getattr(index, "prefix", None),
+        "key_prefix": index.prefix,
         "pool_size": redis_cfg.pool_size,
         "connected": connected,
         "fallback_active": not connected,
@@ -147,7 +148,7 @@ def kv_index_redis(backend: str, index: object, redis_cfg: RedisConfig) -> dict[
     }
 
 
-async def kv_index_redis_keys(index: Any) -> dict[str, Any]:
+async def kv_index_redis_keys(index: RedisKvIndex) -> dict[str, Any]:
     """What the shared index holds in Redis: its backends (``SMEMBERS`` of the backends set) and each one's
     entries (``HLEN`` of its hash, one pipeline): two round trips whatever the size, each within the index's
     command timeout (admin only, never the request path). ``{"error": ...}`` when Redis does not answer."""
@@ -268,13 +269,13 @@ def semantic_cache_stats(app: PickerApp) -> dict[str, Any]:
     cache = app.response_cache
     cfg = app.settings.response_cache.semantic
     body: dict[str, Any] = {
-        "enabled": bool(getattr(cache, "semantic_on", False)),
+        "enabled": cache.semantic_on,
         "threshold": cfg.threshold,
         "max_entries": cfg.max_entries,
-        "tombstoned": getattr(cache, "tombstoned", 0),
-        "tombstone_unknown": getattr(cache, "tombstone_unknown", 0),
+        "tombstoned": cache.tombstoned,
+        "tombstone_unknown": cache.tombstone_unknown,
     }
-    sem_metrics = getattr(cache, "semantic_metrics", None)
+    sem_metrics = cache.semantic_metrics
     if sem_metrics is not None:
         counts: dict[str, int] = {}
         for family in sem_metrics.requests.collect():
@@ -282,7 +283,7 @@ def semantic_cache_stats(app: PickerApp) -> dict[str, Any]:
                 if sample.name.endswith("_total"):
                     counts[sample.labels["result"]] = int(sample.value)
         body["requests"] = {**counts, "total": sum(counts.values())}
-    index = getattr(cache, "index", None)
+    index = cache.index
     if index is not None:
         body["index"] = dataclasses.asdict(index.snapshot())  # entries, partitions, lookups, hits, added, ...
     return body
@@ -324,7 +325,7 @@ def response_cache_routes(app: PickerApp) -> list[web.RouteDef]:
             await store.clear()
         except CacheStoreError as exc:
             return web.json_response({"success": False, "action": action, "error": str(exc)}, status=503)
-        index = getattr(app.response_cache, "index", None)
+        index = app.response_cache.index
         if index is not None:  # the semantic index points at entries that are gone
             index.clear()
         body = {"success": True, "action": action, "entries_before_clear": before, "cleared_entries": before}
@@ -335,13 +336,13 @@ def response_cache_routes(app: PickerApp) -> list[web.RouteDef]:
         return web.json_response(body, status=503)
 
     async def delete_key(key: str) -> web.Response:
-        if getattr(app.response_cache.store, "fallback_active", False):  # a Redis store on its fallback
+        if app.response_cache.store.fallback_active:  # a Redis store on its fallback
             return unreachable()
         try:
             # a tombstone, the exact entry, its semantic copy and the copy's vector (every copy stops answering)
             cleared = await app.response_cache.invalidate(key)
         except CacheStoreError as exc:
-            if getattr(app.response_cache.store, "fallback_active", False):  # Redis went away during the call
+            if app.response_cache.store.fallback_active:  # Redis went away during the call
                 return unreachable()
             return web.json_response({"success": False, "action": "key", "error": str(exc)}, status=503)
         # the in-memory store's count; null for Redis (the store does not return UNLINK's count)

@@ -20,7 +20,7 @@ bounds, never the counts.
 from __future__ import annotations
 
 from picker.config import AdmissionConfig
-from picker.request.facts import error_body
+from picker.facts import error_body
 from picker.routing.endpoints import PoolView
 
 OVERLOADED_CODE = "overloaded"

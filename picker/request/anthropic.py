@@ -7,7 +7,7 @@ body unchanged).
 What the seed specifies, and how it is read here:
 
 - Only *native Anthropic* requests: the Anthropic Messages shape, i.e. a request to ``/v1/messages`` or
-  ``/anthropic/v1/messages`` (the paths ``picker.request.facts`` parses as Anthropic). The path decides, not
+  ``/anthropic/v1/messages`` (the paths ``picker.facts`` parses as Anthropic). The path decides, not
   the ``anthropic-version`` header: the header alone does not make an OpenAI-shaped body Anthropic-shaped,
   and Anthropic SDKs always send both. ``/v1/messages/count_tokens`` is not a messages request.
 - The marker ``"cache_control": {"type": "ephemeral"}`` goes on the *last system block* only. A string
@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from picker.request.facts import api_for_path
+from picker.facts import api_for_path
 
 CACHE_CONTROL_KEY = "cache_control"
 EPHEMERAL: dict[str, str] = {"type": "ephemeral"}

@@ -1,6 +1,6 @@
 """The request path: the stages one request goes through, in order, and the response observers.
 
-    parse    → RequestFacts, or a 400 answer                        (sync, ``picker.request.facts``)
+    parse    → RequestFacts, or a 400 answer                        (sync, ``picker.facts``)
     cache    → a stored answer for a repeated deterministic request (async: ``picker.cache.response_cache``),
                else the key its response is stored under (an eligible miss), else nothing (not eligible)
     prepare  → Prepared: prefix key, session's endpoint, Tier 4 holds (async: the one place a request
@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from picker.cache.response_cache import CacheState
 from picker.config import Settings
-from picker.kv.checks import full_page_blocks
 from picker.kv.placements import RecentPlacements
-from picker.kv.placements import merge as merge_placements
+from picker.kv.stage import KvCommit, KvLookup, KvStage
 from picker.ops.recorder import DecisionRecorder
 from picker.pool.pool import Lease, Pool
 from picker.request.admission import Admission, overloaded_body
 from picker.request.anthropic import inject_cache_control, is_native_anthropic
-from picker.request.facts import (
+from picker.facts import (
+    Answer,
     BadRequest,
     RequestFacts,
     api_for_path,
@@ -40,10 +41,9 @@ from picker.request.facts import (
     error_body,
     parse_request_body,
 )
-from picker.request.popularity import PrefixRates
 from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key
-from picker.routing.endpoints import BackendHold, Decision
+from picker.routing.endpoints import Decision
 
 log = logging.getLogger("kv_epp.request")
 _perf = time.perf_counter
@@ -61,47 +61,12 @@ class Inbound:
     subset: Sequence[str] | None = None
 
 
-@dataclass(slots=True, frozen=True)
-class Answer:
-    """A response the picker gives itself (400 bad request, 429 overloaded, 503 no backend, a response-cache
-    hit)."""
-
-    status: int
-    body: bytes
-    details: str
-    headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"),)
-
-
-class ResponseCache(Protocol):
-    """The response-cache stage (Tier 2): a stored answer for an eligible request, else None.
-
-    A stage that also has ``enabled`` and ``lookup_request(facts, body) -> Answer | Keyed | None`` (Tier 2's
-    ``picker.cache.response_cache.ResponseCache``) is consulted through it, only while ``enabled``: it gets the
-    request body the facts were parsed from, its parsed JSON object as ``data`` (not parsed twice), and
-    ``semantic_ok`` (the admission check, asked after an exact miss:
-    a saturated pool gets its exact hits but no semantic lookup) and returns the hit, else an eligible miss's
-    ``Keyed`` (its ``key`` set on the exchange as ``cache_key``, its ``semantic`` as ``cache_semantic``, with
-    ``x_cache`` MISS: the response is stored under them by the cache's response observer), else None (not
-    eligible: ``x_cache`` BYPASS)."""
-
-    async def lookup(self, facts: RequestFacts) -> Answer | None: ...
-
-
-class HoldsSource(Protocol):
-    """Tier 4 in the prepare stage: backend → how much of the request's prefix it holds."""
-
-    async def holds_for(self, facts: RequestFacts) -> Mapping[str, BackendHold]: ...
-
-    def page_tokens(self, backend: str) -> int | None:
-        """The page size of ``backend``'s engine, as its KV events announce it (None: not known yet)."""
-        ...
-
-
 class ResponseObserver(Protocol):
     """Told about every routed request's response. ``wants_body`` False: ``on_body`` is never called
     (the stream then does no per-chunk work for it)."""
 
-    wants_body: bool
+    @property
+    def wants_body(self) -> bool: ...
 
     def on_headers(self, ex: Exchange, status: int | None) -> None: ...
 
@@ -110,13 +75,49 @@ class ResponseObserver(Protocol):
     def on_end(self, ex: Exchange, completed: bool) -> None: ...
 
 
+class ResponseCache(ResponseObserver, Protocol):
+    """The response-cache stage (Tier 2, ``picker.cache.response_cache.ResponseCache``), consulted only while
+    ``enabled``. ``lookup`` gets the request body the facts were parsed from, its parsed JSON object as ``data``
+    (not parsed twice), the request headers that shape the answer, and ``semantic_ok`` (the admission check, asked
+    after an exact miss: a saturated pool gets its exact hits but no semantic lookup). It returns the hit, else
+    the exchange's ``CacheState``: an eligible miss (``x_cache`` MISS, the keys its response is stored under) or
+    a request that is not eligible (BYPASS). As a response observer it stores an eligible miss's response: the
+    path adds it to that exchange's body observers (and only that one's)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    async def lookup(
+        self,
+        facts: RequestFacts,
+        body: bytes | None,
+        headers: Mapping[str, str] | None = None,
+        *,
+        semantic_ok: Callable[[], bool] | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> Answer | CacheState: ...
+
+
+class HoldsSource(Protocol):
+    """Tier 4 in the prepare stage (``picker.kv.tier4.Tier4``): what the KV index says of the request's prefix,
+    and each engine's page size."""
+
+    async def lookup(self, facts: RequestFacts) -> KvLookup: ...
+
+    def page_tokens(self, backend: str) -> int | None:
+        """The page size of ``backend``'s engine, as its KV events announce it (None: not known yet)."""
+        ...
+
+
 class Exchange:
-    """One routed request, from the commit to the end of its response (or the stream's abort)."""
+    """One routed request, from the commit to the end of its response (or the stream's abort). The features'
+    per-request state is theirs: ``kv`` (Tier 4's ``KvCommit``: the tokens the decision counted on, the placement
+    it made) and ``cache`` (the response cache's ``CacheState``: the X-Cache value, an eligible miss's response on
+    its way to the store), None when the feature is off or was not consulted."""
 
     __slots__ = (
-        "_body_observers", "_ended", "_observers", "available_cached", "body_out", "cache_buf", "cache_complete",
-        "cache_key", "cache_semantic", "cache_size", "decided_at", "decision", "facts", "first_byte_at", "lease",
-        "placed", "predicted_cached", "prompt_tokens", "resp_headers", "served", "status", "x_cache",
+        "_body_observers", "_ended", "_observers", "body_out", "cache", "decided_at", "decision", "facts",
+        "first_byte_at", "kv", "lease", "served", "status",
     )  # fmt: skip
 
     def __init__(
@@ -134,22 +135,10 @@ class Exchange:
         self.status: int | None = None
         self.served: str | None = None  # ip:port the proxy reports it used (after retries), when it does
         self.first_byte_at: float | None = None
-        self.prompt_tokens: int | None = None  # Tier 4's token count of the prompt, when it tokenized it
-        self.predicted_cached = 0  # prompt tokens the index said the chosen endpoint holds (captured)
-        self.available_cached = 0  # prompt tokens the index said the best holder holds (>= predicted_cached)
-        # the recent placement this request made (placements, endpoint, block keys), undone if it fails there
-        self.placed: tuple[RecentPlacements, str, Sequence[int]] | None = None
-        # Tier 2: the X-Cache value of the answer (None: no response cache), an eligible miss's key, its
-        # response's headers (kept by the protocol layer for an eligible miss only) and bounded body buffer
-        self.x_cache: str | None = None
-        self.cache_key: str | None = None
-        self.cache_semantic: object | None = None  # a semantic miss's pending entry (the response cache's own type)
+        self.kv: KvCommit | None = None  # Tier 4's part, when it tokenized the prompt
+        self.cache: CacheState | None = None  # the response cache's part, when it is on
         # the request body to send upstream instead of the client's (Anthropic cache_control injection), or None
         self.body_out: bytes | None = None
-        self.resp_headers: tuple[tuple[str, str], ...] = ()
-        self.cache_buf: list[bytes] | None = None
-        self.cache_size = 0
-        self.cache_complete = False  # the response body's end_of_stream was seen
         self._observers = observers
         self._body_observers = body_observers
         self._ended = False
@@ -157,6 +146,11 @@ class Exchange:
     @property
     def wants_body(self) -> bool:
         return bool(self._body_observers)
+
+    @property
+    def x_cache(self) -> str | None:
+        """The X-Cache value of the answer (None: no response cache)."""
+        return self.cache.x_cache if self.cache is not None else None
 
     def add_body_observer(self, o: ResponseObserver) -> None:
         """``o`` also sees this exchange's body chunks (the response cache, for an eligible miss)."""
@@ -170,10 +164,9 @@ class Exchange:
         self.first_byte_at = _mono()
         ok = status is not None and status < 500 and (served is None or served == self.lease.endpoint.address)
         self.lease.first_byte(ok)
-        if self.placed is not None and (not ok or status is None or status >= 400):  # not cached there after all
-            placements, name, keys = self.placed
-            placements.unrecord(name, keys)
-            self.placed = None
+        kv = self.kv
+        if kv is not None and kv.placed is not None and (not ok or status is None or status >= 400):
+            kv.unplace()  # not cached there after all
         for o in self._observers:
             try:
                 o.on_headers(self, status)
@@ -304,9 +297,14 @@ class RequestPath:
         self.body_observers = tuple(o for o in self.observers if o.wants_body)
         self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
         self.admission = Admission(settings.admission)
-        self.prefix_rates = PrefixRates()  # how often each held prefix is asked for, for the cost model
+        self.kv = KvStage(settings.kv_cache_index)  # kv_cache_index is restart-required: built once
         self._cache_warned = False
         self.configure(settings)
+
+    @property
+    def placements(self) -> RecentPlacements:
+        """Where this picker just sent prompts, before the engines' KV events say so (Tier 4's guesses)."""
+        return self.kv.placements
 
     def configure(self, settings: Settings) -> None:
         """Apply (re)loaded settings: what the stages read from the config."""
@@ -319,13 +317,7 @@ class RequestPath:
         self.max_body_bytes = settings.extproc.max_body_bytes
         self.admission.configure(settings.admission)
         self.tier4 = self.holds is not None and self.router.tier4_active()
-        self.block_size = settings.kv_cache_index.tokenizer.block_size
         self.max_prefix_tokens = settings.kv_cache_index.tokenizer.max_prefix_tokens
-        kv = settings.kv_cache_index
-        if getattr(self, "placements", None) is None:  # kv_cache_index is restart-required: built once
-            self.placements: RecentPlacements | None = RecentPlacements(
-                kv.recent_placements_max_entries, kv.recent_placements_seconds
-            )
         # the semantic cache's caller identity (hashed into RequestFacts.identity), read only while it is on
         sem = settings.response_cache.semantic
         on = settings.response_cache.enabled and sem.enabled
@@ -364,23 +356,19 @@ class RequestPath:
         )  # fmt: skip
 
     async def prepare(self, facts: RequestFacts) -> Prepared:
-        """Stage 3: the prefix key, the session's endpoint and (Tier 4) the KV holds."""
+        """Stage 3: the prefix key, (Tier 4) the KV holds and the session's endpoint."""
         key = self.router.key_for(facts)
-        holds = await self.holds.holds_for(facts) if key is not None and self.tier4 and self.holds else None
-        tokens = getattr(holds, "prompt_tokens", None)
-        block_keys = getattr(holds, "block_keys", None)
-        if block_keys and self.placements is not None and self.placements.ttl > 0:  # a Held of its own: add guesses
-            merge_placements(holds, self.placements.holds(block_keys, _mono()))  # type: ignore[arg-type]
-        evicting: frozenset[str] = getattr(holds, "evicting", frozenset())
-        rate = 0.0
-        if block_keys and holds:  # how often the deepest held prefix is asked for: what a copy would serve
-            deepest = max(h.blocks for h in holds.values())
-            if 0 < deepest <= len(block_keys):
-                rate = self.prefix_rates.hit(block_keys[deepest - 1], _mono())
-        if not self.affinity or not facts.session_id:
-            return Prepared(key, holds, prompt_tokens=tokens, evicting=evicting, prefix_rate=rate)
-        session = session_key(facts.session_id)
-        return Prepared(key, holds, session, self.sessions.get(session, _mono()), tokens, evicting, rate)
+        holds = self.holds
+        kv = None
+        if key is not None and self.tier4 and holds is not None:
+            kv = self.kv.settle(await holds.lookup(facts))  # with this picker's recent placements
+        session = sticky = None
+        if self.affinity and facts.session_id:
+            session = session_key(facts.session_id)
+            sticky = self.sessions.get(session, _mono())
+        if kv is None:
+            return Prepared(key, None, session, sticky)
+        return Prepared(key, kv.holds, session, sticky, kv.prompt_tokens, kv.evicting, kv.prefix_rate, kv.block_keys)
 
     def decide(self, facts: RequestFacts, prepared: Prepared, subset: Sequence[str] | None) -> Decision | None:
         """Stage 4: the pure decision over the pool's snapshot."""
@@ -388,47 +376,26 @@ class RequestPath:
 
     def commit(self, facts: RequestFacts, decision: Decision, prepared: Prepared) -> Exchange:
         """Stage 5: take the in-flight slot, remember the session, count the decision."""
-        predicted_cached = 0
-        if prepared.prompt_tokens is not None:  # Tier 4's prediction, for the response sample's accounting
-            hold = prepared.holds.get(decision.endpoint.name) if prepared.holds else None
-            predicted_cached = min(hold.blocks * self.block_size, prepared.prompt_tokens) if hold else 0
-            prefill = prepared.prompt_tokens - predicted_cached
+        name = decision.endpoint.name
+        # Tier 4's prediction, and the block whose store on the pick ends the prefill (it teaches the TTFT model)
+        page = self.holds.page_tokens(name) if self.holds is not None and prepared.block_keys else None
+        plan = self.kv.plan(prepared, name, page)
+        if plan is not None:
+            prefill = plan.prefill
         else:  # not tokenized: about 4 bytes of body per prompt token (an image's base64 is not its tokens)
             prefill = min(facts.body_bytes // 4, self.max_prefix_tokens)
-        # the engine's KV events tell when the prefill reached the request's last keyed block, if the pick does
-        # not hold it already: that time (from a prompt Tier 4 counted) teaches the TTFT model
-        block_keys: Sequence[int] = getattr(prepared.holds, "block_keys", None) or ()
-        placed = None
-        name = decision.endpoint.name
-        held = prepared.holds.get(name) if prepared.holds else None
-        # the block whose store ends the prefill: the last key block inside the engine's full pages (an engine
-        # stores only full pages; a block in the prompt's partial last page is stored, if ever, once decoding
-        # has filled that page, and timing it would teach the model the decode time as prefill)
-        watched = len(block_keys)
-        if block_keys and prepared.prompt_tokens is not None and self.holds is not None:
-            page = self.holds.page_tokens(name)
-            watched = full_page_blocks(prepared.prompt_tokens, len(block_keys), page, self.block_size)
-        watch = watched > 0 and self.placements is not None and (held.blocks if held else 0) < watched
-        lease = self.pool.acquire(decision.endpoint, prefill, calibrate=watch)
-        if prepared.prompt_tokens is not None:
+        lease = self.pool.acquire(decision.endpoint, prefill, calibrate=plan is not None and plan.watch)
+        kv = None
+        if plan is not None:
             self.pool.calibrator.note_prefill(prefill)
-        if block_keys and self.placements is not None:
-            if self.placements.ttl > 0:
-                self.placements.record(name, block_keys, _mono())
-                placed = (self.placements, name, block_keys)
-            if watch:
-                self.placements.watch(name, block_keys[watched - 1], lease)
+            kv = self.kv.commit(plan, prepared, name, lease)
         if prepared.session is not None:
             self.sessions.put(prepared.session, decision.endpoint.name, _mono())
         self.recorder.decided(decision, prepared.key)
         ex = Exchange(facts, decision, lease, self.observers, self.body_observers)
-        ex.placed = placed
-        if prepared.prompt_tokens is not None:
-            ex.prompt_tokens = prompt = prepared.prompt_tokens
-            ex.predicted_cached = predicted_cached
-            bs = self.block_size
-            ex.available_cached = max((min(h.blocks * bs, prompt) for h in (prepared.holds or {}).values()), default=0)
-            self.recorder.cached_tokens(decision.reason, prompt, ex.available_cached, predicted_cached)
+        if kv is not None:
+            ex.kv = kv
+            self.recorder.cached_tokens(decision.reason, kv.prompt_tokens, kv.available_cached, kv.predicted_cached)
         return ex
 
     def cache_cannot_store(self) -> None:
@@ -462,24 +429,15 @@ class RequestPath:
             return Answer(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}")
         cpu = _perf() - t0
         cache = self.cache
-        x_cache = key = semantic = None
-        if cache is not None:
-            keyed = getattr(cache, "lookup_request", None)
-            if keyed is None:
-                hit = await cache.lookup(facts)
-                if hit is not None:
-                    self.recorder.cache_hit()
-                    return hit
-            elif cache.enabled:  # type: ignore[attr-defined]
-                # the exact lookup before the admission check (a saturated pool still gets its hits), the
-                # semantic one (an embedding request) only when the pool is not saturated
-                looked = await keyed(facts, req.body, req.headers, semantic_ok=lambda: self._admits(req), data=data)
-                if isinstance(looked, Answer):
-                    self.recorder.cache_hit()
-                    return looked
-                if looked is not None:
-                    key, semantic = looked.key, looked.semantic
-                x_cache = "MISS" if key is not None else "BYPASS"
+        cached: CacheState | None = None
+        if cache is not None and cache.enabled:
+            # the exact lookup before the admission check (a saturated pool still gets its hits), the semantic one
+            # (an embedding request) only when the pool is not saturated
+            looked = await cache.lookup(facts, req.body, req.headers, semantic_ok=lambda: self._admits(req), data=data)
+            if isinstance(looked, Answer):
+                self.recorder.cache_hit()
+                return looked
+            cached = looked
         why = self.admission.saturation(self.pool.view(req.subset), self.pool.view())
         if why is not None:  # shed before prepare: a saturated pool gets no tokenizer call either
             return self.overloaded(why)
@@ -491,9 +449,9 @@ class RequestPath:
             why = "no endpoint in the subset hint is eligible" if req.subset is not None else "no healthy backend"
             return Answer(503, error_body(why, "no_healthy_backend", "service_unavailable"), "kv_epp_no_backend")
         ex = self.commit(facts, decision, prepared)
-        ex.x_cache, ex.cache_key, ex.cache_semantic = x_cache, key, semantic
-        if key is not None:  # an eligible miss: the cache reads this response's body (and only this one's)
-            ex.add_body_observer(cache)  # type: ignore[arg-type]
+        ex.cache = cached
+        if cache is not None and cached is not None and cached.key is not None:
+            ex.add_body_observer(cache)  # an eligible miss: the cache reads this response's body (and only this one's)
         inject = self.settings.prefix_routing.anthropic_cache_control_injection  # hot-reloadable: read per request
         if inject and req.body and is_native_anthropic(req.path):
             ex.body_out = inject_cache_control(req.body, max_body_bytes=self.max_body_bytes)  # None: unchanged

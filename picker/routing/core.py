@@ -16,13 +16,13 @@ and the ring, rebuilt on ``reconfigure``/``set_pool_names``, never on a request.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from hashlib import blake2b
 from typing import Protocol
 
 from picker.config import Settings
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
 from picker.routing.chwbl_ring import HashRing
 from picker.routing.cost_model import CostScorer
 from picker.routing.endpoints import BackendHold, Decision, Endpoint, PoolView
@@ -53,6 +53,7 @@ class Prepared:
     prompt_tokens: int | None = None  # the prompt's length in tokens, when Tier 4 tokenized it
     evicting: frozenset[str] = frozenset()  # endpoints whose cache is full (they evicted recently)
     prefix_rate: float = 0.0  # requests per second for this request's prefix key, lately
+    block_keys: Sequence[int] = ()  # the request's block keys, when Tier 4 keyed it (the commit stage places them)
 
 
 NOTHING_PREPARED = Prepared()

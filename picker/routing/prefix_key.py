@@ -15,7 +15,7 @@ from __future__ import annotations
 import struct
 from hashlib import sha256
 
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
 
 
 def truncate_utf8(text: str, max_bytes: int) -> bytes:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from picker.config import PrefixRoutingConfig
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
 from picker.routing.chwbl_ring import HashRing, bounded_pick, load_bound, ring_hash
 from picker.routing.endpoints import Decision, EndpointState, PoolView
 

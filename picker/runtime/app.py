@@ -38,6 +38,7 @@ from picker.config import (
     load_settings,
     restart_required_changes,
 )
+from picker.extproc.sampling import ResponseSampling
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.ops.recorder import DecisionRecorder
@@ -110,9 +111,12 @@ class PickerApp:
             settings, self.pool, self.router, self.recorder, holds=self.tier4, cache=self.response_cache,
             observers=observers,
         )  # fmt: skip
-        if self.tier4 is not None and self.path.placements is not None:  # the feeds settle the placement guesses
+        if self.tier4 is not None:  # the feeds settle the placement guesses
             self.tier4.index.watcher = self.path.placements
-        self.open_streams = 0
+        # which responses stream their body through the picker (extproc is restart-required: built once)
+        self.sampling = ResponseSampling(
+            settings.extproc, self.metrics.registry, self.recorder, settings.kv_cache_index.tokenizer.block_size
+        )
         # readiness inputs besides the pool and the feeds (set by the server)
         self.ready = False  # started: every port listens
         self.draining = False
@@ -173,14 +177,12 @@ class PickerApp:
         self.recorder.forget_backends(gone)
         if tier4 is not None:
             tier4.follow_pool(added, gone, readdressed)  # feeds, index and their placements (index watcher)
-        placements = self.path.placements
-        if placements is not None:
-            forget = set(gone if tier4 is None else gone & static_feeds)  # they hold nothing this picker placed
-            if tier4 is None:
-                forget.update(readdressed)
-            forget.update(unrouted)  # guesses are short-lived; the index keeps the truth for when it is back
-            if forget:
-                placements.forget_many(forget)
+        forget = set(gone if tier4 is None else gone & static_feeds)  # they hold nothing this picker placed
+        if tier4 is None:
+            forget.update(readdressed)
+        forget.update(unrouted)  # guesses are short-lived; the index keeps the truth for when it is back
+        if forget:
+            self.path.placements.forget_many(forget)
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now (once), not on a request
         self.metrics.pool_backends.set(len(after_routed))
         return len(added), len(gone), len(readdressed)

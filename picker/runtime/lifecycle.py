@@ -158,7 +158,7 @@ class PickerServer:
         self.app = app
         self.health = health.aio.HealthServicer()
         self._started = False  # every port listens (ACCEPTING_SERVICE turns SERVING)
-        self.servicer = ExternalProcessor(app)
+        self.servicer = ExternalProcessor(app.path, app.metrics, app.settings.extproc, app.sampling)
         self.supervisor = TaskSupervisor(
             on_failure=self._task_failed,
             logger=log,

@@ -20,7 +20,7 @@ from picker.kv.tier4 import Tier4
 from picker.kv.tokenizer_sources import TokenizerSource
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
-from picker.request.facts import RequestFacts, parse_request
+from picker.facts import RequestFacts, parse_request
 from picker.shared.block_keys import request_block_keys
 from picker.shared.tiers import StorageTier
 
@@ -91,7 +91,7 @@ async def test_second_turn_makes_no_tokenizer_call_and_holds_match_a_full_tokeni
 
         async def turn(msgs: list[dict[str, str]]) -> tuple[Any, int]:
             before = counting.on_request_path()
-            held = await t4.holds_for(facts(msgs))
+            held = (await t4.lookup(facts(msgs))).holds
             calls = counting.on_request_path() - before
             await t4.tokens.drained()  # the fill runs while the engine answers
             return held, calls

@@ -6,7 +6,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import parse_settings
 from picker.ops.admin import build_admin_app
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
 from picker.runtime.app import PickerApp
 
 

@@ -17,7 +17,8 @@ from picker.config import parse_settings
 from picker.extproc.messages import FULL_DUPLEX
 from picker.ops.admin import build_admin_app, duration_text
 from picker.ops.metrics import ROUTE_OUTCOMES, STATUS_OUTCOMES, PickerMetrics
-from picker.request.path import Answer, Exchange, Inbound
+from picker.facts import Answer
+from picker.request.path import Exchange, Inbound
 from picker.runtime.app import PickerApp
 from tests.unit.test_route_seconds import exchange, request_body, request_headers, serve  # noqa: F401  (fixture)
 
@@ -67,25 +68,25 @@ async def route(app: PickerApp, data: dict[str, Any]) -> Exchange | Answer:
 async def store_one(app: PickerApp, content: str) -> str:
     """An eligible miss routed and its response stored (as the observer sees it in full mode); its key."""
     ex = await route(app, chat(content))
-    assert isinstance(ex, Exchange) and ex.cache_key is not None
-    ex.resp_headers = ((":status", "200"), ("content-type", "application/json"))
+    assert isinstance(ex, Exchange) and ex.cache.key is not None
+    ex.cache.headers = ((":status", "200"), ("content-type", "application/json"))
     ex.response_headers(200)
     ex.response_body(b'{"choices":[{"message":{"content":"' + content.encode() + b'"},"finish_reason":"stop"}]}', True)
     await app.response_cache.flush()
-    return ex.cache_key
+    return ex.cache.key
 
 
 async def store_with_semantic_copy(app: PickerApp, content: str, sem_key: str) -> str:
     """An eligible miss whose semantic path missed (its pending semantic entry set as the stage sets it): the
     response is stored under the exact key and under ``sem_key``, whose vector is indexed."""
     ex = await route(app, chat(content))
-    assert isinstance(ex, Exchange) and ex.cache_key is not None
-    ex.cache_semantic = SemanticPending("partition", (1.0, 0.0), sem_key)
-    ex.resp_headers = ((":status", "200"), ("content-type", "application/json"))
+    assert isinstance(ex, Exchange) and ex.cache.key is not None
+    ex.cache.semantic = SemanticPending("partition", (1.0, 0.0), sem_key)
+    ex.cache.headers = ((":status", "200"), ("content-type", "application/json"))
     ex.response_headers(200)
     ex.response_body(b'{"choices":[{"message":{"content":"x"},"finish_reason":"stop"}]}', True)
     await app.response_cache.flush()
-    return ex.cache_key
+    return ex.cache.key
 
 
 async def test_stats_follow_the_seed_shape_and_count_lookups(client_of: Any) -> None:

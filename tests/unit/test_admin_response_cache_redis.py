@@ -14,7 +14,8 @@ from redis.asyncio import Redis
 from picker.config import parse_settings
 from picker.ops.admin import REDIS_UNREACHABLE, scrub
 from picker.ops.metrics import PickerMetrics
-from picker.request.path import Answer, Exchange, Inbound
+from picker.facts import Answer
+from picker.request.path import Exchange, Inbound
 from picker.runtime.app import PickerApp
 from tests.support.admin_redis import require_password
 from tests.support.valkey import ValkeyProcess, free_port, valkey_server  # noqa: F401  (the fixture)
@@ -56,12 +57,12 @@ def authed_url(server: ValkeyProcess, password: str = PASSWORD, user: str = "def
 async def store_one(app: PickerApp, content: str) -> str:
     data = {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0}
     ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, json.dumps(data).encode()))
-    assert isinstance(ex, Exchange) and ex.cache_key is not None
-    ex.resp_headers = ((":status", "200"), ("content-type", "application/json"))
+    assert isinstance(ex, Exchange) and ex.cache.key is not None
+    ex.cache.headers = ((":status", "200"), ("content-type", "application/json"))
     ex.response_headers(200)
     ex.response_body(b'{"choices":[{"index":0,"message":{"content":"x"},"finish_reason":"stop"}]}', True)
     await app.response_cache.flush()
-    return ex.cache_key
+    return ex.cache.key
 
 
 async def prefixed_keys(server: ValkeyProcess) -> set[bytes]:

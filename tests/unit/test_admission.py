@@ -14,13 +14,25 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from picker.config import parse_settings
 from picker.extproc.service import ExternalProcessor
 from picker.extproc.stream import RequestStream
-from picker.request.path import Answer, Inbound
+from picker.facts import Answer
+from picker.request.path import Inbound
 from picker.runtime.app import PickerApp
 from tests.support.poll import async_wait_until
 
 BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}).encode()
+
+
+def stream_of(app: PickerApp) -> RequestStream:
+    """The stream of one request on ``app``'s request path (no response sampling)."""
+    return RequestStream(app.path, app.metrics.route_seconds)
+
+
+def processor_of(app: PickerApp) -> ExternalProcessor:
+    """The ext_proc servicer over ``app``'s collaborators."""
+    return ExternalProcessor(app.path, app.metrics, app.settings.extproc, app.sampling)
+
 
 
 def make_app(admission: dict[str, Any] | None = None, mode: str = "FULL_DUPLEX_STREAMED", **extra: Any) -> PickerApp:
@@ -85,12 +97,12 @@ async def send(stream: RequestStream, msg: pb.ProcessingRequest) -> list[pb.Proc
 async def test_declared_length_is_reserved_at_headers_and_refused_when_it_does_not_fit(mode: str) -> None:
     app = make_app(mode=mode)
     adm = app.path.admission
-    first = RequestStream(app)
+    first = stream_of(app)
     assert status_of(await send(first, headers(len(BODY)))) is None
     assert adm.body_bytes == len(BODY)
-    second = RequestStream(app)
+    second = stream_of(app)
     assert status_of(await send(second, headers(len(BODY)))) is None  # 2 x 3 KB fit in 8 KiB
-    third = RequestStream(app)
+    third = stream_of(app)
     out = await send(third, headers(len(BODY)))
     assert status_of(out) == 429 and retry_after(out[0]) == "1"
     err = json.loads(out[0].immediate_response.body)["error"]
@@ -110,12 +122,12 @@ async def test_declared_length_is_reserved_at_headers_and_refused_when_it_does_n
 async def test_chunked_body_is_reserved_chunk_by_chunk_and_refused_past_the_budget() -> None:
     app = make_app()
     adm = app.path.admission
-    holders = [RequestStream(app) for _ in range(2)]
+    holders = [stream_of(app) for _ in range(2)]
     for s in holders:
         await send(s, headers())  # no content-length: nothing reserved yet
         assert status_of(await send(s, body(b"x" * 3000, False))) is None
     assert adm.body_bytes == 6000
-    late = RequestStream(app)
+    late = stream_of(app)
     await send(late, headers())
     assert status_of(await send(late, body(b"y" * 1000, False))) is None
     out = await send(late, body(b"y" * 1193, False))  # 6000 + 2193 > 8192
@@ -131,7 +143,7 @@ async def test_declared_length_over_the_per_stream_limit_reserves_only_the_limit
     """No 400 at the headers (Envoy would close the connection under the client's upload, a reset instead
     of the JSON answer): the limit is reserved, and the body phase answers 400 once it passes the limit."""
     app = make_app()
-    s = RequestStream(app)
+    s = stream_of(app)
     assert await send(s, headers(9000)) == []
     assert app.path.admission.body_bytes == 8192  # never more than the per-stream limit
     out = await send(s, body(b"x" * 9000, False))
@@ -142,7 +154,7 @@ async def test_declared_length_over_the_per_stream_limit_reserves_only_the_limit
 
 async def test_per_stream_limit_refusal_releases_the_reservation() -> None:
     app = make_app()
-    s = RequestStream(app)
+    s = stream_of(app)
     await send(s, headers())
     await send(s, body(b"x" * 8000, False))
     assert status_of(await send(s, body(b"x" * 500, False))) == 400
@@ -153,7 +165,7 @@ async def test_per_stream_limit_refusal_releases_the_reservation() -> None:
 
 async def test_bad_request_and_no_backend_release_the_reservation() -> None:
     app = make_app()
-    s = RequestStream(app)
+    s = stream_of(app)
     await send(s, headers(5))
     assert status_of(await send(s, body(b"{nope", True))) == 400
     assert app.path.admission.body_bytes == 0
@@ -180,7 +192,7 @@ async def _held(release: asyncio.Event) -> AsyncIterator[pb.ProcessingRequest]:
 
 async def test_streams_past_the_bound_get_429_and_closing_one_admits_the_next() -> None:
     app = make_app({"max_open_streams": 2})
-    svc = ExternalProcessor(app)
+    svc = processor_of(app)
     adm = app.path.admission
     release = asyncio.Event()
 
@@ -205,7 +217,7 @@ async def test_streams_past_the_bound_get_429_and_closing_one_admits_the_next() 
 @pytest.mark.parametrize("cache", [True, False])
 async def test_the_open_streams_429_says_x_cache_bypass_when_the_response_cache_is_on(cache: bool) -> None:
     app = make_app({"max_open_streams": 1}, response_cache={"enabled": cache})
-    svc = ExternalProcessor(app)
+    svc = processor_of(app)
     release = asyncio.Event()
 
     async def drain(it: AsyncIterator[pb.ProcessingResponse]) -> list[pb.ProcessingResponse]:
@@ -273,7 +285,7 @@ async def test_other_methods_on_the_chat_path_are_routed_without_a_body_parse(me
     ex = await app.path.route(Inbound(CHAT, {":method": method}, b""))
     assert not isinstance(ex, Answer)
     ex.end(completed=True)
-    s = RequestStream(app)
+    s = stream_of(app)
     out = await send(s, headers(method=method, eos=True))
     assert status_of(out) is None and s.exchange is not None
     s.close()

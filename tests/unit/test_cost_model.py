@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from picker.config import CostModelConfig, Settings
 from picker.kv.placements import RecentPlacements, merge
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
 from picker.routing.core import Prepared, Router
 from picker.routing.cost_model import CostScorer
 from picker.routing.endpoints import (
@@ -177,7 +177,7 @@ def test_a_hot_prefix_shares_its_copys_prefill_with_the_requests_that_will_find_
 
 
 def test_prefix_rates_decay_and_stay_bounded() -> None:
-    from picker.request.popularity import PrefixRates
+    from picker.kv.popularity import PrefixRates
 
     r = PrefixRates(max_keys=2, tau_s=10.0)
     assert r.hit(b"x", 0.0) == 0.0  # first seen: no demand yet

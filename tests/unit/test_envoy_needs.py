@@ -258,7 +258,7 @@ async def test_readyz_names_the_mode_the_cache_needs_and_what_reached_the_picker
     # response mode none: the miss's headers, then the stream closes (completed), no body
     ex = await route(app, req(temperature=0, user="none"))
     assert isinstance(ex, Exchange)
-    ex.resp_headers = ((":status", "200"), ("content-type", "application/json"))
+    ex.cache.headers = ((":status", "200"), ("content-type", "application/json"))
     ex.response_headers(200)
     ex.end(completed=True)
     detail = detail_of(app)

@@ -13,10 +13,11 @@ from google.protobuf.json_format import MessageToDict
 
 from picker.config import parse_settings
 from picker.extproc.messages import sampled_mode
-from picker.extproc.sampling import TAIL_BYTES, ResponseSampling, read_usage
+from picker.extproc.sampling import TAIL_BYTES, read_usage
 from picker.extproc.stream import RequestStream
+from picker.kv.stage import KvLookup
 from picker.ops.recorder import prediction_outcome
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
 from picker.routing.endpoints import BackendHold, StorageTier
 from picker.runtime.app import PickerApp
 from picker.runtime.envoy_config import EnvoyOptions, bootstrap, processing_mode, sampled_override
@@ -98,7 +99,7 @@ def protocol(r: pb.ProcessingRequest, body: int, response: int) -> pb.Processing
 
 async def routed(app: PickerApp, body_mode: int, response_mode: int, opt_in: bool = False) -> RequestStream:
     """A stream routed in ``body_mode`` (BUFFERED: headers then one body message)."""
-    stream = RequestStream(app, ResponseSampling.of(app))
+    stream = RequestStream(app.path, app.metrics.route_seconds, app.sampling)
     req = pb.ProcessingRequest()
     for k, v in ((":path", "/v1/chat/completions"), (":method", "POST")) + (
         (("x-kv-epp-sample", "1"),) if opt_in else ()
@@ -152,7 +153,7 @@ async def test_opt_in_samples_in_buffered_mode_only() -> None:
         (answer,) = await sampled.handle(msg)
         assert answer.HasField("response_body") and not answer.response_body.response.HasField("body_mutation")
     assert len(sampled.tail) <= TAIL_BYTES
-    s = ResponseSampling.of(app)
+    s = app.sampling
     assert s.c_usage_prompt._value.get() == 40 and s.c_usage_cached._value.get() == 32
     assert s.c_sampled._value.get() == 1 and s.c_headers._value.get() == 2
     assert in_flight(app) == 2  # the sampled one ended with its body; fd and plain wait for their close
@@ -164,27 +165,24 @@ async def test_opt_in_samples_in_buffered_mode_only() -> None:
 
 async def test_rate_samples_a_fraction() -> None:
     app = make_app(rate=0.5)
-    ResponseSampling.of(app)._credit = 0.0  # every second response, evenly: the first is not, the second is
+    app.sampling._credit = 0.0  # every second response, evenly: the first is not, the second is
     first = await routed(app, PM.BUFFERED, PM.NONE)
     second = await routed(app, PM.BUFFERED, PM.NONE)
     assert not (await first.handle(headers(200)))[0].HasField("mode_override")
     assert (await second.handle(headers(200)))[0].HasField("mode_override")
 
 
-class Tier4Holds(dict[str, BackendHold]):
-    """Tier 4's prepared holds as the KV index hands them: backend → hold, with the prompt's token count."""
-
-    def __init__(self, holds: dict[str, BackendHold], prompt_tokens: int) -> None:
-        super().__init__(holds)
-        self.prompt_tokens = prompt_tokens
-
-
 class FixedHolds:
+    """Tier 4's answer as the KV index hands it: backend → hold, with the prompt's token count."""
+
     def __init__(self, blocks: int, prompt_tokens: int) -> None:
         self.blocks, self.prompt_tokens = blocks, prompt_tokens
 
-    async def holds_for(self, facts: RequestFacts) -> Tier4Holds:
-        return Tier4Holds({"a": BackendHold(self.blocks, StorageTier.GPU_HOT)}, self.prompt_tokens)
+    async def lookup(self, facts: RequestFacts) -> KvLookup:
+        return KvLookup({"a": BackendHold(self.blocks, StorageTier.GPU_HOT)}, self.prompt_tokens)
+
+    def page_tokens(self, backend: str) -> int | None:
+        return None
 
 
 async def read_response(stream: RequestStream, usage: dict[str, Any]) -> None:

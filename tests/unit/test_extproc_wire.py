@@ -16,6 +16,12 @@ from picker.runtime.app import PickerApp
 BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
 
 
+def stream_of(app: PickerApp) -> RequestStream:
+    """The stream of one request on ``app``'s request path (no response sampling)."""
+    return RequestStream(app.path, app.metrics.route_seconds)
+
+
+
 def app(mode: str = "FULL_DUPLEX_STREAMED") -> PickerApp:
     s = parse_settings(
         {
@@ -61,7 +67,7 @@ CHAT = json.dumps(
 
 
 async def test_full_duplex_round_trip() -> None:
-    stream = RequestStream(app())
+    stream = stream_of(app())
     assert await feed(stream, headers_msg(extra=[("x-gateway-destination-endpoint", "6.6.6.6:1")])) == []
     half = len(CHAT) // 2
     assert await feed(stream, body_msg(CHAT[:half], False)) == []  # chunks are not answered
@@ -96,7 +102,7 @@ async def test_full_duplex_round_trip() -> None:
 
 
 async def test_buffered_round_trip() -> None:
-    stream = RequestStream(app("BUFFERED"))
+    stream = stream_of(app("BUFFERED"))
     out = await feed(stream, headers_msg())
     assert out[0].request_headers.response.header_mutation.remove_headers == ["x-gateway-destination-endpoint"]
     out = await feed(stream, body_msg(CHAT, True))
@@ -109,13 +115,13 @@ async def test_buffered_round_trip() -> None:
 
 
 async def test_bodyless_request_routed_at_headers() -> None:
-    stream = RequestStream(app())
+    stream = stream_of(app())
     out = await feed(stream, headers_msg("/v1/models", eos=True))
     assert "x-gateway-destination-endpoint" in header_map(out[0].request_headers.response.header_mutation)
 
 
 async def test_bad_body_immediate_400_decodes() -> None:
-    stream = RequestStream(app())
+    stream = stream_of(app())
     await feed(stream, headers_msg())
     out = await feed(stream, body_msg(b"{oops", True))
     ir = out[0].immediate_response
@@ -127,7 +133,7 @@ async def test_bad_body_immediate_400_decodes() -> None:
 async def test_subset_hint_list_is_honoured() -> None:
     from google.protobuf import struct_pb2
 
-    stream = RequestStream(app())
+    stream = stream_of(app())
     req = pb.ProcessingRequest.FromString(headers_msg())
     hint = struct_pb2.Struct()
     hint.update({"x-gateway-destination-endpoint-subset": ["10.0.0.2:8000"]})
@@ -143,7 +149,7 @@ async def test_subset_hint_list_is_honoured() -> None:
 
 
 async def test_abort_releases_lease() -> None:
-    stream = RequestStream(app())
+    stream = stream_of(app())
     await feed(stream, headers_msg())
     await feed(stream, body_msg(CHAT, True))
     assert sum(stream.app.pool.in_flight().values()) == 1
@@ -157,7 +163,7 @@ async def test_streamed_mode_routes_at_headers_and_answers_every_chunk() -> None
     so the pick happens at the headers phase and every body chunk gets its own answer."""
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
-    stream = RequestStream(app())
+    stream = stream_of(app())
     req = pb.ProcessingRequest.FromString(headers_msg())
     req.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.STREAMED
     out = await stream.handle(req)

@@ -10,7 +10,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from picker.config import parse_settings
 from picker.extproc.messages import SERVED_KEY, pick_response, served_endpoint
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
 from picker.request.path import Exchange, Inbound
 from picker.routing.chwbl_ring import ring_hash
 from picker.routing.core import Prepared, Router

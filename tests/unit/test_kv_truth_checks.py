@@ -14,7 +14,7 @@ from picker.kv.checks import FeedChecks, FeedWatch
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
 from picker.shared.block_keys import request_block_keys
 from picker.shared.tiers import StorageTier
 
@@ -88,7 +88,7 @@ async def test_lora_and_aliased_requests_match_the_listener_keys(
     t4 = tier4(**kv)
     t4.index.put("a", request_block_keys(IDS, 4, listener_model, lora), StorageTier.GPU_HOT)
     facts = RequestFacts(api="completions", model=request_model, prompt_token_ids=IDS)
-    assert (await t4.holds_for(facts))["a"].blocks == 8
+    assert (await t4.lookup(facts)).holds["a"].blocks == 8
     assert t4.resolve_model("base", None) == ("base", None)
 
 
@@ -98,8 +98,8 @@ async def test_salted_requests_match_only_their_salt() -> None:
     salted = RequestFacts(api="completions", model="m", prompt_token_ids=IDS, cache_salt="tenant-1")
     other = RequestFacts(api="completions", model="m", prompt_token_ids=IDS, cache_salt="tenant-2")
     plain = RequestFacts(api="completions", model="m", prompt_token_ids=IDS)
-    assert (await t4.holds_for(salted))["a"].blocks == 8
-    assert await t4.holds_for(other) == {} and await t4.holds_for(plain) == {}
+    assert (await t4.lookup(salted)).holds["a"].blocks == 8
+    assert (await t4.lookup(other)).holds == {} and (await t4.lookup(plain)).holds == {}
 
 
 def test_entries_digest_compares_two_indexes_regardless_of_write_order() -> None:
@@ -122,7 +122,7 @@ async def test_requests_for_a_model_no_listener_keys_with_are_counted_and_named(
     t4 = tier4(model_aliases={"alias": "base"})
     t4.known_models = frozenset({"base"})  # what the listeners' hellos said
     for model in ("other", "other", "alias", "base"):
-        await t4.holds_for(RequestFacts(api="completions", model=model, prompt_token_ids=IDS))
+        await t4.lookup(RequestFacts(api="completions", model=model, prompt_token_ids=IDS))
     assert t4.unmatched_report() == {"other": 2}
     assert t4.metrics.registry.get_sample_value("continuum_kv_model_unmatched_total") == 2
 
@@ -156,8 +156,8 @@ async def test_self_check_needs_every_probe_block_not_only_the_template_header()
 async def test_tier4_reports_the_prompt_length_with_its_holds() -> None:
     t4 = tier4()
     t4.index.put("a", request_block_keys(IDS[:16], 4, "m"), StorageTier.GPU_HOT)
-    held = await t4.holds_for(RequestFacts(api="completions", model="m", prompt_token_ids=IDS))
-    assert held["a"].blocks == 4 and getattr(held, "prompt_tokens", None) == len(IDS)
+    held = await t4.lookup(RequestFacts(api="completions", model="m", prompt_token_ids=IDS))
+    assert held.holds["a"].blocks == 4 and held.prompt_tokens == len(IDS) and held.exact
 
 
 async def test_self_check_judges_on_the_engines_full_pages_not_a_partial_last_one() -> None:

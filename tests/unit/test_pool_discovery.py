@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import ConfigError, parse_settings, restart_required_changes
 from picker.ops.admin import build_admin_app
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
 from picker.routing.endpoints import Decision, Endpoint
 from picker.runtime.app import PickerApp
 from picker.runtime.lifecycle import PickerServer
@@ -290,7 +290,7 @@ def held_by(app: PickerApp, ids: list[int]) -> dict[str, int]:
     """Tier 4's answer for a completions prompt of token ids (block size 16 by default): backend → blocks."""
     assert app.tier4 is not None
     facts = RequestFacts(api="completions", model="m", prompt_token_ids=tuple(ids))
-    return {name: h.blocks for name, h in asyncio.run(app.tier4.holds_for(facts)).items()}
+    return {name: h.blocks for name, h in asyncio.run(app.tier4.lookup(facts)).holds.items()}
 
 
 def test_an_unready_backend_leaves_routing_only() -> None:

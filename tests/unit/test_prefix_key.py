@@ -1,6 +1,6 @@
 from hashlib import sha256
 
-from picker.request.facts import parse_request
+from picker.facts import parse_request
 from picker.routing.prefix_key import prefix_key, truncate_utf8
 
 

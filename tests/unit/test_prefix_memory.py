@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from picker.config import ConfigError, PrefixRoutingConfig, config_warnings, parse_settings
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
 from picker.routing.chwbl_ring import HashRing, bounded_pick, load_bound
 from picker.routing.core import Prepared, Router
 from picker.routing.endpoints import Decision, Endpoint, EndpointState, PoolView

@@ -1,6 +1,6 @@
 import pytest
 
-from picker.request.facts import BadRequest, api_for_path, parse_request
+from picker.facts import BadRequest, api_for_path, parse_request
 
 
 def parse(body: bytes, path: str = "/v1/chat/completions", limit: int = 1 << 20):

@@ -7,8 +7,11 @@ import json
 import time
 
 from picker.config import parse_settings
-from picker.request.facts import RequestFacts
-from picker.request.path import Answer, Exchange, Inbound
+from picker.facts import RequestFacts
+from picker.facts import Answer
+from picker.cache.response_cache import CacheState
+from picker.kv.stage import KvLookup
+from picker.request.path import Exchange, Inbound
 from picker.routing.endpoints import BackendHold, StorageTier
 from picker.runtime.app import PickerApp
 
@@ -83,25 +86,40 @@ async def test_path_only_routing_when_the_body_comes_after_the_pick() -> None:
 
 
 class StoredAnswers:
-    """A response-cache stage that answers every request for model ``m``."""
+    """A response-cache stage (the path's ``ResponseCache``) that answers every request for model ``m``."""
+
+    enabled = True
+    wants_body = False
 
     def __init__(self) -> None:
         self.looked_up: list[RequestFacts] = []
 
-    async def lookup(self, facts: RequestFacts) -> Answer | None:
+    async def lookup(self, facts: RequestFacts, body, headers=None, *, semantic_ok=None, data=None):
         self.looked_up.append(facts)
-        return (
-            Answer(200, b'{"cached":true}', "kv_epp_cache_hit", (("x-cache", "HIT"),)) if facts.model == "m" else None
-        )
+        if facts.model == "m":
+            return Answer(200, b'{"cached":true}', "kv_epp_cache_hit", (("x-cache", "HIT"),))
+        return CacheState("BYPASS")
+
+    def on_headers(self, ex: Exchange, status: int | None) -> None:
+        return None
+
+    def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:
+        return None
+
+    def on_end(self, ex: Exchange, completed: bool) -> None:
+        return None
 
 
 class CountingHolds:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def holds_for(self, facts: RequestFacts) -> dict[str, BackendHold]:
+    async def lookup(self, facts: RequestFacts) -> KvLookup:
         self.calls += 1
-        return {"b": BackendHold(8, StorageTier.GPU_HOT)}
+        return KvLookup({"b": BackendHold(8, StorageTier.GPU_HOT)})
+
+    def page_tokens(self, backend: str) -> int | None:
+        return None
 
 
 async def test_a_cache_hit_skips_prepare_decide_and_commit() -> None:
@@ -212,20 +230,17 @@ async def test_an_aborted_stream_ends_the_exchange_uncompleted() -> None:
     assert tap.events == [("end", False)] and in_flight(app) == {"a": 0, "b": 0}
 
 
-class TokenizedHolds(dict[str, BackendHold]):
-    """Tier 4's prepared holds as the KV index hands them: backend → hold, with the prompt's token count."""
-
-    def __init__(self, holds: dict[str, BackendHold], prompt_tokens: int) -> None:
-        super().__init__(holds)
-        self.prompt_tokens = prompt_tokens
-
-
 class FixedHolds:
+    """Tier 4's answer as the KV index hands it: backend → hold, with the prompt's token count."""
+
     def __init__(self, holds: dict[str, BackendHold], prompt_tokens: int) -> None:
         self.holds, self.prompt_tokens = holds, prompt_tokens
 
-    async def holds_for(self, facts: RequestFacts) -> TokenizedHolds:
-        return TokenizedHolds(self.holds, self.prompt_tokens)
+    async def lookup(self, facts: RequestFacts) -> KvLookup:
+        return KvLookup(dict(self.holds), self.prompt_tokens)
+
+    def page_tokens(self, backend: str) -> int | None:
+        return None
 
 
 def cached_tokens(app: PickerApp, reason: str, scope: str, kind: str) -> float | None:
@@ -242,7 +257,9 @@ async def test_cached_token_accounting_books_the_best_holder_and_the_pick() -> N
     busy = app.pool.acquire(app.pool.endpoint("a"))  # a is loaded: b's score 0.85 beats a's 0.70
     ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
     assert isinstance(ex, Exchange) and ex.decision.reason == "kv_aware" and ex.decision.endpoint.name == "b"
-    assert (ex.prompt_tokens, ex.available_cached, ex.predicted_cached) == (200, 8 * 16, 6 * 16)
+    assert ex.kv is not None and (ex.kv.prompt_tokens, ex.kv.available_cached, ex.kv.predicted_cached) == (
+        200, 8 * 16, 6 * 16,
+    )  # fmt: skip
     assert cached_tokens(app, "kv_aware", "all", "prompt") == 200
     assert cached_tokens(app, "kv_aware", "all", "available") == 128
     assert cached_tokens(app, "kv_aware", "all", "captured") == 96
@@ -254,7 +271,7 @@ async def test_cached_token_accounting_books_the_best_holder_and_the_pick() -> N
     app.path.holds = FixedHolds({"a": BackendHold(20, StorageTier.GPU_HOT)}, prompt_tokens=100)
     ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body("other")))
     assert isinstance(ex, Exchange) and ex.decision.endpoint.name == "a"
-    assert (ex.available_cached, ex.predicted_cached) == (100, 100)
+    assert ex.kv is not None and (ex.kv.available_cached, ex.kv.predicted_cached) == (100, 100)
     assert cached_tokens(app, "kv_aware", "all", "available") == 228
     assert cached_tokens(app, "kv_aware", "all", "captured") == 196
     ex.end(completed=True)
@@ -262,7 +279,7 @@ async def test_cached_token_accounting_books_the_best_holder_and_the_pick() -> N
     # not tokenized (Tier 4 off): no prediction, nothing booked under the decision's reason
     plain = make_app()
     ex = await plain.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
-    assert isinstance(ex, Exchange) and ex.prompt_tokens is None
+    assert isinstance(ex, Exchange) and ex.kv is None
     assert cached_tokens(plain, ex.decision.reason, "all", "prompt") is None
 
 
@@ -274,10 +291,8 @@ class KeyedHolds:
         self.page = page  # the engine's page size as its events announce it (None: unknown)
         self.prompt_tokens = prompt_tokens if prompt_tokens is not None else len(keys) * 16
 
-    async def holds_for(self, facts: RequestFacts) -> TokenizedHolds:
-        held = TokenizedHolds({}, prompt_tokens=self.prompt_tokens)
-        held.block_keys = self.keys  # type: ignore[attr-defined]
-        return held
+    async def lookup(self, facts: RequestFacts) -> KvLookup:
+        return KvLookup({}, self.prompt_tokens, block_keys=self.keys)
 
     def page_tokens(self, backend: str) -> int | None:
         return self.page

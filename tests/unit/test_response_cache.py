@@ -26,8 +26,9 @@ from picker.cache.response_cache import (
 )
 from picker.config import ConfigError, parse_settings
 from picker.ops.metrics import PickerMetrics
-from picker.request.facts import RequestFacts, parse_request
-from picker.request.path import Answer, Exchange, Inbound
+from picker.facts import RequestFacts, parse_request
+from picker.facts import Answer
+from picker.request.path import Exchange, Inbound
 from picker.runtime.app import PickerApp
 
 CHAT = "/v1/chat/completions"
@@ -61,6 +62,11 @@ class DictStore:
 
     def stats(self) -> CacheStoreStats:
         return CacheStoreStats("memory", len(self.data), 0, 0, 0)
+
+    fallback_active = False
+
+    async def aclose(self) -> None:
+        return None
 
 
 def req(**fields: Any) -> dict[str, Any]:
@@ -157,7 +163,7 @@ async def test_a_body_too_deep_to_key_is_routed_as_a_bypass() -> None:
     for _ in range(300):
         deep = [deep]
     ex = await route(app, req(temperature=0, tools=deep))
-    assert isinstance(ex, Exchange) and ex.x_cache == "BYPASS" and ex.cache_key is None
+    assert isinstance(ex, Exchange) and ex.x_cache == "BYPASS" and ex.cache.key is None
     assert count(app, "skip") == 1
 
 
@@ -232,7 +238,7 @@ OK = b'{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}'  # a finish
 
 
 def respond(ex: Exchange, body: list[bytes], status: int = 200, ctype: str = "application/json") -> None:
-    ex.resp_headers = ((":status", str(status)), ("content-type", ctype), ("date", "now"), ("x-engine", "e1"))
+    ex.cache.headers = ((":status", str(status)), ("content-type", ctype), ("date", "now"), ("x-engine", "e1"))
     ex.response_headers(status)
     for i, chunk in enumerate(body):
         ex.response_body(chunk, i == len(body) - 1)
@@ -241,12 +247,12 @@ def respond(ex: Exchange, body: list[bytes], status: int = 200, ctype: str = "ap
 async def test_miss_is_stored_then_hit_without_routing() -> None:
     app, cache, store = make()
     ex = await route(app, req(temperature=0))
-    assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_key is not None and ex.wants_body
+    assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache.key is not None and ex.wants_body
     respond(ex, [OK[:11], OK[11:]])
     await cache.flush()
-    assert list(store.data) == [ex.cache_key] and store.ttls[ex.cache_key] == 300.0
+    assert list(store.data) == [ex.cache.key] and store.ttls[ex.cache.key] == 300.0
     # only the allow-list (response_cache.stored_headers) reaches the store: no date, no engine header
-    assert CacheEntry.decode(store.data[ex.cache_key]).headers == (("content-type", "application/json"),)
+    assert CacheEntry.decode(store.data[ex.cache.key]).headers == (("content-type", "application/json"),)
     hit = await route(app, req(temperature=0))
     assert isinstance(hit, Answer) and hit.status == 200 and hit.body == OK
     assert dict(hit.headers) == {"content-type": "application/json", "x-cache": "HIT"}
@@ -258,7 +264,7 @@ async def test_miss_is_stored_then_hit_without_routing() -> None:
 async def test_bypass_is_routed_and_never_stored() -> None:
     app, cache, store = make()
     ex = await route(app, req(temperature=0.7))
-    assert isinstance(ex, Exchange) and ex.x_cache == "BYPASS" and ex.cache_key is None
+    assert isinstance(ex, Exchange) and ex.x_cache == "BYPASS" and ex.cache.key is None
     assert not ex.wants_body  # only an eligible miss's body is read
     respond(ex, [b"{}"])
     await cache.flush()
@@ -277,19 +283,19 @@ async def test_only_a_complete_200_within_the_bound_is_stored() -> None:
     ex = await route(app, req(temperature=0))
     assert isinstance(ex, Exchange)
     respond(ex, [b"123456", b"78901"])  # 11 bytes > 10: buffer dropped at the chunk that passes the bound
-    assert ex.cache_buf is None and cache.buffered == 0
+    assert ex.cache.buf is None and cache.buffered == 0
     ex = await route(app, req(temperature=0))
     assert isinstance(ex, Exchange)
     respond(ex, [b"{}"], status=500)
     ex = await route(app, req(temperature=0))
     assert isinstance(ex, Exchange)
-    ex.resp_headers = (("content-type", "application/json"),)
+    ex.cache.headers = (("content-type", "application/json"),)
     ex.response_headers(200)
     ex.response_body(b"{", False)
     ex.end(completed=False)  # the stream closed before the body ended
     ex = await route(app, req(temperature=0))
     assert isinstance(ex, Exchange)
-    ex.resp_headers = (("content-type", "application/json"),)
+    ex.cache.headers = (("content-type", "application/json"),)
     ex.response_headers(200)
     ex.end(completed=True)  # response mode none: no body reached the picker
     await cache.flush()
@@ -301,9 +307,9 @@ async def test_declared_length_over_the_bound_is_not_buffered() -> None:
     app, cache, _ = make(max_response_size=10)
     ex = await route(app, req(temperature=0))
     assert isinstance(ex, Exchange)
-    ex.resp_headers = (("content-length", "11"),)
+    ex.cache.headers = (("content-length", "11"),)
     ex.response_headers(200)
-    assert ex.cache_buf is None and cache.not_stored == {"too_large": 1}
+    assert ex.cache.buf is None and cache.not_stored == {"too_large": 1}
 
 
 async def test_all_buffers_together_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -312,11 +318,11 @@ async def test_all_buffers_together_are_bounded(monkeypatch: pytest.MonkeyPatch)
     one, two = await route(app, req(temperature=0)), await route(app, req(temperature=0, seed=2))
     assert isinstance(one, Exchange) and isinstance(two, Exchange)
     for ex in (one, two):
-        ex.resp_headers = ()
+        ex.cache.headers = ()
         ex.response_headers(200)
     one.response_body(OK[:-1], False)
     two.response_body(b'{"b":"12345678901234567', False)  # 21 over the rest: the second is dropped, the first goes on
-    assert one.cache_buf is not None and two.cache_buf is None and cache.buffered == len(OK) - 1
+    assert one.cache.buf is not None and two.cache.buf is None and cache.buffered == len(OK) - 1
     one.response_body(OK[-1:], True)  # its entry (the body + 9 bytes encoded) fits the bound
     await cache.flush()
     assert cache.buffered == 0 and cache.not_stored == {"buffer_full": 1} and cache.stored == 1
@@ -354,7 +360,7 @@ async def test_store_failures_are_misses() -> None:
     await cache.flush()
     assert cache.not_stored == {"store_error": 1}
     store.fail = False
-    store.data[str(ex.cache_key)] = b"garbage"  # not an entry: a miss, not an error
+    store.data[str(ex.cache.key)] = b"garbage"  # not an entry: a miss, not an error
     again = await route(app, req(temperature=0))
     assert isinstance(again, Exchange) and again.x_cache == "MISS"
 
@@ -550,7 +556,7 @@ UPSTREAM_HEADERS = (
 async def store_with(app: PickerApp, cache: ResponseCache, **fields: Any) -> Exchange:
     ex = await route(app, req(temperature=0, **fields))
     assert isinstance(ex, Exchange)
-    ex.resp_headers = UPSTREAM_HEADERS
+    ex.cache.headers = UPSTREAM_HEADERS
     ex.response_headers(200)
     ex.response_body(b'{"choices":[{"finish_reason":"stop"}]}', True)
     await cache.flush()
@@ -562,7 +568,7 @@ async def test_only_the_allow_listed_headers_are_stored_and_replayed() -> None:
     session token, an ``x-user-...``. Only ``response_cache.stored_headers`` reach the store now."""
     app, cache, store = make()
     ex = await store_with(app, cache)
-    stored = CacheEntry.decode(store.data[str(ex.cache_key)]).headers  # filtered before the store: not at replay
+    stored = CacheEntry.decode(store.data[str(ex.cache.key)]).headers  # filtered before the store: not at replay
     assert stored == (("content-type", "application/json"), ("content-language", "en"))
     hit = await route(app, req(temperature=0), {"authorization": "Bearer bob"})  # another caller
     assert isinstance(hit, Answer)
@@ -582,11 +588,11 @@ async def test_configured_stored_headers_are_replayed_and_the_list_is_hot_reload
         {"pool": {"backends": BACKENDS}, "response_cache": {"enabled": True, "stored_headers": ["content-type"]}}
     )
     app.apply(narrower)
-    assert CacheEntry.decode(store.data[str(ex.cache_key)]).headers[1] == ("x-engine", "e1")  # stored earlier
+    assert CacheEntry.decode(store.data[str(ex.cache.key)]).headers[1] == ("x-engine", "e1")  # stored earlier
     hit = await route(app, req(temperature=0))  # an older entry replays no more than the list says now
     assert isinstance(hit, Answer) and dict(hit.headers) == {"content-type": "application/json", "x-cache": "HIT"}
     other = await store_with(app, cache, seed=1)
-    assert CacheEntry.decode(store.data[str(other.cache_key)]).headers == (("content-type", "application/json"),)
+    assert CacheEntry.decode(store.data[str(other.cache.key)]).headers == (("content-type", "application/json"),)
 
 
 @pytest.mark.parametrize(
@@ -628,9 +634,9 @@ async def test_encoded_or_private_responses_are_not_stored() -> None:
     ):
         ex = await route(app, req(temperature=0, seed=i))
         assert isinstance(ex, Exchange)
-        ex.resp_headers = (("content-type", "application/json"), header)
+        ex.cache.headers = (("content-type", "application/json"), header)
         ex.response_headers(200)
-        assert ex.cache_buf is None  # never buffered
+        assert ex.cache.buf is None  # never buffered
         ex.response_body(b'{"choices":[{"finish_reason":"stop"}]}', True)
     await cache.flush()
     assert len(store.data) == 1 and cache.not_stored == {"encoded": 1, "no_store": 2}
@@ -702,6 +708,6 @@ async def test_output_shaping_request_headers_are_keyed() -> None:
     assert v1 not in (plain, beta) and v1 == cache_key(f, data, {"anthropic-version": "2023-06-01", "x-other": "2"})
     _, cache, _ = make()
     body = json.dumps(data).encode()
-    one = await cache.lookup_request(f, body, {"anthropic-beta": "a"})
-    two = await cache.lookup_request(f, body, {"anthropic-beta": "b"})
-    assert isinstance(one, rc.Keyed) and isinstance(two, rc.Keyed) and one.key != two.key
+    one = await cache.lookup(f, body, {"anthropic-beta": "a"})
+    two = await cache.lookup(f, body, {"anthropic-beta": "b"})
+    assert isinstance(one, rc.CacheState) and isinstance(two, rc.CacheState) and one.key != two.key

@@ -13,6 +13,12 @@ from picker.runtime.envoy_config import EnvoyOptions, bootstrap_yaml
 from picker.shared.config_files import ConfigError
 
 
+def stream_of(app: PickerApp) -> RequestStream:
+    """The stream of one request on ``app``'s request path (no response sampling)."""
+    return RequestStream(app.path, app.metrics.route_seconds)
+
+
+
 def test_ipv6_addresses_are_canonical_so_the_served_endpoint_matches() -> None:
     s = parse_settings({"pool": {"backends": [{"name": "a", "address": "[0:0:0:0:0:0:0:1]:08000"}]}})
     assert s.pool.backends[0].address == "[::1]:8000"  # what Envoy reports as the endpoint that served
@@ -39,7 +45,7 @@ async def test_a_hostile_content_length_is_not_a_crash(value: str) -> None:
     msg = pb.ProcessingRequest()
     for k, v in ((":path", "/v1/chat/completions"), (":method", "POST"), ("content-length", value)):
         msg.request_headers.headers.headers.add(key=k, raw_value=v.encode())
-    assert list(await RequestStream(app).handle(msg)) == []  # full duplex: deferred, nothing reserved
+    assert list(await stream_of(app).handle(msg)) == []  # full duplex: deferred, nothing reserved
     assert app.path.admission.body_bytes == 0
 
 

@@ -29,6 +29,12 @@ CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 200}]}).encode()
 
 
+def processor_of(app: PickerApp) -> ExternalProcessor:
+    """The ext_proc servicer over ``app``'s collaborators."""
+    return ExternalProcessor(app.path, app.metrics, app.settings.extproc, app.sampling)
+
+
+
 def make_app(backends: list[dict[str, str]] = BACKENDS, **admission: Any) -> PickerApp:
     return PickerApp(parse_settings({"pool": {"backends": backends}, "admission": admission}))
 
@@ -41,7 +47,7 @@ async def serve() -> AsyncIterator[Any]:
 
     async def start(app: PickerApp) -> pb_grpc.ExternalProcessorStub:
         server = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(app), server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(processor_of(app), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         servers.append(server)
@@ -220,7 +226,7 @@ async def test_a_sample_is_taken_when_grpc_closes_the_stream_at_an_immediate_ans
     yield only, so a 400 (or a 429, a 500) could go uncounted. Here the generator is closed at the yield,
     deterministically, as gRPC does."""
     app = make_app()
-    servicer = ExternalProcessor(app)
+    servicer = processor_of(app)
 
     async def envoy() -> AsyncIterator[pb.ProcessingRequest]:
         yield request_headers(body_mode=BUFFERED)

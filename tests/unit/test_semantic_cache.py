@@ -25,7 +25,7 @@ from picker.cache.semantic import (
     partition_digest,
     semantic_query,
 )
-from picker.request.facts import caller_identity
+from picker.facts import caller_identity
 from tests.support.embeddings_sim import EMB
 from tests.support.http_server import serve
 from tests.support.poll import async_wait_until

@@ -34,7 +34,8 @@ from picker.cache.semantic import ENTRY_PREFIX
 from picker.cache.store import RedisCacheStore
 from picker.ops.admin import response_cache_stats
 from picker.ops.metrics import PickerMetrics
-from picker.request.path import Answer, Exchange
+from picker.facts import Answer
+from picker.request.path import Exchange
 from picker.runtime.app import PickerApp
 from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
 from tests.unit.test_semantic_wiring import (
@@ -94,17 +95,17 @@ async def both_callers_store(app: PickerApp) -> tuple[str, str, str]:
     ``sem:`` keys."""
     alice, bob = await asyncio.gather(route(app, chat(QUESTION), ALICE), route(app, chat(QUESTION), BOB))
     assert isinstance(alice, Exchange) and isinstance(bob, Exchange)
-    assert alice.cache_key is not None and alice.cache_key == bob.cache_key  # the exact key has no identity
-    sem_a, sem_b = alice.cache_semantic, bob.cache_semantic
+    assert alice.cache.key is not None and alice.cache.key == bob.cache.key  # the exact key has no identity
+    sem_a, sem_b = alice.cache.semantic, bob.cache.semantic
     assert isinstance(sem_a, SemanticPending) and isinstance(sem_b, SemanticPending) and sem_a.key != sem_b.key
     await answer(app, alice)
     await answer(app, bob)
-    raw = await app.cache_store.get(alice.cache_key)
+    raw = await app.cache_store.get(alice.cache.key)
     assert raw is not None and CacheEntry.decode(raw).link == sem_b.key  # the link names the last writer only
     for who in (ALICE, BOB):  # both copies answer before the invalidation
         hit = await route(app, chat(NEAR), who)
         assert isinstance(hit, Answer) and dict(hit.headers)["x-cache-mode"] == "semantic", who
-    return alice.cache_key, sem_a.key, sem_b.key
+    return alice.cache.key, sem_a.key, sem_b.key
 
 
 async def assert_no_semantic_hit(app: PickerApp) -> None:
@@ -137,7 +138,7 @@ async def test_a_copy_stored_after_the_invalidation_is_served(engine: EngineSimu
     key, _, _ = await both_callers_store(app)
     await app.response_cache.invalidate(key)
     again = await route(app, chat(QUESTION), ALICE)  # missed after the invalidation: a new answer, a new copy
-    assert isinstance(again, Exchange) and isinstance(again.cache_semantic, SemanticPending)
+    assert isinstance(again, Exchange) and isinstance(again.cache.semantic, SemanticPending)
     await answer(app, again, OTHER)
     hit = await route(app, chat(NEAR), ALICE)
     assert isinstance(hit, Answer) and hit.body == OTHER and dict(hit.headers)["x-cache-mode"] == "semantic"
@@ -154,8 +155,8 @@ async def test_a_copy_whose_request_missed_before_the_invalidation_is_stopped(
     """An answer an engine was still producing when the invalidation ran: its copy's time is its miss, earlier."""
     app = make(apps, engine)
     ex = await route(app, chat(QUESTION), ALICE)
-    assert isinstance(ex, Exchange) and ex.cache_key is not None
-    await app.response_cache.invalidate(ex.cache_key)
+    assert isinstance(ex, Exchange) and ex.cache.key is not None
+    await app.response_cache.invalidate(ex.cache.key)
     await answer(app, ex)  # stored after the invalidation
     assert isinstance(await route(app, chat(QUESTION), BOB), Answer)  # the exact entry answers (as before)
     assert isinstance(await route(app, chat(NEAR), ALICE), Exchange)  # its copy does not
@@ -165,19 +166,19 @@ async def test_a_copy_without_origin_headers_answers_as_before(engine: EngineSim
     """A copy an older version wrote (no origin pseudo-headers) is answered; the origin headers are never sent."""
     app = make(apps, engine)
     ex = await route(app, chat(QUESTION), ALICE)
-    assert isinstance(ex, Exchange) and isinstance(ex.cache_semantic, SemanticPending)
+    assert isinstance(ex, Exchange) and isinstance(ex.cache.semantic, SemanticPending)
     await answer(app, ex)
-    raw = await app.cache_store.get(ex.cache_semantic.key)
+    raw = await app.cache_store.get(ex.cache.semantic.key)
     assert raw is not None
     stored = CacheEntry.decode(raw)
-    assert stored.origin is not None and stored.origin[0] == ex.cache_key
+    assert stored.origin is not None and stored.origin[0] == ex.cache.key
     hit = await route(app, chat(NEAR), ALICE)
     assert isinstance(hit, Answer) and not any(k.startswith(":") for k, _ in hit.headers)
     assert {MISSED_AT_HEADER, ORIGIN_HEADER}.isdisjoint(k for k, _ in hit.headers)
     old = CacheEntry(200, tuple(h for h in stored.headers if h[0] not in (ORIGIN_HEADER, MISSED_AT_HEADER)), ANSWER)
     assert old.origin is None
-    await app.cache_store.set(ex.cache_semantic.key, old.encode(), 60)
-    await app.cache_store.set(TOMB_PREFIX + ex.cache_key, struct.pack(">d", 1e18), 60)  # a tombstone: not read
+    await app.cache_store.set(ex.cache.semantic.key, old.encode(), 60)
+    await app.cache_store.set(TOMB_PREFIX + ex.cache.key, struct.pack(">d", 1e18), 60)  # a tombstone: not read
     hit = await route(app, chat(NEAR), ALICE)
     assert isinstance(hit, Answer) and hit.body == ANSWER
 
@@ -234,18 +235,18 @@ async def test_a_store_error_on_the_tombstone_get_is_no_semantic_answer(
     does not answer, and stays (whether it was invalidated is not known)."""
     app = make(apps, engine, valkey_server.url, fallback_to_memory=False)
     ex = await route(app, chat(QUESTION), ALICE)
-    assert isinstance(ex, Exchange) and ex.cache_key is not None and isinstance(ex.cache_semantic, SemanticPending)
+    assert isinstance(ex, Exchange) and ex.cache.key is not None and isinstance(ex.cache.semantic, SemanticPending)
     await answer(app, ex)
     assert isinstance(await route(app, chat(NEAR), ALICE), Answer)  # the copy answers
     raw = await raw_client(valkey_server)
     try:
-        await raw.rpush(PREFIX + TOMB_PREFIX + ex.cache_key, b"x")
+        await raw.rpush(PREFIX + TOMB_PREFIX + ex.cache.key, b"x")
         miss = await route(app, chat(NEAR), ALICE)
         assert isinstance(miss, Exchange) and miss.x_cache == "MISS"
         assert app.response_cache.tombstone_unknown == 1
         assert response_cache_stats(app)["semantic"]["tombstone_unknown"] == 1
-        assert await raw.exists(PREFIX + ex.cache_semantic.key) == 1 and len(app.semantic_index) >= 1
-        await raw.delete(PREFIX + TOMB_PREFIX + ex.cache_key)
+        assert await raw.exists(PREFIX + ex.cache.semantic.key) == 1 and len(app.semantic_index) >= 1
+        await raw.delete(PREFIX + TOMB_PREFIX + ex.cache.key)
         assert isinstance(await route(app, chat(NEAR), ALICE), Answer)  # readable again: the copy answers
     finally:
         await raw.aclose()
@@ -264,7 +265,7 @@ async def test_redis_lost_between_the_copy_and_its_tombstone_is_no_semantic_answ
     store = app.cache_store
     assert isinstance(store, RedisCacheStore)
     ex = await route(app, chat(QUESTION), ALICE)
-    assert isinstance(ex, Exchange) and isinstance(ex.cache_semantic, SemanticPending)
+    assert isinstance(ex, Exchange) and isinstance(ex.cache.semantic, SemanticPending)
     await answer(app, ex)
     read = store.get
 
@@ -330,21 +331,21 @@ async def test_a_copy_lives_its_ttl_from_its_miss_and_a_tombstone_outlives_it(
 
     monkeypatch.setattr(cache.store, "set", spy)
     ex = await route(app, chat(QUESTION), ALICE)
-    assert isinstance(ex, Exchange) and isinstance(ex.cache_semantic, SemanticPending) and ex.cache_key
-    sem = ex.cache_semantic
-    ex.cache_semantic = dataclasses.replace(sem, missed_at=sem.missed_at - 100)  # the engine took 100 s
+    assert isinstance(ex, Exchange) and isinstance(ex.cache.semantic, SemanticPending) and ex.cache.key
+    sem = ex.cache.semantic
+    ex.cache.semantic = dataclasses.replace(sem, missed_at=sem.missed_at - 100)  # the engine took 100 s
     await answer(app, ex)
     assert cache.semantic_ttl - 101 <= ttls[sem.key] <= cache.semantic_ttl - 100
     late = await route(app, chat(QUESTION, max_tokens=7), BOB)  # another exact key, another copy
-    assert isinstance(late, Exchange) and isinstance(late.cache_semantic, SemanticPending) and late.cache_key
-    late.cache_semantic = dataclasses.replace(late.cache_semantic, missed_at=time.time() - cache.semantic_ttl - 1)
+    assert isinstance(late, Exchange) and isinstance(late.cache.semantic, SemanticPending) and late.cache.key
+    late.cache.semantic = dataclasses.replace(late.cache.semantic, missed_at=time.time() - cache.semantic_ttl - 1)
     await answer(app, late)
-    assert late.cache_semantic.key not in ttls and late.cache_key in ttls  # no copy; the exact entry as before
+    assert late.cache.semantic.key not in ttls and late.cache.key in ttls  # no copy; the exact entry as before
     assert cache.not_stored.get("expired") == 1
     longest = max(cache.ttl, cache.semantic_ttl)
     cache.configure(app.settings.response_cache.model_copy(update={"ttl": 10.0}))  # a hot reload: shorter
-    await cache.invalidate(ex.cache_key)
-    assert ttls[TOMB_PREFIX + ex.cache_key] == longest + TOMB_MARGIN_S
+    await cache.invalidate(ex.cache.key)
+    assert ttls[TOMB_PREFIX + ex.cache.key] == longest + TOMB_MARGIN_S
 
 
 async def test_a_failed_copy_read_keeps_its_vector(

@@ -25,7 +25,8 @@ from picker.config import ConfigError, parse_settings
 from picker.extproc.stream import RequestStream
 from picker.ops.metrics import PickerMetrics
 from picker.request.anthropic import count_markers
-from picker.request.path import Answer, Exchange, Inbound
+from picker.facts import Answer
+from picker.request.path import Exchange, Inbound
 from picker.runtime.app import PickerApp
 from tests.support.embeddings_sim import EMB
 from tests.support.http_server import serve
@@ -43,6 +44,12 @@ ANSWER = (
     b'{"choices":[{"index":0,"message":{"role":"assistant","content":"Set response_cache.capacity."},'
     b'"finish_reason":"stop"}]}'
 )
+
+
+def stream_of(app: PickerApp) -> RequestStream:
+    """The stream of one request on ``app``'s request path (no response sampling)."""
+    return RequestStream(app.path, app.metrics.route_seconds)
+
 
 
 def sim_url(sim: EngineSimulator) -> str:
@@ -85,7 +92,7 @@ async def route(app: PickerApp, data: dict[str, Any], headers: dict[str, str] | 
 
 
 async def answer(app: PickerApp, ex: Exchange, body: bytes = ANSWER) -> None:
-    ex.resp_headers = ((":status", "200"), ("content-type", "application/json"), ("x-engine", "e1"))
+    ex.cache.headers = ((":status", "200"), ("content-type", "application/json"), ("x-engine", "e1"))
     ex.response_headers(200)
     ex.response_body(body, True)
     await app.response_cache.flush()
@@ -104,11 +111,11 @@ async def test_near_duplicate_is_a_semantic_hit(sim: EngineSimulator) -> None:
     try:
         first = await route(app, chat(QUESTION))
         assert isinstance(first, Exchange) and first.x_cache == "MISS"
-        assert isinstance(first.cache_semantic, SemanticPending)
+        assert isinstance(first.cache.semantic, SemanticPending)
         await answer(app, first)
         assert len(app.semantic_index) == 1
-        assert first.cache_semantic.key.startswith(ENTRY_PREFIX)
-        assert await app.cache_store.get(first.cache_semantic.key) is not None  # the body under its sem: key
+        assert first.cache.semantic.key.startswith(ENTRY_PREFIX)
+        assert await app.cache_store.get(first.cache.semantic.key) is not None  # the body under its sem: key
         hit = await route(app, chat(NEAR))
         assert isinstance(hit, Answer), hit
         headers = dict(hit.headers)
@@ -129,7 +136,7 @@ async def test_a_configured_stored_header_is_replayed_on_a_semantic_hit(sim: Eng
     app = make(sim_url(sim), cache_extra={"stored_headers": ["content-type", "x-engine"]})
     try:
         first = await route(app, chat(QUESTION))
-        assert isinstance(first, Exchange) and isinstance(first.cache_semantic, SemanticPending)
+        assert isinstance(first, Exchange) and isinstance(first.cache.semantic, SemanticPending)
         await answer(app, first)
         hit = await route(app, chat(NEAR))
         assert isinstance(hit, Answer) and dict(hit.headers).get("x-cache-mode") == "semantic", hit
@@ -155,8 +162,8 @@ async def test_other_partition_is_a_miss(sim: EngineSimulator, other: dict[str, 
         system = other.pop("system", SYSTEM)
         miss = await route(app, chat(NEAR, system, **other))
         assert isinstance(miss, Exchange) and miss.x_cache == "MISS"
-        assert isinstance(miss.cache_semantic, SemanticPending)
-        assert miss.cache_semantic.partition != first.cache_semantic.partition  # type: ignore[union-attr]
+        assert isinstance(miss.cache.semantic, SemanticPending)
+        assert miss.cache.semantic.partition != first.cache.semantic.partition  # type: ignore[union-attr]
         assert semantic_count(app, "miss") == 2 and semantic_count(app, "hit") == 0
     finally:
         await app.embeddings.close()
@@ -182,7 +189,7 @@ async def test_callers_never_share(sim: EngineSimulator) -> None:
     tenant = app.settings.extproc.tenant_header
     try:
         first = await route(app, chat(QUESTION), {tenant: "t1", **ALICE})
-        assert isinstance(first, Exchange) and isinstance(first.cache_semantic, SemanticPending)
+        assert isinstance(first, Exchange) and isinstance(first.cache.semantic, SemanticPending)
         assert first.facts.identity is not None and "sk-alice" not in repr(first.facts)
         await answer(app, first)
         for bob in ({tenant: "t1", **BOB}, BOB, {"x-api-key": "sk-alice"}):
@@ -199,7 +206,7 @@ async def test_no_caller_identity_skips_the_semantic_path(sim: EngineSimulator) 
     app = make(sim_url(sim))
     try:
         ex = await route(app, chat(QUESTION), {})
-        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_semantic is None
+        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache.semantic is None
         assert semantic_count(app, "skip") == 1 and app.embeddings.stats.requests == 0
     finally:
         await app.embeddings.close()
@@ -210,7 +217,7 @@ async def test_a_gateway_identity_header_replaces_authorization(sim: EngineSimul
     try:
         assert "x-caller" in app.path.wanted_headers
         first = await route(app, chat(QUESTION), {"x-caller": "alice", **BOB})
-        assert isinstance(first, Exchange) and isinstance(first.cache_semantic, SemanticPending)
+        assert isinstance(first, Exchange) and isinstance(first.cache.semantic, SemanticPending)
         await answer(app, first)
         assert isinstance(await route(app, chat(NEAR), {"x-caller": "bob", **BOB}), Exchange)
         assert isinstance(await route(app, chat(NEAR), ALICE), Exchange)  # no gateway header: skipped
@@ -225,7 +232,7 @@ async def test_not_eligible_for_the_semantic_path_is_skipped(sim: EngineSimulato
         data = chat(QUESTION)
         del data["temperature"]  # absent: the exact cache's, not the semantic path's (an explicit 0 only)
         ex = await route(app, data)
-        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_semantic is None
+        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache.semantic is None
         assert semantic_count(app, "skip") == 1 and app.embeddings.stats.requests == 0
     finally:
         await app.embeddings.close()
@@ -245,7 +252,7 @@ async def test_an_open_embeddings_breaker_skips_the_semantic_path() -> None:
         assert semantic_count(app, "error") == 2 and app.embeddings.open
         requests = app.embeddings.stats.requests
         ex = await route(app, chat(QUESTION + " Thanks."))
-        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_semantic is None
+        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache.semantic is None
         assert semantic_count(app, "skip") == 1 and app.embeddings.stats.requests == requests  # no request made
     finally:
         await app.embeddings.close()
@@ -267,7 +274,7 @@ async def test_embedding_refused_is_a_plain_miss() -> None:
     app = make(f"http://127.0.0.1:{refused_port()}")
     try:
         ex = await route(app, chat(QUESTION))
-        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_semantic is None
+        assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache.semantic is None
         await answer(app, ex)
         assert len(app.semantic_index) == 0  # nothing indexed without a vector
         again = await route(app, chat(QUESTION))  # the exact entry still serves
@@ -288,7 +295,7 @@ async def test_embedding_timeout_is_a_plain_miss() -> None:
         app = make(url, timeout_ms=100)
         try:
             ex = await route(app, chat(QUESTION))  # returns although the embedder never answers
-            assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache_semantic is None
+            assert isinstance(ex, Exchange) and ex.x_cache == "MISS" and ex.cache.semantic is None
             assert app.embeddings.stats.timeouts == 1 and semantic_count(app, "error") == 1
         finally:
             release.set()
@@ -299,10 +306,10 @@ async def test_semantic_path_is_hot_reloadable(sim: EngineSimulator) -> None:
     app = make(sim_url(sim), enabled=False)
     try:
         ex = await route(app, chat(QUESTION))
-        assert isinstance(ex, Exchange) and ex.cache_semantic is None and app.embeddings.stats.requests == 0
+        assert isinstance(ex, Exchange) and ex.cache.semantic is None and app.embeddings.stats.requests == 0
         app.apply(settings(sim_url(sim)))
         ex = await route(app, chat(QUESTION))
-        assert isinstance(ex, Exchange) and isinstance(ex.cache_semantic, SemanticPending)
+        assert isinstance(ex, Exchange) and isinstance(ex.cache.semantic, SemanticPending)
         await answer(app, ex)
         app.apply(settings(sim_url(sim)))  # reloaded unchanged: the index stays
         assert len(app.semantic_index) == 1
@@ -376,7 +383,7 @@ def set_headers(common: Any) -> dict[str, str]:
 
 
 async def test_full_duplex_sends_the_injected_body() -> None:
-    stream = RequestStream(anthropic_app("FULL_DUPLEX_STREAMED"))
+    stream = stream_of(anthropic_app("FULL_DUPLEX_STREAMED"))
     body = anthropic_body()
     assert await stream.handle(headers_msg(MESSAGES)) == ()
     assert await stream.handle(body_msg(body[:10], False)) == ()
@@ -388,14 +395,14 @@ async def test_full_duplex_sends_the_injected_body() -> None:
 
 
 async def test_buffered_sends_the_injected_body_with_its_length() -> None:
-    stream = RequestStream(anthropic_app("BUFFERED"))
+    stream = stream_of(anthropic_app("BUFFERED"))
     body = anthropic_body()
     await stream.handle(headers_msg(MESSAGES))
     (out,) = await stream.handle(body_msg(body, True))
     common = out.request_body.response
     sent = common.body_mutation.body
     assert count_markers(sent) == 1 and set_headers(common)["content-length"] == str(len(sent))
-    stream = RequestStream(anthropic_app("BUFFERED", inject=False))  # off: no body mutation at all
+    stream = stream_of(anthropic_app("BUFFERED", inject=False))  # off: no body mutation at all
     await stream.handle(headers_msg(MESSAGES))
     (out,) = await stream.handle(body_msg(body, True))
     assert not out.request_body.response.HasField("body_mutation")
@@ -442,6 +449,6 @@ async def test_the_path_keys_anthropic_output_shaping_headers_and_skips_a_lossy_
     assert isinstance(await route(app, chat(QUESTION)), Answer)  # the exact hit
     beta = await route(app, chat(QUESTION), {**ALICE, "anthropic-beta": "output-128k-2025-02-19"})
     assert isinstance(beta, Exchange) and beta.x_cache == "MISS"  # another key: not served the plain answer
-    from picker.request.facts import caller_identity
+    from picker.facts import caller_identity
 
     assert caller_identity({"authorization": "Bearer \ufffd"}, "authorization") is None

@@ -8,7 +8,8 @@ from picker.config import parse_settings
 from picker.ops.metrics import PickerMetrics
 from picker.ops.recorder import DecisionRecorder
 from picker.pool.pool import Pool
-from picker.request.facts import RequestFacts
+from picker.facts import RequestFacts
+from picker.kv.stage import KvLookup
 from picker.request.path import RequestPath
 from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key
@@ -172,9 +173,12 @@ class FixedHolds:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def holds_for(self, facts: RequestFacts) -> dict[str, BackendHold]:
+    async def lookup(self, facts: RequestFacts) -> KvLookup:
         self.calls += 1
-        return {"c": BackendHold(4, StorageTier.GPU_HOT)}
+        return KvLookup({"c": BackendHold(4, StorageTier.GPU_HOT)})
+
+    def page_tokens(self, backend: str) -> int | None:
+        return None
 
 
 def tier4_picker(pick: tuple[str, float, StorageTier], strategy: str = "RoundRobin") -> tuple[Picker, FixedScorer]:

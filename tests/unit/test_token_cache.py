@@ -1,6 +1,6 @@
 """The tokenization cache (``picker.kv.token_cache``): keys from cached prefixes equal a full tokenization's,
 the safety margin and the refusal against tokenizers that are not prefix-preserving, bounds and eviction,
-the fill queue's bound, injective keys, and Tier 4's use of it (``Held.prompt_tokens``/``exact``, the
+the fill queue's bound, injective keys, and Tier 4's use of it (``KvLookup.prompt_tokens``/``exact``, the
 size-scaled timeout, a local tokenizer whose work stays off the event loop)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from picker.kv.token_cache import (
 )
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
-from picker.request.facts import RequestFacts, parse_request
+from picker.facts import RequestFacts, parse_request
 from picker.shared.block_keys import request_block_keys, root_key
 
 BS = 16
@@ -452,13 +452,13 @@ async def test_tier4_held_carries_estimate_and_exactness() -> None:
     worker = asyncio.create_task(t4.run_fills())
     try:
         turns = conversation(rng, 3)
-        first = await t4.holds_for(chat_facts(turns[0]))
-        assert getattr(first, "exact", None) is True
-        assert getattr(first, "prompt_tokens", None) == len(src.render(turns[0], True))
+        first = await t4.lookup(chat_facts(turns[0]))
+        assert first.exact is True
+        assert first.prompt_tokens == len(src.render(turns[0], True))
         await t4.tokens.drained()
-        second = await t4.holds_for(chat_facts(turns[1]))
-        assert getattr(second, "exact", None) is False
-        assert getattr(second, "prompt_tokens", 0) > 0
+        second = await t4.lookup(chat_facts(turns[1]))
+        assert second.exact is False
+        assert (second.prompt_tokens or 0) > 0
         assert src.request_calls() == 1
         f = chat_facts(turns[1])
         assert seen_timeouts[-1] == pytest.approx(t4.timeout_s(f.body_bytes)) and f.body_bytes > 0
@@ -468,8 +468,8 @@ async def test_tier4_held_carries_estimate_and_exactness() -> None:
             "/v1/completions",
             max_body_bytes=1 << 20,
         )
-        held = await t4.holds_for(ids)
-        assert getattr(held, "exact", None) is True and getattr(held, "prompt_tokens", None) == 40
+        held = await t4.lookup(ids)
+        assert held.exact is True and held.prompt_tokens == 40
         assert src.request_calls() == 1
     finally:
         worker.cancel()

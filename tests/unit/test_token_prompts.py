@@ -9,7 +9,7 @@ from picker.config import KvCacheIndexConfig, PoolConfig
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
-from picker.request.facts import RequestFacts, parse_request
+from picker.facts import RequestFacts, parse_request
 from picker.routing.prefix_key import prefix_key
 from picker.shared.block_keys import request_block_keys
 
@@ -57,10 +57,10 @@ async def test_tier4_uses_the_ids_as_sent() -> None:
     t4.index.holds = holds  # type: ignore[method-assign,assignment]
     ids = list(range(40))
     f = facts(b'{"model":"m","prompt":[' + ",".join(map(str, ids)).encode() + b"]}")
-    assert await t4.holds_for(f) == {}
+    assert (await t4.lookup(f)).holds == {}
     assert tok.calls == 0  # no tokenizer round trip
     bs = cfg.tokenizer.block_size
     assert looked_up == [request_block_keys(ids, bs, "m", None, None, t4.max_blocks)]
     # a text prompt still asks the tokenizer
-    await t4.holds_for(facts(b'{"model":"m","prompt":"hello"}'))
+    await t4.lookup(facts(b'{"model":"m","prompt":"hello"}'))
     assert tok.calls == 1

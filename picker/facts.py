@@ -37,6 +37,17 @@ class BadRequest(Exception):
         return error_body(str(self), self.code)
 
 
+@dataclass(slots=True, frozen=True)
+class Answer:
+    """A response the picker gives itself (400 bad request, 429 overloaded, 503 no backend, a response-cache
+    hit)."""
+
+    status: int
+    body: bytes
+    details: str
+    headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"),)
+
+
 def error_body(message: str, code: str, kind: str = "invalid_request_error") -> bytes:
     """The JSON error body of an answer the picker gives itself (OpenAI's error shape)."""
     return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
