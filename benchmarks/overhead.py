@@ -50,7 +50,7 @@ from benchmarks.stack import (
     start_picker,
     wait_http,
 )
-from picker.api import EnvoyOptions, Exchange, Inbound, PickerApp, bootstrap_yaml, parse_settings
+from picker.api import EnvoyOptions, Exchange, Inbound, bootstrap_yaml, build_app, parse_settings
 
 BODY_SIZES = (4096, 220 * 1024)
 BACKEND_COUNTS = (2, 16, 128)
@@ -350,7 +350,7 @@ def decision_cpu_us(body_bytes: int, backends: int, iterations: int = 2000) -> f
             },
         }
     )
-    path = PickerApp(settings).path
+    path = build_app(settings).path
     bodies = chat_bodies(body_bytes)
 
     async def run() -> list[float]:

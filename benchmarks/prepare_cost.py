@@ -41,7 +41,7 @@ from benchmarks.engine_sim import tokenizer as sim_tok
 from benchmarks.engine_sim.config import SimConfig
 from benchmarks.engine_sim.kv_events import KvEventsSettings
 from benchmarks.engine_sim.process import SimulatorProcess
-from picker.api import Inbound, PickerApp, parse_settings
+from picker.api import Inbound, PickerApp, build_app, parse_settings
 from picker.shared.block_keys import request_block_keys
 from picker.shared.tiers import StorageTier
 
@@ -160,7 +160,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 },
             }
         )
-        app = PickerApp(settings)
+        app = build_app(settings)
         bench = Bench(app)
         fills = asyncio.create_task(bench.tier4.run_fills())
         try:

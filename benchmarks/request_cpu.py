@@ -32,7 +32,7 @@ from benchmarks.httpload import run_load
 from benchmarks.noop_extproc import READY_PREFIX, NoopProcessor
 from benchmarks.overhead import backend_addresses, chat_bodies, start_upstream
 from benchmarks.stack import make_workdir, spawn_ready_line, start_envoy, start_picker
-from picker.api import EnvoyOptions, ExternalProcessor, PickerApp, parse_settings
+from picker.api import EnvoyOptions, ExternalProcessor, build_app, parse_settings
 
 ENVOY_HEADERS = (
     (":authority", "127.0.0.1"), (":path", "/v1/chat/completions"), (":method", "POST"), (":scheme", "http"),
@@ -69,7 +69,7 @@ def picker_settings(addresses: list[str]) -> dict[str, Any]:
 
 def servicers() -> dict[str, Any]:
     addrs = backend_addresses(2, 8000)
-    app = PickerApp(parse_settings(picker_settings(addrs)))
+    app = build_app(parse_settings(picker_settings(addrs)))
     return {
         "floor": NoopProcessor(addrs),
         "picker": ExternalProcessor(app.path, app.metrics, app.settings.extproc, app.sampling),

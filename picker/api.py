@@ -16,6 +16,7 @@ from picker.request.path import Exchange, Inbound, RequestPath
 from picker.routing.endpoints import BackendHold, Endpoint, EndpointState, PoolView
 from picker.routing.kv_scorer import KvOverlapScorer
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from picker.runtime.envoy_config import EnvoyOptions, bootstrap_yaml
 from picker.runtime.lifecycle import GRPC_OPTIONS
 
@@ -38,6 +39,7 @@ __all__ = [
     "RequestPath",
     "Settings",
     "bootstrap_yaml",
+    "build_app",
     "load_settings",
     "parse_settings",
     "pick_response",

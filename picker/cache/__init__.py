@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from picker.config import ResponseCacheConfig
+
 
 class CacheStoreError(Exception):
     """A store operation failed (Redis down, timed out, ...): a miss for the caller."""
@@ -50,4 +52,9 @@ class CacheStore(Protocol):
 
     async def aclose(self) -> None:
         """Stop what the store runs in the background (the Redis store's health monitor); at stop."""
+        ...
+
+    def configure(self, cfg: ResponseCacheConfig) -> None:
+        """Apply the hot-reloadable keys the store reads (memory: ``capacity``; Redis: none, its connection is
+        restart-required)."""
         ...

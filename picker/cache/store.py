@@ -18,8 +18,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from picker.cache import CacheStoreError, CacheStoreStats
 from picker.cache.metrics import CacheStoreMetrics
-from picker.cache.redis_pool import RedisEndpoint, redis_endpoint, redis_health
-from picker.config import KV_INDEX_KEY_PREFIX, RedisConfig
+from picker.redis_pool import RedisEndpoint, redis_endpoint, redis_health
+from picker.config import KV_INDEX_KEY_PREFIX, RedisConfig, ResponseCacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,9 @@ class MemoryCacheStore:
 
     async def aclose(self) -> None:
         return None  # nothing runs in the background
+
+    def configure(self, cfg: ResponseCacheConfig) -> None:
+        self.capacity = cfg.capacity  # LRU: a smaller capacity evicts at the next set
 
     def _drop(self, key: str) -> None:
         entry = self._entries.pop(key, None)
@@ -318,6 +321,9 @@ class RedisCacheStore:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    def configure(self, cfg: ResponseCacheConfig) -> None:
+        return None  # response_cache.redis and backend are restart-required
 
     def redis_stats(self) -> dict[str, Any]:
         """The admin JSON's ``redis`` object (the seed's fields, plus where it connects)."""

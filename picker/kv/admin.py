@@ -1,4 +1,4 @@
-"""Tier 4 admin JSON, the seed's shapes. The admin routes (``picker.ops.admin``) return these dicts:
+"""Tier 4 admin JSON, the seed's shapes. The admin routes (``picker.runtime.admin``) return these dicts:
 ``GET /admin/kv-index/stats`` → ``kv_index_stats(...)``, ``GET /admin/kv-index/backends`` →
 ``kv_index_backends(...)``, ``POST /admin/kv-index/clear`` → ``kv_index_clear(index)``.
 """

@@ -51,7 +51,7 @@ answers). After a refused or reset connection, or ``DOWN_AFTER_FAILURES`` consec
 ``PING`` (every ``retry_interval_s`` × 0.5-1.5, the first up to ``RECOVERY_JITTER_S`` after the failure, so the
 pickers do not all resync at once) succeeds and its resync is done: a hung Redis costs at most
 ``DOWN_AFTER_FAILURES`` calls one command timeout each per outage. The outage is shared with the response
-cache's store on the same client (``picker.cache.redis_pool.redis_health``): when this index goes down on
+cache's store on the same client (``picker.redis_pool.redis_health``): when this index goes down on
 timeouts or refused connections it says so (not on error replies: Redis answers), and an outage the store saw
 first (it switches at its first timeout, as the seed's fallback does) suspends this index's use of Redis at
 once: ``holds`` answers locally without a call (a request never waits one command timeout in the cache lookup
@@ -78,7 +78,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from picker.cache.redis_pool import redis_health
+from picker.redis_pool import redis_health
 from picker.config import KV_INDEX_KEY_PREFIX
 from picker.kv.index import InMemoryKvIndex
 from picker.routing.endpoints import BackendHold

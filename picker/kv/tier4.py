@@ -35,7 +35,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import aiohttp
 
-from picker.cache.redis_pool import shared_redis
+from picker.redis_pool import shared_redis
 from picker.config import KvCacheIndexConfig, RedisConfig
 from picker.kv.checks import FeedChecks, FeedWatch, probe_keys, run_self_check
 from picker.kv.feed_consumer import KvFeedConsumers
@@ -377,7 +377,7 @@ class Tier4:
 
 def make_redis_index(cfg: KvCacheIndexConfig, redis: RedisConfig) -> RedisKvIndex:
     """``backend: redis``: the index on ``response_cache.redis``'s server (key prefix ``cr:kvidx:``), on the
-    process's one pool (``picker.cache.redis_pool``, shared with the response cache and closed by the app)."""
+    process's one pool (``picker.redis_pool``, shared with the response cache and closed by the app)."""
     return RedisKvIndex(
         shared_redis(redis),
         cfg.max_entries,

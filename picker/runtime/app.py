@@ -25,11 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from picker.cache import CacheStore
-from picker.cache.metrics import CacheStoreMetrics
-from picker.cache.redis_pool import shared_redis
 from picker.cache.response_cache import ResponseCache
 from picker.cache.semantic import EmbeddingsClient, SemanticIndex
-from picker.cache.store import MemoryCacheStore, RedisCacheStore
 from picker.config import (
     ConfigError,
     PoolConfig,
@@ -42,7 +39,6 @@ from picker.extproc.sampling import ResponseSampling
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.ops.recorder import DecisionRecorder
-from picker.pool.calibration import TtftCalibrator
 from picker.pool.pool import Pool
 from picker.request.path import RequestPath
 from picker.routing.core import Router
@@ -65,58 +61,35 @@ class Readiness:
 
 
 class PickerApp:
-    """Everything the request path reads; background tasks publish into it. Built in one step: Tier 4
-    (when ``kv_cache_index.enabled``) enters the request path as its holds source, nothing is attached later."""
+    """Everything the request path reads; background tasks publish into it. Its parts are built by the
+    composition root (``picker.runtime.compose.build_app``): Tier 4 (when ``kv_cache_index.enabled``) enters the
+    request path as its holds source, the response cache as its cache stage; nothing is attached later."""
 
     def __init__(
         self,
         settings: Settings,
-        metrics: PickerMetrics | None = None,
+        *,
+        metrics: PickerMetrics,
+        pool: Pool,
+        router: Router,
+        recorder: DecisionRecorder,
+        path: RequestPath,
+        response_cache: ResponseCache,
+        sampling: ResponseSampling,
+        tier4: Tier4 | None = None,
         config_path: str | Path | None = None,
         discovery: Discovery | None = None,
     ) -> None:
         self.settings = settings
         self.config_path = Path(config_path) if config_path else None
-        self.metrics = metrics or PickerMetrics()
-        cost = settings.kv_cache_index.scoring.cost
-        self.pool = Pool(settings.pool, calibrator=TtftCalibrator.from_config(cost))
-        self.router = Router(settings)
-        self.router.set_pool_names(self.pool.names())  # the ring is built here, not on a request
-        self.recorder = DecisionRecorder(self.metrics)
-        self.tier4 = (
-            Tier4(settings.kv_cache_index, self.pool, self.metrics, settings.response_cache.redis)
-            if settings.kv_cache_index.enabled
-            else None
-        )
-        # Tier 2: built always (enabled is hot-reloadable), its store once (response_cache.backend needs a restart)
-        rc = settings.response_cache
-        self.cache_store: CacheStore = (
-            RedisCacheStore(rc.redis, shared_redis(rc.redis), CacheStoreMetrics(self.metrics.registry))
-            if rc.backend == "redis"
-            else MemoryCacheStore(rc.capacity)
-        )
-        # the semantic path's parts, built always and empty (semantic.enabled is hot-reloadable): the client's HTTP
-        # session is opened at its first call and closed at stop; the index is bounded by semantic.max_entries
-        sem = rc.semantic
-        self.embeddings = EmbeddingsClient()
-        self.semantic_index = SemanticIndex(
-            max_entries=sem.max_entries, ttl_seconds=sem.ttl if sem.ttl is not None else rc.ttl,
-            threshold=sem.threshold,
-        )  # fmt: skip
-        self.response_cache = ResponseCache(
-            rc, self.cache_store, self.metrics, embeddings=self.embeddings, index=self.semantic_index
-        )
-        observers = (*((self.tier4.watch,) if self.tier4 is not None else ()), self.response_cache)
-        self.path = RequestPath(
-            settings, self.pool, self.router, self.recorder, holds=self.tier4, cache=self.response_cache,
-            observers=observers,
-        )  # fmt: skip
-        if self.tier4 is not None:  # the feeds settle the placement guesses
-            self.tier4.index.watcher = self.path.placements
-        # which responses stream their body through the picker (extproc is restart-required: built once)
-        self.sampling = ResponseSampling(
-            settings.extproc, self.metrics.registry, self.recorder, settings.kv_cache_index.tokenizer.block_size
-        )
+        self.metrics = metrics
+        self.pool = pool
+        self.router = router
+        self.recorder = recorder
+        self.tier4 = tier4
+        self.response_cache = response_cache  # Tier 2 (enabled is hot-reloadable: built always)
+        self.path = path
+        self.sampling = sampling  # which responses stream their body through the picker
         # readiness inputs besides the pool and the feeds (set by the server)
         self.ready = False  # started: every port listens
         self.draining = False
@@ -140,6 +113,21 @@ class PickerApp:
         self.metrics.ready.set(0)
         for path, msg in config_warnings(settings):
             log.warning("event=config_warning path=%s message=%r", path, msg)
+
+    @property
+    def cache_store(self) -> CacheStore:
+        """The response cache's store (memory, or Redis with its in-memory fallback)."""
+        return self.response_cache.store
+
+    @property
+    def embeddings(self) -> EmbeddingsClient | None:
+        """The semantic cache's embeddings client (its HTTP session opens at its first call)."""
+        return self.response_cache.embeddings
+
+    @property
+    def semantic_index(self) -> SemanticIndex | None:
+        """The semantic cache's vector index (bounded by ``response_cache.semantic.max_entries``)."""
+        return self.response_cache.index
 
     def refresh_gauges(self) -> None:
         """Copy live load into gauges (called at scrape time, not on the request path)."""
@@ -319,8 +307,7 @@ class PickerApp:
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now, not on a request
         self.path.configure(hot)
         self.response_cache.configure(hot.response_cache)
-        if isinstance(self.cache_store, MemoryCacheStore):  # LRU: a smaller capacity evicts at the next set
-            self.cache_store.capacity = hot.response_cache.capacity
+        self.cache_store.configure(hot.response_cache)  # memory: its capacity (a smaller LRU evicts at the next set)
         self.settings = hot
         self.metrics.config_reloads.labels("applied").inc()
         log.info("event=config_reloaded backends=%d strategy=%s", len(self.pool.names()), hot.selection_strategy)

@@ -24,8 +24,9 @@ def _serve(args: argparse.Namespace) -> int:
     # gRPC core logs each failed TLS handshake (a plaintext client, a scanner) at INFO, outside our
     # key=value format: keep its errors only unless the operator asks for more.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from picker.runtime.lifecycle import StartupError, run_loop  # imported late: serve pulls in grpc and aiohttp
-    from picker.runtime.wiring import build_server
+    from picker.runtime.compose import build_server  # imported late: serve pulls in grpc and aiohttp
+    from picker.runtime.errors import StartupError
+    from picker.runtime.lifecycle import run_loop
 
     source = args.config or "<environment>"
     try:

@@ -47,9 +47,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from picker.config import loopback_host, unauthenticated_exposure
 from picker.extproc.service import ExternalProcessor
-from picker.ops.admin import AdminRoutes, build_admin_app
+from picker.runtime.admin import AdminRoutes, build_admin_app
 from picker.runtime.app import PickerApp
 from picker.runtime.envoy_needs import response_cache_log_fields
+from picker.runtime.errors import StartupError
 from picker.runtime.tls import (
     BearerTokenInterceptor,
     ServerTls,
@@ -103,10 +104,6 @@ TASK_STOP_SECONDS = 5.0  # background tasks only wait on their own sockets: a fe
 HOOK_STOP_SECONDS = 5.0  # one on_stop hook (closing a client session)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-class StartupError(Exception):
-    """The picker cannot start (a port in use, ...): one line for the user, exit code 2."""
 
 
 def _os_reason(exc: OSError) -> str:

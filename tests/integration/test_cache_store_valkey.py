@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 
 from picker.cache import CacheStoreError
 from picker.cache.metrics import CacheStoreMetrics
-from picker.cache.redis_pool import FastBlockingPool, close_shared_redis, redis_health, shared_redis
+from picker.redis_pool import FastBlockingPool, close_shared_redis, redis_health, shared_redis
 from picker.cache.store import RedisCacheStore
 from picker.config import RedisConfig
 from picker.kv.redis_index import RedisKvIndex

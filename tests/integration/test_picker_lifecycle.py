@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks.stack import envoy_binary, free_port, start_envoy, start_picker
 from picker.config import parse_settings
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from picker.runtime.envoy_config import EnvoyOptions
 from picker.runtime.lifecycle import PickerServer
 from tests.integration.conftest import http, start_backends
@@ -313,7 +314,7 @@ async def test_crashed_background_task_flips_readiness_and_is_counted() -> None:
     """A background task that raises: gRPC readiness NOT_SERVING (liveness stays SERVING), /readyz 503
     naming the task, the failure counted; the process keeps serving and stops cleanly."""
     settings = parse_settings(picker_config(extproc={"health_port": None, "tls": {"mode": "plaintext"}}))
-    server = PickerServer(PickerApp(settings))
+    server = PickerServer(build_app(settings))
     release = asyncio.Event()
 
     async def exploding_task() -> None:

@@ -14,14 +14,14 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 import redis.asyncio as aioredis
 
-from picker.cache.redis_pool import close_shared_redis, shared_redis
+from picker.redis_pool import close_shared_redis, shared_redis
 from picker.config import KvCacheIndexConfig, PoolConfig, RedisConfig, ResponseCacheConfig, Settings
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import DOWN_AFTER_FAILURES, RedisKvIndex
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
-from picker.runtime.wiring import build_server
+from picker.runtime.compose import build_server
 from picker.shared.tiers import StorageTier
 from tests.support.poll import async_wait_until
 from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import parse_settings
-from picker.ops.admin import build_admin_app
+from picker.runtime.admin import build_admin_app
 from picker.facts import RequestFacts
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 
 
 def make_app(**extra) -> PickerApp:
-    return PickerApp(
+    return build_app(
         parse_settings(
             {
                 "selection_strategy": "PrefixAwareHash",

@@ -18,6 +18,7 @@ from picker.kv.redis_index import RedisKvIndex
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from picker.shared.tiers import StorageTier
 from tests.support.admin_redis import require_password
 from tests.support.valkey import ValkeyProcess, free_port, valkey_server  # noqa: F401  (the fixture)
@@ -36,7 +37,7 @@ def make_app(url: str, backend: str = "redis") -> PickerApp:
             "admin": {"bearer_token": TOKEN},
         }
     )
-    return PickerApp(settings, PickerMetrics())
+    return build_app(settings, PickerMetrics())
 
 
 def with_redis_index(app: PickerApp) -> RedisKvIndex:

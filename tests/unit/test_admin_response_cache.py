@@ -15,11 +15,12 @@ from picker.cache.response_cache import CacheEntry, SemanticPending
 from picker.cache.store import MemoryCacheStore
 from picker.config import parse_settings
 from picker.extproc.messages import FULL_DUPLEX
-from picker.ops.admin import build_admin_app, duration_text
+from picker.runtime.admin import build_admin_app, duration_text
 from picker.ops.metrics import ROUTE_OUTCOMES, STATUS_OUTCOMES, PickerMetrics
 from picker.facts import Answer
 from picker.request.path import Exchange, Inbound
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from tests.unit.test_route_seconds import exchange, request_body, request_headers, serve  # noqa: F401  (fixture)
 
 TOKEN = "adm1n-t0ken"
@@ -37,7 +38,7 @@ def make_app(**cache: Any) -> PickerApp:
             "admin": {"bearer_token": TOKEN},
         }
     )
-    return PickerApp(settings, PickerMetrics())
+    return build_app(settings, PickerMetrics())
 
 
 @pytest.fixture

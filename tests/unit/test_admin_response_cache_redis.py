@@ -12,11 +12,12 @@ import pytest
 from redis.asyncio import Redis
 
 from picker.config import parse_settings
-from picker.ops.admin import REDIS_UNREACHABLE, scrub
+from picker.runtime.admin import REDIS_UNREACHABLE, scrub
 from picker.ops.metrics import PickerMetrics
 from picker.facts import Answer
 from picker.request.path import Exchange, Inbound
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from tests.support.admin_redis import require_password
 from tests.support.valkey import ValkeyProcess, free_port, valkey_server  # noqa: F401  (the fixture)
 
@@ -40,7 +41,7 @@ def make_app(url: str, **redis: Any) -> PickerApp:
             "admin": {"bearer_token": TOKEN},
         }
     )
-    return PickerApp(settings, PickerMetrics())
+    return build_app(settings, PickerMetrics())
 
 
 @pytest.fixture

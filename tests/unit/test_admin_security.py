@@ -9,8 +9,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import load_settings
-from picker.ops.admin import bearer_token_matches, build_admin_app
+from picker.runtime.admin import bearer_token_matches, build_admin_app
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 
 CONFIG = "pool:\n  backends:\n    - {name: a, address: 10.0.0.1:80}\n"
 JSON = {"Content-Type": "application/json"}
@@ -19,7 +20,7 @@ JSON = {"Content-Type": "application/json"}
 async def admin_client(tmp_path: Path, admin: str = "") -> tuple[PickerApp, TestClient]:
     f = tmp_path / "picker.yaml"
     f.write_text(CONFIG + admin)
-    app = PickerApp(load_settings(f), config_path=f)
+    app = build_app(load_settings(f), config_path=f)
     client = TestClient(TestServer(build_admin_app(app)))
     await client.start_server()
     return app, client

@@ -23,10 +23,11 @@ from picker.config import (
     load_settings,
     parse_settings,
 )
-from picker.ops.admin import build_admin_app
+from picker.runtime.admin import build_admin_app
 from picker.runtime.app import PickerApp
-from picker.runtime.lifecycle import StartupError
-from picker.runtime.wiring import build_server
+from picker.runtime.compose import build_app
+from picker.runtime.errors import StartupError
+from picker.runtime.compose import build_server
 
 POOL = "pool:\n  backends:\n    - {name: a, address: 10.0.0.1:80}\n"
 JSON = {"Content-Type": "application/json"}
@@ -124,7 +125,7 @@ async def guarded(tmp_path: Path) -> AsyncIterator[tuple[PickerApp, TestClient, 
     token.write_text("first-token\n")
     config = tmp_path / "picker.yaml"
     config.write_text(POOL + f"admin: {{bearer_token_file: {token}}}\n")
-    app = PickerApp(load_settings(config), config_path=config)
+    app = build_app(load_settings(config), config_path=config)
     client = TestClient(TestServer(build_admin_app(app)))
     await client.start_server()
     try:

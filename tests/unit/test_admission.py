@@ -17,6 +17,7 @@ from picker.extproc.stream import RequestStream
 from picker.facts import Answer
 from picker.request.path import Inbound
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from tests.support.poll import async_wait_until
 
 BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
@@ -36,7 +37,7 @@ def processor_of(app: PickerApp) -> ExternalProcessor:
 
 
 def make_app(admission: dict[str, Any] | None = None, mode: str = "FULL_DUPLEX_STREAMED", **extra: Any) -> PickerApp:
-    return PickerApp(
+    return build_app(
         parse_settings(
             {
                 "pool": {"backends": BACKENDS},

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from picker.config import BackendConfig, PoolConfig, RedisConfig, ResponseCacheConfig, Settings
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 
 RUNNING_REDIS = RedisConfig(url="redis://10.0.0.1:6379/0", key_prefix="run:")
 
@@ -17,7 +18,7 @@ def _settings(**rc: object) -> Settings:
 
 
 def test_response_cache_backend_and_redis_keep_their_running_values() -> None:
-    app = PickerApp(_settings(enabled=True, ttl=300, capacity=100, redis=RUNNING_REDIS))
+    app = build_app(_settings(enabled=True, ttl=300, capacity=100, redis=RUNNING_REDIS))
     new = _settings(
         enabled=True, ttl=60, capacity=50, backend="redis",
         redis=RedisConfig(url="redis://10.0.0.2:6380/1", key_prefix="new:"),
@@ -32,7 +33,7 @@ def test_response_cache_backend_and_redis_keep_their_running_values() -> None:
 
 
 def test_the_pools_source_keeps_its_running_value(tmp_path: Path) -> None:
-    app = PickerApp(_settings())
+    app = build_app(_settings())
     listed = tmp_path / "backends.yaml"
     listed.write_text("backends: []\n")
     messages = app.apply(Settings(pool=PoolConfig(backends_file={"path": str(listed)})))  # type: ignore[arg-type]

@@ -150,11 +150,11 @@ def test_cli_validate(tmp_path: Path) -> None:
 
 def test_reload_survives_files_that_are_not_config(tmp_path: Path) -> None:
     """Found in review: non-string YAML keys or non-UTF-8 bytes raised out of reload() and ended the watcher."""
-    from picker.runtime.app import PickerApp
+    from picker.runtime.compose import build_app
 
     f = tmp_path / "c.yaml"
     f.write_text("prefix_routing:\n  enabled: true\n")
-    app = PickerApp(load_settings(f), config_path=f)
+    app = build_app(load_settings(f), config_path=f)
     for bad in (b"1: x\n", b"\xff\xfe\x00garbage"):
         f.write_bytes(bad)
         applied, messages = app.reload()

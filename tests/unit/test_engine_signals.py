@@ -30,7 +30,7 @@ from picker.pool.engine_signals import (
 from picker.pool.pool import Pool
 from picker.routing.endpoints import EngineSignals
 from picker.runtime.lifecycle import PickerServer
-from picker.runtime.wiring import build_server
+from picker.runtime.compose import build_server
 from tests.support.http_server import serve
 from tests.support.poll import async_wait_until
 

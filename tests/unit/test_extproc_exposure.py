@@ -26,7 +26,9 @@ from picker.extproc.service import peer_key
 from picker.ops.metrics import PickerMetrics
 from picker.runtime import tls
 from picker.runtime.app import PickerApp
-from picker.runtime.lifecycle import PickerServer, StartupError
+from picker.runtime.compose import build_app
+from picker.runtime.errors import StartupError
+from picker.runtime.lifecycle import PickerServer
 from picker.runtime.tls import BearerTokenInterceptor, bind_is_loopback
 
 BACKEND = {"name": "b", "address": "127.0.0.1:8000"}
@@ -134,7 +136,7 @@ async def test_a_name_resolving_beyond_loopback_is_refused_at_start_naming_the_k
     binding anything, and refuses as the config check would."""
     resolver["picker.example"] = ["10.0.0.5"]
     s = settings(host="picker.example")  # a name: accepted by the config check
-    server = PickerServer(PickerApp(s, PickerMetrics()))
+    server = PickerServer(build_app(s, PickerMetrics()))
     with pytest.raises(StartupError) as err:
         server._check_exposure()
     assert str(err.value).startswith("extproc.host: 'picker.example' is beyond loopback")
@@ -147,14 +149,14 @@ async def test_a_name_allowed_beyond_loopback_is_warned_and_shown_in_readyz(
 ) -> None:
     resolver["picker.example"] = ["10.0.0.5"]
     resolver["picker.loop"] = ["127.0.0.1"]
-    app = PickerApp(settings(host="picker.example", auth={"allow_unauthenticated": True}), PickerMetrics())
+    app = build_app(settings(host="picker.example", auth={"allow_unauthenticated": True}), PickerMetrics())
     with caplog.at_level(logging.WARNING, logger="kv_epp.server"):
         PickerServer(app)._check_exposure()
     assert app.extproc_access is not None and app.extproc_access["loopback"] is False
     assert "allow_unauthenticated" in str(app.extproc_access["warning"])
     (record,) = [r for r in caplog.records if "path=extproc.auth.allow_unauthenticated" in r.getMessage()]
     assert "'picker.example' resolves beyond loopback" in record.getMessage()
-    quiet = PickerApp(settings(host="picker.loop"), PickerMetrics())
+    quiet = build_app(settings(host="picker.loop"), PickerMetrics())
     PickerServer(quiet)._check_exposure()  # resolves to loopback only: no authentication needed, no warning
     assert quiet.extproc_access is not None and "warning" not in quiet.extproc_access
 

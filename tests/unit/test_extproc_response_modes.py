@@ -20,6 +20,7 @@ from picker.ops.recorder import prediction_outcome
 from picker.facts import RequestFacts
 from picker.routing.endpoints import BackendHold, StorageTier
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from picker.runtime.envoy_config import EnvoyOptions, bootstrap, processing_mode, sampled_override
 
 PM = processing_mode_pb2.ProcessingMode
@@ -27,7 +28,7 @@ BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}]
 
 
 def make_app(rate: float = 0.0) -> PickerApp:
-    return PickerApp(parse_settings({"pool": {"backends": BACKENDS}, "extproc": {"response_sample_rate": rate}}))
+    return build_app(parse_settings({"pool": {"backends": BACKENDS}, "extproc": {"response_sample_rate": rate}}))
 
 
 def ext_proc_config(**kw: Any) -> dict[str, Any]:
@@ -214,7 +215,7 @@ async def test_delivered_tokens_and_the_stale_index_counter_through_the_stream()
     """Tier 4 predicted 64 of 100 prompt tokens on the pick: a sampled response whose usage says 0 cached books
     the stale-index counter; one that delivers them is a hit; a response read in full mode counts as observed
     too; an unsampled one only in scope "all"."""
-    app = PickerApp(
+    app = build_app(
         parse_settings(
             {"pool": {"backends": BACKENDS}, "prefix_routing": {"enabled": True}, "kv_cache_index": {"enabled": True}}
         )

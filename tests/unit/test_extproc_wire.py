@@ -12,6 +12,7 @@ from envoy_data_plane.envoy.service.ext_proc import v3 as bext
 from picker.config import parse_settings
 from picker.extproc.stream import MAX_STREAMED_CHUNK, RequestStream
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 
 BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
 
@@ -31,7 +32,7 @@ def app(mode: str = "FULL_DUPLEX_STREAMED") -> PickerApp:
             "extproc": {"default_body_mode": mode},
         }
     )
-    return PickerApp(s)
+    return build_app(s)
 
 
 def headers_msg(path: str = "/v1/chat/completions", eos: bool = False, extra=()) -> bytes:

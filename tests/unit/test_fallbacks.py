@@ -16,6 +16,7 @@ from picker.routing.chwbl_ring import ring_hash
 from picker.routing.core import Prepared, Router
 from picker.routing.endpoints import BackendHold, Endpoint, EndpointState, PoolView, StorageTier
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 
 EPS = [Endpoint(n, f"10.0.0.{i + 1}:80") for i, n in enumerate("abcde")]
 BACKENDS = [{"name": e.name, "address": e.address} for e in EPS]
@@ -127,7 +128,7 @@ def test_served_endpoint_is_read_from_envoy_lb_metadata() -> None:
 
 def make_app(**pool: object) -> PickerApp:
     cfg = {"window_size": 10, "min_samples": 3, "unhealthy_below": 0.5, "cooldown_seconds": 60}
-    return PickerApp(
+    return build_app(
         parse_settings(
             {
                 "selection_strategy": "PrefixAwareHash",

@@ -5,11 +5,12 @@ from __future__ import annotations
 from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import parse_settings
-from picker.ops.admin import build_admin_app
+from picker.runtime.admin import build_admin_app
 from picker.ops.metrics import PickerMetrics
 from picker.ops.recorder import DecisionRecorder
 from picker.routing.endpoints import Decision, Endpoint
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 
 A = {"name": "a", "address": "10.0.0.1:80"}
 B = {"name": "b", "address": "10.0.0.2:80"}
@@ -42,7 +43,7 @@ async def metrics_text(app: PickerApp) -> str:
 
 
 async def test_reload_removing_a_backend_removes_its_series() -> None:
-    app = PickerApp(settings(A, B))
+    app = build_app(settings(A, B))
     for name in ("a", "b"):
         exercise(app.metrics, name, app.recorder)
     before = await metrics_text(app)
@@ -71,7 +72,7 @@ async def test_reload_removing_a_backend_removes_its_series() -> None:
 
 async def test_a_new_decision_after_forgetting_recreates_the_series() -> None:
     """The child() cache is cleared too: a cached child of a removed series would count into nothing."""
-    app = PickerApp(settings(A, B))
+    app = build_app(settings(A, B))
     exercise(app.metrics, "b", app.recorder)
     app.apply(settings(A))
     app.apply(settings(A, B))

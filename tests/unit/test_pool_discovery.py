@@ -12,10 +12,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import ConfigError, parse_settings, restart_required_changes
-from picker.ops.admin import build_admin_app
+from picker.runtime.admin import build_admin_app
 from picker.facts import RequestFacts
 from picker.routing.endpoints import Decision, Endpoint
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from picker.runtime.lifecycle import PickerServer
 from picker.shared.block_keys import chain_block_keys, root_key
 from picker.shared.discovery import DiscoveredBackend, PoolSnapshot, Publish
@@ -169,7 +170,7 @@ def test_the_pool_source_is_restart_required_the_rest_of_pool_is_not() -> None:
 
 
 def test_the_pool_becomes_exactly_the_snapshot() -> None:
-    app = PickerApp(discovered_settings())
+    app = build_app(discovered_settings())
     assert app.pool.names() == () and not app.pool_synced and not app.readiness().ready
     app.apply_snapshot(snap(("p-a", "10.0.0.1:8000"), ("p-b", "10.0.0.2:8000")))
     assert app.pool.addresses() == {"p-a": "10.0.0.1:8000", "p-b": "10.0.0.2:8000"}
@@ -193,7 +194,7 @@ def test_the_pool_becomes_exactly_the_snapshot() -> None:
 
 
 def test_a_gone_backend_is_forgotten_everywhere_at_once() -> None:
-    app = PickerApp(discovered_settings())
+    app = build_app(discovered_settings())
     app.apply_snapshot(snap(("p-a", "10.0.0.1:8000"), ("p-b", "10.0.0.2:8000")))
     app.recorder.decided(Decision(Endpoint("p-b", "10.0.0.2:8000"), "PrefixAwareHash", "prefix_hash"), None)
     app.recorder.response("p-b", 200)
@@ -210,7 +211,7 @@ def test_a_gone_backend_is_forgotten_everywhere_at_once() -> None:
 
 def test_a_rescheduled_pod_is_a_new_engine() -> None:
     """Same name, new address: its health and engine signals start afresh (its in-flight count stays)."""
-    app = PickerApp(discovered_settings())
+    app = build_app(discovered_settings())
     app.apply_snapshot(snap(("p-a", "10.0.0.1:8000"), ("p-b", "10.0.0.2:8000")))
     for _ in range(10):
         app.pool.record_response("p-a", False)
@@ -224,7 +225,7 @@ def test_a_rescheduled_pod_is_a_new_engine() -> None:
 async def test_tier4_feeds_and_index_follow_the_pool() -> None:
     """New backends are subscribed (the template), gone ones retired with their index entries, a readdressed
     one loses its entries and its feed position (the next subscription asks for a snapshot)."""
-    app = PickerApp(discovered_settings(kv=True))
+    app = build_app(discovered_settings(kv=True))
     tier4 = app.tier4
     assert tier4 is not None and tier4.consumers.consumers == {}
     task = asyncio.create_task(tier4.consumers.run())
@@ -260,7 +261,7 @@ async def test_tier4_feeds_and_index_follow_the_pool() -> None:
 
 async def test_applying_a_thousand_backends_is_one_step_and_bounded() -> None:
     """1,000 backends in, then all but 10 gone: one consumer per live backend, no leftover state."""
-    app = PickerApp(discovered_settings(kv=True))
+    app = build_app(discovered_settings(kv=True))
     tier4 = app.tier4
     assert tier4 is not None
     many = [(f"pod-{i:04d}", f"10.1.{i // 250}.{i % 250 + 1}:8000") for i in range(1000)]
@@ -296,7 +297,7 @@ def held_by(app: PickerApp, ids: list[int]) -> dict[str, int]:
 def test_an_unready_backend_leaves_routing_only() -> None:
     """A Ready flap: out of the pool, the ring, every view and the feed readiness; its feed, checks and index
     entries stay (never offered to a decision); its live counters wait on standby; Ready again: all back."""
-    app = PickerApp(discovered_settings(kv=True))
+    app = build_app(discovered_settings(kv=True))
     tier4, placements = app.tier4, app.path.placements
     assert tier4 is not None and placements is not None
     app.apply_snapshot(snap(A, B, C))
@@ -340,7 +341,7 @@ def test_an_unready_backend_leaves_routing_only() -> None:
 
 
 def test_an_unready_backend_keeps_its_in_flight_count_on_standby() -> None:
-    app = PickerApp(discovered_settings())
+    app = build_app(discovered_settings())
     app.apply_snapshot(snap(A, B))
     lease = app.pool.acquire(app.pool.endpoint("p-b"))  # type: ignore[arg-type]
     app.apply_snapshot(snap(A, B, version="2", unready=("p-b",)))
@@ -358,7 +359,7 @@ def test_an_unready_backend_keeps_its_in_flight_count_on_standby() -> None:
 
 
 def test_an_unready_backend_that_leaves_or_moves_is_dropped_at_once() -> None:
-    app = PickerApp(discovered_settings(kv=True))
+    app = build_app(discovered_settings(kv=True))
     tier4 = app.tier4
     assert tier4 is not None
     app.apply_snapshot(snap(A, B, C, unready=("p-b", "p-c")))
@@ -377,7 +378,7 @@ def test_an_unready_backend_that_leaves_or_moves_is_dropped_at_once() -> None:
 
 
 def test_unready_feeds_do_not_hold_readiness_back() -> None:
-    app = PickerApp(discovered_settings(kv=True))
+    app = build_app(discovered_settings(kv=True))
     app.ready = True
     app.apply_snapshot(snap(A, B, unready=("p-b",)))  # two new feeds, neither caught up
     r = app.readiness(now=0.0)
@@ -423,7 +424,7 @@ def test_a_change_of_only_the_ready_flag_is_a_new_snapshot(tmp_path: Path) -> No
 
 def test_a_static_reload_keeps_working_and_cannot_switch_the_source() -> None:
     static = {"backends": [{"name": "a", "address": "10.0.0.1:80"}, {"name": "b", "address": "10.0.0.2:80"}]}
-    app = PickerApp(parse_settings({"pool": static}))
+    app = build_app(parse_settings({"pool": static}))
     assert app.pool_synced and app.pool_source == "static"
     messages = app.apply(parse_settings({"pool": {"backends": static["backends"][:1]}}))
     assert messages == [] and app.pool.names() == ("a",)
@@ -435,7 +436,7 @@ def test_a_static_reload_keeps_working_and_cannot_switch_the_source() -> None:
 
 
 def test_a_reload_while_discovered_keeps_the_discovered_members() -> None:
-    app = PickerApp(discovered_settings())
+    app = build_app(discovered_settings())
     app.apply_snapshot(snap(("p-a", "10.0.0.1:8000")))
     app.apply(discovered_settings(selection_strategy="RoundRobin"))
     assert app.pool.names() == ("p-a",) and app.settings.selection_strategy == "RoundRobin"
@@ -454,7 +455,7 @@ async def test_discovery_runs_supervised_and_admin_shows_it() -> None:
         admin={"port": 0},
     )
     discovery = FakeDiscovery()
-    app = PickerApp(settings, discovery=discovery)
+    app = build_app(settings, discovery=discovery)
     server = PickerServer(app)
     await server.start()
     client = TestClient(TestServer(build_admin_app(app)))
@@ -487,7 +488,7 @@ async def test_discovery_runs_supervised_and_admin_shows_it() -> None:
 
 
 def test_discovery_event_names_are_bounded() -> None:
-    app = PickerApp(discovered_settings())
+    app = build_app(discovered_settings())
     for i in range(100):
         app.metrics.discovery_event(f"e{i}")
     labels = {s.labels["event"] for f in app.metrics.registry.collect() for s in f.samples if "event" in s.labels}
@@ -497,7 +498,7 @@ def test_discovery_event_names_are_bounded() -> None:
 def test_an_answer_from_a_name_s_old_address_charges_nothing_to_its_new_engine() -> None:
     """A request in flight to a pod that was rescheduled under the same name (a StatefulSet) fails: its failure
     belongs to the old engine, not to the new one's fresh health window (which five such failures would eject)."""
-    app = PickerApp(discovered_settings())
+    app = build_app(discovered_settings())
     app.apply_snapshot(snap(("p-a", "10.0.0.1:8000")))
     app.apply_snapshot(snap(("p-a", "10.0.0.9:8000")))  # same name, new address: a new engine
     for _ in range(10):

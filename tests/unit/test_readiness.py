@@ -16,8 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from picker.config import EventSourceConfig, parse_settings
 from picker.kv.feed_consumer import KvFeedConsumer
 from picker.kv.index import InMemoryKvIndex
-from picker.ops.admin import build_admin_app
+from picker.runtime.admin import build_admin_app
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from picker.runtime.lifecycle import PickerServer
 from tests.support.poll import async_wait_until
 from tests.unit.test_pool_discovery import POOL, TEMPLATE, FakeDiscovery, discovered_settings, snap
@@ -113,7 +114,7 @@ def kv_static_settings(**checks: Any) -> Any:
 
 
 def test_a_static_pool_without_tier4_is_ready_once_started() -> None:
-    app = PickerApp(parse_settings({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}}))
+    app = build_app(parse_settings({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}}))
     r = app.readiness()
     assert not r.ready and r.body["reason"] == "starting"
     app.ready = True
@@ -131,7 +132,7 @@ def test_a_static_pool_without_tier4_is_ready_once_started() -> None:
 
 
 def test_tier4_waits_for_every_live_feed_to_catch_up_or_go_stale() -> None:
-    app = PickerApp(kv_static_settings(ready_grace_seconds=10))
+    app = build_app(kv_static_settings(ready_grace_seconds=10))
     app.ready = True
     tier4 = app.tier4
     assert tier4 is not None
@@ -154,7 +155,7 @@ def test_tier4_waits_for_every_live_feed_to_catch_up_or_go_stale() -> None:
 
 
 def test_a_discovered_pool_is_not_ready_before_its_first_snapshot_then_waits_for_its_feeds_once() -> None:
-    app = PickerApp(discovered_settings(kv=True))
+    app = build_app(discovered_settings(kv=True))
     app.ready = True
     r = app.readiness()
     assert not r.ready and r.body["pool"] == {"source": "inference_pool", "synced": False, "backends": 0}
@@ -172,7 +173,7 @@ def test_a_discovered_pool_is_not_ready_before_its_first_snapshot_then_waits_for
 
 def test_the_not_synced_reason_names_the_discovery_s_last_error() -> None:
     discovery = FakeDiscovery()
-    app = PickerApp(discovered_settings(), discovery=discovery)
+    app = build_app(discovered_settings(), discovery=discovery)
     app.ready = True
     assert "last error" not in str(app.readiness().body["reason"])
     discovery.status = lambda: {"source": "fake", "synced": False, "last_error": "inferencepool ns/p not found"}
@@ -190,7 +191,7 @@ async def health_of(port: int, service: str) -> int:
 
 async def test_grpc_readiness_follows_the_pool_sync_accepting_does_not() -> None:
     discovery = FakeDiscovery()
-    app = PickerApp(discovered_settings(extproc=PLAINTEXT, admin={"port": 0}), discovery=discovery)
+    app = build_app(discovered_settings(extproc=PLAINTEXT, admin={"port": 0}), discovery=discovery)
     server = PickerServer(app)
     await server.start()
     try:
@@ -228,7 +229,7 @@ async def test_the_grace_ends_the_wait_without_any_other_event() -> None:
         }
     )
     discovery = FakeDiscovery()
-    app = PickerApp(settings, discovery=discovery)
+    app = build_app(settings, discovery=discovery)
     server = PickerServer(app)
     assert app.tier4 is not None
     server.background.append(app.tier4.run)
@@ -261,7 +262,7 @@ async def test_accepting_turns_off_at_the_drain_or_only_when_streams_are_refused
     """A sidecar's Envoy has one picker: with accepting_until "refusing" its health check keeps it in the cluster
     through the propagation (the picker still admits streams then), instead of failing closed with 500s."""
     extproc = {**PLAINTEXT, "drain_propagation_seconds": 60, "accepting_until": until}
-    app = PickerApp(parse_settings({"extproc": extproc, "admin": {"port": 0}}))
+    app = build_app(parse_settings({"extproc": extproc, "admin": {"port": 0}}))
     server = PickerServer(app)
     await server.start()
     try:
@@ -288,7 +289,7 @@ async def test_accepting_turns_off_at_the_drain_or_only_when_streams_are_refused
 
 async def test_each_supervised_task_s_failure_series_exists_at_zero_from_its_start() -> None:
     """An alert on increase(...[10m]) > 0 must see the first crash: a series born at 1 shows no increase."""
-    app = PickerApp(parse_settings({"extproc": PLAINTEXT, "admin": {"port": 0}}))
+    app = build_app(parse_settings({"extproc": PLAINTEXT, "admin": {"port": 0}}))
     server = PickerServer(app)
     await server.start()
     try:

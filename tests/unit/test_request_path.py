@@ -14,13 +14,14 @@ from picker.kv.stage import KvLookup
 from picker.request.path import Exchange, Inbound
 from picker.routing.endpoints import BackendHold, StorageTier
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 
 BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
 CHAT = "/v1/chat/completions"
 
 
 def make_app(**extra) -> PickerApp:
-    return PickerApp(
+    return build_app(
         parse_settings(
             {
                 "selection_strategy": "PrefixAwareHash",

@@ -30,6 +30,7 @@ from picker.facts import RequestFacts, parse_request
 from picker.facts import Answer
 from picker.request.path import Exchange, Inbound
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 
 CHAT = "/v1/chat/completions"
 BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
@@ -66,6 +67,9 @@ class DictStore:
     fallback_active = False
 
     async def aclose(self) -> None:
+        return None
+
+    def configure(self, cfg: object) -> None:
         return None
 
 
@@ -219,7 +223,7 @@ def make(store: DictStore | None = None, **cache: Any) -> tuple[PickerApp, Respo
     settings = parse_settings(
         {"pool": {"backends": BACKENDS}, "response_cache": {"enabled": True, **cache}, "admin": {"enabled": False}}
     )
-    app = PickerApp(settings, PickerMetrics())
+    app = build_app(settings, PickerMetrics())
     store = store or DictStore()
     app.response_cache.store = store  # the app's own cache (stage and observer) on a dict
     assert app.path.cache is app.response_cache and app.response_cache in app.path.observers

@@ -9,6 +9,7 @@ from picker.config import parse_settings
 from picker.extproc.stream import RequestStream
 from picker.routing.chwbl_ring import HashRing
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from picker.runtime.envoy_config import EnvoyOptions, bootstrap_yaml
 from picker.shared.config_files import ConfigError
 
@@ -41,7 +42,7 @@ def test_ring_walk_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_a_hostile_content_length_is_not_a_crash(value: str) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    app = PickerApp(parse_settings({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}}))
+    app = build_app(parse_settings({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}}))
     msg = pb.ProcessingRequest()
     for k, v in ((":path", "/v1/chat/completions"), (":method", "POST"), ("content-length", value)):
         msg.request_headers.headers.headers.add(key=k, raw_value=v.encode())

@@ -23,6 +23,7 @@ from picker.extproc.service import ExternalProcessor
 from picker.ops.metrics import ROUTE_BUCKETS, ROUTE_OUTCOMES
 from picker.request.path import Exchange
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 
 BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
 CHAT = "/v1/chat/completions"
@@ -36,7 +37,7 @@ def processor_of(app: PickerApp) -> ExternalProcessor:
 
 
 def make_app(backends: list[dict[str, str]] = BACKENDS, **admission: Any) -> PickerApp:
-    return PickerApp(parse_settings({"pool": {"backends": backends}, "admission": admission}))
+    return build_app(parse_settings({"pool": {"backends": backends}, "admission": admission}))
 
 
 @pytest.fixture

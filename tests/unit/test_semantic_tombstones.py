@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from benchmarks.engine_sim import EngineSimulator
 from picker.cache import CacheStoreError
-from picker.cache.redis_pool import close_shared_redis
+from picker.redis_pool import close_shared_redis
 from picker.cache.response_cache import (
     LINK_HEADER,
     MISSED_AT_HEADER,
@@ -32,11 +32,12 @@ from picker.cache.response_cache import (
 )
 from picker.cache.semantic import ENTRY_PREFIX
 from picker.cache.store import RedisCacheStore
-from picker.ops.admin import response_cache_stats
+from picker.runtime.admin import response_cache_stats
 from picker.ops.metrics import PickerMetrics
 from picker.facts import Answer
 from picker.request.path import Exchange
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
 from tests.unit.test_semantic_wiring import (
     ALICE,
@@ -84,7 +85,7 @@ def make(apps: list[PickerApp], simulator: EngineSimulator, redis_url: str | Non
     if redis_url is not None:
         redis_cfg = {"url": redis_url, "key_prefix": PREFIX, "command_timeout_ms": 2000, **redis}
         extra = {"backend": "redis", "redis": redis_cfg}
-    app = PickerApp(settings(sim_url(simulator), cache_extra=extra), PickerMetrics())
+    app = build_app(settings(sim_url(simulator), cache_extra=extra), PickerMetrics())
     apps.append(app)
     return app
 

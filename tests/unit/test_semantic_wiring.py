@@ -28,6 +28,7 @@ from picker.request.anthropic import count_markers
 from picker.facts import Answer
 from picker.request.path import Exchange, Inbound
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from tests.support.embeddings_sim import EMB
 from tests.support.http_server import serve
 
@@ -73,7 +74,7 @@ def settings(
 
 
 def make(backend: str, **kw: Any) -> PickerApp:
-    return PickerApp(settings(backend, **kw), PickerMetrics())
+    return build_app(settings(backend, **kw), PickerMetrics())
 
 
 def chat(question: str, system: str = SYSTEM, **fields: Any) -> dict[str, Any]:
@@ -344,7 +345,7 @@ def anthropic_app(mode: str, inject: bool = True) -> PickerApp:
             "extproc": {"default_body_mode": mode},
         }
     )
-    return PickerApp(s, PickerMetrics())
+    return build_app(s, PickerMetrics())
 
 
 async def test_request_path_sets_the_injected_body() -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from picker.shared.config_files import BackendName, ConfigError, read_yaml_mapping, validation_problems
-from picker.shared.discovery import Count, DiscoveredBackend, PoolSnapshot, Publish
+from picker.shared.discovery.model import Count, DiscoveredBackend, PoolSnapshot, Publish
 from picker.shared.discovery.config import BackendsFileRef, IpPort
 
 log = logging.getLogger("kv_epp.discovery")

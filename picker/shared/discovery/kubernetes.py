@@ -51,7 +51,7 @@ from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 
 from picker.shared.config_files import BACKEND_NAME_RE
-from picker.shared.discovery import Count, DiscoveredBackend, PoolSnapshot, Publish, backend_name
+from picker.shared.discovery.model import Count, DiscoveredBackend, PoolSnapshot, Publish, backend_name
 from picker.shared.discovery.config import InferencePoolRef
 
 log = logging.getLogger("kv_epp.discovery")

@@ -26,7 +26,7 @@ import ipaddress
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 from aiohttp import web
@@ -34,17 +34,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from picker.cache import CacheStoreError
-from picker.cache.redis_pool import redis_endpoint
+from picker.redis_pool import redis_endpoint
 from picker.cache.semantic import ENTRY_PREFIX
 from picker.cache.store import MemoryCacheStore, RedisCacheStore
 from picker.config import ConfigError, RedisConfig, Settings
 from picker.kv.admin import kv_index_backends, kv_index_clear, kv_index_stats
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
+from picker.runtime.app import PickerApp
 from picker.runtime.envoy_needs import response_cache_detail
-
-if TYPE_CHECKING:
-    from picker.runtime.app import PickerApp
+from picker.runtime.errors import StartupError
 
 log = logging.getLogger("kv_epp.admin")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -485,8 +484,6 @@ def _admin_token(app: PickerApp) -> AdminToken:
     try:
         return AdminToken(app)
     except ConfigError as exc:
-        from picker.runtime.lifecycle import StartupError  # late: the lifecycle imports this module
-
         raise StartupError("; ".join(f"{path}: {msg}" for path, msg in exc.problems)) from None
 
 

@@ -1,0 +1,140 @@
+"""The composition root: the one place the picker's parts are built and wired. ``build_app`` builds the live
+state (pool, router, recorder, Tier 4, the response cache, the request path, the response sampling) into a
+``PickerApp``; ``build_server`` adds the servers, the background tasks and the stop hooks around it. See
+docs/picker.md, "Layers and the composition root".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from picker.cache.metrics import CacheStoreMetrics
+from picker.cache.response_cache import ResponseCache
+from picker.cache.semantic import EmbeddingsClient, SemanticIndex
+from picker.cache.store import MemoryCacheStore, RedisCacheStore
+from picker.config import PoolConfig, ResponseCacheConfig, Settings
+from picker.extproc.sampling import ResponseSampling
+from picker.kv.tier4 import Tier4
+from picker.ops.metrics import PickerMetrics
+from picker.ops.recorder import DecisionRecorder
+from picker.pool.calibration import TtftCalibrator
+from picker.pool.engine_signals import EngineSignalScraper
+from picker.pool.health_probe import HealthProber
+from picker.pool.pool import Pool
+from picker.redis_pool import close_shared_redis, shared_redis
+from picker.request.path import RequestPath, ResponseObserver
+from picker.routing.core import Router
+from picker.runtime.app import PickerApp
+from picker.runtime.lifecycle import PickerServer
+from picker.shared.discovery import Count, Discovery, make_discovery
+
+log = logging.getLogger("kv_epp.wiring")  # the name its log lines have always had
+
+RESPONSE_CACHE_FLUSH_SECONDS = 3.0  # pending store writes at stop (below lifecycle's HOOK_STOP_SECONDS, 5 s)
+
+
+def pool_discovery(pool: PoolConfig, count: Count | None = None) -> Discovery | None:
+    """The discovery source ``pool`` names (None for a static pool)."""
+    ref = pool.inference_pool or pool.backends_file
+    return make_discovery(ref, count) if ref is not None else None
+
+
+def build_response_cache(rc: ResponseCacheConfig, metrics: PickerMetrics) -> ResponseCache:
+    """Tier 2: built always (``enabled`` is hot-reloadable), its store once (``response_cache.backend`` needs a
+    restart); the semantic path's parts built always and empty (``semantic.enabled`` is hot-reloadable): the
+    embeddings client's HTTP session is opened at its first call and closed at stop, the index is bounded by
+    ``semantic.max_entries``."""
+    store = (
+        RedisCacheStore(rc.redis, shared_redis(rc.redis), CacheStoreMetrics(metrics.registry))
+        if rc.backend == "redis"
+        else MemoryCacheStore(rc.capacity)
+    )
+    sem = rc.semantic
+    index = SemanticIndex(
+        max_entries=sem.max_entries, ttl_seconds=sem.ttl if sem.ttl is not None else rc.ttl, threshold=sem.threshold
+    )
+    return ResponseCache(rc, store, metrics, embeddings=EmbeddingsClient(), index=index)
+
+
+def build_app(
+    settings: Settings,
+    metrics: PickerMetrics | None = None,
+    config_path: str | Path | None = None,
+    discovery: Discovery | None = None,
+) -> PickerApp:
+    """The picker's live state, built in one step: Tier 4 (when ``kv_cache_index.enabled``) enters the request path
+    as its holds source and a response observer, the response cache as its cache stage and the observer that
+    stores misses; nothing is attached later."""
+    metrics = metrics or PickerMetrics()
+    pool = Pool(settings.pool, calibrator=TtftCalibrator.from_config(settings.kv_cache_index.scoring.cost))
+    router = Router(settings)
+    router.set_pool_names(pool.names())  # the ring is built here, not on a request
+    recorder = DecisionRecorder(metrics)
+    kv = settings.kv_cache_index
+    tier4 = Tier4(kv, pool, metrics, settings.response_cache.redis) if kv.enabled else None
+    response_cache = build_response_cache(settings.response_cache, metrics)
+    observers: tuple[ResponseObserver, ...] = (*((tier4.watch,) if tier4 is not None else ()), response_cache)
+    path = RequestPath(
+        settings, pool, router, recorder, holds=tier4, cache=response_cache, observers=observers
+    )
+    if tier4 is not None:  # the feeds settle the placement guesses
+        tier4.index.watcher = path.placements
+    # which responses stream their body through the picker (extproc is restart-required: built once)
+    sampling = ResponseSampling(settings.extproc, metrics.registry, recorder, kv.tokenizer.block_size)
+    return PickerApp(
+        settings, metrics=metrics, pool=pool, router=router, recorder=recorder, path=path,
+        response_cache=response_cache, sampling=sampling, tier4=tier4, config_path=config_path, discovery=discovery,
+    )  # fmt: skip
+
+
+def uses_redis(settings: Settings) -> bool:
+    """The app ``build_app`` builds from ``settings`` opens the shared Redis pool: a Redis response-cache store,
+    or Tier 4's index on Redis."""
+    kv = settings.kv_cache_index
+    return settings.response_cache.backend == "redis" or (kv.enabled and kv.backend == "redis")
+
+
+def build_server(settings: Settings, config_path: str | Path | None = None) -> PickerServer:
+    """The whole process: the app, its pool's discovery when the pool is discovered, the servers, the background
+    tasks and the stop hooks, in the order they must close."""
+    metrics = PickerMetrics()
+    discovery = pool_discovery(settings.pool, metrics.discovery_event)
+    if discovery is not None:
+        metrics.child(metrics.discovery_events, "error").inc(0)  # from the start: increase() sees the first error
+    app = build_app(settings, metrics, config_path, discovery)
+    server = PickerServer(app)  # runs the discovery (supervised) when there is one
+    # engine signals: always supervised; it reads pool.engine_metrics (hot-reloadable) each round and idles
+    # while that says enabled: false
+    scraper = EngineSignalScraper(app.pool, app.metrics)
+    server.background.append(scraper.run)
+    server.on_stop.append(scraper.close)  # its HTTP session
+    # active health: probes the endpoints the request path and the scraper suspect of hanging (pool.health.probe)
+    prober = HealthProber(app.pool, app.metrics)
+    server.on_stop.append(prober.close)
+    embeddings = app.response_cache.embeddings
+    if embeddings is not None:
+        server.on_stop.append(embeddings.close)  # the semantic cache's HTTP session, when it opened one
+    # Stop order: everything that writes to Redis first (the Redis KV index's queue, the response cache's pending
+    # store writes, each bounded), then the cache store's health monitor, then the shared pool, last, whichever
+    # of the two uses it.
+    if app.tier4 is not None:
+        server.background.append(app.tier4.run)  # feed consumers and the index sweep
+        server.on_stop.append(app.tier4.close)  # the tokenizer's HTTP session, the Redis index's queued writes
+
+    async def flush_response_cache() -> None:
+        try:
+            async with asyncio.timeout(RESPONSE_CACHE_FLUSH_SECONDS):
+                await app.response_cache.flush()
+        except TimeoutError:
+            log.warning("event=response_cache_flush_timeout seconds=%s", RESPONSE_CACHE_FLUSH_SECONDS)
+
+    server.on_stop.append(flush_response_cache)
+    server.on_stop.append(app.cache_store.aclose)  # the Redis store's health monitor (nothing for memory)
+    if uses_redis(settings):
+        server.on_stop.append(close_shared_redis)
+    return server
+
+
+__all__ = ["build_app", "build_server", "build_response_cache", "pool_discovery"]
