@@ -95,6 +95,20 @@ POLICIES["kv_cost"] = PolicySpec(
     },
     listener=True,
 )
+# Diagnostic variant (not in the default list): kv_cost whose per-token prior stays the configured one (0.1 ms),
+# as before the engines' measured prefill cost became the prior (docs/real-engines.md)
+POLICIES["kv_cost_config_prior"] = PolicySpec(
+    "kv_cost_config_prior",
+    "kv_cost with scoring.cost.prior_from_engine: false (the configured per-token prior, 0.1 ms)",
+    picker={
+        **dict(POLICIES["kv_cost"].picker or {}),
+        "kv_cache_index": {
+            **POLICIES["kv_aware"].picker["kv_cache_index"],  # type: ignore[index]
+            "scoring": {"mode": "cost", "cost": {"prior_from_engine": False}},
+        },
+    },
+    listener=True,
+)
 # kv_aware with BUFFERED bodies and a 10% sample of responses streamed through the picker (Envoy honours a
 # per-request mode override only without full-duplex bodies): the sample's delivered cached-token share is
 # reported next to the engines' own counters (``sampled_cached_share`` vs ``hit_rate``).
