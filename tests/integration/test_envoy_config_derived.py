@@ -32,6 +32,7 @@ from benchmarks.stack import (
 )
 from picker.runtime.envoy_config import EnvoyOptions
 from tests.integration.conftest import Backends, http, start_backends, valkey_keys
+from tests.support.poll import wait_until
 from tests.support.valkey import running_valkey
 
 pytestmark = [pytest.mark.envoy, pytest.mark.valkey]
@@ -123,10 +124,13 @@ def test_a_miss_through_one_picker_is_a_hit_through_the_other(setup: Setup) -> N
         started = [ln for ln in p.process.log_path.read_text().splitlines() if "event=picker_started" in ln]
         assert started and "response_cache=on needs_response_mode=full" in started[0], started
     before = seen(setup.backends)
+    stored = readyz_cache(setup.pickers[0])["stored"]
     content = uuid.uuid4().hex
     first = chat(setup.envoys[0].url, content)
     assert first.status == 200 and first.headers.get("x-cache") == "MISS", first.headers
     assert seen(setup.backends) == before + 1
+    # the store's write ends after the answer went out: wait for it (no timed assertion), then ask the other picker
+    wait_until(lambda: readyz_cache(setup.pickers[0])["stored"] == stored + 1, timeout=30, what="the entry stored")
     second = chat(setup.envoys[1].url, content)
     assert second.status == 200 and second.headers.get("x-cache") == "HIT", second.headers
     assert second.body == first.body and seen(setup.backends) == before + 1  # no engine touched
@@ -154,11 +158,17 @@ def test_the_old_default_is_refused_and_seen_when_built_by_hand(setup: Setup, wo
         for _ in range(2):  # nothing is stored: a MISS each time
             r = chat(envoy.url, content)
             assert r.status == 200 and r.headers.get("x-cache") == "MISS", r.headers
-        detail = readyz_cache(picker)
-        assert detail["eligible_miss_bodies"]["missing"] == before["missing"] + 2, detail
+        # a miss is counted when its ext_proc stream closes, which Envoy does after the answer went out: polled
+        missing = before["missing"] + 2
+        detail = wait_until(
+            lambda: (d := readyz_cache(picker))["eligible_miss_bodies"]["missing"] == missing and d,
+            timeout=30, what="both misses counted without a body",
+        )  # fmt: skip
         assert detail["envoy_sends_response_bodies"] in (False, "some") and "problem" in detail
         # the generated Envoy of the same picker stores it
+        stored = detail["stored"]
         assert chat(setup.envoys[1].url, content).headers.get("x-cache") == "MISS"
+        wait_until(lambda: readyz_cache(picker)["stored"] == stored + 1, timeout=30, what="the entry stored")
         assert chat(setup.envoys[0].url, content).headers.get("x-cache") == "HIT"
     finally:
         envoy.stop()
