@@ -25,7 +25,6 @@ from picker.config import (
 from picker.extproc.service import peer_key
 from picker.ops.metrics import PickerMetrics
 from picker.runtime import tls
-from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 from picker.runtime.errors import StartupError
 from picker.runtime.lifecycle import PickerServer
