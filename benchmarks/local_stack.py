@@ -597,7 +597,7 @@ def start(state_dir: Path, ports: Ports, engines_kind: str = "sim") -> StackStat
     verdict = ", ".join(f"{n} {r}" for n, r in checks.items())
     note = f"Tier 4 (KV-aware) self-check: {verdict}"
     if any(r != "ok" for r in checks.values()):
-        note += f" (not ok: see {state_dir}/picker.log and README 'Tier 4')"
+        note += f" (not ok: see {state_dir}/picker.log and docs/architecture.md, 'Tier 4: an index that stays true')"
     state.notes = [note]
     state.ready = True
     state.write(state_dir / PIDS_FILE)
