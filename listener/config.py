@@ -82,7 +82,8 @@ class SourceConfig(_Model):
     poll_interval_ms: int = Field(200, ge=10, le=60_000)
     allowed_publishers: tuple[str, ...] = ()  # empty = any; ZMQ peer IP / TRT-LLM URL host
     # The seed's true acts only under storage_offloading.enabled (default false), a switch the listener has
-    # not: false is the seed's default behaviour (a GPU eviction removes the block). See docs/operations.md#configuration.
+    # not: false is the seed's default behaviour (a GPU eviction removes the block).
+    # See docs/operations.md#configuration.
     treat_eviction_as_offload: bool = False
 
     @model_validator(mode="after")
