@@ -9,10 +9,11 @@ from __future__ import annotations
 from picker.config import Settings, load_settings, parse_settings
 from picker.extproc.messages import DEST_HEADER, pick_response, streamed_chunks
 from picker.extproc.service import ExternalProcessor
+from picker.facts import Answer
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
-from picker.facts import Answer
-from picker.request.path import Exchange, Inbound, RequestPath
+from picker.request.exchange import Exchange
+from picker.request.path import Inbound, RequestPath
 from picker.routing.endpoints import BackendHold, Endpoint, EndpointState, PoolView
 from picker.routing.kv_scorer import KvOverlapScorer
 from picker.runtime.app import PickerApp

@@ -3,6 +3,10 @@
 Precedence: environment (``KV_EPP_<SECTION>__<KEY>``) over the YAML file over the defaults below.
 Hot-reloadable sections are listed in ``HOT_RELOADABLE``; a change elsewhere is reported as
 "restart required" and not half-applied.
+
+One module on purpose, the picker's largest: it is the settings schema, one class per section, and its keys and
+class docstrings feed the chart's generated values schema (``charts/generate.py``); splitting it would scatter
+the one place every default lives. See docs/picker.md, "Module map".
 """
 
 from __future__ import annotations

@@ -1,39 +1,7 @@
-"""The one Redis/Valkey connection pool of a picker process, shared by the response cache's store and the Redis
-KV index (the seed: one pool, one set of credentials, no duplicate connections).
-
-``shared_redis(cfg)`` returns the same ``redis.asyncio.Redis`` for the same connection settings (url, tls,
-pool_size, connect and command timeouts) on the same event loop; ``close_shared_redis()`` closes them at stop.
-The pool is a ``BlockingConnectionPool`` of ``pool_size`` connections: a caller beyond ``pool_size`` waits for a
-free connection (at most the command timeout), it does not open more. redis-py retries a command once, at once,
-on a connection error only (an idle pooled connection that a restarted Redis closed is noticed only when used:
-without the retry, the first command after a Redis restart failed and sent the store to its fallback), never on
-a timeout; the commands retried that way are idempotent (GET, SET, UNLINK, the KV index's HSET/HDEL/DEL/
-PEXPIRE transactions and its read-only script). Then the store decides (fallback, miss); it also bounds every
-command by the command timeout with an asyncio timeout, so waiting for a connection, connecting, the retry and
-the reply together never exceed it.
-
-One outage state per client (``redis_health``): the response cache's store and the Redis KV index share it, so
-an outage one of them sees is known to the other at once. A request that has waited one command timeout on a
-hung Redis in the cache lookup then does not wait another in the KV index's read. Only outages are shared
-(refused, reset or timed-out connections, as each user's own policy decides), never error replies (``OOM``,
-``READONLY``: Redis answers). Each user keeps its own recovery (the store's health monitor, the index's ping
-and resync); either one's successful command or PING ends the shared outage and tells the other
-(``on_answered``: the store's monitor PINGs at once, a down KV index tries its recovery at once), so a single
-slow command costs the store's fallback only until the next successful PING (a Redis that keeps stalling is
-damped: the store's early switch back waits longer after each flap, ``store.FLAP_WINDOW_S``).
-
-The pool is redis-py's ``BlockingConnectionPool`` with a fast path (``FastBlockingPool``): when a connection is
-idle and no task waits for one, it is taken and given back without the pool's condition, timeout context and
-release event (measured: the Valkey picker's CPU per cache miss, a GET and a SET, +350 µs over the memory store
-against +450 µs with the plain pool; its mean wait per GET 0.11 ms against 0.14). Everything else (no idle
-connection, a waiter, redis-py's maintenance mode) goes through redis-py's own code, and so does the connection
-check (``ensure_connection``: a dead or dirty idle connection is reopened). The release event it skips serves
-redis-py's streaming credential providers, which the picker does not use. It reads the pool's internal lists;
-a redis-py whose pool lacks them gets the plain pool (``FastBlockingPool.fast`` False; a test says so).
-
-TLS: a ``rediss://`` URL, or ``tls: true`` with a ``redis://`` URL (the scheme is upgraded). The server's
-certificate is verified against the system CAs; redis-py's URL query options (``?ssl_ca_certs=/path``,
-``ssl_cert_reqs=``...) are honoured for a private CA.
+"""The one Redis/Valkey connection pool of a picker process, shared by the response cache's store and the Redis KV
+index (``shared_redis``, ``close_shared_redis``), with one outage state per client (``redis_health``) and a fast
+path through redis-py's blocking pool.
+See docs/picker.md, "The shared Redis pool".
 """
 
 from __future__ import annotations
@@ -122,8 +90,8 @@ def build_redis(cfg: RedisConfig) -> Redis:
 
 
 class FastBlockingPool(BlockingConnectionPool):
-    """``BlockingConnectionPool`` with a fast path for the common case (module docstring). Bound: the same
-    ``max_connections``; a caller beyond it waits (redis-py's path) at most the pool's timeout."""
+    """``BlockingConnectionPool`` with a fast path for the common case (docs/picker.md, "The shared Redis pool").
+    Bound: the same ``max_connections``; a caller beyond it waits (redis-py's path) at most the pool's timeout."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,28 +1,18 @@
-"""Response sampling: which responses stream their body through the picker, and what the sample shows.
-
-With the default response mode (``none``) the picker sees each response's headers (status, time to first
-byte) and the stream's close (the end of the request), never a body chunk. In ``sampled`` mode a fraction
-of requests (``extproc.response_sample_rate``) and every request that carries the opt-in header
-(``extproc.response_sample_header``) are switched, in the answer to their response headers, to a streamed
-response body (Envoy's per-request ``mode_override``); the picker answers each chunk without copying it and
-reads the usage (``prompt_tokens``, ``cached_tokens``) from the last bytes of the body only. The fraction
-actually sampled is exported with the figures, so a cached-token share is read as the sample's. In ``full``
-mode every response body passes through the picker anyway, so every one is read (counted as sampled).
-
-A usage read for a request Tier 4 tokenized goes to the recorder (``DecisionRecorder.delivered``): the
-decision's available and captured tokens next to the delivered ones, by the decision's reason, and the
-prediction's outcome (hit, stale, ...).
+"""Response sampling: which responses stream their body through the picker (a rate, an opt-in header, or every
+one in ``full`` mode), and the usage their last bytes show, booked against Tier 4's prediction.
+See docs/picker.md, "Response sampling".
 """
 
 from __future__ import annotations
 
 import random
 import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from picker.config import ExtProcConfig
 from picker.ops.recorder import DecisionRecorder
-from picker.request.path import Exchange
+from picker.request.exchange import Exchange
 
 TAIL_BYTES = 4096  # the usage object of an OpenAI response (last SSE event or end of the JSON) fits in it
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')

@@ -1,27 +1,6 @@
-"""Tier 4's truth checks: is each backend's feed telling the truth about its engine?
-
-Two silent failures make Tier 4 fall back forever while every component says "ok":
-
-- **A feed that stops while its backend serves traffic** (the engine publishes where nobody listens, a
-  listener source misconfigured): ``FeedWatch`` is a response observer that counts the responses each
-  backend serves; a backend whose feed delivered no record for ``checks.stale_after_seconds`` while it
-  served ``checks.stale_after_requests`` responses is ``stale``. An idle backend is never stale (an idle
-  engine publishes nothing).
-- **Keys that never match** (the listener keyed with another model name or block size, a chat template
-  that differs): the start-up self-check sends each backend one probe chat request (a fresh nonce, so it
-  is never cached already, ``max_tokens: 1``) straight to the engine, computes the picker's block keys
-  for the same messages as a request would, and waits until the index says that backend holds them. An
-  engine stores only full pages of its own size (vLLM on CPU: multiples of 32 tokens; the probe's last page
-  is usually partial), so the check asks for the key blocks inside the probe's full pages, the page size
-  taken from the feed (each store-made put carries it); until a put has said, every key block is asked for.
-  Results: ``ok``; ``keys_differ`` (the feed delivered records after the probe but not these keys: model
-  name, block size, chat template or key scheme differ); ``no_events`` (nothing arrived: the engine's
-  events do not reach the listener); ``probe_failed`` (the engine refused the probe or the tokenizer
-  failed); ``skipped`` (no model known, or Tier 4 has no tokenizer).
-
-Each backend's state is in ``/readyz`` detail (``kv_feeds``), in the gauge ``kv_epp_kv_feed_state``
-(backend, state) and ``kv_epp_kv_self_check`` (backend, result), and logged once per change. Neither
-check changes routing: a wrong feed already costs only the fallback to the strategy.
+"""Tier 4's truth checks: is each backend's feed telling the truth about its engine (a feed that stops while its
+backend serves traffic; keys that never match, found by a start-up self-check)? They report, never route.
+See docs/picker.md, "Truth checks".
 """
 
 from __future__ import annotations
@@ -206,7 +185,7 @@ async def run_self_check(
     page_tokens: Callable[[], int | None] = lambda: None,
     key_block_size: int = 0,
 ) -> str:
-    """Probe ``backend`` once (see the module docstring); record and return the result."""
+    """Probe ``backend`` once (docs/picker.md, "Truth checks"); record and return the result."""
     if model is None:
         checks.set_self_check(backend, "skipped", "no model: set kv_cache_index.checks.self_check_model")
         return "skipped"

@@ -1,26 +1,7 @@
-"""The picker's side of the listener feed: one background task per ``kv_cache_index.event_sources``
-entry, applying the backend's index deltas to the KV index in order (the record formats are
-``picker.shared.feed_records``). Two transports share the apply logic, resume, backoff and stats:
-SSE (``http(s)://.../events/{backend}``, :class:`KvFeedConsumer`) and gRPC (``grpc(s)://host:port``,
-:class:`GrpcFeedConsumer`, the ``kvfeed.v1.KvFeed`` service with TLS and a bearer token).
-
-- Resumes from the last event id it applied (``Last-Event-ID``); a snapshot is staged and swapped in
-  at ``snapshot_end`` in one synchronous step, so lookups never see a half-built backend.
-- Every SSE line and every record's accumulated ``data`` is bounded by ``MAX_RECORD_BYTES`` (1 MiB);
-  an oversize record drops the connection, then the consumer reconnects and resumes.
-- Reconnects with exponential backoff from ``reconnect_interval_ms`` (default 1 s) up to 60 s; the
-  delay resets after a connection that delivered records.
-- Every subscription starts with a ``hello`` naming the listener's model, engine and key block size;
-  a key block size other than the picker's (``key_block_size``) closes the stream (reason
-  ``key_block_size_mismatch``) instead of filling the index with keys no request can match.
-- Everything received while connected (records, keepalives) tells the index the feed is live
-  (``index.confirm(backend)``).
-- **Caught up** (``ConsumerStats.caught_up``, readiness): the hello names the feed's newest record id when the
-  subscription started (``last_id``) and whether a snapshot follows (``resumed`` false); the consumer is caught
-  up once that snapshot is swapped in and the records up to that id are applied. It stays caught up while the
-  connection lasts; ``on_change`` is told of every change (on the event loop, synchronously).
-- The set of consumers follows the pool (``KvFeedConsumers.add`` / ``retire``): a retired consumer's task is
-  cancelled at once, applies nothing more, closes its own connection and touches no metric again.
+"""The picker's side of the listener feed over SSE: one consumer per backend applying the index deltas in order
+(resume, staged snapshots, bounds, backoff, the hello's checks, caught-up). The gRPC transport is
+``picker.kv.grpc_feed_consumer``, the set and the index sweep ``picker.kv.feed_consumers``.
+See docs/picker.md, "The feed consumers".
 """
 
 from __future__ import annotations
@@ -32,8 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
 
 import aiohttp
 import grpc
@@ -43,14 +22,11 @@ from picker.config import EventSourceConfig
 from picker.kv.index import InMemoryKvIndex
 from picker.ops.metrics import PickerMetrics
 from picker.shared.feed_records import (
-    GRPC_SUBSCRIBE,
-    PB_TIER_NAMES,
     RecordTooLarge,
     SseParser,
     decode_keys,
     decode_tier,
 )
-from picker.shared.kvfeed_pb import feed_pb2 as pb
 from picker.shared.tiers import StorageTier
 
 log = logging.getLogger("kv_epp.kv_feed_consumer")
@@ -86,7 +62,7 @@ class ConsumerStats:
     key_block_size: int | None = None
     # the engine's page size (tokens) the newest store-made put carried; None until one arrived
     page_tokens: int | None = None
-    caught_up: bool = False  # this connection applied the feed's initial snapshot / resume (see the module doc)
+    caught_up: bool = False  # this connection applied the feed's initial snapshot / resume (docs/picker.md)
     ever_caught_up: bool = False  # some connection of this consumer did
 
     def as_dict(self) -> dict[str, object]:
@@ -424,221 +400,3 @@ class KvFeedConsumer:
             self.index.put(self.backend, keys, tier)
         self.stats.snapshots += 1
         log.info("event=snapshot_applied backend=%s entries=%d", self.backend, self._staged_count)
-
-
-def _read_token(path: str) -> bytes:
-    token = Path(path).read_bytes().strip()
-    if not token or b"\n" in token or len(token) > 4096:
-        raise ValueError(f"token_file {path}: not a one-line token")
-    return token
-
-
-class GrpcFeedConsumer(KvFeedConsumer):
-    """The same consumer over the listener's gRPC feed (``grpc://host:port`` or ``grpcs://host:port``).
-
-    The channel is kept across reconnects (gRPC reconnects the connection itself); each subscription
-    sends ``resume_from_id`` when the consumer has applied a record. A stream silent for
-    ``read_timeout_ms`` (no keepalive) is abandoned and re-subscribed. The CA file is read once; the
-    token file at each subscription (a rotated token is picked up)."""
-
-    def __init__(
-        self,
-        source: EventSourceConfig,
-        index: InMemoryKvIndex,
-        metrics: PickerMetrics | None = None,
-        max_backoff_s: float = MAX_BACKOFF_S,
-        key_block_size: int | None = None,
-    ) -> None:
-        super().__init__(source, index, metrics, None, max_backoff_s, key_block_size)
-        scheme, _, rest = source.endpoint.partition("://")
-        self.target = rest.rstrip("/")
-        self.secure = scheme == "grpcs"
-        self._channel: grpc.aio.Channel | None = None
-
-    async def _setup(self) -> None:
-        """Nothing before the first subscription: the channel is opened inside it, so an unreadable CA file
-        is a failed attempt (counted, retried with backoff), not a dead consumer."""
-
-    def _open_channel(self) -> None:
-        options = [("grpc.max_receive_message_length", 4 << 20)]
-        if self.secure:
-            ca = Path(self.source.ca_file).read_bytes() if self.source.ca_file else None
-            creds = grpc.ssl_channel_credentials(root_certificates=ca)
-            self._channel = grpc.aio.secure_channel(self.target, creds, options=options)
-        else:
-            self._channel = grpc.aio.insecure_channel(self.target, options=options)
-
-    async def _teardown(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
-
-    async def consume_once(self) -> None:
-        """One subscription: read records until the stream ends, a close record, or an error."""
-        if self._channel is None:
-            self._open_channel()
-        assert self._channel is not None
-        metadata: list[tuple[str, str]] = []
-        if self.source.token_file:
-            metadata.append(("authorization", "Bearer " + _read_token(self.source.token_file).decode()))
-        req = pb.SubscribeRequest(backend=self.backend)
-        if self.stats.last_event_id is not None:
-            req.resume_from_id = self.stats.last_event_id
-        subscribe = self._channel.unary_stream(
-            GRPC_SUBSCRIBE, request_serializer=pb.SubscribeRequest.SerializeToString, response_deserializer=_raw
-        )
-        call: Any = subscribe(req, metadata=metadata)
-        read_s = self.source.read_timeout_ms / 1000
-        try:
-            while True:
-                raw = await asyncio.wait_for(call.read(), read_s)
-                if raw is grpc.aio.EOF:
-                    return
-                if not self.stats.connected:
-                    self._set_connected(True)
-                self._confirm()
-                self.apply_message(raw)
-        finally:
-            call.cancel()
-
-    def apply_message(self, raw: bytes) -> None:
-        """Apply one serialized ``kvfeed.v1.FeedRecord`` (an undecodable one is counted and skipped)."""
-        try:
-            rec = pb.FeedRecord.FromString(raw)
-        except Exception:  # protobuf's DecodeError
-            self._dropped()
-            return
-        kind = rec.WhichOneof("body")
-        if kind == "keepalive":
-            return
-        if kind == "close":
-            raise FeedClosed(rec.close.reason[:64] or "closed")
-        if kind == "hello":
-            h = rec.hello
-            self.on_hello(h.backend, h.model, h.engine, h.key_block_size, h.last_id, h.resumed)
-            return
-        self._received()
-        try:
-            if kind == "put":
-                tier = PB_TIER_NAMES.get(rec.put.tier)
-                if tier is None:
-                    raise ValueError(f"unknown tier {rec.put.tier}")
-                self.apply_put(list(rec.put.keys), decode_tier(tier), rec.put.page_tokens)
-            elif kind == "del":
-                self.apply_del(list(getattr(rec, "del").keys))
-            elif kind == "clear":
-                self.apply_clear(rec.clear.reason)
-            elif kind == "snapshot_begin":
-                self.snapshot_begin()
-            elif kind == "snapshot_end":
-                self.snapshot_end()
-            else:
-                raise ValueError(f"unknown record {kind!r}")
-        except ValueError as exc:
-            self._dropped()
-            log.warning("event=feed_record_dropped backend=%s record=%r error=%r", self.backend, kind, str(exc))
-            return
-        if rec.id:
-            self.stats.last_event_id = rec.id
-        self._check_caught_up()
-
-
-def _raw(b: bytes) -> bytes:
-    return b
-
-
-def make_consumer(
-    source: EventSourceConfig,
-    index: InMemoryKvIndex,
-    metrics: PickerMetrics | None = None,
-    key_block_size: int | None = None,
-) -> KvFeedConsumer:
-    """The consumer for the source's endpoint scheme: gRPC for grpc:// and grpcs://, else SSE."""
-    if source.endpoint.startswith(("grpc://", "grpcs://")):
-        return GrpcFeedConsumer(source, index, metrics, key_block_size=key_block_size)
-    return KvFeedConsumer(source, index, metrics, key_block_size=key_block_size)
-
-
-class KvFeedConsumers:
-    """All consumers of a picker plus the index TTL sweep. The set follows the pool: ``add`` starts a
-    consumer (at once when ``run`` is running, else when it starts), ``retire`` ends one. Bound: one
-    consumer per feed the pool needs."""
-
-    def __init__(
-        self,
-        sources: tuple[EventSourceConfig, ...],
-        index: InMemoryKvIndex,
-        metrics: PickerMetrics | None = None,
-        sweep_interval_s: float = 30.0,
-        key_block_size: int | None = None,
-    ) -> None:
-        self.index = index
-        self.metrics = metrics
-        self.key_block_size = key_block_size
-        self.consumers: dict[str, KvFeedConsumer] = {}
-        self.sweep_interval_s = sweep_interval_s
-        self.on_change: Callable[[str], None] | None = None  # a consumer's caught_up changed (backend)
-        self._group: asyncio.TaskGroup | None = None  # while run() runs
-        for s in sources:
-            self.add(s)
-
-    def add(self, source: EventSourceConfig) -> KvFeedConsumer:
-        """A consumer for ``source`` (replacing none: the caller retires a previous one of that name first)."""
-        if source.backend_name in self.consumers:
-            raise ValueError(f"a feed consumer for {source.backend_name!r} exists already")
-        c = make_consumer(source, self.index, self.metrics, self.key_block_size)
-        c.on_change = self._changed
-        self.consumers[source.backend_name] = c
-        if self._group is not None:
-            self._start(c)
-        return c
-
-    def retire(self, backend: str) -> KvFeedConsumer | None:
-        """End ``backend``'s consumer now (synchronous: its task is cancelled and applies nothing more)."""
-        c = self.consumers.pop(backend, None)
-        if c is not None:
-            c.retire()
-        return c
-
-    def _start(self, c: KvFeedConsumer) -> None:
-        assert self._group is not None
-        c._task = self._group.create_task(c.run(), name=f"kv-feed-{c.backend}")
-
-    def _changed(self, backend: str) -> None:
-        if self.on_change is not None:
-            self.on_change(backend)
-
-    async def run(self) -> None:
-        """Run every consumer and the index sweep until cancelled. They run in one task group: if one
-        of them dies (a bug: consumers retry every expected failure themselves), the others are
-        cancelled and the error propagates to the process's supervisor, which flips readiness. A retired
-        consumer's cancellation is not an error."""
-        try:
-            async with asyncio.TaskGroup() as group:
-                self._group = group
-                for c in self.consumers.values():
-                    self._start(c)
-                group.create_task(self._sweep_loop(), name="kv-index-sweep")
-        finally:
-            self._group = None
-            for c in list(self.consumers.values()):
-                await c.stop()  # closes each consumer's HTTP session or gRPC channel
-
-    async def _sweep_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.sweep_interval_s)
-            # bounded work per step, yielding between steps, so the loop never stalls
-            while self.index.sweep_expired(budget=10_000) >= 10_000:
-                await asyncio.sleep(0)
-            while self.index.scrub_step(budget=10_000):  # dead backends' bits, in bounded steps
-                await asyncio.sleep(0)
-            if self.metrics is not None:
-                self.metrics.kv_index_entries.set(self.index.entry_count)
-
-    def interrupt_all(self) -> None:
-        """After the index dropped entries behind the feeds' back (an admin clear): resubscribe every feed."""
-        for c in self.consumers.values():
-            c.interrupt()
-
-    def stats(self) -> list[ConsumerStats]:
-        return [c.stats for c in self.consumers.values()]

@@ -1,28 +1,6 @@
-"""The precise KV index (Tier 4): block key → {backend → storage tier}, in memory.
-
-Layout: backends get a small integer id; each block key maps to one int bitmask holding two bits per
-backend id (bit 2*id = GpuHot, bit 2*id+1 = StorageWarm). Each backend also keeps its own keys in write
-order (a dict used as an ordered set). Lookup walks the request's block keys from block 0 with a few
-big-int operations per block (no I/O, no per-block allocation) and yields, per backend, the length of
-its leading run and its tier.
-
-Bounds and eviction:
-- ``max_entries`` (block key, backend) entries in all. When an insert finds the index full, the backend
-  holding the most entries loses its oldest writes (10% of ``max_entries`` at once, the seed's
-  fraction, never more than it holds). So the budget is shared fairly: a busy backend evicts its own
-  old blocks, never a quiet backend's (a backend under its fair share is never chosen while another
-  holds more).
-- Expiry is a safety net for a feed that went silent, not a clock on blocks that stay cached: engines
-  do not re-announce blocks they keep, and the listener feed is an ordered, resumable stream of every
-  store and removal (a gap yields a snapshot), so while a backend's feed is live its entries are the
-  listener's exact state. ``confirm(backend)`` (every record or keepalive the consumer receives) and
-  every write refresh the backend's contact time; a backend whose last contact is older than
-  ``ttl_seconds`` is expired as a whole (its entries are ignored at once and dropped by the sweep) and
-  ``expirations(backend)`` changes, which tells its consumer to ask for a snapshot when it reconnects.
-- ``drop_backend`` retires the backend's id in O(1): its bits become dead and are ignored at once,
-  scrubbed in bounded steps over that backend's own keys, after which the id is reused.
-
-Measured memory and lookup time: ``python -m benchmarks.kv_index_scale`` (figures in the README).
+"""The precise KV index (Tier 4) in memory: block key → {backend → storage tier}, a bitmask per key, bounded with
+fair per-backend eviction, whole-backend expiry and O(1) backend retirement.
+See docs/picker.md, "The KV index".
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
-"""Where this picker just sent a prompt, before the engine's KV events say so.
-
-An engine announces a prompt's blocks only after it has prefilled them: under load that is seconds after
-the pick. A second request with the same prefix decided meanwhile finds nothing in the index and, with
-the cost model, would go wherever is least loaded — prefilling the prefix twice and splitting it. So the
-commit stage remembers the block keys of each Tier 4 request it sends (``record``), and the prepare stage
-adds them to the index's answer (``merge``): the chosen endpoint counts as holding those leading blocks
-(GpuHot) for ``ttl_seconds``, by which time the events have long arrived (or the engine never kept
-them). The index itself stays the listener's exact state; this is a separate, short-lived guess.
-
-Block keys are chained (each key hashes its parent's), so a key placed on an endpoint means the whole
-run up to it is there: ``holds`` returns, per endpoint, one past the last consecutive key from block 0
-that it was given.
-
-The same hook tells when a request's prefill is done: vLLM and SGLang send response headers before prefill
-(a stream) or after the whole answer, so the commit stage ``watch``es the request's last uncached block key
-and the engine's store of that block on its endpoint ends the request's pending prefill (``PrefillWaiter``).
-
-The index's watcher hook settles each guess: a key the feed then stores or removes on that endpoint is
-the index's again (``wrote``), and an endpoint whose entries the index drops (engine restart, cleared,
-snapshot) loses its guesses too (``dropped``).
-
-Bounds: ``max_entries`` block keys, one endpoint each (the latest placement of a key wins); the oldest
-placement is dropped first (insertion order, refreshed on re-placement); entries older than
-``ttl_seconds`` are ignored and dropped as the oldest are met.
+"""Where this picker just sent a prompt, before the engine's KV events say so: short-lived placement guesses added
+to the index's answer, and the hook that tells when a request's prefill is done.
+See docs/picker.md, "Recent placements".
 """
 
 from __future__ import annotations

@@ -1,16 +1,5 @@
-"""How often each prefix is asked for: a decaying request rate per prefix.
-
-The key is the block key that ends the longest prefix of the request some endpoint holds (chained block
-keys name a whole prefix), so a hot document that every request carries has one key with a high rate,
-while a conversation, whose held prefix grows each turn, has a new key every turn.
-
-``hit(key, now)`` counts one request and returns the key's rate in requests per second before it, an
-exponentially decaying average with time constant ``tau_s`` (each request adds ``1/tau_s``; the sum
-halves every ``tau_s·ln 2`` seconds without requests): a prefix seen for the first time has rate 0.
-The cost model uses it to share a copy's prefill among the requests that will find the copy (a hot
-prefix is worth a second holder; a prefix asked for once is not).
-
-Bounds: ``max_keys`` keys, least recently asked for dropped first.
+"""How often each prefix is asked for: a decaying request rate per held prefix, bounded, for the cost model.
+See docs/picker.md, "Prefix demand".
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
-"""Tier 4's inputs, assembled: the KV index, its feed consumers and the tokenizer source.
-
-``Tier4.lookup`` is the request path's Tier 4 step in the prepare stage: it takes a completions
-prompt's token ids as sent (``RequestFacts.prompt_token_ids``); for a text prompt (chat messages, a
-completions string) it asks the tokenization cache (``picker.kv.token_cache``): the whole prompt's ids, or
-the ids of a cached message (or chunk) prefix that covers ``cache_min_fraction`` of the prompt, without a
-tokenizer call; else it awaits the tokenizer source, bounded by ``timeout_ms + timeout_ms_per_kib × body
-KiB`` capped at ``timeout_cap_ms``. The ids become block keys (``picker.shared.block_keys``, the
-listener's function) looked up in the index (the one round trip an I/O-backed index makes). Any failure
-gives a lookup that holds nothing: the core then falls back to the strategy; a request is never failed because of
-Tier 4. The feed consumers, the TTL sweep and the cache's fills run as background tasks; scoring is the
-routing core's (``picker.routing.kv_scorer``).
-
-Feeds and the pool: a static pool's feeds are ``kv_cache_index.event_sources``, fixed for the process (as the
-section is restart-required). A discovered pool's feeds come from ``event_source_template``, one per backend
-of the snapshot, ready or not (readiness gates routing only: an engine that briefly fails its readiness probe
-keeps its feed and its index entries), and follow it (``follow_pool``): a backend that leaves the snapshot
-loses its feed, its index entries and its checks at once; one that joins is subscribed; one whose address
-changed is another engine (its entries are dropped and its feed resubscribes for a snapshot). The index's
-entries of a backend that is not routed to (not Ready) are kept but never used: ``lookup`` answers for the
-routing pool's backends only, and its self-check waits until it is routed to. ``feed_readiness`` says, per
-routed backend, whether its feed has caught up, which readiness waits for (``checks.ready_grace_seconds`` at
-most); feeds of unready backends do not hold readiness back.
+"""Tier 4's inputs, assembled: the KV index, its feed consumers, the tokenizer source and the tokenization cache;
+``Tier4.lookup`` is the prepare stage's Tier 4 step (the path's ``HoldsSource``), and the feeds follow the pool.
+See docs/picker.md, "Tier 4's inputs".
 """
 
 from __future__ import annotations
@@ -31,14 +11,14 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import aiohttp
 
-from picker.redis_pool import shared_redis
 from picker.config import KvCacheIndexConfig, RedisConfig
+from picker.facts import RequestFacts
 from picker.kv.checks import FeedChecks, FeedWatch, probe_keys, run_self_check
-from picker.kv.feed_consumer import KvFeedConsumers
+from picker.kv.feed_consumers import KvFeedConsumers
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
 from picker.kv.stage import KvLookup
@@ -46,7 +26,7 @@ from picker.kv.token_cache import CachedTokenizer
 from picker.kv.tokenizer_sources import TokenizerSource, make_tokenizer_source
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
-from picker.facts import RequestFacts
+from picker.redis_pool import shared_redis
 from picker.routing.endpoints import BackendHold
 from picker.shared.block_keys import chain_block_keys, root_key
 
@@ -126,7 +106,7 @@ class Tier4:
 
     def follow_pool(self, added: Collection[str], gone: Collection[str], readdressed: Collection[str]) -> None:
         """Apply a change of the backends to follow (every backend of the snapshot, ready or not; not the routing
-        pool's) to the feeds and the index in one synchronous step (see the module doc). Static
+        pool's) to the feeds and the index in one synchronous step (docs/picker.md, "Tier 4's inputs"). Static
         ``event_sources`` keep their consumers; their backends' entries are still dropped when the name moved to
         another address (another engine: the feed resubscribes for a snapshot)."""
         template = self.cfg.event_source_template

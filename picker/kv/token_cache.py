@@ -1,45 +1,7 @@
-"""Tier 4's tokenization cache: token ids at message boundaries, so a new turn of a seen conversation is
-keyed without a tokenizer round trip on the request path.
-
-**What is cached.** A chat request is a list of messages; point *j* is "the first *j* messages". The cache
-maps a point to the token ids of those messages rendered WITHOUT the generation prompt, as the next turn's
-prompt begins with them (a *prefix entry*), and a whole request to the ids of its whole prompt (an *exact
-entry*: the messages with the generation prompt, or a completions ``prompt`` string). Completions prompts
-are cut into *chunks* at content-defined points: the last whitespace before every ``PROMPT_CHUNK_CHARS``
-characters (a cut depends only on the text before it, so two prompts that share their first *c* characters
-share every cut below *c*); point *j* is then the text before cut *j*.
-
-**The safety margin.** A tokenizer or chat template may merge tokens across the end of a rendering (a BPE
-merge over the cut, a template that closes a turn differently when nothing follows), so a prefix entry
-keeps only the ids before its last partial block and one more full block: ``(len // B - 1) × B`` ids.
-Whatever differs within the last block and a half is dropped, never keyed.
-
-**Verification, and refusal.** Every later tokenization of a longer prompt that began with a cached prefix
-(the request's own round trip, or the background fill of its messages) checks that the prefix entry's ids
-are a prefix of its own ids. A model's prefix entries are used on the request path only after
-``trust_after`` such confirmations and while no check ever failed. One failed check (a template that is not
-prefix-preserving at message boundaries: one that moves the system prompt, strips earlier turns' reasoning
-when a new user turn arrives, ...) refuses the model's prefix entries for the process's life, logged once:
-a wrong block key is worse than no key. Exact entries are a whole prompt's own tokenization and are always
-used.
-
-**Keys.** A point's key is a chained BLAKE2b-256 digest: ``d0 = H(tag ++ kind ++ len(model) ++ model)``,
-``d_j = H(d_{j-1} ++ tag ++ len(segment) ++ segment)`` where a chat segment is the message's canonical JSON
-(every field, keys sorted) and a prompt segment is the chunk's UTF-8 text; an exact key adds a distinct
-tag to the last digest. Each hashed input is an injective framing (fixed-width lengths, domain tags), so two
-different (kind, model, segment list) inputs have different preimages at every step, and a shared key
-needs a BLAKE2b-256 collision. The ids depend on the model the request names (its tokenizer); LoRA and
-cache salt only change block keys, which are computed from the ids per root.
-
-**Bounds.** Entries and *seen markers* (a point some request reached, so a second request that reaches it
-makes it worth tokenizing: a system prompt shared across conversations, a shared document prefix) share
-one LRU bounded by ``max_bytes``: an entry costs ``ENTRY_OVERHEAD`` + 4 bytes per kept id + 8 bytes per
-memoised block key, a marker ``MARKER_COST``; the least recently used go first. An entry keeps at most
-``max_tokens`` ids (the keys never cover more). The fill queue holds at most ``queue_size`` fills and
-``queue_max_bytes`` bytes of their text; a fill that does not fit is dropped and counted. Model trust state
-is kept for ``MAX_MODELS`` models; a model past that is never trusted (its exact entries still work).
-
-Single-threaded: everything here runs on the event loop (tokenizer CPU work runs in the sources' threads).
+"""Tier 4's tokenization cache: token ids at message (or chunk) boundaries, verified against later tokenizations,
+so a new turn of a seen conversation is keyed without a tokenizer round trip on the request path; the
+``CachedTokenizer`` in front of the tokenizer source, with its background fills.
+See docs/picker.md, "The tokenization cache".
 """
 
 from __future__ import annotations
@@ -50,127 +12,22 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from hashlib import blake2b
-from typing import Any, Literal
+from typing import Any
 
-import orjson
-
+from picker.kv.token_keys import (
+    Segments,
+    chat_segments,
+    prompt_segments,
+    safe_length,
+)
 from picker.shared.block_keys import chain_packed_keys
 
 log = logging.getLogger("kv_epp.token_cache")
 
-PROMPT_CHUNK_CHARS = 2048  # a completions prompt is cut at the last whitespace before each multiple of this
 ENTRY_OVERHEAD = 320  # bytes an entry costs besides its ids: key object, LRU node, Entry, bytes/array headers
 MARKER_COST = 160  # bytes a seen marker costs: key object and LRU node
 MAX_MODELS = 1024  # models whose trust state is kept
 KEY_SLICE_BLOCKS = 64  # a background fill computes block keys this many blocks at a time, yielding between
-
-_TAG_ROOT = b"kv-epp/token-cache/v1\x00"
-_TAG_SEGMENT = b"\x01"
-_TAG_EXACT = b"\x02exact"
-_WS = (" ", "\n", "\t", "\r")
-
-Kind = Literal["chat", "prompt"]
-
-
-def _h(data: bytes) -> bytes:
-    return blake2b(data, digest_size=32).digest()
-
-
-def _framed(data: bytes) -> bytes:
-    return _TAG_SEGMENT + len(data).to_bytes(8, "big") + data
-
-
-def root_digest(kind: Kind, model: str) -> bytes:
-    """``d0``: a chain's start, one per (kind, model)."""
-    raw = model.encode("utf-8", "surrogatepass")
-    return _h(_TAG_ROOT + kind.encode() + b"\x00" + len(raw).to_bytes(8, "big") + raw)
-
-
-def chain_digest(parent: bytes, segment: bytes) -> bytes:
-    """``d_j`` from ``d_{j-1}`` and segment *j*'s bytes."""
-    return _h(parent + _framed(segment))
-
-
-def exact_digest(last: bytes) -> bytes:
-    """The key of a whole prompt whose segments chain to ``last``."""
-    return _h(last + _TAG_EXACT)
-
-
-def canonical_message(message: Any) -> bytes:
-    """A chat message as the digest sees it: its JSON with keys sorted (every field a template may read)."""
-    return orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
-
-
-def prompt_cuts(prompt: str, chunk: int = PROMPT_CHUNK_CHARS) -> list[int]:
-    """The content-defined cut positions of a completions prompt (see the module docstring), ascending,
-    each > 0 and < len(prompt). Cut *j* is the last whitespace before ``j × chunk``; a window without
-    whitespace has no cut."""
-    cuts: list[int] = []
-    last = 0
-    for edge in range(chunk, len(prompt), chunk):
-        at = max(prompt.rfind(w, last + 1, edge) for w in _WS)
-        if at > last:
-            cuts.append(at)
-            last = at
-    return cuts
-
-
-@dataclass(slots=True)
-class Segments:
-    """A request's points: ``keys[j-1]`` is point *j*'s digest, ``sizes[j-1]`` the bytes of its segments,
-    ``cuts[j-1]`` what a fill tokenizes (chat: that many messages; prompt: that many characters)."""
-
-    kind: Kind
-    model: str
-    keys: list[bytes]
-    sizes: list[int]
-    cuts: list[int]
-    exact_key: bytes
-    total: int
-    messages: Sequence[Any] | None = None
-    prompt: str | None = None
-
-
-def chat_segments(model: str, messages: Sequence[Any]) -> Segments:
-    """Points of a chat request: one per message."""
-    d = root_digest("chat", model)
-    keys: list[bytes] = []
-    sizes: list[int] = []
-    size = 0
-    for m in messages:
-        c = canonical_message(m)
-        d = chain_digest(d, c)
-        size += len(c)
-        keys.append(d)
-        sizes.append(size)
-    return Segments("chat", model, keys, sizes, list(range(1, len(keys) + 1)), exact_digest(d), size, messages=messages)
-
-
-def prompt_segments(model: str, prompt: str, chunk: int = PROMPT_CHUNK_CHARS) -> Segments:
-    """Points of a completions prompt: one per content-defined cut (the tail after the last cut is not a
-    point; the exact key covers it)."""
-    d = root_digest("prompt", model)
-    keys: list[bytes] = []
-    sizes: list[int] = []
-    cuts = prompt_cuts(prompt, chunk)
-    prev = 0
-    size = 0
-    for cut in cuts:
-        raw = prompt[prev:cut].encode("utf-8", "surrogatepass")
-        d = chain_digest(d, raw)
-        size += len(raw)
-        keys.append(d)
-        sizes.append(size)
-        prev = cut
-    tail = prompt[prev:].encode("utf-8", "surrogatepass")
-    d = chain_digest(d, tail)
-    return Segments("prompt", model, keys, sizes, cuts, exact_digest(d), size + len(tail), prompt=prompt)
-
-
-def safe_length(n_ids: int, block_size: int) -> int:
-    """Ids a prefix entry keeps of a rendering of ``n_ids`` ids: drop the partial last block and one more."""
-    return max(0, n_ids // block_size - 1) * block_size
 
 
 class Entry:
@@ -195,7 +52,7 @@ class Entry:
 
 
 class TokenCache:
-    """The LRU of entries and seen markers, bounded by ``max_bytes`` (see the module docstring)."""
+    """The LRU of entries and seen markers, bounded by ``max_bytes`` (docs/picker.md, "The tokenization cache")."""
 
     def __init__(self, max_bytes: int, block_size: int, max_tokens: int) -> None:
         self.max_bytes = max_bytes

@@ -1,14 +1,5 @@
-"""Where the picker gets a request's token ids for Tier 4 block keys (one async interface).
-
-- ``EngineTokenizer``: the engine's ``POST /tokenize`` (chat messages with or without the generation
-  prompt, or a prompt) over a shared aiohttp session, bounded by ``timeout_ms`` and ``max_concurrency``.
-- ``LocalTokenizer``: the optional ``tokenizers`` + ``jinja2`` packages (extra ``local-tokenizer``)
-  and a chat template file; the CPU work runs in a worker thread, never on the event loop, and a slot
-  is held until its thread finishes (a timed-out encode still counts against ``max_concurrency``).
-- ``NoTokenizer``: always None (Tier 4 off for every request).
-Every failure, timeout or overload returns None and never raises: the caller then routes the
-request without Tier 4. The source's own timeout is the longest wait (``timeout_cap_ms``); the request
-path bounds each call tighter, by the request's size (``picker.kv.tier4``).
+"""Where Tier 4's token ids come from: the engine's ``/tokenize`` or a local tokenizer (in worker threads).
+See docs/picker.md, "Tokenizer sources".
 """
 
 from __future__ import annotations

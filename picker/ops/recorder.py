@@ -1,23 +1,6 @@
-"""The recorder: turns what the pure routing core returned into counters and Prometheus metrics.
-
-The core (``picker.routing``) records nothing; the request path's commit stage and its response
-observer hand every outcome here: a routed ``Decision`` (with the request's prefix key), a refusal, a
-response status, the decision CPU time. The per-request figures are plain integers (a dict increment
-each, no locks, no label lookups: recording was 13% of the picker's per-request CPU as Prometheus
-calls) and become metric families only when ``/metrics`` is scraped, through ``RecorderCollector``.
-
-Bounds: label values come from fixed sets (outcomes, strategies, reasons, status classes 0xx-9xx) and
-configured backend names; a backend a reload removes is forgotten (``forget_backends``).
-
-Cached-token accounting (``continuum_picker_cached_tokens_total{reason,scope,kind}``), for every decision
-whose prompt Tier 4 tokenized: ``prompt`` (Tier 4's token count), ``available`` (the best holder's matched
-tokens: the most any backend in the prepared holds covers), ``captured`` (the chosen endpoint's matched
-tokens), booked at the commit under ``scope="all"``; and again under ``scope="observed"`` with
-``delivered`` (the engine's ``usage.prompt_tokens_details.cached_tokens``) when the picker read the
-response's usage (a sampled response, or every response in ``full`` mode). ``delivered/captured`` and
-``captured/available`` are ratios over the same requests only within ``scope="observed"``.
-``continuum_picker_observed_predictions_total{reason,outcome}`` classifies each observed response by
-``prediction_outcome``; ``outcome="stale"`` is the stale-index counter.
+"""The recorder: turns what the pure routing core returned into counters and Prometheus metrics (plain integers
+per request, metric families at scrape time), and the cached-token accounting.
+See docs/picker.md, "The decision recorder".
 """
 
 from __future__ import annotations

@@ -1,41 +1,6 @@
-"""The TTFT model's online fit: observed times to first byte → ``CostCoefficients``.
-
-Each request whose prompt Tier 4 counted (tokenized, or a cached tokenized prefix plus the rest at its
-tokens per byte) leaves a ``TtftSample``: what its endpoint had to do before this request's first
-token — the prefill tokens (this picker's pending prefill there, or the engine's queue × the mean
-request, and this request's own uncached tokens), the requests queued there for a first token, and the
-requests decoding there. When its first byte arrives, the pair (sample, observed time) is added to
-exponentially weighted normal equations (``FORGETTING``: the last few hundred first bytes weigh most)
-of
-
-    ttft_ms = base_ms + prefill_ms_per_token * work_tokens + queue_ms_per_request * queued
-                      + decode_ms_per_seq * decoding
-
-and every ``SOLVE_EVERY`` samples the coefficients are re-solved: least squares with a ridge pull
-toward the configured priors (worth ``PRIOR_WEIGHT`` samples, so a feature that never varies keeps its
-prior instead of drifting), each coefficient at least its floor (a per-token cost of at least
-``MIN_PREFILL_MS_PER_TOKEN`` keeps the cached prefix worth something). Non-negativity is exact: with four
-coefficients every choice of which ones sit at their floor is solved and the best feasible one kept.
-One observation's pull is clipped to a few times the running mean absolute error (a request stalled by
-something the model does not see teaches little). So the coefficients follow the engines' real speed,
-their batch limits, the network and the proxy, with no constant tuned per workload.
-
-**The engines' own prefill cost** (``EnginePrefillFit``). The first bytes this picker can time are the
-prefills its KV events end: requests whose last keyed block was not cached there. When conversations share
-their system prompts those are mostly the cold prefills of about the same length, so the first bytes
-alone cannot tell the per-token cost from the constant, and the fit stayed near its prior (measured on real
-vLLM: 0.17 ms per token fitted against 0.33–0.40 measured; ``docs/real-engines.md``). vLLM reports, for
-every finished request, its prefill time (``vllm:request_prefill_time_seconds``: first scheduled to first
-token) and the tokens it computed (``vllm:request_prefill_kv_computed_tokens``: prompt minus cached). The
-engine scraper differences their ``_sum`` and ``_count`` between scrapes (``observe_engine_prefill``), and
-a weighted least-squares line through those points (mean computed tokens → mean prefill ms), once it rests
-on ``ENGINE_MIN_REQUESTS`` requests with computed lengths spread by at least ``ENGINE_MIN_SPREAD_TOKENS``,
-replaces the configured ``prior_prefill_ms_per_token`` as the prior the ridge pulls toward
-(``prior_from_engine``, on by default). The first bytes still fit every coefficient; where they cannot
-tell the per-token cost apart, it is the engine's measured one rather than a configured guess.
-
-Bounds: four coefficients, a 4×4 matrix, a 4-vector and two running means, and the engine fit's five
-weighted sums; nothing grows with traffic.
+"""The TTFT model's online fit: observed times to first byte → ``CostCoefficients`` (ridge-regularised,
+non-negative least squares), with the engines' own measured prefill cost as the prior.
+See docs/picker.md, "The TTFT model's fit".
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
-"""Active health: a replica that accepts connections and never answers leaves rotation within seconds.
-
-Passive health (``Pool.record_response``) sees only statuses. A hung replica produces none while its clients
-give up first (a client abort is never charged: a slow prefill aborted by an impatient client is not the
-replica's fault), and Envoy's own deadline is long. So hints raise a *suspicion* (``Pool.suspect``):
-
-- a client that gave up before the response's first byte (the request path's health observer): while its
-  probe runs, the endpoint is routed to only when no other one is eligible (a replica that answers is back in
-  milliseconds);
-- ``SCRAPE_SUSPICION_AFTER`` engine-metrics scrapes in a row that got no answer: timed out, refused or reset
-  (``picker.pool.engine_signals``); a weak hint (a busy engine answers its scrape late), so it only probes.
-
-A suspicion is never a failure on its own: it starts one probe, a GET of ``health.probe.path`` bounded by
-``health.probe.timeout_ms`` (3 s: real vLLM on a loaded CPU answered ``/health`` later than 1 s; see
-docs/real-engines.md). No answer in time, a refused or reset connection, or a 5xx ejects the endpoint
-(``Pool.probe_failed``, reason ``probe_failed``); an endpoint ejected so is probed every ``interval_ms`` and
-readmitted after ``readmit_after`` answers in a row (``Pool.probe_ok``), never by a cooldown. Any status
-below 500 is an answer (a plain HTTP upstream without a health route answers 404 and stays in rotation).
-Config: ``pool.health.probe`` (``picker.config.HealthProbeConfig``), read at each suspicion and each round.
-
-Bounds: at most one probe task per endpoint of the pool (a suspicion of an endpoint already being probed
-adds nothing); a task ends when its endpoint leaves the pool or changes address. A probe reads at most
-``MAX_BODY_BYTES`` of the answer. One HTTP session, at most ``MAX_CONNECTIONS`` connections.
+"""Active health: a replica that accepts connections and never answers leaves rotation within seconds (a
+suspicion starts one bounded ``GET /health``; no answer ejects, answers readmit).
+See docs/picker.md, "Active health".
 """
 
 from __future__ import annotations

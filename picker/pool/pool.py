@@ -1,15 +1,6 @@
-"""The backend pool: its endpoints (configured or discovered), in-flight load, windowed health and latency EWMA.
-
-Bounds: one in-flight counter, one health window (``health.window_size`` booleans) and one EWMA per
-endpoint; state for an endpoint removed by a reload or a discovery snapshot is dropped with it. An endpoint whose
-address changed under the same name is another engine: its health, latency and engine signals start afresh
-(its in-flight counters stay, the open leases still release them).
-
-Standby endpoints: a discovered backend whose pod is not Ready is not routed to (it is in no view, no name list,
-no address map), but its state is kept aside (``update(..., standby=...)``), so the requests still running
-there keep their in-flight counts and an engine that briefly failed its readiness probe comes back with its
-live load and health, not as an idle newcomer. Bound: one state per backend of the snapshot; its engine signals
-are cleared when it goes to standby (the scraper follows routed endpoints only).
+"""The backend pool: its endpoints (configured or discovered, standby included), in-flight load and leases,
+windowed health, latency EWMA and engine signals; bounded per endpoint.
+See docs/picker.md, "The pool".
 """
 
 from __future__ import annotations
@@ -128,7 +119,7 @@ class Pool:
         self._clock = clock
         self.calibrator = calibrator or TtftCalibrator()
         self._stats: dict[str, _EndpointStats] = {}
-        self._standby: dict[str, _EndpointStats] = {}  # not routed to (see the module docstring)
+        self._standby: dict[str, _EndpointStats] = {}  # not routed to (docs/picker.md, "The pool")
         self._by_address: dict[str, str] = {}
         # Snapshot cache: one EndpointState per endpoint, rebuilt only when that endpoint changes, and
         # the full (unfiltered) view. Bound: one entry per configured endpoint.

@@ -1,20 +1,6 @@
-"""Admission control: the bounds every stream shares, and the saturation rule over the pool's load.
-
-Three checks, each answered with 429, ``Retry-After`` and an OpenAI-shaped JSON error (docs/wire.md §1:
-shed / overloaded → 429), never with a queue or a hang:
-
-- open streams: a stream past ``admission.max_open_streams`` is refused at its first message
-  (``picker.extproc.service``);
-- buffered request bodies, all streams together: a stream reserves its declared ``Content-Length``
-  at the headers phase and every chunk beyond the reservation as it arrives
-  (``picker.extproc.stream``); what does not fit in ``admission.max_buffered_body_bytes`` is
-  refused. The stream gives its whole reservation back when its body goes to the request path, when
-  it is refused, and when it closes (end or abort): ``BodyBudget.release`` is idempotent per stream;
-- saturation (``RequestPath.route``, after parse, before prepare): every eligible endpoint has at
-  least ``max_in_flight_per_endpoint`` requests in flight, or the pool has ``max_in_flight_total``.
-
-The counts are plain integers on the event loop (one thread: no lock); a hot reload changes the
-bounds, never the counts.
+"""Admission control: the bounds every stream shares (open streams, buffered request bodies) and the saturation
+rule over the pool's load; each answered with 429 and ``Retry-After``, never a queue.
+See docs/picker.md, "Admission".
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
-"""Anthropic ``cache_control`` injection (the seed's ``prefix_routing.anthropic_cache_control_injection``).
-
-Pure functions, no I/O: the request path asks ``is_native_anthropic`` and, when the flag is on, calls
-``inject_cache_control`` on the buffered body and forwards the bytes it returns (``None``: forward the
-body unchanged).
-
-What the seed specifies, and how it is read here:
-
-- Only *native Anthropic* requests: the Anthropic Messages shape, i.e. a request to ``/v1/messages`` or
-  ``/anthropic/v1/messages`` (the paths ``picker.facts`` parses as Anthropic). The path decides, not
-  the ``anthropic-version`` header: the header alone does not make an OpenAI-shaped body Anthropic-shaped,
-  and Anthropic SDKs always send both. ``/v1/messages/count_tokens`` is not a messages request.
-- The marker ``"cache_control": {"type": "ephemeral"}`` goes on the *last system block* only. A string
-  ``system`` becomes one text block carrying the marker (``[{"type": "text", "text": ..., "cache_control":
-  {"type": "ephemeral"}}]``, Anthropic's documented block form); a list of blocks gains the marker on its
-  last block.
-- Skipped when the request already carries ``cache_control`` anywhere (system, messages, tools, or the
-  top-level automatic-caching field): the caller's intent is kept. Skipped when there is no system prompt
-  (nothing to mark: the seed injects into the system prompt only), when it is empty (Anthropic refuses a
-  marker on an empty text block), or when the last block is not an object.
-
-Bounded and total: a body over ``max_body_bytes`` is not parsed; anything malformed returns ``None``;
-nothing raises. The result is the parsed body re-serialized by orjson: key order is kept (dicts keep their
-insertion order), strings and numbers keep their meaning (``\\u00e9`` escapes become UTF-8, ``1E2``
-becomes ``100.0``: the same JSON values), whitespace is dropped, and of duplicate keys the last one is kept
-(what orjson and most JSON readers take anyway). A body with an integer beyond 64 bits (which orjson would
-read as a float, losing digits) is left unchanged.
+"""Anthropic ``cache_control`` injection (the seed's ``prefix_routing.anthropic_cache_control_injection``): pure,
+bounded functions that mark a native Anthropic request's last system block, or leave the body unchanged.
+See docs/picker.md, "Anthropic cache_control injection".
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""The request path: the stages one request goes through, in order, and the response observers.
-
-    parse    → RequestFacts, or a 400 answer                        (sync, ``picker.facts``)
-    cache    → a stored answer for a repeated deterministic request (async: ``picker.cache.response_cache``),
-               else the key its response is stored under (an eligible miss), else nothing (not eligible)
-    prepare  → Prepared: prefix key, session's endpoint, Tier 4 holds (async: the one place a request
-               may wait on I/O — the tokenizer, an I/O-backed KV index)
-    decide   → Decision from the pool's snapshot                    (sync, pure: ``picker.routing.core``)
-    commit   → the in-flight lease, the session table, counters and metrics
-               → an ``Exchange``, which lives until the response ends; with
-               ``prefix_routing.anthropic_cache_control_injection`` a native Anthropic body gains its
-               ``cache_control`` marker here (``Exchange.body_out``, sent upstream instead of the client's)
-
-The Envoy protocol is not here: ``picker.extproc.stream`` turns Envoy's messages into an ``Inbound``
-and the returned ``Exchange`` or ``Answer`` back into Envoy's messages, and feeds the response phases
-to the ``Exchange``, which hands them to the response observers (status, first byte, body, end).
+"""The request path: the stages one request goes through, in order (parse → response cache → prepare → decide
+→ commit), and the Protocols the features implement to take part (``ResponseCache``, ``HoldsSource``). The Envoy
+protocol is not here: ``picker.extproc.stream`` turns Envoy's messages into an ``Inbound`` and the result back.
+See docs/picker.md, "The request path".
 """
 
 from __future__ import annotations
@@ -24,14 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from picker.cache.response_cache import CacheState
+from picker.cache.state import CacheState
 from picker.config import Settings
-from picker.kv.placements import RecentPlacements
-from picker.kv.stage import KvCommit, KvLookup, KvStage
-from picker.ops.recorder import DecisionRecorder
-from picker.pool.pool import Lease, Pool
-from picker.request.admission import Admission, overloaded_body
-from picker.request.anthropic import inject_cache_control, is_native_anthropic
 from picker.facts import (
     Answer,
     BadRequest,
@@ -41,6 +23,14 @@ from picker.facts import (
     error_body,
     parse_request_body,
 )
+from picker.kv.placements import RecentPlacements
+from picker.kv.stage import KvLookup, KvStage
+from picker.ops.recorder import DecisionRecorder
+from picker.pool.pool import Pool
+from picker.request.admission import Admission, overloaded_body
+from picker.request.anthropic import inject_cache_control, is_native_anthropic
+from picker.request.exchange import Exchange, ResponseObserver
+from picker.request.health import HealthObserver, count_health_transitions
 from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key
 from picker.routing.endpoints import Decision
@@ -59,20 +49,6 @@ class Inbound:
     headers: Mapping[str, str]
     body: bytes | None
     subset: Sequence[str] | None = None
-
-
-class ResponseObserver(Protocol):
-    """Told about every routed request's response. ``wants_body`` False: ``on_body`` is never called
-    (the stream then does no per-chunk work for it)."""
-
-    @property
-    def wants_body(self) -> bool: ...
-
-    def on_headers(self, ex: Exchange, status: int | None) -> None: ...
-
-    def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None: ...
-
-    def on_end(self, ex: Exchange, completed: bool) -> None: ...
 
 
 class ResponseCache(ResponseObserver, Protocol):
@@ -107,168 +83,6 @@ class HoldsSource(Protocol):
     def page_tokens(self, backend: str) -> int | None:
         """The page size of ``backend``'s engine, as its KV events announce it (None: not known yet)."""
         ...
-
-
-class Exchange:
-    """One routed request, from the commit to the end of its response (or the stream's abort). The features'
-    per-request state is theirs: ``kv`` (Tier 4's ``KvCommit``: the tokens the decision counted on, the placement
-    it made) and ``cache`` (the response cache's ``CacheState``: the X-Cache value, an eligible miss's response on
-    its way to the store), None when the feature is off or was not consulted."""
-
-    __slots__ = (
-        "_body_observers", "_ended", "_observers", "body_out", "cache", "decided_at", "decision", "facts",
-        "first_byte_at", "kv", "lease", "served", "status",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        facts: RequestFacts,
-        decision: Decision,
-        lease: Lease,
-        observers: tuple[ResponseObserver, ...],
-        body_observers: tuple[ResponseObserver, ...],
-    ) -> None:
-        self.facts = facts
-        self.decision = decision
-        self.lease = lease
-        self.decided_at = _mono()
-        self.status: int | None = None
-        self.served: str | None = None  # ip:port the proxy reports it used (after retries), when it does
-        self.first_byte_at: float | None = None
-        self.kv: KvCommit | None = None  # Tier 4's part, when it tokenized the prompt
-        self.cache: CacheState | None = None  # the response cache's part, when it is on
-        # the request body to send upstream instead of the client's (Anthropic cache_control injection), or None
-        self.body_out: bytes | None = None
-        self._observers = observers
-        self._body_observers = body_observers
-        self._ended = False
-
-    @property
-    def wants_body(self) -> bool:
-        return bool(self._body_observers)
-
-    @property
-    def x_cache(self) -> str | None:
-        """The X-Cache value of the answer (None: no response cache)."""
-        return self.cache.x_cache if self.cache is not None else None
-
-    def add_body_observer(self, o: ResponseObserver) -> None:
-        """``o`` also sees this exchange's body chunks (the response cache, for an eligible miss)."""
-        self._body_observers = (*self._body_observers, o)
-
-    def response_headers(self, status: int | None, served: str | None = None) -> None:
-        """The response's status (Envoy's own local reply included: a 504 after a timeout, a 503 after
-        connect failures), and the endpoint that produced it when the proxy reports one."""
-        self.status = status
-        self.served = served
-        self.first_byte_at = _mono()
-        ok = status is not None and status < 500 and (served is None or served == self.lease.endpoint.address)
-        self.lease.first_byte(ok)
-        kv = self.kv
-        if kv is not None and kv.placed is not None and (not ok or status is None or status >= 400):
-            kv.unplace()  # not cached there after all
-        for o in self._observers:
-            try:
-                o.on_headers(self, status)
-            except Exception:
-                _observer_failed(o, "on_headers")
-
-    def response_body(self, chunk: bytes, end: bool) -> None:
-        for o in self._body_observers:
-            try:
-                o.on_body(self, chunk, end)
-            except Exception:
-                _observer_failed(o, "on_body")
-        if end:
-            self.end(completed=True)
-
-    def end(self, completed: bool) -> None:
-        """The response ended (``completed``) or the stream closed first; runs once, frees the slot."""
-        if self._ended:
-            return
-        self._ended = True
-        self.lease.release()
-        for o in self._observers:
-            try:
-                o.on_end(self, completed)
-            except Exception:
-                _observer_failed(o, "on_end")
-
-
-OBSERVER_FAILURES: dict[tuple[str, str], int] = {}  # (observer class, method) → failures; bound: the few observers
-
-
-def _observer_failed(o: object, method: str) -> None:
-    """An observer raised (a bug, or an input it did not foresee): the response goes on to the client and the
-    other observers still run. Logged with its traceback the first time and every 1,000th after, counted."""
-    key = (type(o).__name__, method)
-    n = OBSERVER_FAILURES[key] = OBSERVER_FAILURES.get(key, 0) + 1
-    if n % 1000 == 1:
-        log.exception("event=response_observer_failed observer=%s method=%s failures=%d", key[0], method, n)
-
-
-class HealthObserver:
-    """Response status → the pool's windowed success rate and latency EWMA, and the per-backend metric.
-
-    The status is charged to the endpoint that served it (the proxy's ``-served`` report; the pick when
-    there is none). When Envoy retried, every ranked endpoint tried before it failed (refused, reset or
-    timed out) and is charged a failure: override_host consumes the list in order. A served endpoint
-    outside the ranked list was chosen by Envoy's fallback policy (the list unread, or exhausted when
-    Envoy retries more often than the picker lists fallbacks): only it is charged, as nothing says which
-    listed endpoints were tried. Latency is sampled only when the pick itself served (a failover's
-    latency includes the failed tries). After a failover the in-flight slot moves to the endpoint that
-    serves the response."""
-
-    wants_body = False
-
-    def __init__(self, pool: Pool, recorder: DecisionRecorder) -> None:
-        self.pool = pool
-        self.recorder = recorder
-
-    def on_headers(self, ex: Exchange, status: int | None) -> None:
-        ok = status is not None and status < 500
-        d = ex.decision
-        served = ex.served
-        if served is not None and served != d.endpoint.address:
-            ranked = (d.endpoint, *d.fallbacks)
-            at = next((i for i, e in enumerate(ranked) if e.address == served), len(ranked))
-            for failed in ranked[:at] if at < len(ranked) else ():
-                self.pool.record_response(failed.name, False, address=failed.address)
-                self.recorder.response(failed.name, None)
-            other = ranked[at].name if at < len(ranked) else self.pool.name_for_address(served)
-            if other is not None:
-                self.pool.record_response(other, ok, address=served)
-                self.recorder.response(other, status)
-                moved = self.pool.endpoint(other)
-                if moved is not None:  # the response streams from there: its in-flight slot, not the pick's
-                    ex.lease.release()
-                    ex.lease = self.pool.acquire(moved)
-                    ex.lease.first_byte()
-            return
-        name = d.endpoint.name
-        latency_ms = ((ex.first_byte_at or _mono()) - ex.decided_at) * 1000.0
-        self.pool.record_response(name, ok, latency_ms if ok else None, address=d.endpoint.address)
-        self.recorder.response(name, status)
-
-    def on_body(self, ex: Exchange, chunk: bytes, end: bool) -> None:
-        return None
-
-    def on_end(self, ex: Exchange, completed: bool) -> None:
-        if not completed and ex.status is None:  # the client gave up before the first byte: probe, never charge
-            self.pool.suspect(ex.decision.endpoint.name, "client_abort")
-
-
-def count_health_transitions(pool: Pool, recorder: DecisionRecorder) -> None:
-    """Count the pool's ejections and readmissions in the recorder's Prometheus metrics."""
-    m = recorder.metrics
-
-    def listener(event: str, backend: str, reason: str) -> None:
-        if event == "ejected":
-            m.child(m.backend_ejections, backend, reason).inc()
-        else:
-            m.child(m.backend_readmissions, backend).inc()
-
-    pool.health_listener = listener
 
 
 NO_BODY_REQUIRED = "request body is empty: a JSON body is required"
@@ -380,10 +194,8 @@ class RequestPath:
         # Tier 4's prediction, and the block whose store on the pick ends the prefill (it teaches the TTFT model)
         page = self.holds.page_tokens(name) if self.holds is not None and prepared.block_keys else None
         plan = self.kv.plan(prepared, name, page)
-        if plan is not None:
-            prefill = plan.prefill
-        else:  # not tokenized: about 4 bytes of body per prompt token (an image's base64 is not its tokens)
-            prefill = min(facts.body_bytes // 4, self.max_prefix_tokens)
+        # not tokenized: about 4 bytes of body per prompt token (an image's base64 is not its tokens)
+        prefill = plan.prefill if plan is not None else min(facts.body_bytes // 4, self.max_prefix_tokens)
         lease = self.pool.acquire(decision.endpoint, prefill, calibrate=plan is not None and plan.watch)
         kv = None
         if plan is not None:

@@ -1,13 +1,6 @@
-"""Consistent hashing with bounded loads (CHWBL), Tier 1 of the seed.
-
-The ring holds ``virtual_nodes`` points per endpoint (all configured endpoints, so ownership of a
-prefix does not move when another endpoint is briefly ineligible). A lookup walks clockwise from the
-key's point over distinct eligible endpoints:
-- the owner (first eligible) is taken when its in-flight load is below the bound -> ``prefix_hash``;
-- otherwise the next distinct endpoint below the bound -> ``overflow``;
-- when every eligible endpoint is at the bound, the owner keeps the request -> ``prefix_hash``.
-Bound = ceil((1 + epsilon) * (total_in_flight + 1) / n_eligible), the request being placed included.
-Without a key (``fallback``), the model name is hashed and the first eligible node wins, no bound.
+"""Consistent hashing with bounded loads (CHWBL), Tier 1 of the seed: a prefix key's owner on the ring, or the next
+endpoint under the load bound.
+See docs/picker.md, "The prefix key and the CHWBL ring".
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""The pure routing core: ``Router.decide(facts, view, prepared) -> Decision | None``.
-
-The seed's order: Tier 4 (when the prepare stage consulted the KV index: the cost model,
-``kv_cache_index.scoring.mode: cost``, the default, or the seed's overlap scorer) → session affinity → the
-configured strategy. The cost model decides whenever the prompt was tokenized (holders and non-holders
-are all candidates); without token ids the request goes on to affinity and the strategy.
-
-``decide`` is synchronous, does no I/O and records nothing: it
-reads a ``PoolView`` snapshot, the request's facts and what the prepare stage computed (``Prepared``:
-the prefix key, the KV holds, the session's endpoint). Counting, metrics, the session table and the
-in-flight lease are the commit stage's (``picker.request.path``, ``picker.ops.recorder``).
-
-The only state here is what a strategy keeps to do its job (a round-robin cursor, smooth weights)
-and the ring, rebuilt on ``reconfigure``/``set_pool_names``, never on a request.
+"""The pure routing core: ``Router.decide(facts, view, prepared) -> Decision | None``, in the seed's order (Tier 4
+→ session affinity → the strategy), synchronous, no I/O, records nothing; ``Prepared`` is what the prepare stage
+hands it.
+See docs/picker.md, "The routing core".
 """
 
 from __future__ import annotations

@@ -1,40 +1,6 @@
-"""Tier 4's cost model: send the request where its first token comes soonest.
-
-For each eligible endpoint the scorer estimates this request's time to first token there:
-
-    ttft_ms = base_ms
-            + prefill_ms_per_token * (prefill tokens queued ahead of it + its own uncached tokens there + waste)
-            + queue_ms_per_request * requests queued there for their first token
-            + decode_ms_per_seq    * requests decoding there
-    (divided by the endpoint's windowed success rate: a failing endpoint costs retries)
-
-- its own uncached tokens = prompt tokens − the leading tokens that endpoint holds (GPU); a StorageWarm
-  hold (CPU/disk) still costs ``storage_warm_cost_fraction`` of those tokens' prefill; the part another
-  endpoint holds (a copy made here) is shared with the prefix's next requests that will find it here:
-  divided by 1 + (the prefix's recent request rate × ``copy_horizon_seconds`` ÷ (holders + 1)), so a hot
-  prefix gets a second holder while one asked for now and then stays where it is;
-- the load (``endpoint_load``): this picker's requests sent there that have not produced a first byte
-  (their count, and their uncached tokens, ``EndpointState.pending_prefill_tokens``) and those decoding;
-  when the engine's own ``/metrics`` are scraped and say more (other pickers' traffic, active-active):
-  its waiting requests (× the mean uncached tokens of a request) and its running requests;
-- waste: prefilling again what another endpoint already holds (most cached − cached here) also delays
-  the requests queued there; it is charged ``others_delay_weight`` × (requests queued there: now, or
-  their mean over the last seconds when larger — a momentary lull on a busy endpoint is not room) ×
-  those tokens. Where the engine's cache is full (it evicted blocks within ``eviction_window_seconds``, as
-  the KV events tell), the copy also evicts some other prefix that queued requests will need again: the
-  charge uses max(requests queued there, mean queued per endpoint). So a hot prefix whose holder has a
-  queue replicates to an endpoint with room and time to spare, and in a pool whose caches are full and
-  busy, locality wins (each copy costs the throughput all queues wait on);
-- the four coefficients come from the pool's online fit of observed first bytes (``PoolView.costs``,
-  ``picker.pool.calibration``), else the configured priors.
-
-Every eligible endpoint is a candidate, holders and non-holders: a hot prefix replicates to a second
-endpoint when queueing behind its holder costs more than prefilling it again elsewhere. Endpoints within
-``near_tie_fraction`` of the cheapest are tied: the one holding the most of the prefix wins (locality is
-worth keeping when it costs little), then the cheapest, then (an idle pool: equal costs) a rendezvous
-hash of the request's prefix key, so every picker places a new prefix on the same endpoint.
-
-Pure and synchronous: reads the prepared holds, the prompt length and the pool snapshot, nothing else.
+"""Tier 4's cost model: send the request where its first token comes soonest (the estimated TTFT at every
+eligible endpoint, holders and non-holders). Pure and synchronous.
+See docs/picker.md, "The cost model".
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""Tier 4 scoring: ``KvOverlapScorer``, the seed's formula unchanged, pure and synchronous.
-
-    final = overlap_weight * (raw_overlap * tier_multiplier)
-          + load_weight    * (1 - load_ratio)
-          + health_weight  * health_score
-
-- Only backends that hold the request's prefix (block 0 onwards) are scored; others score 0.
-- raw_overlap = backend_token_count / max backend_token_count over the candidates;
-  backend_token_count = leading blocks held * block_size.
-- tier_multiplier = gpu_tier_weight (GpuHot) or storage_tier_weight (StorageWarm).
-- A holder whose raw_overlap * tier_multiplier < min_overlap_threshold counts as a non-holder (0).
-- load_ratio = in_flight / max in_flight over all candidates (0 when all are 0); health = success_rate.
-Only endpoints in the PoolView are candidates. The core applies the pool threshold (> 0.3).
-
-The scorer reads no index: the request path's prepare stage looks the request's block keys up (the
-one place that may wait on I/O) and hands the result, backend → ``BackendHold``, to ``score``.
+"""Tier 4 scoring with the seed's formula unchanged (``KvOverlapScorer``: overlap, load, health), pure and
+synchronous over the prepared holds and the pool's view.
+See docs/picker.md, "The overlap scorer".
 """
 
 from __future__ import annotations

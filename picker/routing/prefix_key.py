@@ -1,13 +1,6 @@
-"""Tier 1 prefix key, exactly as the seed defines it.
-
-SHA256(model ++ 0x00 ++ "S" ++ system[:max_prefix_length])           when there is a system prompt
-SHA256(model ++ 0x00 ++ "M" ++ first_message[:max_prefix_length])    otherwise
-SHA256(model ++ 0x00 ++ "T" ++ ids[:max_prefix_length // 4] as uint32 little-endian)
-                                                                     a completions prompt of token ids
-Truncation is in bytes, backed off to a UTF-8 character boundary; a token prompt keeps as many ids as
-fit in ``max_prefix_length`` bytes at 4 bytes an id (about as much text as the byte budget, at ~4
-characters a token; at least one id). No key when prefix routing is off, there is no model, or there
-is no text. A completions ``prompt`` counts as the first message; a batch is keyed on its first element.
+"""Tier 1 prefix key, exactly as the seed defines it: SHA-256 over the model and the first bytes of the system
+prompt, the first message or the token ids.
+See docs/picker.md, "The prefix key and the CHWBL ring".
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""PickerApp: the picker's live state (settings, pool, router, request path, metrics, Tier 4), reload, the
-discovered pool's snapshots, and readiness.
-
-The pool changes in one synchronous step (``_set_members``), whether a config reload or a discovery snapshot
-changed it: the pool, the router's ring (rebuilt once, not per backend), the metric series and recorder rows of
-backends that left, this picker's recent placements, and with Tier 4 the feeds and the KV index
-(``Tier4.follow_pool``). Nothing in between is visible to a request: the event loop runs no request meanwhile.
-
-Readiness of a discovered backend (its pod's Ready condition) gates routing only: the routing pool (its members,
-the ring, every view a decision reads) holds the ready backends; an unready one is on standby in the pool (its
-in-flight counts and health kept aside, see ``picker.pool.pool``) and Tier 4 keeps following it (its feed and
-index entries stay, never used while it is unready), so a Ready flap of a busy engine loses no KV state. A
-backend that leaves the snapshot is dropped everywhere at once.
-
-Readiness (``readiness``) is a pure function of that state, evaluated by the server when an input changes
-(``on_readiness_inputs``) and by ``/readyz``; never on the request path.
+"""PickerApp: the picker's live state (built by ``picker.runtime.compose``), config reload, the discovered pool's
+snapshots applied in one synchronous step, and readiness (a pure function of that state).
+See docs/picker.md, "The app: pool changes and readiness".
 """
 
 from __future__ import annotations
@@ -25,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from picker.cache import CacheStore
+from picker.cache.embeddings import EmbeddingsClient
 from picker.cache.response_cache import ResponseCache
-from picker.cache.semantic import EmbeddingsClient, SemanticIndex
+from picker.cache.vectors import SemanticIndex
 from picker.config import (
     ConfigError,
     PoolConfig,
@@ -111,8 +99,8 @@ class PickerApp:
         self.metrics.pool_backends.set(len(self.pool.names()))
         self.metrics.pool_synced.set(1 if self.pool_synced else 0)
         self.metrics.ready.set(0)
-        for path, msg in config_warnings(settings):
-            log.warning("event=config_warning path=%s message=%r", path, msg)
+        for where, msg in config_warnings(settings):
+            log.warning("event=config_warning path=%s message=%r", where, msg)
 
     @property
     def cache_store(self) -> CacheStore:

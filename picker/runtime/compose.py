@@ -10,10 +10,11 @@ import asyncio
 import logging
 from pathlib import Path
 
+from picker.cache.embeddings import EmbeddingsClient
 from picker.cache.metrics import CacheStoreMetrics
 from picker.cache.response_cache import ResponseCache
-from picker.cache.semantic import EmbeddingsClient, SemanticIndex
 from picker.cache.store import MemoryCacheStore, RedisCacheStore
+from picker.cache.vectors import SemanticIndex
 from picker.config import PoolConfig, ResponseCacheConfig, Settings
 from picker.extproc.sampling import ResponseSampling
 from picker.kv.tier4 import Tier4
@@ -24,7 +25,8 @@ from picker.pool.engine_signals import EngineSignalScraper
 from picker.pool.health_probe import HealthProber
 from picker.pool.pool import Pool
 from picker.redis_pool import close_shared_redis, shared_redis
-from picker.request.path import RequestPath, ResponseObserver
+from picker.request.exchange import ResponseObserver
+from picker.request.path import RequestPath
 from picker.routing.core import Router
 from picker.runtime.app import PickerApp
 from picker.runtime.lifecycle import PickerServer
@@ -76,9 +78,7 @@ def build_app(
     tier4 = Tier4(kv, pool, metrics, settings.response_cache.redis) if kv.enabled else None
     response_cache = build_response_cache(settings.response_cache, metrics)
     observers: tuple[ResponseObserver, ...] = (*((tier4.watch,) if tier4 is not None else ()), response_cache)
-    path = RequestPath(
-        settings, pool, router, recorder, holds=tier4, cache=response_cache, observers=observers
-    )
+    path = RequestPath(settings, pool, router, recorder, holds=tier4, cache=response_cache, observers=observers)
     if tier4 is not None:  # the feeds settle the placement guesses
         tier4.index.watcher = path.placements
     # which responses stream their body through the picker (extproc is restart-required: built once)
@@ -137,4 +137,4 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     return server
 
 
-__all__ = ["build_app", "build_server", "build_response_cache", "pool_discovery"]
+__all__ = ["build_app", "build_response_cache", "build_server", "pool_discovery"]

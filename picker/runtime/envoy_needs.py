@@ -1,29 +1,6 @@
-"""What the picker's config needs of Envoy: ``kv-epp envoy-config --picker-config FILE`` derives it.
-
-A generated setup never silently disables a feature the picker's config turns on. For each such feature the
-flag that serves it is derived when it is not given (said on stderr when the result differs from the plain
-default), and a flag given explicitly that cannot serve it is refused (``Refused``: exit 2, one line naming the
-flag and the config key):
-
-- ``response_cache.enabled``: a response mode that stores every eligible miss, ``full`` (derived) or ``sampled``
-  with BUFFERED request bodies; refused: ``--response-mode none``, ``sampled`` with full-duplex bodies.
-- response sampling asked for in the file (``extproc.response_sample_rate`` > 0 or ``response_sample_header``
-  set there): ``sampled`` with BUFFERED bodies (derived) or ``full``; refused: ``--response-mode none``, and
-  deriving ``sampled`` under an explicit ``--body-mode FULL_DUPLEX_STREAMED``.
-- ``extproc.host`` / ``extproc.port``: the sidecar's picker address (a wildcard host as loopback) when
-  ``--picker`` is not given; refused: port 0 (taken at start).
-- ``extproc.tls.mode``: TLS or plaintext to the picker (derived); refused: a flag of the other kind.
-- ``extproc.tls.client_ca_file``: Envoy's client certificate; refused: its absence.
-- ``extproc.auth.token_file``: the token, read from that file (derived); refused: another token, or that file
-  unreadable here without ``--picker-token-file``.
-- ``response_cache.semantic`` on: an ext_proc message timeout above ``embedding_timeout_ms`` + 1 s (derived; a
-  shorter explicit one is warned about).
-- ``pool.fallbacks``: at least that many retries (derived; fewer is warned about).
-- ``extproc.max_body_bytes`` with BUFFERED bodies: Envoy's buffer limit above it (derived).
-
-``--response-mode sampled`` without ``--body-mode`` takes BUFFERED request bodies (Envoy ignores a per-request mode
-override otherwise), with or without a picker config. ``extproc.default_body_mode`` is not derived from: Envoy
-announces its body modes on every stream and the picker follows the announcement.
+"""What the picker's config needs of Envoy: ``kv-epp envoy-config --picker-config FILE`` derives each flag a
+feature needs, and refuses an explicit flag that would silently disable one.
+See docs/picker.md, "Envoy's configuration".
 """
 
 from __future__ import annotations

@@ -1,31 +1,6 @@
-"""Picker lifecycle: start -> serve -> drain -> stop.
-
-Start binds the ext_proc gRPC server (with gRPC health: liveness, readiness and the ext_proc service
-name), the optional separate health port and the admin HTTP server, then starts the supervised
-background tasks (config watcher, Tier 4, engine signals). A port that cannot be bound is a
-``StartupError``: one line for the user, nothing left running.
-
-SIGTERM or SIGINT drains, in this order:
-
-1. readiness NOT_SERVING (gRPC health and /readyz);
-2. ``extproc.drain_propagation_seconds`` pass, still admitting streams, so load balancers and health
-   checks stop sending here first;
-3. new ext_proc streams are refused with UNAVAILABLE (see ``ExternalProcessor.Process``);
-4. open streams get ``extproc.drain_seconds`` to finish; the ext_proc server then stops, cancelling any
-   stream still open, so nothing below is in use by a request;
-5. background tasks are cancelled (bounded), clients are closed (``on_stop`` hooks: the tokenizer
-   session, ...; each bounded);
-6. the separate health server and the admin server stop.
-
-A second signal skips the remaining waits. SIGHUP (or a changed config file) reloads the
-hot-reloadable sections. A crashed background task makes the picker not ready for good (see
-``picker.shared.supervisor``).
-
-Readiness (``PickerApp.readiness``: started, not draining, no crashed task, the pool synced, Tier 4 feeds caught
-up or stale) is published to the gRPC readiness services, ``continuum_picker_ready`` and ``/readyz`` by the
-supervised ``readiness`` task, which re-evaluates it when an input changes (a snapshot applied, a feed's state)
-or when a feed's grace ends, never on the request path. ``kv-epp.accepting`` (Envoy's health check) does not
-follow it: SERVING from start until the drain.
+"""Picker lifecycle: start (every port bound, or a one-line ``StartupError``) → serve → drain (not ready, the
+propagation delay, refuse, let streams finish) → a bounded stop; readiness published when an input changes.
+See docs/picker.md, "Lifecycle".
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
-"""TLS and token authentication for the ext_proc port.
-
-* Mounted certificate (``extproc.tls.cert_file`` + ``key_file``, optional ``client_ca_file``): served
-  through gRPC's dynamic server credentials. gRPC asks ``CertificateFiles.fetch`` for a new
-  configuration at each new TLS handshake; the fetcher compares the files' stat signature (device,
-  inode, size, mtime: a Kubernetes Secret's symlink swap changes it) with the one it last loaded and,
-  when it changed, re-reads them. A pair that does not load or whose key does not match the
-  certificate (a rotation caught half-written) keeps the current certificate and is tried again at the
-  next handshake. Open connections keep the certificate they were set up with.
-* No certificate configured: a self-signed one (EC P-256, one year) is generated at start, held in
-  memory only; its SHA-256 fingerprint is logged so a client can pin it.
-* ``extproc.auth.token_file``: every ext_proc stream must carry ``authorization: Bearer <token>`` in its
-  initial metadata (compared in constant time) or is refused with UNAUTHENTICATED before the servicer
-  sees it. gRPC health checks are exempt (they reveal only serving status; probes carry no token).
-* ``bind_is_loopback``: whether ``extproc.host`` listens on loopback only (a name resolved now). Beyond it,
-  the port needs a token or client certificates unless ``extproc.auth.allow_unauthenticated`` (the
-  lifecycle refuses to start otherwise: ``picker.config.unauthenticated_exposure``).
-
-Nothing here logs a key or a token.
+"""TLS and token authentication for the ext_proc port: mounted certificates re-read on rotation, a self-signed one
+otherwise, the bearer-token interceptor, and whether ``extproc.host`` is loopback. Nothing here logs a secret.
+See docs/picker.md, "TLS and tokens on the ext_proc port".
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""Precise block keys (Tier 4): 64-bit chained hashes over full blocks of token ids.
-
-The listener computes these keys from the ``token_ids`` of BlockStored events and the picker computes
-them from a request's token ids; both call this module, so the two always agree. Engine hash
-algorithms and PYTHONHASHSEED do not matter.
-
-key(block i)  = blake2b-64(parent_key as 8 bytes BE ++ block tokens as uint32 LE)
-root (plain)  = blake2b-64("kv-epp/root" ++ 0x00 ++ model)
-root (scoped) = blake2b-64("kv-epp/root/scoped" ++ 0x00 ++ part(model) ++ part(lora_name) ++ part(cache_salt))
-part(s)       = 4-byte BE length of s in UTF-8 ++ s  (an absent or empty value is the empty part)
-
-The LoRA adapter and the cache salt are folded into the ROOT of a chain only: every block inherits them
-through its parent key, so the listener needs them only where an engine announces a chain's first block
-(vLLM sends the salt only in the first block's ``extra_keys``). Length-prefixed parts make every
-(model, lora_name, cache_salt) triple a distinct root, a NUL or any other character included; the plain
-root (no LoRA, no salt) is unchanged from the scheme's first version.
-Only full blocks get a key: a partial trailing block is never cached by an engine.
+"""Precise block keys (Tier 4): 64-bit chained hashes over full blocks of token ids; the listener and the picker
+both call this module, so the two always agree.
+See docs/picker.md, "Block keys".
 """
 
 from __future__ import annotations

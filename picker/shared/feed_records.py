@@ -1,22 +1,6 @@
-"""The listener→picker feed formats, written by the listener and read by the picker through this one
-module: SSE records (below) and the gRPC ``kvfeed.v1.KvFeed`` service's protobuf records
-(``protos/kvfeed/v1/feed.proto``, generated into ``picker.shared.kvfeed_pb``; same records, same ids).
-
-                event: hello           data: {"backend": B, "model": M, "engine": E, "key_block_size": N,
-                                              "last_id": N, "resumed": bool}   (first, every subscription)
-    id: <int>   event: put             data: {"keys": ["<hex>", ...], "tier": "gpu_hot"|"storage_warm", "page": N?}
-    id: <int>   event: del             data: {"keys": ["<hex>", ...]}
-    id: <int>   event: clear           data: {"reason": "restart"|"all_blocks_cleared"|"gap"|"backend_gone"|...}
-                event: snapshot_begin  data: {"last_id": N, "entries": M}
-                event: put ...         (snapshot records carry no id)
-    id: N       event: snapshot_end    data: {}
-                event: close           data: {"reason": "buffer_overflow"|"draining"|"backend_gone"}   then EOF
-    : keepalive
-
-A block key is written as 16 lowercase hex digits; a reader accepts 1 to 16. Every line and every
-record's data is bounded by ``MAX_RECORD_BYTES`` on the reading side. A put's ``page`` is the engine's page
-size (tokens) of the store that made it, absent for a tier change or a snapshot: the picker's self-check
-judges an engine on the full pages it can store (``picker.kv.checks``).
+"""The listener→picker feed formats, written by the listener and read by the picker through this one module: SSE
+records and the gRPC ``kvfeed.v1.KvFeed`` service's protobuf records (same records, same ids).
+See docs/picker.md, "The feed's formats".
 """
 
 from __future__ import annotations
@@ -44,7 +28,7 @@ def encode_record(event: str, data: dict[str, object], event_id: int | None = No
 
 
 def sse_data(kind: str, keys: Sequence[int] | None, text: str, num: int, last: int) -> dict[str, object]:
-    """The ``data`` object of one SSE record (see the module docstring)."""
+    """The ``data`` object of one SSE record (docs/picker.md, "The feed's formats")."""
     if kind == PUT:  # num: the engine page size of the store behind it (0: none, the key is left out)
         return {"keys": encode_keys(keys or ()), "tier": text, **({"page": num} if num else {})}
     if kind == DEL:

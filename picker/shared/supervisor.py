@@ -1,22 +1,6 @@
-"""Supervised background tasks for the picker and the listener.
-
-Every long-running coroutine of a process (config watcher, Tier 4 feed consumers, event sources,
-gauge loops) runs under one :class:`TaskSupervisor`. When a task raises anything but
-``CancelledError`` the supervisor logs one structured line naming it, counts it, records why, and
-calls the owner's ``on_failure`` hook, which flips the process to not ready.
-
-A crashed task is **not restarted**. Every supervised task already retries its own expected
-failures (feed consumers and sources reconnect with backoff, the config watcher survives bad
-files), so an exception that escapes is a bug, and the state it left behind (a half-applied index,
-a tracker mid-update) cannot be trusted. Restarting it in place would hide the bug behind a counter
-and could spin. Instead the process stays not ready, so traffic moves to healthy replicas while it
-keeps finishing the work it holds, and /readyz says which task died and why; replacing the process
-is the recovery. Liveness stays up so an operator can still scrape and inspect it.
-
-``stop(timeout)`` cancels every task and waits at most ``timeout`` seconds; a task that ignores
-cancellation is named in the log and abandoned, so shutdown is always bounded.
-
-This module imports nothing from the rest of the picker: the listener uses it too.
+"""Supervised background tasks for the picker and the listener: a crashed task is logged, counted and makes the
+process not ready; it is never restarted, and the stop is always bounded. Imports nothing else of the picker.
+See docs/picker.md, "Supervised tasks".
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from benchmarks.loadgen import parse_prometheus_text
-from picker.pool.engine_signals import parse_exposition, prefill_totals
+from picker.pool.engine_readings import prefill_totals
+from picker.pool.exposition import parse_exposition
 from tests.engines.real_stack import RealStack
 from tests.integration.conftest import http
 from tests.support.poll import wait_until

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from picker.shared.discovery import PoolSnapshot
+from picker.shared.discovery import PoolSnapshot, kube_access
 from picker.shared.discovery import kubernetes as kube
 from picker.shared.discovery.config import InferencePoolRef
 from picker.shared.discovery.kubernetes import KubernetesPoolDiscovery
@@ -615,11 +615,11 @@ async def test_the_api_client_sockets_have_tcp_keepalive(fake: FakeKubeApiServer
     """A peer gone without a FIN or RST is noticed by the kernel's keepalive probes, not only by the idle timeout:
     the real socket of a request to the (fake) API server has SO_KEEPALIVE and the probe timings set."""
     fake.put_pool(POOL, NS, APP, [8000])
-    access = kube.load_kube_access(InferencePoolRef(name=POOL, kubeconfig=str(kubeconfig)))
-    async with kube.make_http_client(access) as client, client.stream("GET", PODS_PATH.lstrip("/")) as resp:
+    access = kube_access.load_kube_access(InferencePoolRef(name=POOL, kubeconfig=str(kubeconfig)))
+    async with kube_access.make_http_client(access) as client, client.stream("GET", PODS_PATH.lstrip("/")) as resp:
         assert resp.status_code == 200
         sock = resp.extensions["network_stream"].get_extra_info("socket")
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0
         if hasattr(socket, "TCP_KEEPIDLE"):
-            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == kube.KEEPALIVE_IDLE_SECONDS
-            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == kube.KEEPALIVE_COUNT
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == kube_access.KEEPALIVE_IDLE_SECONDS
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == kube_access.KEEPALIVE_COUNT

@@ -20,7 +20,9 @@ from benchmarks.engine_sim.process import SimulatorProcess
 from benchmarks.stack import make_workdir, start_picker
 from picker.config import parse_settings
 from picker.ops.metrics import PickerMetrics
-from picker.pool.engine_signals import EngineSignalScraper, parse_exposition, read_signals
+from picker.pool.engine_readings import read_signals
+from picker.pool.engine_signals import EngineSignalScraper
+from picker.pool.exposition import parse_exposition
 from picker.pool.pool import Pool
 from tests.support.poll import async_wait_until
 

@@ -17,7 +17,8 @@ from listener.app import ListenerApp
 from listener.config import FeedConfig, GrpcFeedConfig, ListenerConfig, SourceConfig
 from listener.events import BlockRemoved, BlockStored
 from picker.config import EventSourceConfig
-from picker.kv.feed_consumer import GrpcFeedConsumer, make_consumer
+from picker.kv.feed_consumers import make_consumer
+from picker.kv.grpc_feed_consumer import GrpcFeedConsumer
 from picker.kv.index import InMemoryKvIndex
 from picker.shared.feed_records import GRPC_SUBSCRIBE
 from picker.shared.kvfeed_pb import feed_pb2 as pb

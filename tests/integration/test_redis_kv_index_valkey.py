@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 import redis.asyncio as aioredis
 
-from picker.redis_pool import close_shared_redis, shared_redis
 from picker.config import KvCacheIndexConfig, PoolConfig, RedisConfig, ResponseCacheConfig, Settings
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import DOWN_AFTER_FAILURES, RedisKvIndex
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
+from picker.redis_pool import close_shared_redis, shared_redis
 from picker.runtime.compose import build_server
 from picker.shared.tiers import StorageTier
 from tests.support.poll import async_wait_until
@@ -293,9 +293,9 @@ async def test_stop_writes_the_index_queue_and_the_cache_writes_then_closes_the_
         await app.cache_store.set("warm", b"v", 600)  # opens the pool's connection (both backends share it)
         app.tier4.index.put("sim-0", [1, 2, 3], GPU)  # queued: the writer task does not run here
         # a store write the cache started just before the stop (as ``on_end`` does), still pending
-        pending = asyncio.get_running_loop().create_task(app.response_cache._write("pending", b"body"))
-        app.response_cache._writes.add(pending)
-        pending.add_done_callback(app.response_cache._writes.discard)
+        pending = asyncio.get_running_loop().create_task(app.response_cache.storing._write("pending", b"body"))
+        app.response_cache.storing._writes.add(pending)
+        pending.add_done_callback(app.response_cache.storing._writes.discard)
         for hook in server.on_stop:
             await hook()
         assert await raw.hlen(app.tier4.index.hash_prefix + b"sim-0") == 3  # written before the pool closed

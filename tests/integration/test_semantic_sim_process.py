@@ -8,7 +8,9 @@ from typing import Any
 
 from benchmarks.engine_sim import SimConfig
 from benchmarks.engine_sim.process import SimulatorProcess
-from picker.cache.semantic import EmbeddingsClient, SemanticIndex, entry_key, semantic_query
+from picker.cache.embeddings import EmbeddingsClient
+from picker.cache.semantic import entry_key, semantic_query
+from picker.cache.vectors import SemanticIndex
 
 QUESTION = (
     "How do I configure the maximum number of cached entries for the response cache in the picker "

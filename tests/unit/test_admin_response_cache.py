@@ -11,14 +11,17 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from picker.cache.response_cache import CacheEntry, SemanticPending
+from picker.cache.entry import CacheEntry
+from picker.cache.state import SemanticPending
 from picker.cache.store import MemoryCacheStore
 from picker.config import parse_settings
 from picker.extproc.messages import FULL_DUPLEX
-from picker.runtime.admin import build_admin_app, duration_text
-from picker.ops.metrics import ROUTE_OUTCOMES, STATUS_OUTCOMES, PickerMetrics
 from picker.facts import Answer
-from picker.request.path import Exchange, Inbound
+from picker.ops.metrics import ROUTE_OUTCOMES, STATUS_OUTCOMES, PickerMetrics
+from picker.request.exchange import Exchange
+from picker.request.path import Inbound
+from picker.runtime.admin import build_admin_app
+from picker.runtime.admin_routes import duration_text
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 from tests.unit.test_route_seconds import exchange, request_body, request_headers, serve  # noqa: F401  (fixture)

@@ -12,10 +12,11 @@ import pytest
 from redis.asyncio import Redis
 
 from picker.config import parse_settings
-from picker.runtime.admin import REDIS_UNREACHABLE, scrub
-from picker.ops.metrics import PickerMetrics
 from picker.facts import Answer
-from picker.request.path import Exchange, Inbound
+from picker.ops.metrics import PickerMetrics
+from picker.request.exchange import Exchange
+from picker.request.path import Inbound
+from picker.runtime.admin_routes import REDIS_UNREACHABLE, scrub
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 from tests.support.admin_redis import require_password

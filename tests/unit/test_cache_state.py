@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 
-from picker.cache.response_cache import BYPASS, MISS, CacheState, ResponseCache
+from picker.cache.entry import BYPASS, MISS
+from picker.cache.response_cache import ResponseCache
+from picker.cache.state import CacheState
 from picker.cache.store import MemoryCacheStore
 from picker.config import parse_settings
 from picker.facts import Answer, parse_request_body
-from picker.request.path import Exchange, Inbound
-from picker.runtime.app import PickerApp
+from picker.request.exchange import Exchange
+from picker.request.path import Inbound
 from picker.runtime.compose import build_app
 
 CHAT = "/v1/chat/completions"

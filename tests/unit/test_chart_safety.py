@@ -17,7 +17,7 @@ import yaml
 from charts import chart_variants as cv
 from listener.config import parse_listener_config
 from picker.config import ExtProcConfig, parse_settings
-from picker.shared.discovery.kubernetes import SERVICE_ACCOUNT_DIR
+from picker.shared.discovery.kube_access import SERVICE_ACCOUNT_DIR
 
 README = cv.CHART / "README.md"
 

@@ -12,14 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from picker.shared.discovery.config import BackendsFileRef, InferencePoolRef, canonical_ip_port
-from picker.shared.discovery.kubernetes import (
-    KubeConfigError,
-    _BadPool,
-    load_kube_access,
-    make_http_client,
-    parse_pod,
-    parse_pool_spec,
-)
+from picker.shared.discovery.kube_access import KubeConfigError, load_kube_access, make_http_client
+from picker.shared.discovery.kube_objects import BadPool, parse_pod, parse_pool_spec
 
 
 def kubeconfig(path: Path, server: str, namespace: str | None = None, *, user: bool = True) -> Path:
@@ -191,5 +185,5 @@ def test_pool_specs() -> None:
         ),
     ]
     for obj, where in bad:
-        with pytest.raises(_BadPool, match="^" + re.escape(where)):
+        with pytest.raises(BadPool, match="^" + re.escape(where)):
             parse_pool_spec(obj)

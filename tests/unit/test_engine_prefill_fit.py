@@ -10,7 +10,9 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 
 from picker.config import parse_settings
 from picker.pool.calibration import ENGINE_MIN_REQUESTS, EnginePrefillFit, TtftCalibrator, TtftSample
-from picker.pool.engine_signals import EngineSignalScraper, PrefillTotals, parse_exposition, prefill_totals
+from picker.pool.engine_readings import PrefillTotals, prefill_totals
+from picker.pool.engine_signals import EngineSignalScraper
+from picker.pool.exposition import parse_exposition
 from picker.pool.pool import Pool
 from tests.unit.test_engine_signals import engines, pool_config
 

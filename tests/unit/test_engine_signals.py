@@ -19,18 +19,13 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from picker.config import ConfigError, EngineMetricsConfig, PoolConfig, Settings, parse_settings
 from picker.ops.metrics import PickerMetrics
 from picker.pool import engine_signals as es
-from picker.pool.engine_signals import (
-    MAX_WANTED_SERIES,
-    EngineSignalScraper,
-    engine_signals,
-    parse_exposition,
-    parse_sample,
-    read_signals,
-)
+from picker.pool.engine_readings import WANTED_FAMILIES, engine_signals, read_signals
+from picker.pool.engine_signals import EngineSignalScraper
+from picker.pool.exposition import MAX_WANTED_SERIES, Sample, parse_exposition, parse_sample
 from picker.pool.pool import Pool
 from picker.routing.endpoints import EngineSignals
-from picker.runtime.lifecycle import PickerServer
 from picker.runtime.compose import build_server
+from picker.runtime.lifecycle import PickerServer
 from tests.support.http_server import serve
 from tests.support.poll import async_wait_until
 
@@ -107,12 +102,12 @@ def test_sample_line_forms() -> None:
     s = parse_sample('m{b="x\\"y\\\\z\\n",a="1"} NaN 1712345678901')
     assert s is not None and s.name == "m" and math.isnan(s.value) and s.timestamp_ms == 1712345678901
     assert s.labels == (("a", "1"), ("b", 'x"y\\z\n'))  # unescaped, sorted by name
-    assert parse_sample("m +Inf") == es.Sample("m", (), math.inf)
-    assert parse_sample("m -Inf") == es.Sample("m", (), -math.inf)
-    assert parse_sample("m{} 1.5e-3") == es.Sample("m", (), 0.0015)
-    assert parse_sample('m{a="1",} 2') == es.Sample("m", (("a", "1"),), 2.0)  # trailing comma is allowed
-    assert parse_sample('  m { a = "1" }\t3  ') == es.Sample("m", (("a", "1"),), 3.0)
-    assert parse_sample("ns:sub_name 7") == es.Sample("ns:sub_name", (), 7.0)
+    assert parse_sample("m +Inf") == Sample("m", (), math.inf)
+    assert parse_sample("m -Inf") == Sample("m", (), -math.inf)
+    assert parse_sample("m{} 1.5e-3") == Sample("m", (), 0.0015)
+    assert parse_sample('m{a="1",} 2') == Sample("m", (("a", "1"),), 2.0)  # trailing comma is allowed
+    assert parse_sample('  m { a = "1" }\t3  ') == Sample("m", (("a", "1"),), 3.0)
+    assert parse_sample("ns:sub_name 7") == Sample("ns:sub_name", (), 7.0)
 
 
 @pytest.mark.parametrize(
@@ -258,7 +253,7 @@ def test_a_million_lines_keep_a_bounded_number_of_samples() -> None:
     full = parse_exposition(text)
     assert len(full.samples) == MAX_WANTED_SERIES and full.dropped == 1_000_003 - MAX_WANTED_SERIES
     many = "".join(f'vllm:num_requests_waiting{{engine="{i}"}} 1\n' for i in range(200_000))
-    wanted = parse_exposition(many + "vllm:num_requests_running 2\n", es.WANTED_FAMILIES)
+    wanted = parse_exposition(many + "vllm:num_requests_running 2\n", WANTED_FAMILIES)
     assert len(wanted.samples) == MAX_WANTED_SERIES and wanted.dropped == 200_001 - MAX_WANTED_SERIES
 
 

@@ -12,9 +12,9 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import parse_settings
-from picker.runtime.admin import build_admin_app
-from picker.request.path import Exchange
+from picker.request.exchange import Exchange
 from picker.runtime import cli as picker_cli
+from picker.runtime.admin import build_admin_app
 from picker.runtime.envoy_needs import (
     FULL_MODE_COST,
     Given,

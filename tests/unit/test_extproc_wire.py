@@ -22,7 +22,6 @@ def stream_of(app: PickerApp) -> RequestStream:
     return RequestStream(app.path, app.metrics.route_seconds)
 
 
-
 def app(mode: str = "FULL_DUPLEX_STREAMED") -> PickerApp:
     s = parse_settings(
         {
@@ -92,14 +91,14 @@ async def test_full_duplex_round_trip() -> None:
         )
     )
     assert len(await feed(stream, bytes(resp_hdrs))) == 1
-    assert stream.app.pool.in_flight()[stream.decision.endpoint.name] == 1  # type: ignore[union-attr]
+    assert stream.stages.pool.in_flight()[stream.decision.endpoint.name] == 1  # type: ignore[union-attr]
     echoed = await feed(
         stream,
         bytes(bext.ProcessingRequest(response_body=bext.HttpBody(body=b"data: x\n\n", end_of_stream=True))),
     )
     assert echoed[0].response_body.response.body_mutation.streamed_response.body == b"data: x\n\n"
     assert echoed[0].response_body.response.body_mutation.streamed_response.end_of_stream is True
-    assert sum(stream.app.pool.in_flight().values()) == 0
+    assert sum(stream.stages.pool.in_flight().values()) == 0
 
 
 async def test_buffered_round_trip() -> None:
@@ -153,10 +152,10 @@ async def test_abort_releases_lease() -> None:
     stream = stream_of(app())
     await feed(stream, headers_msg())
     await feed(stream, body_msg(CHAT, True))
-    assert sum(stream.app.pool.in_flight().values()) == 1
+    assert sum(stream.stages.pool.in_flight().values()) == 1
     stream.close()
     stream.close()
-    assert sum(stream.app.pool.in_flight().values()) == 0
+    assert sum(stream.stages.pool.in_flight().values()) == 0
 
 
 async def test_streamed_mode_routes_at_headers_and_answers_every_chunk() -> None:

@@ -11,7 +11,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from picker.config import parse_settings
 from picker.extproc.messages import SERVED_KEY, pick_response, served_endpoint
 from picker.facts import RequestFacts
-from picker.request.path import Exchange, Inbound
+from picker.request.exchange import Exchange
+from picker.request.path import Inbound
 from picker.routing.chwbl_ring import ring_hash
 from picker.routing.core import Prepared, Router
 from picker.routing.endpoints import BackendHold, Endpoint, EndpointState, PoolView, StorageTier

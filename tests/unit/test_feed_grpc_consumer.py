@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from picker.config import EventSourceConfig
-from picker.kv.feed_consumer import GrpcFeedConsumer, KvFeedConsumer, make_consumer
+from picker.kv.feed_consumer import KvFeedConsumer
+from picker.kv.feed_consumers import make_consumer
+from picker.kv.grpc_feed_consumer import GrpcFeedConsumer
 from picker.kv.index import InMemoryKvIndex
 from tests.support.poll import async_wait_until
 

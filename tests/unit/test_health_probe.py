@@ -16,7 +16,8 @@ from picker.ops.metrics import PickerMetrics
 from picker.pool.engine_signals import EngineSignalScraper
 from picker.pool.health_probe import HealthProber
 from picker.pool.pool import Pool
-from picker.request.path import Exchange, HealthObserver
+from picker.request.exchange import Exchange
+from picker.request.health import HealthObserver
 from picker.routing.endpoints import Decision
 from tests.support.http_server import serve
 from tests.support.poll import async_wait_until

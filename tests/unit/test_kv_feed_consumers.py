@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from picker.kv.feed_consumer import KvFeedConsumers
+from picker.kv.feed_consumers import KvFeedConsumers
 from picker.kv.index import InMemoryKvIndex
 
 

@@ -11,7 +11,7 @@ def test_every_driven_request_is_routed_by_the_picker() -> None:
     s = servicers()
     requests = [envoy_messages(b) for b in chat_bodies(4096, n=4)]
     cpu_us_per_request(s["picker"], requests, 20)
-    recorder = s["picker"].app.recorder
+    recorder = s["picker"].path.recorder
     assert {k: n for k, n in recorder.outcomes.items() if n} == {"routed": 40}  # warm-up and measured, none refused
     assert sum(recorder.responses.values()) == 40  # every response phase reached the observers
-    assert s["picker"].app.pool.in_flight() == {"b0": 0, "b1": 0}  # every exchange ended
+    assert s["picker"].path.pool.in_flight() == {"b0": 0, "b1": 0}  # every exchange ended

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import time
 
+from picker.cache.state import CacheState
 from picker.config import parse_settings
-from picker.facts import RequestFacts
-from picker.facts import Answer
-from picker.cache.response_cache import CacheState
+from picker.facts import Answer, RequestFacts
 from picker.kv.stage import KvLookup
-from picker.request.path import Exchange, Inbound
+from picker.request.exchange import Exchange
+from picker.request.path import Inbound
 from picker.routing.endpoints import BackendHold, StorageTier
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
@@ -202,7 +202,7 @@ class Broken(BodyTap):
 
 
 async def test_an_observer_that_raises_stops_neither_the_response_nor_the_others() -> None:
-    from picker.request import path as path_module
+    from picker.request import exchange as path_module
 
     app = make_app()
     tap = BodyTap()

@@ -10,25 +10,17 @@ from typing import Any
 
 import pytest
 
-from picker.cache import CacheStoreError, CacheStoreStats
+from picker.cache import CacheStoreError, CacheStoreStats, grammar, storing
 from picker.cache import response_cache as rc
-from picker.cache.response_cache import (
-    CacheEntry,
-    EntryError,
-    ResponseCache,
-    cache_key,
-    canonical_json,
-    complete_stream,
-    eligible,
-    key_material,
-    sse_events,
-    sse_replay,
-)
+from picker.cache.entry import CacheEntry, EntryError
+from picker.cache.grammar import complete_stream, sse_events, sse_replay
+from picker.cache.key import cache_key, canonical_json, eligible, key_material
+from picker.cache.response_cache import ResponseCache
 from picker.config import ConfigError, parse_settings
+from picker.facts import Answer, RequestFacts, parse_request
 from picker.ops.metrics import PickerMetrics
-from picker.facts import RequestFacts, parse_request
-from picker.facts import Answer
-from picker.request.path import Exchange, Inbound
+from picker.request.exchange import Exchange
+from picker.request.path import Inbound
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 
@@ -225,7 +217,7 @@ def make(store: DictStore | None = None, **cache: Any) -> tuple[PickerApp, Respo
     )
     app = build_app(settings, PickerMetrics())
     store = store or DictStore()
-    app.response_cache.store = store  # the app's own cache (stage and observer) on a dict
+    app.response_cache.store = app.response_cache.storing.store = store  # the app's own cache on a dict
     assert app.path.cache is app.response_cache and app.response_cache in app.path.observers
     return app, app.response_cache, store
 
@@ -317,7 +309,7 @@ async def test_declared_length_over_the_bound_is_not_buffered() -> None:
 
 
 async def test_all_buffers_together_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rc, "MAX_BUFFERED_TOTAL", len(OK) + 20)
+    monkeypatch.setattr(storing, "MAX_BUFFERED_TOTAL", len(OK) + 20)
     app, cache, _ = make()
     one, two = await route(app, req(temperature=0)), await route(app, req(temperature=0, seed=2))
     assert isinstance(one, Exchange) and isinstance(two, Exchange)
@@ -493,10 +485,10 @@ def test_anthropic_endings() -> None:
         (good.replace(b"end_turn", b"refusal") + stop, False),
     ):
         events = sse_events(raw)
-        assert events is not None and rc.finished_stream("anthropic", events) is want, raw
-    assert rc.finished_body("anthropic", b'{"type":"message","stop_reason":"end_turn","content":[]}')
-    assert not rc.finished_body("anthropic", b'{"type":"message","stop_reason":null,"content":[]}')
-    assert not rc.finished_body("anthropic", b'{"type":"error","error":{"type":"api_error"}}')
+        assert events is not None and grammar.finished_stream("anthropic", events) is want, raw
+    assert grammar.finished_body("anthropic", b'{"type":"message","stop_reason":"end_turn","content":[]}')
+    assert not grammar.finished_body("anthropic", b'{"type":"message","stop_reason":null,"content":[]}')
+    assert not grammar.finished_body("anthropic", b'{"type":"error","error":{"type":"api_error"}}')
 
 
 def test_finished_is_strict_per_api() -> None:
@@ -512,32 +504,32 @@ def test_finished_is_strict_per_api() -> None:
         (start + delta % b'"tool_use"' + delta % b"null" + stop, True),  # the last non-null reason
     ):
         events = sse_events(raw)
-        assert events is not None and rc.finished_stream("anthropic", events) is want, raw
-    assert not rc.finished_body("anthropic", b'{"type":"message","content":[]}')  # no stop_reason
-    assert not rc.finished_body("anthropic", b'{"choices":[{"index":0,"finish_reason":"stop"}]}')  # OpenAI-shaped
+        assert events is not None and grammar.finished_stream("anthropic", events) is want, raw
+    assert not grammar.finished_body("anthropic", b'{"type":"message","content":[]}')  # no stop_reason
+    assert not grammar.finished_body("anthropic", b'{"choices":[{"index":0,"finish_reason":"stop"}]}')  # OpenAI-shaped
     openai = b'{"choices":[{"index":0,"finish_reason":"tool_calls"},{"index":1,"finish_reason":"length"}]}'
-    assert rc.finished_body("chat", openai) and rc.finished_body("completions", openai)
-    assert not rc.finished_body("chat", b'{"stop_reason":"end_turn"}')  # Anthropic-shaped on an OpenAI path
-    assert not rc.finished_body("responses", openai)
+    assert grammar.finished_body("chat", openai) and grammar.finished_body("completions", openai)
+    assert not grammar.finished_body("chat", b'{"stop_reason":"end_turn"}')  # Anthropic-shaped on an OpenAI path
+    assert not grammar.finished_body("responses", openai)
     two = sse_events(
         b'data: {"choices":[{"index":1,"delta":{},"finish_reason":"stop"}]}\n\n'
         b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"function_call"}]}\n\n'
         b'data: {"choices":[],"usage":{"total_tokens":3}}\n\ndata: [DONE]\n\n'
     )
-    assert two is not None and rc.finished_stream("chat", two) and rc.finished_stream("completions", two)
+    assert two is not None and grammar.finished_stream("chat", two) and grammar.finished_stream("completions", two)
 
 
 def test_a_reason_that_is_not_a_string_is_not_finished() -> None:
     """A list or an object where the reason goes (a broken engine) raised TypeError (unhashable) out of the
     response observer before: the client lost a good answer to the servicer's 500."""
     for reason in (b'["stop"]', b'{"a":1}', b"1", b"true"):
-        assert not rc.finished_body("chat", b'{"choices":[{"index":0,"finish_reason":%s}]}' % reason)
-        assert not rc.finished_body("anthropic", b'{"stop_reason":%s}' % reason)
+        assert not grammar.finished_body("chat", b'{"choices":[{"index":0,"finish_reason":%s}]}' % reason)
+        assert not grammar.finished_body("anthropic", b'{"stop_reason":%s}' % reason)
         stream = sse_events(b'data: {"choices":[{"index":0,"finish_reason":%s}]}\n\ndata: [DONE]\n\n' % reason)
-        assert stream is not None and not rc.finished_stream("chat", stream)
+        assert stream is not None and not grammar.finished_stream("chat", stream)
         delta = b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":%s}}\n\n' % reason
         anthropic = sse_events(delta + b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
-        assert anthropic is not None and not rc.finished_stream("anthropic", anthropic)
+        assert anthropic is not None and not grammar.finished_stream("anthropic", anthropic)
 
 
 async def test_a_malformed_reason_from_the_engine_is_answered_not_stored() -> None:
@@ -661,7 +653,7 @@ async def test_write_values_count_in_the_buffer_bound_until_written(monkeypatch:
     store = SlowStore()
     app, cache, _ = make(store)
     body = b'{"choices":[{"finish_reason":"stop","text":"' + b"x" * 100 + b'"}]}'
-    monkeypatch.setattr(rc, "MAX_BUFFERED_TOTAL", 300)
+    monkeypatch.setattr(storing, "MAX_BUFFERED_TOTAL", 300)
     one = await route(app, req(temperature=0))
     assert isinstance(one, Exchange)
     respond(one, [body])

@@ -14,7 +14,7 @@ from benchmarks.response_cache import (
     sample,
     summarize,
 )
-from picker.cache.response_cache import finished_body
+from picker.cache.grammar import finished_body
 
 TEXT = """# HELP continuum_cache_redis_latency_seconds Time
 # TYPE continuum_cache_redis_latency_seconds histogram

@@ -21,7 +21,7 @@ from picker.config import parse_settings
 from picker.extproc.messages import BUFFERED, DEST_HEADER, FULL_DUPLEX, RESPONSE_NONE
 from picker.extproc.service import ExternalProcessor
 from picker.ops.metrics import ROUTE_BUCKETS, ROUTE_OUTCOMES
-from picker.request.path import Exchange
+from picker.request.exchange import Exchange
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 
@@ -33,7 +33,6 @@ BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello
 def processor_of(app: PickerApp) -> ExternalProcessor:
     """The ext_proc servicer over ``app``'s collaborators."""
     return ExternalProcessor(app.path, app.metrics, app.settings.extproc, app.sampling)
-
 
 
 def make_app(backends: list[dict[str, str]] = BACKENDS, **admission: Any) -> PickerApp:

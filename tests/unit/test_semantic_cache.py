@@ -15,16 +15,9 @@ from aiohttp import web
 
 from benchmarks.engine_sim import EngineSimulator
 from benchmarks.engine_sim.embeddings import embed_text
-from picker.cache.semantic import (
-    ENTRY_PREFIX,
-    MAX_DIM,
-    EmbeddingsClient,
-    SemanticIndex,
-    entry_key,
-    normalize,
-    partition_digest,
-    semantic_query,
-)
+from picker.cache.embeddings import EmbeddingsClient
+from picker.cache.semantic import ENTRY_PREFIX, entry_key, partition_digest, semantic_query
+from picker.cache.vectors import MAX_DIM, SemanticIndex, normalize
 from picker.facts import caller_identity
 from tests.support.embeddings_sim import EMB
 from tests.support.http_server import serve

@@ -20,22 +20,16 @@ from redis.asyncio import Redis
 
 from benchmarks.engine_sim import EngineSimulator
 from picker.cache import CacheStoreError
-from picker.redis_pool import close_shared_redis
-from picker.cache.response_cache import (
-    LINK_HEADER,
-    MISSED_AT_HEADER,
-    ORIGIN_HEADER,
-    TOMB_MARGIN_S,
-    TOMB_PREFIX,
-    CacheEntry,
-    SemanticPending,
-)
+from picker.cache.entry import LINK_HEADER, MISSED_AT_HEADER, ORIGIN_HEADER, CacheEntry
+from picker.cache.response_cache import TOMB_MARGIN_S, TOMB_PREFIX
 from picker.cache.semantic import ENTRY_PREFIX
+from picker.cache.state import SemanticPending
 from picker.cache.store import RedisCacheStore
-from picker.runtime.admin import response_cache_stats
-from picker.ops.metrics import PickerMetrics
 from picker.facts import Answer
-from picker.request.path import Exchange
+from picker.ops.metrics import PickerMetrics
+from picker.redis_pool import close_shared_redis
+from picker.request.exchange import Exchange
+from picker.runtime.admin_routes import response_cache_stats
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
@@ -195,7 +189,7 @@ def test_the_exact_entry_and_its_copy_keep_their_pseudo_headers_apart() -> None:
     ids=["no-time", "no-key", "nan"],
 )
 def test_a_copy_with_a_broken_origin_is_corrupt(headers: tuple[tuple[str, str], ...]) -> None:
-    from picker.cache.response_cache import EntryError
+    from picker.cache.entry import EntryError
 
     with pytest.raises(EntryError):
         _ = CacheEntry(200, headers, b"{}").origin

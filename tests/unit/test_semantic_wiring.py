@@ -19,14 +19,15 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from benchmarks.engine_sim import EngineSimulator
-from picker.cache.response_cache import SemanticPending
 from picker.cache.semantic import ENTRY_PREFIX
+from picker.cache.state import SemanticPending
 from picker.config import ConfigError, parse_settings
 from picker.extproc.stream import RequestStream
+from picker.facts import Answer
 from picker.ops.metrics import PickerMetrics
 from picker.request.anthropic import count_markers
-from picker.facts import Answer
-from picker.request.path import Exchange, Inbound
+from picker.request.exchange import Exchange
+from picker.request.path import Inbound
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 from tests.support.embeddings_sim import EMB
@@ -50,7 +51,6 @@ ANSWER = (
 def stream_of(app: PickerApp) -> RequestStream:
     """The stream of one request on ``app``'s request path (no response sampling)."""
     return RequestStream(app.path, app.metrics.route_seconds)
-
 
 
 def sim_url(sim: EngineSimulator) -> str:

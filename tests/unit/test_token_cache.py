@@ -15,23 +15,12 @@ import pytest
 
 from benchmarks.engine_sim import tokenizer as sim_tok
 from picker.config import KvCacheIndexConfig, PoolConfig, TokenizerConfig
+from picker.facts import RequestFacts, parse_request
 from picker.kv.tier4 import Tier4
-from picker.kv.token_cache import (
-    ENTRY_OVERHEAD,
-    MARKER_COST,
-    CachedTokenizer,
-    Entry,
-    TokenCache,
-    chain_digest,
-    chat_segments,
-    prompt_cuts,
-    prompt_segments,
-    root_digest,
-    safe_length,
-)
+from picker.kv.token_cache import ENTRY_OVERHEAD, MARKER_COST, CachedTokenizer, Entry, TokenCache
+from picker.kv.token_keys import chain_digest, chat_segments, prompt_cuts, prompt_segments, root_digest, safe_length
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
-from picker.facts import RequestFacts, parse_request
 from picker.shared.block_keys import request_block_keys, root_key
 
 BS = 16

@@ -1,18 +1,6 @@
-"""File discovery: the pool's backends listed in a YAML file, re-read when it changes.
-
-The file::
-
-    backends:
-      - name: engine-0              # a backend name (picker.shared.config_files.BackendName)
-        address: 10.0.0.7:8000      # ip:port, IPv6 as [ip]:port
-        annotations: {kv-epp/events: "tcp://10.0.0.7:5557"}   # optional, as a pod's annotations
-        ready: true                 # optional (default true), as a pod's Ready condition: false = not routed to,
-                                    # its KV feed and events still followed
-
-Its (mtime, size, inode) is checked every ``poll_seconds`` (one stat on the event loop); a change is read and
-validated on a worker thread, then published if the backends differ. A file that cannot be used (missing,
-over MAX_FILE_BYTES, not YAML, a bad key) keeps the last snapshot: counted as "error", with the file and the
-dotted path of the bad key in ``status()["last_error"]``.
+"""File discovery: the pool's backends listed in a YAML file, re-read when it changes (a file that cannot be used
+keeps the last snapshot).
+See docs/picker.md, "Pool discovery".
 """
 
 from __future__ import annotations
@@ -26,8 +14,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from picker.shared.config_files import BackendName, ConfigError, read_yaml_mapping, validation_problems
-from picker.shared.discovery.model import Count, DiscoveredBackend, PoolSnapshot, Publish
 from picker.shared.discovery.config import BackendsFileRef, IpPort
+from picker.shared.discovery.model import Count, DiscoveredBackend, PoolSnapshot, Publish
 
 log = logging.getLogger("kv_epp.discovery")
 
@@ -96,7 +84,7 @@ def load_backends_file(path: str | Path) -> tuple[DiscoveredBackend, ...]:
 
 
 class FileDiscovery:
-    """Backends from a YAML file (see the module docstring); implements ``Discovery``. Counters: "load" (a
+    """Backends from a YAML file (docs/picker.md, "Pool discovery"); implements ``Discovery``. Counters: "load" (a
     changed file read and used), "error" (one that could not be)."""
 
     def __init__(self, ref: BackendsFileRef, count: Count | None = None) -> None:

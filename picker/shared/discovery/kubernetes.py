@@ -1,81 +1,42 @@
-"""InferencePool discovery: follow an ``inference.networking.k8s.io/v1`` InferencePool and the Pods it selects.
-
-The pool is listed by name (``fieldSelector=metadata.name=NAME``: the list's resourceVersion is current, so
-the watch that follows starts from a version the server still has, unlike a single object's) and watched;
-its ``selector.matchLabels`` and ``targetPorts`` decide which pods, and which ports of each, are backends. The
-pods are listed with that label selector (in pages of LIST_PAGE_SIZE) and watched from the list's
-resourceVersion with bookmarks and a server-side timeout; 410 Gone (an ERROR event or an HTTP status) means
-the version was compacted: the pods are listed again (a resync: the first at once, the next ones in a row, while
-no watch delivers anything, after the capped backoff, so a server answering every watch with 410 is not
-re-listed in a tight loop). A change of the pool's selector or ports lists the pods again.
-
-A watch that goes silent (no event and no bookmark for ``watch_idle_timeout_seconds``; the API server sends a
-bookmark about every minute) is taken as dead and renewed from its last version, counted "watch_stalled"; the
-client's sockets have TCP keepalive on, so a peer that vanished is noticed by the kernel too.
-
-A pod is published when it has an IP and is not being deleted (``deletionTimestamp``), with ``ready`` from its
-Ready condition: readiness gates the picker's routing only, Tier 4 and the listener follow unready pods too.
-Each such pod is one backend per target port (``backend_name``). A snapshot is published on the first complete
-list and then on every change of the published set (a change of only the ready flag included), coalesced per
-event-loop turn (a burst read in one chunk is one publication). Errors (unreachable server, 5xx, a dropped
-watch) are retried with capped exponential backoff and keep the last snapshot: an API outage never empties the
-pool. Only a pool deleted while watched publishes an empty one.
-
-Credentials come from lightkube's kubeconfig support (in-cluster service account, $KUBECONFIG, ~/.kube/config;
-token files re-read when rotated, exec plugins, client certificates) and the HTTP client it builds from them.
-The list/watch requests themselves are made here on that client: lightkube's ``watch()`` cannot ask for
-bookmarks (no ``allowWatchBookmarks`` parameter) and reconnects by itself, hiding 410s and dropped streams
-that this module must count and act on.
+"""InferencePool discovery: follow an ``inference.networking.k8s.io/v1`` InferencePool and the Pods it selects (lists,
+watches with bookmarks, resyncs on 410, stall detection, backoff) and publish snapshots. One module on purpose: one
+state machine over the pool and its pods; credentials are ``kube_access``, the objects ``kube_objects``.
+See docs/picker.md, "Pool discovery".
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
-import os
 import random
-import socket
 import time
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx2
 import orjson
-from lightkube.config import client_adapter
-from lightkube.config.kubeconfig import KubeConfig, SingleConfig
-from lightkube.config.models import Cluster, User
-from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 
-from picker.shared.config_files import BACKEND_NAME_RE
-from picker.shared.discovery.model import Count, DiscoveredBackend, PoolSnapshot, Publish, backend_name
 from picker.shared.discovery.config import InferencePoolRef
+from picker.shared.discovery.kube_access import (
+    REQUEST_TIMEOUT_SECONDS,
+    SERVICE_ACCOUNT_DIR,
+    load_kube_access,
+    make_http_client,
+)
+from picker.shared.discovery.kube_objects import BadPool, Pod, PoolSpec, parse_pod, parse_pool_spec
+from picker.shared.discovery.model import Count, DiscoveredBackend, PoolSnapshot, Publish, backend_name
 
 log = logging.getLogger("kv_epp.discovery")
 
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-DEFAULT_KUBECONFIG = "~/.kube/config"
 POOL_API = "apis/inference.networking.k8s.io/v1"
 LIST_PAGE_SIZE = 500  # pods per list page (limit/continue): bounds one response's size
 MAX_EVENT_BYTES = 16 << 20  # one watch event (a JSON line); etcd caps an object at 1.5 MiB
 MAX_BODY_BYTES = 256 << 20  # one list page's body
 MAX_ERROR_BODY_BYTES = 64 << 10  # the part of an error answer read for its Status message
-REQUEST_TIMEOUT_SECONDS = 10.0  # connect/write/pool, and read for a list page
 WATCH_READ_GRACE_SECONDS = 60.0  # a watch stream silent this long past timeoutSeconds is taken as dead
-# TCP keepalive on the API server connections: a peer gone without a FIN or RST (node lost, NAT state dropped)
-# is noticed after about IDLE + INTERVAL x COUNT seconds of silence, even while a watch waits for its next byte
-KEEPALIVE_IDLE_SECONDS = 30
-KEEPALIVE_INTERVAL_SECONDS = 10
-KEEPALIVE_COUNT = 3
 BACKOFF_FIRST_SECONDS = 0.1
 OVER_LIMIT_LOG_EVERY = 1000  # log the first pod ignored past max_pods, then every this many
-
-
-class KubeConfigError(Exception):
-    """No usable Kubernetes credentials (kubeconfig missing, unreadable, or naming an unknown context)."""
 
 
 class _Gone(Exception):
@@ -90,195 +51,6 @@ class _ApiError(Exception):
 
 class _Stalled(Exception):
     """A watch sent nothing (no event, no bookmark) for the idle timeout: taken as dead."""
-
-
-class _BadPool(Exception):
-    """The InferencePool's spec cannot be used (the CRD's validation should make this unreachable)."""
-
-
-@dataclass(frozen=True, slots=True)
-class KubeAccess:
-    """Where the API server is and how to authenticate, and the namespace to use when the ref names none."""
-
-    config: SingleConfig
-    namespace: str
-    origin: str  # "in-cluster service account" or the kubeconfig file's path
-
-
-def load_kube_access(
-    ref: InferencePoolRef,
-    *,
-    service_account_dir: str = SERVICE_ACCOUNT_DIR,
-    environ: Mapping[str, str] | None = None,
-) -> KubeAccess:
-    """Credentials the way kubectl finds them: ``ref.kubeconfig`` if given; else the in-cluster service account
-    (its token file and KUBERNETES_SERVICE_HOST/PORT); else the first existing file of $KUBECONFIG (a
-    ``os.pathsep`` list; kubectl merges them, here the first file must hold the context); else ~/.kube/config.
-    The namespace: ``ref.namespace``, else the service account's, else the context's, else "default".
-    Blocking file reads: call it off the event loop. Raises KubeConfigError saying what is missing."""
-    env = os.environ if environ is None else environ
-    sa = Path(service_account_dir)
-    try:
-        if ref.kubeconfig is not None:
-            path = Path(ref.kubeconfig).expanduser()
-            config, origin = _from_file(path, ref.context), str(path)
-        elif (sa / "token").is_file() and env.get("KUBERNETES_SERVICE_HOST") and env.get("KUBERNETES_SERVICE_PORT"):
-            config = _service_account_config(sa, env)
-            origin = "in-cluster service account"
-        else:
-            candidates = [p for p in env.get("KUBECONFIG", "").split(os.pathsep) if p] or [DEFAULT_KUBECONFIG]
-            existing = [Path(p).expanduser() for p in candidates if Path(p).expanduser().is_file()]
-            if not existing:
-                raise KubeConfigError(
-                    f"no Kubernetes credentials: no service account token in {sa}, and no kubeconfig at "
-                    f"{', '.join(candidates)} (set pool.inference_pool.kubeconfig or KUBECONFIG)"
-                )
-            config, origin = _from_file(existing[0], ref.context), str(existing[0])
-    except KubeConfigError:
-        raise
-    except (LightkubeConfigError, OSError, KeyError, ValueError, TypeError) as exc:
-        raise KubeConfigError(f"cannot use the Kubernetes credentials: {type(exc).__name__}: {exc}") from None
-    namespace = ref.namespace
-    if namespace is None:
-        with contextlib.suppress(OSError, UnicodeDecodeError):
-            namespace = (sa / "namespace").read_text().strip() or None
-    return KubeAccess(config, namespace or config.context.namespace or "default", origin)
-
-
-def _from_file(path: Path, context: str | None) -> SingleConfig:
-    if not path.is_file():
-        raise KubeConfigError(f"kubeconfig {path} not found")
-    config = KubeConfig.from_file(path).get(context)
-    if config is None:  # only with a default, which is not passed
-        raise KubeConfigError(f"kubeconfig {path} has no current context")
-    return config
-
-
-def _service_account_config(sa: Path, env: Mapping[str, str]) -> SingleConfig:
-    """The in-cluster configuration: the API server from KUBERNETES_SERVICE_HOST/PORT, its CA and the token
-    file of the service account (re-read by the client when a 401 says it was rotated)."""
-    host, port = env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]
-    if ":" in host:  # IPv6
-        host = f"[{host}]"
-    token_file = sa / "token"
-    cluster = Cluster(server=f"https://{host}:{port}", certificate_auth=str(sa / "ca.crt"))
-    user = User(token=token_file.read_text().strip(), token_file=str(token_file))
-    config = KubeConfig.from_one(cluster=cluster, user=user, context_name="in-cluster").get()
-    assert config is not None
-    return config
-
-
-def keepalive_socket_options() -> list[tuple[int, int, int]]:
-    """SO_KEEPALIVE and, where the platform has them, the idle, interval and count knobs (KEEPALIVE_*)."""
-    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
-    idle = getattr(socket, "TCP_KEEPIDLE", None) or getattr(socket, "TCP_KEEPALIVE", None)  # Linux / macOS
-    for opt, value in (
-        (idle, KEEPALIVE_IDLE_SECONDS),
-        (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_SECONDS),
-        (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_COUNT),
-    ):
-        if opt is not None:
-            options.append((socket.IPPROTO_TCP, opt, value))
-    return options
-
-
-def make_http_client(access: KubeAccess) -> httpx2.AsyncClient:
-    """An HTTP client for the API server (base URL, TLS verification, client certificate and auth from the
-    kubeconfig), its sockets with TCP keepalive. Reads certificate files: call it off the event loop."""
-    config = access.config
-    user = config.user or User()  # a context without a user: no authentication, as kubectl does
-    config = config._replace(user=user)
-    # the transport is ours (for its socket options), so it gets the TLS context lightkube would have used
-    verify = client_adapter.verify_cluster(config.cluster, user, config.abs_file)
-    transport = httpx2.AsyncHTTPTransport(verify=verify, socket_options=keepalive_socket_options())
-    params = client_adapter.ConnectionParams(
-        timeout=httpx2.Timeout(REQUEST_TIMEOUT_SECONDS),
-        transport=transport,  # type: ignore[arg-type]  # the field is typed for the sync client only
-    )
-    client = client_adapter.AsyncClient(config, params)
-    client.headers["Accept"] = "application/json"
-    client.headers["User-Agent"] = "kv-epp-discovery"
-    return client
-
-
-@dataclass(frozen=True, slots=True)
-class _PoolSpec:
-    match_labels: tuple[tuple[str, str], ...]  # sorted by key
-    target_ports: tuple[int, ...]
-
-    @property
-    def label_selector(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.match_labels)
-
-
-def parse_pool_spec(obj: Mapping[str, Any]) -> _PoolSpec:
-    """The selector and ports of an InferencePool object; _BadPool naming the bad field."""
-    spec = obj.get("spec")
-    if not isinstance(spec, dict):
-        raise _BadPool("spec: missing")
-    selector = spec.get("selector")
-    labels = selector.get("matchLabels") if isinstance(selector, dict) else None
-    if not isinstance(labels, dict) or not labels:
-        raise _BadPool("spec.selector.matchLabels: missing or empty (a pool selecting every pod is refused)")
-    for k, v in labels.items():
-        if not isinstance(k, str) or not isinstance(v, str) or "," in k + v or "=" in k + v or "!" in k:
-            raise _BadPool(f"spec.selector.matchLabels.{k}: not a label key and value")
-    ports = spec.get("targetPorts")
-    if not isinstance(ports, list) or not 1 <= len(ports) <= 8:
-        raise _BadPool("spec.targetPorts: must list 1 to 8 ports")
-    numbers: list[int] = []
-    for i, p in enumerate(ports):
-        n = p.get("number") if isinstance(p, dict) else None
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 < n < 65536 or n in numbers:
-            raise _BadPool(f"spec.targetPorts[{i}].number: must be a unique port in 1..65535")
-        numbers.append(n)
-    return _PoolSpec(tuple(sorted(labels.items())), tuple(numbers))
-
-
-@dataclass(frozen=True, slots=True)
-class _Pod:
-    ip: str | None  # None: no usable IP yet
-    ready: bool  # its Ready condition is True
-    terminating: bool  # metadata.deletionTimestamp is set
-    annotations: tuple[tuple[str, str], ...]
-
-    @property
-    def published(self) -> bool:
-        """The pod is a backend of the snapshot (ready or not): it has an IP and is not being deleted."""
-        return self.ip is not None and not self.terminating
-
-    @property
-    def live(self) -> bool:
-        """Published and Ready: a backend the picker routes to."""
-        return self.published and self.ready
-
-    def view(self) -> tuple[str, bool, tuple[tuple[str, str], ...]] | None:
-        """What the published backends depend on: nothing unless published."""
-        return (self.ip, self.ready, self.annotations) if self.ip is not None and not self.terminating else None
-
-
-def parse_pod(obj: Mapping[str, Any]) -> tuple[str, _Pod]:
-    """(pod name, what discovery keeps of it); ValueError when the object has no usable name."""
-    meta = obj.get("metadata") or {}
-    name = meta.get("name")
-    if not isinstance(name, str) or not BACKEND_NAME_RE.fullmatch(name):
-        raise ValueError(f"pod name {name!r} is not a usable backend name")
-    status = obj.get("status") or {}
-    ip: str | None = status.get("podIP") or None
-    if ip is not None:
-        try:
-            ip = str(ipaddress.ip_address(ip))
-        except ValueError:
-            ip = None
-    conditions = status.get("conditions") or ()
-    ready = any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-    raw = meta.get("annotations") or {}
-    annotations = tuple(sorted((str(k), str(v)) for k, v in raw.items())) if isinstance(raw, dict) else ()
-    # A pod that has ended (Failed, e.g. Evicted, or Succeeded) keeps its podIP until it is garbage-collected,
-    # and that IP may already belong to another pod: it counts as gone, like a terminating one (as in
-    # EndpointSlices).
-    ended = status.get("phase") in ("Failed", "Succeeded")
-    return name, _Pod(ip, ready, ended or bool(meta.get("deletionTimestamp")), annotations)
 
 
 class _Backoff:
@@ -323,7 +95,7 @@ class _GoneStreak:
 
 
 class KubernetesPoolDiscovery:
-    """Follows one InferencePool and its pods (see the module docstring); implements ``Discovery``.
+    """Follows one InferencePool and its pods (docs/picker.md, "Pool discovery"); implements ``Discovery``.
 
     Bounds: the pod map holds at most ``ref.max_pods`` pods (a pod past it is ignored until a slot frees and the
     pod changes or the pods are listed again; counted as "pod_over_limit" and logged); one list page is
@@ -348,9 +120,9 @@ class KubernetesPoolDiscovery:
         self._last_error: str | None = None
         self._failing = False  # a failure was logged and no success since
         self._pool_found: bool | None = None  # None: not read yet
-        self._target: _PoolSpec | None = None  # the pool's spec as last read
-        self._spec: _PoolSpec | None = None  # the spec the pod map was listed with
-        self._pods: dict[str, _Pod] = {}
+        self._target: PoolSpec | None = None  # the pool's spec as last read
+        self._spec: PoolSpec | None = None  # the spec the pod map was listed with
+        self._pods: dict[str, Pod] = {}
         self._pods_rv = ""
         self._pool_rv = ""
         self._ignored = 0  # pods ignored past max_pods since the last list
@@ -492,7 +264,7 @@ class KubernetesPoolDiscovery:
             return None
         try:
             spec = parse_pool_spec(obj)
-        except _BadPool as exc:  # keep following what we had
+        except BadPool as exc:  # keep following what we had
             self._fail(f"inferencepool {self._namespace}/{self._ref.name}: {exc}")
             return pods_task
         self._pool_found = True
@@ -514,7 +286,7 @@ class KubernetesPoolDiscovery:
 
     # --- the pods ---
 
-    async def _follow_pods(self, http: httpx2.AsyncClient, spec: _PoolSpec) -> None:
+    async def _follow_pods(self, http: httpx2.AsyncClient, spec: PoolSpec) -> None:
         """List the pods the spec selects, then watch them; list again after 410 Gone. For ever."""
         backoff = _Backoff(self._ref.retry_max_seconds)
         gone = _GoneStreak(self._ref.retry_max_seconds, self._count)
@@ -563,9 +335,9 @@ class KubernetesPoolDiscovery:
                 self._fail(f"pods of {self.source}: {_describe(exc)}")
                 await backoff.sleep()
 
-    async def _list_pods(self, http: httpx2.AsyncClient, spec: _PoolSpec) -> str:
+    async def _list_pods(self, http: httpx2.AsyncClient, spec: PoolSpec) -> str:
         """List every selected pod (page by page) and replace the pod map at once; returns the list's version."""
-        pods: dict[str, _Pod] = {}
+        pods: dict[str, Pod] = {}
         ignored = 0
         rv = ""
         cont = ""

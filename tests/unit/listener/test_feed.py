@@ -9,7 +9,8 @@ import pytest
 from listener.config import FeedConfig
 from listener.feed import BackendFeed, Record, Subscriber, SubscriberLimit, open_subscription
 from picker.config import EventSourceConfig
-from picker.kv.feed_consumer import GrpcFeedConsumer, KvFeedConsumer
+from picker.kv.feed_consumer import KvFeedConsumer
+from picker.kv.grpc_feed_consumer import GrpcFeedConsumer
 from picker.kv.index import InMemoryKvIndex
 from picker.shared.feed_records import CLEAR, PUT, SNAPSHOT_BEGIN, SNAPSHOT_END, SseParser
 

@@ -37,7 +37,8 @@ from listener.config import DiscoveryConfig, GrpcFeedConfig, ListenerConfig, Sou
 from listener.state_store import SourceState, read_state_file, write_state_file
 from listener.zmq_source import ZmqEventSource
 from picker.config import EventSourceConfig
-from picker.kv.feed_consumer import GrpcFeedConsumer, KvFeedConsumer
+from picker.kv.feed_consumer import KvFeedConsumer
+from picker.kv.grpc_feed_consumer import GrpcFeedConsumer
 from picker.kv.index import InMemoryKvIndex
 from picker.shared.block_keys import request_block_keys
 from picker.shared.discovery import DiscoveredBackend, PoolSnapshot, Publish

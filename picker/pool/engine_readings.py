@@ -1,0 +1,116 @@
+"""What an engine's ``/metrics`` say of its queue and KV cache (``engine_signals``: vLLM's and SGLang's families,
+mirror labels collapsed, separate queues added, KV usage averaged) and of its measured prefill cost
+(``prefill_totals``, vLLM's prefill histograms). See docs/picker.md, "Engine signals".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from picker.pool.exposition import Exposition, Sample, parse_exposition
+from picker.routing.endpoints import EngineSignals
+
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+VLLM_KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # the name before vLLM 0.9 (deprecated, hidden since 0.10)
+SGLANG_WAITING = "sglang:num_queue_reqs"
+SGLANG_RUNNING = "sglang:num_running_reqs"
+SGLANG_KV_USAGE = "sglang:token_usage"
+# (waiting, running, kv usage names in order of preference), tried in this order
+ENGINE_FAMILIES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (VLLM_WAITING, VLLM_RUNNING, (VLLM_KV_USAGE, VLLM_KV_USAGE_OLD)),
+    (SGLANG_WAITING, SGLANG_RUNNING, (SGLANG_KV_USAGE,)),
+)
+# vLLM's per-request prefill records (observed when a request finishes): their sums and counts teach the cost
+# model the engine's prefill cost per computed token (``picker.pool.calibration.EnginePrefillFit``)
+VLLM_PREFILL_COUNT = "vllm:request_prefill_time_seconds_count"
+VLLM_PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
+VLLM_PREFILL_TOKENS = "vllm:request_prefill_kv_computed_tokens_sum"
+VLLM_PREFILL_TOKENS_COUNT = "vllm:request_prefill_kv_computed_tokens_count"
+PREFILL_FAMILIES = (VLLM_PREFILL_COUNT, VLLM_PREFILL_SECONDS, VLLM_PREFILL_TOKENS, VLLM_PREFILL_TOKENS_COUNT)
+WANTED_FAMILIES = frozenset((*(n for w, r, kv in ENGINE_FAMILIES for n in (w, r, *kv)), *PREFILL_FAMILIES))
+# Labels that tell apart reports of ONE scheduler (docs/picker.md, "Engine signals"): series differing only in these
+# are the same queue seen twice; the largest is taken.
+MIRROR_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "pid"})
+MAX_COUNT = 1e9
+
+
+def _per_queue(samples: list[Sample]) -> list[float]:
+    """One value per queue: series keyed by their labels without the mirror labels, the largest per key."""
+    queues: dict[tuple[tuple[str, str], ...], float] = {}
+    for s in samples:
+        key = tuple(kv for kv in s.labels if kv[0] not in MIRROR_LABELS)
+        prev = queues.get(key)
+        queues[key] = s.value if prev is None or s.value > prev else prev
+    return list(queues.values())
+
+
+def _count(samples: list[Sample]) -> int | None:
+    """Sum over queues of a request count; None when absent or any value is not a count."""
+    if not samples or any(not (0.0 <= s.value <= MAX_COUNT) for s in samples):  # NaN fails the comparison too
+        return None
+    return round(sum(_per_queue(samples)))
+
+
+def _usage(samples: list[Sample]) -> float | None:
+    """Mean over queues of a 0..1 usage; None when absent or any value is outside 0..1 (NaN included)."""
+    if not samples or any(not (0.0 <= s.value <= 1.0) for s in samples):
+        return None
+    values = _per_queue(samples)
+    return math.fsum(values) / len(values)
+
+
+def engine_signals(expo: Exposition) -> EngineSignals | None:
+    """The engine's queue and KV usage from a parsed body (vLLM first, then SGLang); None: no valid reading."""
+    by_name: dict[str, list[Sample]] = {}
+    for s in expo.samples:
+        by_name.setdefault(s.name, []).append(s)
+    for waiting_name, running_name, usage_names in ENGINE_FAMILIES:
+        waiting_samples, running_samples = by_name.get(waiting_name), by_name.get(running_name)
+        if not waiting_samples and not running_samples:
+            continue
+        waiting = _count(waiting_samples or [])
+        running = _count(running_samples or [])
+        if waiting is None or running is None:
+            return None  # the engine's names are there but not both valid: no reading
+        usage = next((u for n in usage_names if (u := _usage(by_name.get(n, []))) is not None), None)
+        return EngineSignals(waiting=waiting, running=running, kv_usage=usage)
+    return None
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillTotals:
+    """An engine's cumulative prefill records: finished requests, their prefill seconds and computed tokens."""
+
+    requests: float
+    seconds: float
+    tokens: float
+
+    def since(self, earlier: PrefillTotals) -> PrefillTotals | None:
+        """The requests recorded between ``earlier`` and this reading; None when a counter went back (a
+        restarted engine: the caller starts over from this reading)."""
+        d = PrefillTotals(
+            self.requests - earlier.requests, self.seconds - earlier.seconds, self.tokens - earlier.tokens
+        )
+        return d if min(d.requests, d.seconds, d.tokens) >= 0.0 else None
+
+
+def prefill_totals(expo: Exposition) -> PrefillTotals | None:
+    """vLLM's prefill sums and counts, summed over its engines (mirror series once); None when any is absent
+    or not a finite count, or the two histograms counted different requests (a reading taken mid-update)."""
+    values: list[float] = []
+    for name in PREFILL_FAMILIES:
+        samples = expo.family(name)
+        if not samples or any(not (0.0 <= s.value < 1e15) for s in samples):
+            return None
+        values.append(math.fsum(_per_queue(samples)))
+    requests, seconds, tokens, token_requests = values
+    return PrefillTotals(requests, seconds, tokens) if requests == token_requests else None
+
+
+def read_signals(text: str) -> tuple[EngineSignals | None, Exposition]:
+    """Parse a scraped body (only the wanted families) and read the engine's signals from it."""
+    expo = parse_exposition(text, WANTED_FAMILIES)
+    return engine_signals(expo), expo

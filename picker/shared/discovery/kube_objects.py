@@ -1,0 +1,97 @@
+"""What the InferencePool watcher reads of the API's objects: an InferencePool's spec (its pods' label selector
+and target ports) and a pod (its IP, whether it is being deleted, its Ready condition, its annotations).
+See docs/picker.md, "Pool discovery".
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from picker.shared.config_files import BACKEND_NAME_RE
+
+
+class BadPool(Exception):
+    """The InferencePool's spec cannot be used (the CRD's validation should make this unreachable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    match_labels: tuple[tuple[str, str], ...]  # sorted by key
+    target_ports: tuple[int, ...]
+
+    @property
+    def label_selector(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.match_labels)
+
+
+def parse_pool_spec(obj: Mapping[str, Any]) -> PoolSpec:
+    """The selector and ports of an InferencePool object; BadPool naming the bad field."""
+    spec = obj.get("spec")
+    if not isinstance(spec, dict):
+        raise BadPool("spec: missing")
+    selector = spec.get("selector")
+    labels = selector.get("matchLabels") if isinstance(selector, dict) else None
+    if not isinstance(labels, dict) or not labels:
+        raise BadPool("spec.selector.matchLabels: missing or empty (a pool selecting every pod is refused)")
+    for k, v in labels.items():
+        if not isinstance(k, str) or not isinstance(v, str) or "," in k + v or "=" in k + v or "!" in k:
+            raise BadPool(f"spec.selector.matchLabels.{k}: not a label key and value")
+    ports = spec.get("targetPorts")
+    if not isinstance(ports, list) or not 1 <= len(ports) <= 8:
+        raise BadPool("spec.targetPorts: must list 1 to 8 ports")
+    numbers: list[int] = []
+    for i, p in enumerate(ports):
+        n = p.get("number") if isinstance(p, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 < n < 65536 or n in numbers:
+            raise BadPool(f"spec.targetPorts[{i}].number: must be a unique port in 1..65535")
+        numbers.append(n)
+    return PoolSpec(tuple(sorted(labels.items())), tuple(numbers))
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    ip: str | None  # None: no usable IP yet
+    ready: bool  # its Ready condition is True
+    terminating: bool  # metadata.deletionTimestamp is set
+    annotations: tuple[tuple[str, str], ...]
+
+    @property
+    def published(self) -> bool:
+        """The pod is a backend of the snapshot (ready or not): it has an IP and is not being deleted."""
+        return self.ip is not None and not self.terminating
+
+    @property
+    def live(self) -> bool:
+        """Published and Ready: a backend the picker routes to."""
+        return self.published and self.ready
+
+    def view(self) -> tuple[str, bool, tuple[tuple[str, str], ...]] | None:
+        """What the published backends depend on: nothing unless published."""
+        return (self.ip, self.ready, self.annotations) if self.ip is not None and not self.terminating else None
+
+
+def parse_pod(obj: Mapping[str, Any]) -> tuple[str, Pod]:
+    """(pod name, what discovery keeps of it); ValueError when the object has no usable name."""
+    meta = obj.get("metadata") or {}
+    name = meta.get("name")
+    if not isinstance(name, str) or not BACKEND_NAME_RE.fullmatch(name):
+        raise ValueError(f"pod name {name!r} is not a usable backend name")
+    status = obj.get("status") or {}
+    ip: str | None = status.get("podIP") or None
+    if ip is not None:
+        try:
+            ip = str(ipaddress.ip_address(ip))
+        except ValueError:
+            ip = None
+    conditions = status.get("conditions") or ()
+    ready = any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    raw = meta.get("annotations") or {}
+    annotations = tuple(sorted((str(k), str(v)) for k, v in raw.items())) if isinstance(raw, dict) else ()
+    # A pod that has ended (Failed, e.g. Evicted, or Succeeded) keeps its podIP until it is garbage-collected,
+    # and that IP may already belong to another pod: it counts as gone, like a terminating one (as in
+    # EndpointSlices).
+    ended = status.get("phase") in ("Failed", "Succeeded")
+    return name, Pod(ip, ready, ended or bool(meta.get("deletionTimestamp")), annotations)
