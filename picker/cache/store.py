@@ -18,8 +18,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from picker.cache import CacheStoreError, CacheStoreStats
 from picker.cache.metrics import CacheStoreMetrics
-from picker.redis_pool import RedisEndpoint, redis_endpoint, redis_health
 from picker.config import KV_INDEX_KEY_PREFIX, RedisConfig, ResponseCacheConfig
+from picker.redis_pool import RedisEndpoint, redis_endpoint, redis_health
 
 log = logging.getLogger(__name__)
 

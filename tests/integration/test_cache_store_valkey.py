@@ -26,10 +26,10 @@ from redis.asyncio import Redis
 
 from picker.cache import CacheStoreError
 from picker.cache.metrics import CacheStoreMetrics
-from picker.redis_pool import FastBlockingPool, close_shared_redis, redis_health, shared_redis
 from picker.cache.store import RedisCacheStore
 from picker.config import RedisConfig
 from picker.kv.redis_index import RedisKvIndex
+from picker.redis_pool import FastBlockingPool, close_shared_redis, redis_health, shared_redis
 from picker.shared.tiers import StorageTier
 from tests.support.certs import TestCA
 from tests.support.poll import async_wait_until

@@ -28,7 +28,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.stack import envoy_binary, free_port, start_envoy, start_picker
 from picker.config import parse_settings
-from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 from picker.runtime.envoy_config import EnvoyOptions
 from picker.runtime.lifecycle import PickerServer

@@ -16,11 +16,11 @@ from benchmarks.engine_sim import tokenizer as sim_tok
 from benchmarks.engine_sim.config import SimConfig
 from benchmarks.engine_sim.process import SimulatorProcess
 from picker.config import KvCacheIndexConfig, PoolConfig, TokenizerConfig
+from picker.facts import RequestFacts, parse_request
 from picker.kv.tier4 import Tier4
 from picker.kv.tokenizer_sources import TokenizerSource
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
-from picker.facts import RequestFacts, parse_request
 from picker.shared.block_keys import request_block_keys
 from picker.shared.tiers import StorageTier
 

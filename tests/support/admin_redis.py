@@ -9,8 +9,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
-from picker.redis_pool import close_shared_redis
 from picker.cache.store import RedisCacheStore
+from picker.redis_pool import close_shared_redis
 from picker.runtime.admin import build_admin_app
 from picker.runtime.app import PickerApp
 from tests.support.valkey import ValkeyProcess

@@ -5,8 +5,8 @@ from __future__ import annotations
 from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import parse_settings
-from picker.runtime.admin import build_admin_app
 from picker.facts import RequestFacts
+from picker.runtime.admin import build_admin_app
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 

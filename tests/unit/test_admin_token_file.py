@@ -25,9 +25,8 @@ from picker.config import (
 )
 from picker.runtime.admin import build_admin_app
 from picker.runtime.app import PickerApp
-from picker.runtime.compose import build_app
+from picker.runtime.compose import build_app, build_server
 from picker.runtime.errors import StartupError
-from picker.runtime.compose import build_server
 
 POOL = "pool:\n  backends:\n    - {name: a, address: 10.0.0.1:80}\n"
 JSON = {"Content-Type": "application/json"}

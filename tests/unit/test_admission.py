@@ -35,7 +35,6 @@ def processor_of(app: PickerApp) -> ExternalProcessor:
     return ExternalProcessor(app.path, app.metrics, app.settings.extproc, app.sampling)
 
 
-
 def make_app(admission: dict[str, Any] | None = None, mode: str = "FULL_DUPLEX_STREAMED", **extra: Any) -> PickerApp:
     return build_app(
         parse_settings(

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from picker.config import BackendConfig, PoolConfig, RedisConfig, ResponseCacheConfig, Settings
-from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 
 RUNNING_REDIS = RedisConfig(url="redis://10.0.0.1:6379/0", key_prefix="run:")

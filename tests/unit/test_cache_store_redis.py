@@ -11,9 +11,9 @@ from redis.asyncio.connection import SSLConnection
 
 from picker.cache import CacheStore, CacheStoreError
 from picker.cache.metrics import CacheStoreMetrics
-from picker.redis_pool import build_redis, close_shared_redis, effective_url, redis_endpoint, shared_redis
 from picker.cache.store import CLEAR_BATCH, RedisCacheStore
 from picker.config import ConfigError, RedisConfig, parse_settings
+from picker.redis_pool import build_redis, close_shared_redis, effective_url, redis_endpoint, shared_redis
 from tests.support.poll import async_wait_until
 from tests.support.valkey import ValkeyProcess, free_port, valkey_server  # noqa: F401  (the fixture)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from picker.config import CostModelConfig, Settings
-from picker.kv.placements import RecentPlacements, merge
 from picker.facts import RequestFacts
+from picker.kv.placements import RecentPlacements, merge
 from picker.routing.core import Prepared, Router
 from picker.routing.cost_model import CostScorer
 from picker.routing.endpoints import (

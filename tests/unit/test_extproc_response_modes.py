@@ -15,9 +15,9 @@ from picker.config import parse_settings
 from picker.extproc.messages import sampled_mode
 from picker.extproc.sampling import TAIL_BYTES, read_usage
 from picker.extproc.stream import RequestStream
+from picker.facts import RequestFacts
 from picker.kv.stage import KvLookup
 from picker.ops.recorder import prediction_outcome
-from picker.facts import RequestFacts
 from picker.routing.endpoints import BackendHold, StorageTier
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app

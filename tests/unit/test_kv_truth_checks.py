@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from picker.config import FeedChecksConfig, KvCacheIndexConfig, PoolConfig
+from picker.facts import RequestFacts
 from picker.kv.checks import FeedChecks, FeedWatch
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
-from picker.facts import RequestFacts
 from picker.shared.block_keys import request_block_keys
 from picker.shared.tiers import StorageTier
 

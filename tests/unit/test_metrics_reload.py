@@ -5,10 +5,10 @@ from __future__ import annotations
 from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import parse_settings
-from picker.runtime.admin import build_admin_app
 from picker.ops.metrics import PickerMetrics
 from picker.ops.recorder import DecisionRecorder
 from picker.routing.endpoints import Decision, Endpoint
+from picker.runtime.admin import build_admin_app
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 

@@ -12,9 +12,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import ConfigError, parse_settings, restart_required_changes
-from picker.runtime.admin import build_admin_app
 from picker.facts import RequestFacts
 from picker.routing.endpoints import Decision, Endpoint
+from picker.runtime.admin import build_admin_app
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 from picker.runtime.lifecycle import PickerServer

@@ -17,7 +17,6 @@ from picker.config import EventSourceConfig, parse_settings
 from picker.kv.feed_consumer import KvFeedConsumer
 from picker.kv.index import InMemoryKvIndex
 from picker.runtime.admin import build_admin_app
-from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 from picker.runtime.lifecycle import PickerServer
 from tests.support.poll import async_wait_until

@@ -19,7 +19,6 @@ def stream_of(app: PickerApp) -> RequestStream:
     return RequestStream(app.path, app.metrics.route_seconds)
 
 
-
 def test_ipv6_addresses_are_canonical_so_the_served_endpoint_matches() -> None:
     s = parse_settings({"pool": {"backends": [{"name": "a", "address": "[0:0:0:0:0:0:0:1]:08000"}]}})
     assert s.pool.backends[0].address == "[::1]:8000"  # what Envoy reports as the endpoint that served

@@ -5,11 +5,11 @@ from hashlib import sha256
 import pytest
 
 from picker.config import parse_settings
+from picker.facts import RequestFacts
+from picker.kv.stage import KvLookup
 from picker.ops.metrics import PickerMetrics
 from picker.ops.recorder import DecisionRecorder
 from picker.pool.pool import Pool
-from picker.facts import RequestFacts
-from picker.kv.stage import KvLookup
 from picker.request.path import RequestPath
 from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key

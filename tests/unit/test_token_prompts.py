@@ -6,10 +6,10 @@ import struct
 from hashlib import sha256
 
 from picker.config import KvCacheIndexConfig, PoolConfig
+from picker.facts import RequestFacts, parse_request
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
-from picker.facts import RequestFacts, parse_request
 from picker.routing.prefix_key import prefix_key
 from picker.shared.block_keys import request_block_keys
 
