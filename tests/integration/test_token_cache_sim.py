@@ -91,7 +91,7 @@ async def test_second_turn_makes_no_tokenizer_call_and_holds_match_a_full_tokeni
 
         async def turn(msgs: list[dict[str, str]]) -> tuple[Any, int]:
             before = counting.on_request_path()
-            held = (await t4.lookup(facts(msgs))).holds
+            held = await t4.lookup(facts(msgs))
             calls = counting.on_request_path() - before
             await t4.tokens.drained()  # the fill runs while the engine answers
             return held, calls
@@ -108,7 +108,7 @@ async def test_second_turn_makes_no_tokenizer_call_and_holds_match_a_full_tokeni
         # a new conversation: its first turn is cold (one call), its second turn makes none
         msgs = [{"role": "system", "content": words(rng, 500)}, {"role": "user", "content": words(rng, 80)}]
         first, calls = await turn(msgs)
-        assert calls == 1 and getattr(first, "exact", None) is True
+        assert calls == 1 and first.exact is True
         reply = {"role": "assistant", "content": words(rng, 100)}
         # what the engines hold now: sim-0 served the first turn (its prompt and reply), sim-1 the system prompt
         t4.index.put(
@@ -125,22 +125,23 @@ async def test_second_turn_makes_no_tokenizer_call_and_holds_match_a_full_tokeni
             t4.metrics.registry.get_sample_value("continuum_kv_tokenize_calls_total", {"path": "request"})
             == calls_before
         )
-        assert getattr(second, "exact", None) is False
+        assert second.exact is False
 
         # the same prompt tokenized in full by the simulator
         full_ids = await engine.token_ids(MODEL, messages=second_msgs)
         assert full_ids is not None and full_ids == sim_tok.chat_token_ids(second_msgs)
         full_keys = request_block_keys(full_ids, bs, MODEL, max_blocks=t4.max_blocks)
-        cached_keys = list(getattr(second, "block_keys", ()))
+        cached_keys = list(second.block_keys)
         assert cached_keys and cached_keys == full_keys[: len(cached_keys)]
         full_held = t4.index.lookup(full_keys)
-        assert set(second) == set(full_held) == {"sim-0", "sim-1"}
-        for backend, hold in second.items():
+        assert set(second.holds) == set(full_held) == {"sim-0", "sim-1"}
+        for backend, hold in second.holds.items():
             assert hold.blocks == min(full_held[backend].blocks, len(cached_keys))
             assert hold.tier == full_held[backend].tier
-        assert max(second, key=lambda b: second[b].blocks) == max(full_held, key=lambda b: full_held[b].blocks)
+        deepest = max(second.holds, key=lambda b: second.holds[b].blocks)
+        assert deepest == max(full_held, key=lambda b: full_held[b].blocks)
         # the estimate of the whole prompt's length is near the true count
-        assert abs(getattr(second, "prompt_tokens", 0) - len(full_ids)) <= 0.2 * len(full_ids)
+        assert abs((second.prompt_tokens or 0) - len(full_ids)) <= 0.2 * len(full_ids)
     finally:
         fills.cancel()
         await asyncio.gather(fills, return_exceptions=True)
