@@ -590,7 +590,7 @@ def unauthenticated_exposure(x: ExtProcConfig, loopback: bool | None) -> tuple[s
 
 class AdmissionConfig(_Section):
     """Admission control over all streams (hot-reloadable): past any bound a request is answered 429 with
-    ``Retry-After`` and a JSON error, never queued. Defaults sized for a 2-core picker (README, Bounds)."""
+    ``Retry-After`` and a JSON error, never queued. Defaults sized for a 2-core picker (docs/operations.md, Bounds)."""
 
     # Request bodies buffered by all streams together (each stream is also bound by extproc.max_body_bytes);
     # a stream's declared Content-Length is reserved at its headers, chunks beyond it as they come.

@@ -23,7 +23,7 @@ _DEFAULTS = EnvoyOptions()
 # with BUFFERED request bodies (each eligible miss is switched to a streamed body, like an opted-in sample).
 CACHE_RESPONSE_MODE: ResponseMode = "full"
 CACHE_ALSO_WORKS = "sampled with BUFFERED request bodies"
-# What ``full`` costs (README, "Response modes and what they cost": python -m benchmarks.overhead --compare-modes)
+# What ``full`` costs (docs/operations.md, "Response modes and what they cost": benchmarks.overhead --compare-modes)
 FULL_MODE_COST = (
     "every response body chunk passes through the picker (measured: about 10.7 ms of picker CPU per streamed "
     "256-token response against 0.6 ms with none)"

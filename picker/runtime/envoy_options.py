@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
-# What of each response reaches the picker (README, "Body and response modes"):
+# What of each response reaches the picker (docs/operations.md, "Response modes and what they cost"):
 # - none: the response headers (status, time to first byte); no body message. Response trailers are SEND
 #   so that Envoy keeps the ext_proc stream open until the HTTP stream ends: with body NONE and trailers
 #   SKIP, Envoy closes the stream as soon as it has the headers answer (its "last response" close, no
