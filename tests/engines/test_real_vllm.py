@@ -180,6 +180,13 @@ def test_an_engine_restart_clears_its_old_incarnation(stack: RealStack) -> None:
     wait_until(lambda: stack.entries()[P32] > 0, timeout=30.0, what="the old incarnation's blocks in the index")
     restarts = listener_metric(stack, "kv_listener_engine_restarts_total", source=P32)
     stack.engine(P32).restart()
+    # while it was down its scrapes went unanswered and its health probe was refused: the picker took it out of
+    # rotation (probe_failed) and readmits it after two answered probes (pool.health.probe), a second or two
+    wait_until(
+        lambda: {b["backend"]: b["healthy"] for b in stack.admin("/admin/pool")["backends"]}[P32],
+        timeout=30.0,
+        what="vllm-p32 back in rotation after its restart",
+    )
     fresh = [{"role": "system", "content": text("new-incarnation", 10)}, {"role": "user", "content": "q"}]
     stack.chat(fresh, pin=P32)  # its first event batch (seq 0) shows the restart
     wait_until(
