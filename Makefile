@@ -102,12 +102,12 @@ bench-routing: $(STAMP)
 	$(PY) -m benchmarks.routing --scenario seed003 --out out/seed003
 
 # The listener→picker feed's messages (protos/kvfeed/v1/feed.proto) → picker/shared/kvfeed_pb/ (committed;
-# tests/unit/test_feed_protos.py fails when they are stale).
+# tests/unit/picker/shared/kvfeed_pb/test_feed_pb2.py fails when they are stale).
 protos: $(STAMP)
 	$(PY) protos/generate.py
 
 # The chart's generated files (Envoy bootstrap template, values.schema.json, dashboards, the values table in its
-# README) from the generator and the settings schemas; tests/unit/test_chart*.py fail when they are stale.
+# README) from the generator and the settings schemas; tests/unit/charts/ fail when they are stale.
 chart: $(STAMP)
 	$(PY) charts/generate.py
 

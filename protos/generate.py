@@ -2,7 +2,7 @@
 
 The messages only (``feed_pb2.py`` and its typed stub ``feed_pb2.pyi``): the listener and the picker
 bind the service's two methods by path (``picker.shared.feed_records``), so no generated service code
-with absolute imports is needed. ``tests/unit/test_feed_protos.py`` regenerates into a temporary
+with absolute imports is needed. ``tests/unit/picker/shared/kvfeed_pb/test_feed_pb2.py`` regenerates into a temporary
 directory and fails when the committed files differ.
 
     python protos/generate.py [OUT_DIR]

@@ -3,7 +3,7 @@
 Every flag comes from ``SimConfig`` and ``KvEventsSettings`` (``--kv-events-...``). The command's own
 defaults (``CLI_DEFAULTS``) are those of the first engine of ``examples/`` (``make up``): vLLM's port 8000,
 its KV event endpoints ``tcp://*:5557`` (replay ``tcp://*:5558``) and the served model name ``SERVED_MODEL``
-(tests/unit/test_examples.py holds the examples to them); a second engine takes ``--name vllm-1
+(tests/unit/repo/test_examples.py holds the examples to them); a second engine takes ``--name vllm-1
 --port 8001 --kv-events-endpoint tcp://*:5567 --kv-events-replay-endpoint tcp://*:5568``. When ready it
 prints one JSON line on stdout, ``{"event": "kv_sim_ready", "name", "url", "port",
 "kv_events_endpoint", "replay_endpoint"}``, which ``benchmarks.engine_sim.process`` reads to learn the

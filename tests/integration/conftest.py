@@ -26,7 +26,9 @@ from benchmarks.stack import (
     start_picker,
 )
 from picker.runtime.envoy_config import EnvoyOptions
+from tests.support.admin_redis import admin  # noqa: F401  (a fixture: admin clients on Redis-backed apps)
 from tests.support.echo_backend import READY_PREFIX
+from tests.support.embeddings_sim import sim  # noqa: F401  (a fixture: the simulator's /v1/embeddings; a module may define its own)
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET_TEST_HEADER = "x-test-subset"

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq.asyncio
 
-from tests.support.admin_redis import admin  # noqa: F401  (a fixture: admin clients on Redis-backed apps)
 from tests.support.embeddings_sim import sim  # noqa: F401  (a fixture: the simulator's /v1/embeddings; a module may define its own)
 
 

@@ -1,7 +1,7 @@
 """listener.msgpack_decoder: both batch forms and both event encodings, hostile batches and events (refused or
 counted and skipped, never a crash), the decoding budget, ``extra_keys`` (adapter name, salt, multimodal extras),
 KV-cache group kinds, and the raw events kept for the state log. More decoder cases, with the engines' own
-layouts, are in tests/unit/test_engine_keys_decoder.py."""
+layouts, are in tests/unit/listener/test_msgpack_decoder_engine_keys.py."""
 
 from __future__ import annotations
 
