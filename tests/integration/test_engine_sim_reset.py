@@ -19,7 +19,7 @@ from benchmarks.engine_sim import EngineSimulator, KvEventsSettings, SimConfig
 from benchmarks.engine_sim.prefix_cache import hash_as_uint64
 from benchmarks.engine_sim.tokenizer import encode
 from tests.support.poll import async_wait_until
-from tests.unit.benchmarks.engine_sim.test_kv_events import decode_event, started
+from tests.support.sim_events import decode_event, started
 
 BS = 16
 PROMPT = " ".join(f"reset{j}" for j in range(40))  # 2 full blocks + 8 tokens

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.engine_sim import EngineSimulator, KvEventsSettings, SimConfig
 from benchmarks.engine_sim.process import SimulatorProcess
 from benchmarks.engine_sim.tokenizer import chat_token_ids, encode, output_words
-from tests.unit.benchmarks.engine_sim.test_kv_events import decode_event, started
+from tests.support.sim_events import decode_event, started
 
 FAST = SimConfig(time_scale=0.001, kv_events_enabled=False)
 
