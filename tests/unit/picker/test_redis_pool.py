@@ -1,0 +1,184 @@
+"""The shared Redis pool without a server: how a URL is read (and refused), that the display form never carries the
+password, the client's pool options, one client per setting per event loop, and the shared outage state."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from picker.config import RedisConfig
+from picker.redis_pool import (
+    FastBlockingPool,
+    RedisEndpoint,
+    RedisHealth,
+    SharedRedis,
+    build_redis,
+    effective_url,
+    redis_endpoint,
+    redis_health,
+)
+
+
+def cfg(url: str = "redis://127.0.0.1:6379", **extra: object) -> RedisConfig:
+    return RedisConfig(url=url, **extra)
+
+
+def test_tls_turns_redis_into_rediss_and_leaves_rediss_alone() -> None:
+    assert effective_url(cfg("redis://h:1/2", tls=True)) == "rediss://h:1/2"
+    assert effective_url(cfg("rediss://h:1/2", tls=True)) == "rediss://h:1/2"
+    assert effective_url(cfg("redis://h:1/2")) == "redis://h:1/2"
+    assert redis_endpoint(cfg("redis://h", tls=True)).tls and not redis_endpoint(cfg("redis://h")).tls
+
+
+def test_the_url_parts_with_their_defaults() -> None:
+    assert redis_endpoint(cfg("redis://cache.local")) == RedisEndpoint("cache.local", 6379, 0, False, None, False)
+    assert redis_endpoint(cfg("rediss://alice:pw@10.1.2.3:6380/7")) == RedisEndpoint(
+        "10.1.2.3", 6380, 7, True, "alice", True
+    )
+    assert redis_endpoint(cfg("redis://h/")).db == 0  # an empty path is database 0
+    only_password = redis_endpoint(cfg("redis://:s3cret@h:1"))
+    assert only_password.username is None and only_password.has_password
+    assert redis_endpoint(cfg("redis://us%3Aer@h")).username == "us:er"  # percent-decoded
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("redis://h:abc", "bad port in 'redis://h:abc'"),
+        ("redis://h:99999", "bad port in 'redis://h:99999'"),
+        ("redis://:pw@/1", "no host in"),
+        ("redis://h/x", "the path must be a database number, not 'x'"),
+        ("redis://h/0/1", "the path must be a database number, not '0/1'"),
+    ],
+)
+def test_a_url_redis_py_would_misread_is_refused_naming_the_problem(url: str, says: str) -> None:
+    with pytest.raises(ValueError, match=r"^response_cache\.redis\.url: ") as err:
+        redis_endpoint(cfg(url))
+    assert says in str(err.value)
+    with pytest.raises(ValueError):
+        build_redis(cfg(url))  # no client is built from it either
+
+
+def test_the_display_form_names_user_host_port_and_db_never_the_password() -> None:
+    shown = redis_endpoint(cfg("redis://alice:hunter2@h:6390/4", tls=True)).display()
+    assert shown == "rediss://alice@h:6390/4" and "hunter2" not in shown
+    assert redis_endpoint(cfg("redis://:hunter2@h")).display() == "redis://h:6379/0"
+
+
+async def test_the_client_pool_is_bounded_by_the_config_and_retries_only_connection_errors() -> None:
+    client = build_redis(cfg("redis://u:pw@h:7/3", pool_size=5, command_timeout_ms=250, connect_timeout_ms=100))
+    try:
+        pool = client.connection_pool
+        assert isinstance(pool, FastBlockingPool) and pool.fast  # the fast path recognises this redis-py
+        assert pool.max_connections == 5 and pool.timeout == 0.25  # the wait for a free connection
+        kw = pool.connection_kwargs
+        assert (kw["host"], kw["port"], kw["db"], kw["username"], kw["password"]) == ("h", 7, 3, "u", "pw")
+        assert (kw["socket_connect_timeout"], kw["socket_timeout"]) == (0.1, 0.25)
+        retry = kw["retry"]
+        assert retry._retries == 1 and tuple(retry._supported_errors) == (RedisConnectionError,)
+    finally:
+        await client.aclose(close_connection_pool=True)
+
+
+async def test_the_fast_path_gives_a_connection_back_when_its_check_fails() -> None:
+    client = build_redis(cfg(pool_size=2))
+    pool = client.connection_pool
+    assert isinstance(pool, FastBlockingPool)
+    conn = pool.make_connection()  # not connected: no server is touched
+    pool._available_connections.append(conn)
+
+    async def refused(c: object) -> None:
+        raise RedisConnectionError("refused")
+
+    pool.ensure_connection = refused  # type: ignore[method-assign]
+    with pytest.raises(RedisConnectionError):
+        await pool.get_connection()
+    assert pool._available_connections == [conn] and not pool._in_use_connections
+    await client.aclose(close_connection_pool=True)
+
+
+async def test_one_client_per_setting_on_a_loop_and_closing_forgets_them() -> None:
+    shared = SharedRedis()
+    a = shared.client(cfg(pool_size=4))
+    assert shared.client(cfg(pool_size=4)) is a
+    assert shared.client(cfg(pool_size=4, key_prefix="other:")) is a  # not a connection setting
+    assert shared.client(cfg(pool_size=8)) is not a
+    assert shared.client(cfg(pool_size=4, tls=True)) is not a
+    assert shared.client(cfg(pool_size=4, command_timeout_ms=999)) is not a
+    await shared.aclose()
+    assert shared.client(cfg(pool_size=4)) is not a  # a closed client is never handed out again
+    await shared.aclose()
+
+
+def test_each_event_loop_gets_its_own_client() -> None:
+    shared = SharedRedis()
+
+    async def get() -> Redis:
+        return shared.client(cfg())
+
+    loop1, loop2 = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        first = loop1.run_until_complete(get())
+        assert loop1.run_until_complete(get()) is first
+        assert loop2.run_until_complete(get()) is not first
+        assert shared.client(cfg()) is not first  # outside any loop: yet another
+        assert shared.client(cfg()) is shared.client(cfg())
+        loop2.run_until_complete(shared.aclose())  # closes loop2's, forgets every other
+        assert loop1.run_until_complete(get()) is not first
+    finally:
+        loop1.close()
+        loop2.close()
+
+
+class User:
+    def __init__(self) -> None:
+        self.woken = 0
+
+    def wake(self) -> None:
+        self.woken += 1
+
+
+def test_an_outage_is_reported_once_and_its_end_wakes_the_listeners() -> None:
+    h = RedisHealth()
+    store, index = User(), User()
+    h.on_answered(store.wake)
+    h.on_answered(index.wake)
+    h.answered()  # not down: nobody is woken
+    assert (store.woken, index.woken) == (0, 0)
+    h.outage("store", "timeout")
+    h.outage("index", "refused")  # already down: the first report stands
+    assert h.down and (h.reported_by, h.reason, h.outages) == ("store", "timeout", 1)
+    assert h.as_json() == {"down": True, "reported_by": "store", "outages": 1}
+    h.answered()
+    assert (store.woken, index.woken) == (1, 1) and h.as_json() == {"down": False, "reported_by": None, "outages": 1}
+    h.outage("index", "reset")
+    assert h.outages == 2 and h.reported_by == "index"
+
+
+def test_a_listener_does_not_keep_its_user_alive() -> None:
+    h = RedisHealth()
+    gone, kept = User(), User()
+    h.on_answered(gone.wake)
+    del gone
+    gc.collect()
+    h.on_answered(kept.wake)  # registering prunes the dead one
+    assert len(h._listeners) == 1
+    h.outage("store", "timeout")
+    h.answered()
+    assert kept.woken == 1
+
+
+async def test_every_user_of_a_client_shares_its_outage_state() -> None:
+    a, b = build_redis(cfg()), build_redis(cfg())
+    try:
+        assert redis_health(a) is redis_health(a)
+        assert redis_health(a) is not redis_health(b)
+        redis_health(a).outage("store", "timeout")
+        assert redis_health(a).down and not redis_health(b).down
+    finally:
+        await a.aclose(close_connection_pool=True)
+        await b.aclose(close_connection_pool=True)
