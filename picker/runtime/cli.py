@@ -57,8 +57,9 @@ def _serve(args: argparse.Namespace) -> int:
         return 130
 
 
-# The kv-listener's own top-level settings (a subset: enough to recognise its file; tests/unit/picker/runtime/test_cli.py
-# checks every name is one): `kv-epp config validate` given the listener's config points at its command.
+# The kv-listener's own top-level settings (a subset: enough to recognise its file;
+# tests/unit/picker/runtime/test_cli.py checks every name is one): `kv-epp config validate` given the
+# listener's config points at its command.
 LISTENER_KEYS = frozenset({"listen", "key_block_size", "sources", "discovery", "state", "feed", "grpc", "limits"})
 
 
