@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 from benchmarks.vllm_engine.process import ROOT, engines_python
-from tests.unit.listener.test_block_chains import CPU_REMOVAL, STORAGE_REMOVAL, Listener
-from tests.unit.listener.test_block_chains import offload_keys as keys
+from tests.support.offload_listener import CPU_REMOVAL, STORAGE_REMOVAL, Listener
+from tests.support.offload_listener import offload_keys as keys
 
 FIXTURE = Path(__file__).resolve().parents[1] / "unit" / "data" / "vllm_offload_sequence.hex"
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import random
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,67 +19,16 @@ import zmq.asyncio
 
 from listener import state_store
 from listener.app import ListenerApp
-from listener.config import ListenerConfig, SourceConfig, StateConfig
+from listener.config import ListenerConfig, StateConfig
 from listener.state_file import SourceState, read_state_file, write_state_file
 from listener.state_log import EventLog, compact
 from listener.state_store import StatePersister
 from listener.zmq_source import ZmqEventSource
 from picker.shared.block_keys import request_block_keys
+from tests.support.fake_engines import Engine, stored, tokens, workload
+from tests.support.listener_apps import BS, MODEL, config, record_puts, source, started
+from tests.support.listener_events import Live, random_workload, src_cfg
 from tests.support.poll import async_wait_until
-from tests.unit.listener.fake_engines import PAGE, Engine, stored, tokens, workload
-from tests.unit.listener.test_state_log import Live, random_workload, src_cfg
-
-BS = PAGE
-MODEL = "m"
-
-
-def config(engine: Engine, state_path: Path | None, **top: Any) -> ListenerConfig:
-    src = SourceConfig(
-        backend_name="e1",
-        model=MODEL,
-        block_size=BS,
-        zmq_endpoint=engine.endpoint,
-        replay_endpoint=engine.replay_endpoint,
-        replay_timeout_ms=10_000,
-    )
-    state = StateConfig(path=str(state_path), interval_seconds=0.05) if state_path else StateConfig()
-    return ListenerConfig(listen="127.0.0.1:0", key_block_size=BS, sources=(src,), state=state, **top)
-
-
-def source(app: ListenerApp) -> ZmqEventSource:
-    src = app.sources["e1"]
-    assert isinstance(src, ZmqEventSource)
-    return src
-
-
-@contextlib.asynccontextmanager
-async def started(*apps: ListenerApp) -> AsyncIterator[None]:
-    for a in apps:
-        await a.start()
-    try:
-        yield
-    finally:
-        for a in apps:
-            await a.stop()
-
-
-def record_puts(app: ListenerApp) -> list[tuple[str, list[int]]]:
-    """Every delta the feed of e1 emits, in order (("put"|"del", keys) and ("clear", []))."""
-    feed = app.feeds["e1"]
-    out: list[tuple[str, list[int]]] = []
-    emit, clear = feed.emit, feed.clear
-
-    def emit_spy(op: str, keys: list[int], tier: str | None, page: int = 0) -> None:
-        out.append((op, list(keys)))
-        emit(op, keys, tier, page)
-
-    def clear_spy(reason: str) -> None:
-        out.append(("clear", []))
-        clear(reason)
-
-    feed.emit = emit_spy  # type: ignore[method-assign]
-    feed.clear = clear_spy  # type: ignore[method-assign]
-    return out
 
 
 async def test_listener_restart_resumes_exactly_while_the_engine_keeps_publishing(

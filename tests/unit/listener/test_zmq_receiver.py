@@ -18,9 +18,9 @@ from listener.config import LimitsConfig, ListenerConfig, SourceConfig
 from listener.metrics import ListenerMetrics
 from listener.zmq_receiver import MAX_RCV_HWM, VERIFY, ZmqReceiver, ipv6, rcv_hwm
 from listener.zmq_source import ZmqEventSource
+from tests.support.fake_engines import PAGE as BS
+from tests.support.fake_engines import Engine, stored, tokens
 from tests.support.poll import async_wait_until
-from tests.unit.listener.fake_engines import PAGE as BS
-from tests.unit.listener.fake_engines import Engine, stored, tokens
 
 MODEL = "m"
 FREE_PORT_PROBE = "tcp://127.0.0.1"

@@ -14,7 +14,7 @@ import zmq.asyncio
 from listener import zmq_replay
 from listener.config import LimitsConfig, SourceConfig
 from listener.zmq_replay import END_SEQ, ReplayEnd, replay, split_replay_reply
-from tests.unit.listener.fake_engines import ReplayServer, seq8
+from tests.support.fake_engines import ReplayServer, seq8
 
 
 def cfg(endpoint: str, timeout_ms: int = 2000) -> SourceConfig:

@@ -23,13 +23,13 @@ from listener.state_file import SourceState
 from listener.state_log import compact
 from listener.zmq_source import ZmqEventSource, fingerprint, payload_digest, restore_chunks
 from picker.shared.block_keys import request_block_keys
+from tests.support import fake_engines
+from tests.support.fake_engines import Engine, Pub, ReplayServer, seq8
+from tests.support.listener_apps import config as restart_config
+from tests.support.listener_apps import record_puts, source, started
+from tests.support.listener_events import Live, src_cfg, store, toks
 from tests.support.poll import async_wait_until
 from tests.support.recording_sink import RecordingSink
-from tests.unit.listener import fake_engines
-from tests.unit.listener.fake_engines import Engine, Pub, ReplayServer, seq8
-from tests.unit.listener.test_state_log import Live, src_cfg, store, toks
-from tests.unit.listener.test_state_store import config as restart_config
-from tests.unit.listener.test_state_store import record_puts, source, started
 
 BS = 4
 MODEL = "m"
