@@ -101,11 +101,17 @@ def _wanted_lines(text: str, families: Iterable[str]) -> Iterator[str]:
             end = text.find("\n", i)
             end = n if end < 0 else end
             pos = end + 1
-            after = i + len(family)
+            if i - start > MAX_LINE_CHARS:
+                continue  # the line's first occurrence is too far in for the line to be kept
+            # The line's name starts where its prefix (indent, "# HELP " / "# TYPE ") ends: the first occurrence
+            # may lie inside the prefix itself (P, E, YP in HELP / TYPE), so the name is checked there.
+            prefix = _LINE_PREFIX_RE.match(text, start, min(end, start + MAX_LINE_CHARS))  # all optional: matches
+            name_at = prefix.end() if prefix is not None else start
+            if not text.startswith(family, name_at):
+                continue  # the name inside another line (a label value, another family's HELP text)
+            after = name_at + len(family)
             if after < n and text[after] in _NAME_CHARS:
                 continue  # a longer name that starts with this one
-            if i - start > MAX_LINE_CHARS or _LINE_PREFIX_RE.fullmatch(text, start, i) is None:
-                continue  # the name inside another line (a label value, another family's HELP text)
             yield text[start:end]
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -102,12 +101,6 @@ def test_nan_and_infinity_are_read_in_either_case_and_with_a_sign() -> None:
         assert s is not None and check(s.value), text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_wanted_lines resumes at the next line after the first occurrence of a family's name: for a name that "
-    "also occurs inside the comment keyword (P, E, YP... in '# HELP' / '# TYPE') the comment line is passed over, "
-    "so its declared type is lost when reading only the wanted families (harmless for vLLM/SGLang's names)",
-)
 def test_a_wanted_family_named_inside_the_comment_keyword_keeps_its_type() -> None:
     text = "# HELP P the P family\n# TYPE P gauge\nP 1\n"
     assert parse_exposition(text).types == {"P": "gauge"}
