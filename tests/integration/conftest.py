@@ -29,6 +29,7 @@ from picker.runtime.envoy_config import EnvoyOptions
 from tests.support.admin_redis import admin  # noqa: F401  (a fixture: admin clients on Redis-backed apps)
 from tests.support.echo_backend import READY_PREFIX
 from tests.support.embeddings_sim import sim  # noqa: F401  (a fixture: the simulator's /v1/embeddings; a module may define its own)
+from tests.support.zmq_context import ctx  # noqa: F401  (a fixture: a ZMQ context, destroyed after the test)
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET_TEST_HEADER = "x-test-subset"
