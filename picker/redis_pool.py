@@ -49,6 +49,25 @@ def effective_url(cfg: RedisConfig) -> str:
     return cfg.url
 
 
+def redis_secrets(cfg: RedisConfig) -> tuple[str, ...]:
+    """The URL's password, as written and percent-decoded (what an error text could echo)."""
+    try:
+        password = urlsplit(cfg.url).password
+    except ValueError:
+        return ()
+    if not password:
+        return ()
+    return tuple({password, unquote(password)})
+
+
+def redacted_url(cfg: RedisConfig) -> str:
+    """The configured URL as written, every occurrence of its password replaced by ``***`` (for an error text)."""
+    url = cfg.url
+    for secret in sorted(redis_secrets(cfg), key=len, reverse=True):
+        url = url.replace(secret, "***")
+    return url
+
+
 def redis_endpoint(cfg: RedisConfig) -> RedisEndpoint:
     """Parse the URL (``redis[s]://[user[:password]@]host[:port][/db]``); ValueError names what is wrong."""
     url = effective_url(cfg)
@@ -56,9 +75,9 @@ def redis_endpoint(cfg: RedisConfig) -> RedisEndpoint:
     try:
         port = parts.port or 6379
     except ValueError as exc:
-        raise ValueError(f"response_cache.redis.url: bad port in {cfg.url!r} ({exc})") from None
+        raise ValueError(f"response_cache.redis.url: bad port in {redacted_url(cfg)!r} ({exc})") from None
     if not parts.hostname:
-        raise ValueError(f"response_cache.redis.url: no host in {cfg.url!r}")
+        raise ValueError(f"response_cache.redis.url: no host in {redacted_url(cfg)!r}")
     path = parts.path.strip("/")
     if path and not path.isdigit():
         raise ValueError(f"response_cache.redis.url: the path must be a database number, not {path!r}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from aiohttp import web
 from redis.exceptions import RedisError
@@ -21,7 +20,7 @@ from picker.config import RedisConfig
 from picker.kv.admin import kv_index_backends, kv_index_clear, kv_index_stats
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
-from picker.redis_pool import redis_endpoint
+from picker.redis_pool import redis_endpoint, redis_secrets
 from picker.runtime.app import PickerApp
 
 
@@ -107,17 +106,6 @@ async def kv_index_redis_keys(index: RedisKvIndex) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"[:200]}
     per_backend = {name: int(n) for name, n in zip(names, lengths, strict=True)}
     return {"backends": len(names), "entries": sum(per_backend.values()), "per_backend": per_backend}
-
-
-def redis_secrets(cfg: RedisConfig) -> tuple[str, ...]:
-    """The URL's password, as written and percent-decoded (what an error text could echo)."""
-    try:
-        password = urlsplit(cfg.url).password
-    except ValueError:
-        return ()
-    if not password:
-        return ()
-    return tuple({password, unquote(password)})
 
 
 def scrub(value: Any, secrets: tuple[str, ...]) -> Any:

@@ -63,6 +63,22 @@ def test_a_url_redis_py_would_misread_is_refused_naming_the_problem(url: str, sa
         build_redis(cfg(url))  # no client is built from it either
 
 
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("redis://u:hunter2@h:abc", "bad port in 'redis://u:***@h:abc'"),
+        ("redis://u:hunter2@h:99999", "bad port in 'redis://u:***@h:99999'"),
+        ("redis://u:hunter2@/1", "no host in 'redis://u:***@/1'"),
+        ("redis://:hunter%32@:1", "no host in 'redis://:***@:1'"),  # percent-encoded: redacted as written
+    ],
+)
+def test_a_refused_url_is_echoed_without_its_password(url: str, says: str) -> None:
+    with pytest.raises(ValueError) as err:
+        redis_endpoint(cfg(url))
+    assert says in str(err.value)
+    assert "hunter" not in str(err.value)
+
+
 def test_the_display_form_names_user_host_port_and_db_never_the_password() -> None:
     shown = redis_endpoint(cfg("redis://alice:hunter2@h:6390/4", tls=True)).display()
     assert shown == "rediss://alice@h:6390/4" and "hunter2" not in shown
