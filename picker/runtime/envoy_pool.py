@@ -39,8 +39,15 @@ def check_pool(o: EnvoyOptions) -> None:
     bad = [b for b in o.backends if not is_ip(b)]
     if bad:
         raise ValueError(f"backends must be ip:port (the picker names endpoints by address): {bad}")
+    out_of_range = [b for b in o.backends if not _is_port(b.rpartition(":")[2])]
+    if out_of_range:
+        raise ValueError(f"backends must be ip:port with a port in 1..65535, got {out_of_range}")
     if not o.backends:
         raise ValueError("no backends: the upstream cluster needs the pool's endpoints (ip:port)")
+
+
+def _is_port(text: str) -> bool:
+    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
 
 
 _DNS_NAME = re.compile(r"(?=.{1,253}$)([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)(\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*\.?")
