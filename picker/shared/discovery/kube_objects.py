@@ -74,19 +74,26 @@ class Pod:
 
 
 def parse_pod(obj: Mapping[str, Any]) -> tuple[str, Pod]:
-    """(pod name, what discovery keeps of it); ValueError when the object has no usable name."""
-    meta = obj.get("metadata") or {}
+    """(pod name, what discovery keeps of it); ValueError when the object has no usable name, or its metadata,
+    status or status.conditions has the wrong JSON type (named)."""
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"pod: not an object but {type(obj).__name__}")
+    meta = _object_or_none(obj.get("metadata"), "pod metadata")
     name = meta.get("name")
     if not isinstance(name, str) or not BACKEND_NAME_RE.fullmatch(name):
         raise ValueError(f"pod name {name!r} is not a usable backend name")
-    status = obj.get("status") or {}
+    status = _object_or_none(obj.get("status"), f"pod {name}: status")
     ip: str | None = status.get("podIP") or None
     if ip is not None:
         try:
             ip = str(ipaddress.ip_address(ip))
         except ValueError:
             ip = None
-    conditions = status.get("conditions") or ()
+    conditions = status.get("conditions")
+    if conditions is None:
+        conditions = ()
+    elif not isinstance(conditions, list):
+        raise ValueError(f"pod {name}: status.conditions is not a list but {type(conditions).__name__}")
     ready = any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     raw = meta.get("annotations") or {}
     annotations = tuple(sorted((str(k), str(v)) for k, v in raw.items())) if isinstance(raw, dict) else ()
@@ -95,3 +102,12 @@ def parse_pod(obj: Mapping[str, Any]) -> tuple[str, Pod]:
     # EndpointSlices).
     ended = status.get("phase") in ("Failed", "Succeeded")
     return name, Pod(ip, ready, ended or bool(meta.get("deletionTimestamp")), annotations)
+
+
+def _object_or_none(value: Any, field: str) -> Mapping[str, Any]:
+    """A JSON object field: missing or null reads as empty; any other type is a ValueError naming the field."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} is not an object but {type(value).__name__}")
+    return value

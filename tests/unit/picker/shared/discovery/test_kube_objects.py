@@ -114,12 +114,6 @@ def test_what_the_published_backends_depend_on_changes_with_readiness_but_not_wh
     assert {p.view() for p in gone} == {None}  # terminating or without an IP: not a backend whatever else changes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parse_pod raises AttributeError/TypeError, not ValueError, for a metadata, status or conditions of the "
-    "wrong JSON type; kubernetes._list_pods skips only ValueError, so one such item fails the whole list (retried "
-    "for ever). Unreachable from a schema-validating API server.",
-)
 @pytest.mark.parametrize(
     "obj",
     [{"metadata": "vllm-0"}, pod(conditions=5), {"metadata": {"name": "vllm-0"}, "status": "Running"}],
