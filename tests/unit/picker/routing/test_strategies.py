@@ -60,7 +60,7 @@ def test_registry_has_every_seed_strategy() -> None:
     assert set(STRATEGY_REGISTRY) == {
         "RoundRobin", "WeightedRoundRobin", "LeastLatency", "Random", "ConsistentHash", "PrefixAwareHash",
         "LeastRequest",  # ours: load only (fewest in-flight), the benchmarks' load_only policy
-        "PrefixMemory",  # ours: event-free Tier 1 that remembers placements (tests/unit/picker/routing/test_strategies_prefix_memory.py)
+        "PrefixMemory",  # ours: event-free Tier 1 remembering placements (routing/test_strategies_prefix_memory.py)
     }  # fmt: skip
 
 
