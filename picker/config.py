@@ -57,7 +57,7 @@ StrategyName = Literal[
     "PrefixMemory",
 ]
 HOT_RELOADABLE = frozenset(
-    {"prefix_routing", "selection_strategy", "pool", "session_affinity", "admission", "response_cache"}
+    {"prefix_routing", "selection_strategy", "pool", "session_affinity", "admission", "response_cache", "flow_control"}
 )
 # keys of hot-reloadable sections that are not: where the pool comes from (the discovery task is started once),
 # the response cache's store and its Redis connection (the pool is built once)
@@ -602,6 +602,67 @@ class AdmissionConfig(_Section):
     retry_after_seconds: int = Field(1, ge=1, le=3600)  # the Retry-After header of a 429
 
 
+FairnessPolicy = Literal["global_fifo", "round_robin", "token_weighted"]
+OrderingPolicy = Literal["fcfs", "edf"]
+
+
+class FlowObjectiveConfig(_Section):
+    """One InferenceObjective (named by the request header ``x-llm-d-inference-objective``)."""
+
+    priority: int = Field(0, ge=-1_000_000, le=1_000_000)  # higher first; negative: sheddable
+
+
+class FlowBandConfig(_Section):
+    """Bounds of one priority band (every field unset: the section-wide value)."""
+
+    max_requests: int | None = Field(None, ge=1, le=10_000_000)
+    max_bytes: int | None = Field(None, ge=1024, le=64 << 30)
+    ttl_ms: int | None = Field(None, ge=1, le=86_400_000)
+    # dispatch only while the pool's saturation is below this: a band below 1.0 leaves headroom that only
+    # higher bands may use (their requests then start on an engine that still has room)
+    saturation_limit: float | None = Field(None, gt=0.0, le=1.0)
+
+
+class FlowSaturationConfig(_Section):
+    """When the pool is saturated (dispatch halts). Per endpoint, the largest of: the engine's waiting requests
+    / ``queue_depth_threshold``, its KV usage / ``kv_cache_threshold``, this picker's pending prefill tokens /
+    ``pending_prefill_tokens_threshold`` and its requests in flight / ``in_flight_threshold`` (a threshold of 0
+    leaves its signal out); the pool's saturation is the mean over its routable endpoints. An endpoint whose
+    engine signals are missing or older than ``max_signal_age_ms`` counts as saturated (fail closed) while
+    ``pool.engine_metrics`` is on."""
+
+    queue_depth_threshold: int = Field(5, ge=0, le=1_000_000)
+    kv_cache_threshold: float = Field(0.8, ge=0.0, le=1.0)
+    pending_prefill_tokens_threshold: int = Field(0, ge=0, le=100_000_000)
+    in_flight_threshold: int = Field(0, ge=0, le=1_000_000)
+    max_signal_age_ms: int = Field(3000, ge=50, le=3_600_000)
+
+
+class FlowControlConfig(_Section):
+    """Flow control (hot-reloadable; off by default): a request waits in a bounded queue while the pool is
+    saturated, instead of the 429 of admission's in-flight bounds. Its flow is its fairness id
+    (``x-llm-d-inference-fairness-id``, default ``default-flow``) and its priority (the InferenceObjective named
+    by ``x-llm-d-inference-objective``: ``objectives`` here, else watched InferenceObjective objects; unknown or
+    unnamed: 0). Bands drain in strict priority order; inside a band ``fairness`` picks the flow, ``ordering``
+    the request. A request leaves the queue dispatched, or dropped with ``x-llm-d-request-dropped-reason``.
+    See docs/flow-control.md."""
+
+    enabled: bool = False
+    fairness: FairnessPolicy = "global_fifo"
+    ordering: OrderingPolicy = "fcfs"
+    objectives: dict[str, FlowObjectiveConfig] = Field(default_factory=dict, max_length=10_000)
+    watch_objectives: bool = True  # with pool.inference_pool: InferenceObjective objects whose poolRef is ours
+    max_requests: int = Field(5000, ge=1, le=10_000_000)  # queued, all bands together
+    max_bytes: int = Field(1 << 30, ge=1024, le=64 << 30)  # queued request bytes, all bands together
+    default_band: FlowBandConfig = FlowBandConfig()
+    bands: dict[int, FlowBandConfig] = Field(default_factory=dict, max_length=1000)  # by priority
+    default_ttl_ms: int = Field(60_000, ge=1, le=86_400_000)
+    no_endpoints_ttl_ms: int = Field(10_000, ge=1, le=86_400_000)  # while the pool has no routable endpoint
+    expected_output_tokens: int = Field(256, ge=0, le=10_000_000)  # token_weighted: a request without max_tokens
+    max_flows: int = Field(10_000, ge=1, le=1_000_000)  # flows with queued requests; a new one past it is refused
+    saturation: FlowSaturationConfig = FlowSaturationConfig()
+
+
 ADMIN_TOKEN_FILE_MAX_BYTES = 4096  # a bearer token is short: a larger file is refused, never read whole
 
 
@@ -815,6 +876,7 @@ class Settings(BaseSettings):
     pool: PoolConfig = PoolConfig()
     extproc: ExtProcConfig = ExtProcConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    flow_control: FlowControlConfig = FlowControlConfig()
     admin: AdminConfig = AdminConfig()
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
 

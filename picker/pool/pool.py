@@ -131,6 +131,8 @@ class Pool:
         self.health_listener: HealthListener | None = None  # counts transitions (set by the request path)
         # (backend, reason): a hint that the endpoint may hang (set by the active health prober)
         self.suspicion_listener: Callable[[str, str], None] | None = None
+        # an endpoint's load, health or engine reading changed (flow control looks again; set by the request path)
+        self.change_listener: Callable[[], None] | None = None
         self.update(cfg)
 
     # -- membership -----------------------------------------------------------------------------
@@ -174,6 +176,8 @@ class Pool:
     def _changed(self, name: str) -> None:
         self._snaps.pop(name, None)
         self._full_view = None
+        if self.change_listener is not None:
+            self.change_listener()
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:

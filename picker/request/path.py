@@ -23,6 +23,8 @@ from picker.facts import (
     error_body,
     parse_request_body,
 )
+from picker.flow.controller import HEADERS as FLOW_HEADERS
+from picker.flow.controller import FlowController, FlowListener
 from picker.kv.placements import RecentPlacements
 from picker.kv.stage import KvLookup, KvStage
 from picker.ops.recorder import DecisionRecorder
@@ -100,6 +102,7 @@ class RequestPath:
         holds: HoldsSource | None = None,
         cache: ResponseCache | None = None,
         observers: tuple[ResponseObserver, ...] = (),
+        flow_listener: FlowListener | None = None,
     ) -> None:
         self.pool = pool
         self.router = router
@@ -111,6 +114,11 @@ class RequestPath:
         self.body_observers = tuple(o for o in self.observers if o.wants_body)
         self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
         self.admission = Admission(settings.admission)
+        self.flow = FlowController(
+            settings.flow_control, pool, engine_signals=settings.pool.engine_metrics.enabled,
+            retry_after_s=settings.admission.retry_after_seconds, listener=flow_listener,
+        )  # fmt: skip
+        pool.change_listener = self.flow.wake
         self.kv = KvStage(settings.kv_cache_index)  # kv_cache_index is restart-required: built once
         self._cache_warned = False
         self.configure(settings)
@@ -130,6 +138,11 @@ class RequestPath:
         self.tenant_header = settings.extproc.tenant_header.lower()
         self.max_body_bytes = settings.extproc.max_body_bytes
         self.admission.configure(settings.admission)
+        if hasattr(self, "flow"):  # (built after the first configure)
+            self.flow.configure(
+                settings.flow_control, engine_signals=settings.pool.engine_metrics.enabled,
+                retry_after_s=settings.admission.retry_after_seconds,
+            )  # fmt: skip
         self.tier4 = self.holds is not None and self.router.tier4_active()
         self.max_prefix_tokens = settings.kv_cache_index.tokenizer.max_prefix_tokens
         # the semantic cache's caller identity (hashed into RequestFacts.identity), read only while it is on
@@ -143,6 +156,7 @@ class RequestPath:
         self.wanted_headers = frozenset(
             {":path", ":method", "content-length", self.session_header, self.tenant_header, "x-request-id", *ident}
             | {"anthropic-beta", "anthropic-version"}  # output-shaping: part of the response cache's key
+            | FLOW_HEADERS  # flow control's fairness id, objective, TTL and TTFT SLO
         )
 
     # -- the stages -------------------------------------------------------------------------------
@@ -250,10 +264,31 @@ class RequestPath:
                 self.recorder.cache_hit()
                 return looked
             cached = looked
-        why = self.admission.saturation(self.pool.view(req.subset), self.pool.view())
-        if why is not None:  # shed before prepare: a saturated pool gets no tokenizer call either
-            return self.overloaded(why)
+        flow = self.flow
+        if not flow.enabled:
+            why = self.admission.saturation(self.pool.view(req.subset), self.pool.view())
+            if why is not None:  # shed before prepare: a saturated pool gets no tokenizer call either
+                return self.overloaded(why)
         prepared = await self.prepare(facts)
+        if not flow.enabled:
+            return self.dispatch(facts, prepared, req, cached, cpu)
+        # flow control: the request waits while the pool is saturated; dispatch runs decide and commit at once
+        nbytes = len(req.body) if req.body is not None else _declared_length(req.headers)
+        tokens = prepared.prompt_tokens or facts.body_bytes // 4
+        out = facts.max_tokens if facts.max_tokens is not None else self.settings.flow_control.expected_output_tokens
+        cost = tokens + out
+        result = await flow.admit(
+            req.headers, nbytes, cost, lambda: self.dispatch(facts, prepared, req, cached, cpu), release=_release
+        )
+        if isinstance(result, Answer) and result.details.startswith("kv_epp_flow_control:"):
+            self.recorder.refused("overloaded")
+        assert isinstance(result, (Exchange, Answer))
+        return result
+
+    def dispatch(
+        self, facts: RequestFacts, prepared: Prepared, req: Inbound, cached: CacheState | None, cpu: float
+    ) -> Exchange | Answer:
+        """Stages 4 and 5, synchronous: decide, then commit (or the 503 when no endpoint is eligible)."""
         t1 = _perf()
         decision = self.decide(facts, prepared, req.subset)
         if decision is None:
@@ -261,6 +296,7 @@ class RequestPath:
             why = "no endpoint in the subset hint is eligible" if req.subset is not None else "no healthy backend"
             return Answer(503, error_body(why, "no_healthy_backend", "service_unavailable"), "kv_epp_no_backend")
         ex = self.commit(facts, decision, prepared)
+        cache = self.cache
         ex.cache = cached
         if cache is not None and cached is not None and cached.key is not None:
             ex.add_body_observer(cache)  # an eligible miss: the cache reads this response's body (and only this one's)
@@ -269,3 +305,16 @@ class RequestPath:
             ex.body_out = inject_cache_control(req.body, max_body_bytes=self.max_body_bytes)  # None: unchanged
         self.recorder.decision_cpu(cpu + _perf() - t1)
         return ex
+
+
+def _declared_length(headers: Mapping[str, str]) -> int:
+    """The request's declared ``Content-Length`` (0 when absent or malformed): what a request routed at its headers
+    holds of flow control's byte bounds."""
+    v = headers.get("content-length", "")
+    return min(int(v), 1 << 40) if v.isascii() and v.isdigit() and len(v) <= 19 else 0
+
+
+def _release(result: object) -> None:
+    """A request dispatched just as its client went away: give back the slot it took."""
+    if isinstance(result, Exchange):
+        result.end(completed=False)

@@ -205,6 +205,8 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
             body["response_cache"] = cache
         if app.extproc_access is not None:  # who may open streams; a "warning" when anyone who reaches it may
             body["extproc"] = app.extproc_access
+        if app.path.flow.cfg.enabled:  # detail only: a saturated pool queues, it is not unready
+            body["flow_control"] = app.path.flow.stats()
         if app.tier4 is not None:  # detail only: a wrong feed costs Tier 4, never the picker's routing
             body["kv_feeds"] = app.tier4.checks.report()
             if app.tier4.unmatched_models:
@@ -223,6 +225,9 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
         }
         return web.json_response(body)
 
+    async def flow_control(_: web.Request) -> web.Response:
+        return web.json_response(app.path.flow.stats())
+
     async def reload(_: web.Request) -> web.Response:
         applied, messages = app.reload()
         problem = token.refresh()  # the token file is re-read with the reload, not at the next request only
@@ -238,6 +243,7 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
             web.get("/readyz", readyz),
             web.get("/admin/prefix-routing/stats", prefix_stats),
             web.get("/admin/pool", pool),
+            web.get("/admin/flow-control", flow_control),
             web.post("/admin/config/reload", reload),
         ]
     )

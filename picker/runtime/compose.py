@@ -17,6 +17,7 @@ from picker.cache.store import MemoryCacheStore, RedisCacheStore
 from picker.cache.vectors import SemanticIndex
 from picker.config import PoolConfig, ResponseCacheConfig, Settings
 from picker.extproc.sampling import ResponseSampling
+from picker.flow.metrics import FlowMetrics
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.ops.recorder import DecisionRecorder
@@ -78,7 +79,10 @@ def build_app(
     tier4 = Tier4(kv, pool, metrics, settings.response_cache.redis) if kv.enabled else None
     response_cache = build_response_cache(settings.response_cache, metrics)
     observers: tuple[ResponseObserver, ...] = (*((tier4.watch,) if tier4 is not None else ()), response_cache)
-    path = RequestPath(settings, pool, router, recorder, holds=tier4, cache=response_cache, observers=observers)
+    path = RequestPath(
+        settings, pool, router, recorder, holds=tier4, cache=response_cache, observers=observers,
+        flow_listener=FlowMetrics(metrics.registry),
+    )  # fmt: skip
     if tier4 is not None:  # the feeds settle the placement guesses
         tier4.index.watcher = path.placements
     # which responses stream their body through the picker (extproc is restart-required: built once)

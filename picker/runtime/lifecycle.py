@@ -366,6 +366,7 @@ class PickerServer:
             )  # fmt: skip
             await self._pause(s.drain_propagation_seconds)
             self.servicer.admitting = False
+            self.app.path.flow.close()  # what waits in flow control is answered 503 rejected-shutting-down
             self._refusing = True
             await self._publish_readiness()  # accepting_until "refusing": Envoy's health check learns it now
             log.info(
