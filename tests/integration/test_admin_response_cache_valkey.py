@@ -20,6 +20,7 @@ from picker.runtime.admin_routes import REDIS_UNREACHABLE, scrub
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 from tests.support.admin_redis import require_password
+from tests.support.builders import CHAT
 from tests.support.valkey import ValkeyProcess, free_port, valkey_server  # noqa: F401  (the fixture)
 
 TOKEN = "adm1n-t0ken"
@@ -27,7 +28,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JSON = {**AUTH, "Content-Type": "application/json"}
 PASSWORD = "Sup3r-s3cret-pw"
 PREFIX = "t:admin:"
-CHAT = "/v1/chat/completions"
 
 
 def make_app(url: str, **redis: Any) -> PickerApp:

@@ -15,103 +15,19 @@ from typing import Any
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from picker.config import parse_settings
-from picker.extproc.messages import BUFFERED, DEST_HEADER, FULL_DUPLEX, RESPONSE_NONE
-from picker.extproc.service import ExternalProcessor
+from picker.extproc.messages import BUFFERED, DEST_HEADER
 from picker.ops.metrics import ROUTE_BUCKETS, ROUTE_OUTCOMES
 from picker.request.exchange import Exchange
 from picker.runtime.app import PickerApp
-from picker.runtime.compose import build_app
+from tests.support.builders import BACKENDS, app_of, processor_of
+from tests.support.extproc_grpc import exchange, request_body, request_headers, response_headers, serve  # noqa: F401  (fixture)
 
-BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
-CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 200}]}).encode()
 
 
-def processor_of(app: PickerApp) -> ExternalProcessor:
-    """The ext_proc servicer over ``app``'s collaborators."""
-    return ExternalProcessor(app.path, app.metrics, app.settings.extproc, app.sampling)
-
-
 def make_app(backends: list[dict[str, str]] = BACKENDS, **admission: Any) -> PickerApp:
-    return build_app(parse_settings({"pool": {"backends": backends}, "admission": admission}))
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Any]:
-    """``await serve(app)`` -> a stub of a real gRPC server running the app's ExternalProcessor (stopped after)."""
-    servers: list[grpc.aio.Server] = []
-    channels: list[grpc.aio.Channel] = []
-
-    async def start(app: PickerApp) -> pb_grpc.ExternalProcessorStub:
-        server = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(processor_of(app), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        servers.append(server)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        channels.append(channel)
-        return pb_grpc.ExternalProcessorStub(channel)
-
-    try:
-        yield start
-    finally:
-        for channel in channels:
-            await channel.close()
-        for server in servers:
-            await server.stop(grace=None)
-
-
-def request_headers(
-    path: str = CHAT, method: str = "POST", eos: bool = False, body_mode: int = FULL_DUPLEX
-) -> pb.ProcessingRequest:
-    msg = pb.ProcessingRequest()
-    for k, v in ((":path", path), (":method", method)):
-        msg.request_headers.headers.headers.add(key=k, raw_value=v.encode())
-    msg.request_headers.end_of_stream = eos
-    msg.protocol_config.request_body_mode = body_mode  # type: ignore[assignment]
-    msg.protocol_config.response_body_mode = RESPONSE_NONE  # type: ignore[assignment]
-    return msg
-
-
-def request_body(body: bytes) -> pb.ProcessingRequest:
-    msg = pb.ProcessingRequest()
-    msg.request_body.body = body
-    msg.request_body.end_of_stream = True
-    return msg
-
-
-def response_headers(status: int = 200) -> pb.ProcessingRequest:
-    msg = pb.ProcessingRequest()
-    msg.response_headers.headers.headers.add(key=":status", raw_value=str(status).encode())
-    return msg
-
-
-async def exchange(
-    stub: pb_grpc.ExternalProcessorStub, *messages: pb.ProcessingRequest, answers_before_response: int = 1
-) -> list[pb.ProcessingResponse]:
-    """One stream: the request messages, ``answers_before_response`` answers read, then (when routed) the response
-    headers and trailers as Envoy sends them; the stream is half-closed and read to its end."""
-    call = stub.Process()
-    out: list[pb.ProcessingResponse] = []
-    for m in messages:
-        await call.write(m)
-    for _ in range(answers_before_response):
-        out.append(await call.read())
-    if not any(r.HasField("immediate_response") for r in out):
-        await call.write(response_headers())
-        out.append(await call.read())
-        trailers = pb.ProcessingRequest()
-        trailers.response_trailers.SetInParent()
-        await call.write(trailers)
-        out.append(await call.read())
-    await call.done_writing()
-    while (r := await call.read()) is not grpc.aio.EOF:
-        out.append(r)
-    assert await call.code() == grpc.StatusCode.OK
-    return out
+    return app_of({"pool": {"backends": backends}, "admission": admission})
 
 
 def counts(app: PickerApp) -> dict[str, float]:
@@ -134,7 +50,7 @@ def destination(r: pb.ProcessingResponse) -> str | None:
     return None
 
 
-async def test_a_routed_request_observes_exactly_one_routed_sample(serve: Any) -> None:
+async def test_a_routed_request_observes_exactly_one_routed_sample(serve: Any) -> None:  # noqa: F811
     app = make_app()
     stub = await serve(app)
     assert counts(app) == only("routed", 0)  # exported from the start, empty
@@ -150,7 +66,7 @@ async def test_a_routed_request_observes_exactly_one_routed_sample(serve: Any) -
     assert inf == 1 and (reg.get_sample_value("continuum_picker_route_seconds_sum", {"outcome": "routed"}) or 0) > 0
 
 
-async def test_buffered_and_bodyless_requests_observe_one_sample_each(serve: Any) -> None:
+async def test_buffered_and_bodyless_requests_observe_one_sample_each(serve: Any) -> None:  # noqa: F811
     app = make_app()
     stub = await serve(app)
     # BUFFERED: the headers answer strips the client's destination header (not the routing answer), the body's
@@ -163,7 +79,7 @@ async def test_buffered_and_bodyless_requests_observe_one_sample_each(serve: Any
     assert counts(app) == only("routed", 2)
 
 
-async def test_the_pickers_own_answers_are_counted_by_outcome(serve: Any) -> None:
+async def test_the_pickers_own_answers_are_counted_by_outcome(serve: Any) -> None:  # noqa: F811
     app = make_app()
     stub = await serve(app)
     out = await exchange(stub, request_headers(), request_body(b"{not json"))
@@ -176,7 +92,7 @@ async def test_the_pickers_own_answers_are_counted_by_outcome(serve: Any) -> Non
     assert counts(empty) == only("no_backend")
 
 
-async def test_a_refused_stream_counts_as_overloaded(serve: Any) -> None:
+async def test_a_refused_stream_counts_as_overloaded(serve: Any) -> None:  # noqa: F811
     app = make_app(max_open_streams=1)
     stub = await serve(app)
     held = stub.Process()  # holds the only stream slot: headers sent, the body never
@@ -190,7 +106,8 @@ async def test_a_refused_stream_counts_as_overloaded(serve: Any) -> None:
 
 
 async def test_a_failure_before_the_pick_is_an_error_sample_and_after_it_none(
-    serve: Any, monkeypatch: pytest.MonkeyPatch
+    serve: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     app = make_app()
     stub = await serve(app)

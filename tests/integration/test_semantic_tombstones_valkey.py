@@ -32,8 +32,7 @@ from picker.request.exchange import Exchange
 from picker.runtime.admin_routes import response_cache_stats
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
-from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
-from tests.unit.picker.cache.test_semantic_wiring import (
+from tests.support.semantic_chat import (
     ALICE,
     ANSWER,
     BOB,
@@ -46,6 +45,7 @@ from tests.unit.picker.cache.test_semantic_wiring import (
     settings,
     sim_url,
 )
+from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
 
 PREFIX = "t:tomb:"
 OTHER = (

@@ -14,11 +14,7 @@ from picker.shared.block_keys import request_block_keys
 from tests.support.recording_sink import RecordingSink
 
 MODEL = "m"
-
-
 OFFLOAD_KB = 16  # the feed's key block size (the default)
-
-
 OFFLOAD_TOKENS = list(range(1000, 1064))  # the prompt's two full pages of 32
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from picker.cache import CacheStoreError, CacheStoreStats, grammar, storing
+from picker.cache import grammar, storing
 from picker.cache import response_cache as rc
 from picker.cache.entry import CacheEntry, EntryError
 from picker.cache.grammar import complete_stream, sse_events, sse_replay
@@ -18,55 +18,10 @@ from picker.cache.key import cache_key, canonical_json, eligible, key_material
 from picker.cache.response_cache import ResponseCache
 from picker.config import ConfigError, parse_settings
 from picker.facts import Answer, RequestFacts, parse_request
-from picker.ops.metrics import PickerMetrics
 from picker.request.exchange import Exchange
-from picker.request.path import Inbound
 from picker.runtime.app import PickerApp
-from picker.runtime.compose import build_app
-
-CHAT = "/v1/chat/completions"
-BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
-
-
-class DictStore:
-    """A CacheStore over a dict (no bound: a test's handful of entries); ``fail`` makes every call raise."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-        self.ttls: dict[str, float] = {}
-        self.fail = False
-
-    async def get(self, key: str) -> bytes | None:
-        if self.fail:
-            raise CacheStoreError("down")
-        return self.data.get(key)
-
-    async def set(self, key: str, value: bytes, ttl_seconds: float) -> None:
-        if self.fail:
-            raise CacheStoreError("down")
-        self.data[key] = value
-        self.ttls[key] = ttl_seconds
-
-    async def delete(self, key: str) -> None:
-        self.data.pop(key, None)
-
-    async def clear(self) -> None:
-        self.data.clear()
-
-    def stats(self) -> CacheStoreStats:
-        return CacheStoreStats("memory", len(self.data), 0, 0, 0)
-
-    fallback_active = False
-
-    async def aclose(self) -> None:
-        return None
-
-    def configure(self, cfg: object) -> None:
-        return None
-
-
-def req(**fields: Any) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+from tests.support.builders import BACKENDS, CHAT, route
+from tests.support.response_cache import OK, DictStore, make, req, respond
 
 
 def facts_of(data: dict[str, Any], path: str = CHAT, tenant: str | None = None) -> RequestFacts:
@@ -210,34 +165,8 @@ def test_sse_parse_is_strict_and_the_replay_is_standard() -> None:
     assert anthropic is not None and complete_stream("anthropic", anthropic)
 
 
-# -- the stage and the observer on the real request path -----------------------------------------------------
-def make(store: DictStore | None = None, **cache: Any) -> tuple[PickerApp, ResponseCache, DictStore]:
-    settings = parse_settings(
-        {"pool": {"backends": BACKENDS}, "response_cache": {"enabled": True, **cache}, "admin": {"enabled": False}}
-    )
-    app = build_app(settings, PickerMetrics())
-    store = store or DictStore()
-    app.response_cache.store = app.response_cache.storing.store = store  # the app's own cache on a dict
-    assert app.path.cache is app.response_cache and app.response_cache in app.path.observers
-    return app, app.response_cache, store
-
-
 def count(app: PickerApp, result: str) -> float | None:
     return app.metrics.registry.get_sample_value("continuum_response_cache_requests_total", {"result": result})
-
-
-async def route(app: PickerApp, data: dict[str, Any], headers: dict[str, str] | None = None) -> Exchange | Answer:
-    return await app.path.route(Inbound(CHAT, {":method": "POST", **(headers or {})}, json.dumps(data).encode()))
-
-
-OK = b'{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}'  # a finished completions-shaped answer
-
-
-def respond(ex: Exchange, body: list[bytes], status: int = 200, ctype: str = "application/json") -> None:
-    ex.cache.headers = ((":status", str(status)), ("content-type", ctype), ("date", "now"), ("x-engine", "e1"))
-    ex.response_headers(status)
-    for i, chunk in enumerate(body):
-        ex.response_body(chunk, i == len(body) - 1)
 
 
 async def test_miss_is_stored_then_hit_without_routing() -> None:

@@ -22,7 +22,6 @@ from benchmarks.engine_sim import EngineSimulator
 from picker.cache.semantic import ENTRY_PREFIX
 from picker.cache.state import SemanticPending
 from picker.config import ConfigError, parse_settings
-from picker.extproc.stream import RequestStream
 from picker.facts import Answer
 from picker.ops.metrics import PickerMetrics
 from picker.request.anthropic import count_markers
@@ -30,81 +29,29 @@ from picker.request.exchange import Exchange
 from picker.request.path import Inbound
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
-from tests.support.embeddings_sim import EMB
+from tests.support.builders import BACKENDS, CHAT, stream_of
 from tests.support.http_server import serve
-
-CHAT = "/v1/chat/completions"
-BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
-QUESTION = (
-    "How do I configure the maximum number of cached entries for the response cache in the picker "
-    "when running on Kubernetes with three replicas?"
+from tests.support.semantic_chat import (
+    ALICE,
+    ANSWER,
+    BOB,
+    NEAR,
+    QUESTION,
+    SYSTEM,
+    answer,
+    chat,
+    route,
+    sample,
+    semantic_count,
+    settings,
+    sim_url,
 )
-NEAR = QUESTION.replace("three", "four")
-SYSTEM = "You answer questions about kv-epp."
+
 TOOLS = [{"type": "function", "function": {"name": "search_docs", "parameters": {"type": "object"}}}]
-ANSWER = (
-    b'{"choices":[{"index":0,"message":{"role":"assistant","content":"Set response_cache.capacity."},'
-    b'"finish_reason":"stop"}]}'
-)
-
-
-def stream_of(app: PickerApp) -> RequestStream:
-    """The stream of one request on ``app``'s request path (no response sampling)."""
-    return RequestStream(app.path, app.metrics.route_seconds)
-
-
-def sim_url(sim: EngineSimulator) -> str:
-    return str(sim.base_url)
-
-
-def settings(
-    backend: str, *, enabled: bool = True, timeout_ms: int = 5000, semantic_extra: dict[str, Any] | None = None,
-    cache_extra: dict[str, Any] | None = None, **extra: Any,
-) -> Any:  # fmt: skip
-    semantic = {"enabled": enabled, "backend": backend, "embedding_model": EMB, "embedding_timeout_ms": timeout_ms}
-    semantic.update(semantic_extra or {})
-    return parse_settings(
-        {
-            "pool": {"backends": BACKENDS},
-            "admin": {"enabled": False},
-            "response_cache": {"enabled": True, "semantic": semantic, **(cache_extra or {})},
-            **extra,
-        }
-    )
 
 
 def make(backend: str, **kw: Any) -> PickerApp:
     return build_app(settings(backend, **kw), PickerMetrics())
-
-
-def chat(question: str, system: str = SYSTEM, **fields: Any) -> dict[str, Any]:
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    return {"model": "m", "temperature": 0, "messages": messages, **fields}
-
-
-ALICE = {"authorization": "Bearer sk-alice"}
-BOB = {"authorization": "Bearer sk-bob"}
-
-
-async def route(app: PickerApp, data: dict[str, Any], headers: dict[str, str] | None = None) -> Exchange | Answer:
-    """Routed as Alice unless ``headers`` say otherwise (the semantic path needs a caller identity)."""
-    h = {":method": "POST", **(ALICE if headers is None else headers)}
-    return await app.path.route(Inbound(CHAT, h, json.dumps(data).encode()))
-
-
-async def answer(app: PickerApp, ex: Exchange, body: bytes = ANSWER) -> None:
-    ex.cache.headers = ((":status", "200"), ("content-type", "application/json"), ("x-engine", "e1"))
-    ex.response_headers(200)
-    ex.response_body(body, True)
-    await app.response_cache.flush()
-
-
-def sample(app: PickerApp, name: str, result: str) -> float | None:
-    return app.metrics.registry.get_sample_value(name, {"result": result})
-
-
-def semantic_count(app: PickerApp, result: str) -> float | None:
-    return sample(app, "continuum_response_cache_semantic_requests_total", result)
 
 
 async def test_near_duplicate_is_a_semantic_hit(sim: EngineSimulator) -> None:

@@ -14,13 +14,7 @@ from picker.config import parse_settings
 from picker.extproc.stream import MAX_STREAMED_CHUNK, RequestStream
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
-
-BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
-
-
-def stream_of(app: PickerApp) -> RequestStream:
-    """The stream of one request on ``app``'s request path (no response sampling)."""
-    return RequestStream(app.path, app.metrics.route_seconds)
+from tests.support.builders import BACKENDS, app_of, stream_of
 
 
 def app(mode: str = "FULL_DUPLEX_STREAMED") -> PickerApp:
@@ -178,7 +172,7 @@ async def test_streamed_mode_routes_at_headers_and_answers_every_chunk() -> None
 
 @pytest.mark.parametrize("value", ["²", "9" * 5000, "-1", "1e3"])
 async def test_a_hostile_content_length_is_not_a_crash(value: str) -> None:
-    app = build_app(parse_settings({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}}))
+    app = app_of({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}})
     msg = pb.ProcessingRequest()
     for k, v in ((":path", "/v1/chat/completions"), (":method", "POST"), ("content-length", value)):
         msg.request_headers.headers.headers.add(key=k, raw_value=v.encode())

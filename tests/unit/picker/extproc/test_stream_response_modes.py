@@ -11,7 +11,6 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.json_format import MessageToDict
 
-from picker.config import parse_settings
 from picker.extproc.messages import sampled_mode
 from picker.extproc.sampling import TAIL_BYTES, read_usage
 from picker.extproc.stream import RequestStream
@@ -20,15 +19,15 @@ from picker.kv.stage import KvLookup
 from picker.ops.recorder import prediction_outcome
 from picker.routing.endpoints import BackendHold, StorageTier
 from picker.runtime.app import PickerApp
-from picker.runtime.compose import build_app
 from picker.runtime.envoy_config import EnvoyOptions, bootstrap, processing_mode, sampled_override
+from tests.support.builders import app_of
 
 PM = processing_mode_pb2.ProcessingMode
 BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}]
 
 
 def make_app(rate: float = 0.0) -> PickerApp:
-    return build_app(parse_settings({"pool": {"backends": BACKENDS}, "extproc": {"response_sample_rate": rate}}))
+    return app_of({"pool": {"backends": BACKENDS}, "extproc": {"response_sample_rate": rate}})
 
 
 def ext_proc_config(**kw: Any) -> dict[str, Any]:
@@ -215,10 +214,8 @@ async def test_delivered_tokens_and_the_stale_index_counter_through_the_stream()
     """Tier 4 predicted 64 of 100 prompt tokens on the pick: a sampled response whose usage says 0 cached books
     the stale-index counter; one that delivers them is a hit; a response read in full mode counts as observed
     too; an unsampled one only in scope "all"."""
-    app = build_app(
-        parse_settings(
-            {"pool": {"backends": BACKENDS}, "prefix_routing": {"enabled": True}, "kv_cache_index": {"enabled": True}}
-        )
+    app = app_of(
+        {"pool": {"backends": BACKENDS}, "prefix_routing": {"enabled": True}, "kv_cache_index": {"enabled": True}}
     )
     app.path.holds = FixedHolds(blocks=4, prompt_tokens=100)
     app.path.configure(app.settings)

@@ -14,7 +14,7 @@ from picker.pool.engine_readings import PrefillTotals, prefill_totals
 from picker.pool.engine_signals import EngineSignalScraper
 from picker.pool.exposition import parse_exposition
 from picker.pool.pool import Pool
-from tests.unit.picker.pool.test_engine_signals import engines, pool_config
+from tests.support.engine_metrics import engines, pool_config
 
 LABELS = ["model_name", "engine"]
 

@@ -12,39 +12,24 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from picker.config import parse_settings
-from picker.extproc.service import ExternalProcessor
 from picker.extproc.stream import RequestStream
 from picker.facts import Answer
 from picker.request.path import Inbound
 from picker.runtime.app import PickerApp
-from picker.runtime.compose import build_app
+from tests.support.builders import BACKENDS, CHAT, app_of, processor_of, stream_of
 from tests.support.poll import async_wait_until
 
-BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
-CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}).encode()
 
 
-def stream_of(app: PickerApp) -> RequestStream:
-    """The stream of one request on ``app``'s request path (no response sampling)."""
-    return RequestStream(app.path, app.metrics.route_seconds)
-
-
-def processor_of(app: PickerApp) -> ExternalProcessor:
-    """The ext_proc servicer over ``app``'s collaborators."""
-    return ExternalProcessor(app.path, app.metrics, app.settings.extproc, app.sampling)
-
-
 def make_app(admission: dict[str, Any] | None = None, mode: str = "FULL_DUPLEX_STREAMED", **extra: Any) -> PickerApp:
-    return build_app(
-        parse_settings(
-            {
-                "pool": {"backends": BACKENDS},
-                "extproc": {"default_body_mode": mode, "max_body_bytes": 8192},
-                "admission": {"max_buffered_body_bytes": 8192, **(admission or {})},
-                **extra,
-            }
-        )
+    return app_of(
+        {
+            "pool": {"backends": BACKENDS},
+            "extproc": {"default_body_mode": mode, "max_body_bytes": 8192},
+            "admission": {"max_buffered_body_bytes": 8192, **(admission or {})},
+            **extra,
+        }
     )
 
 

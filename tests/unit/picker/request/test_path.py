@@ -7,29 +7,23 @@ import json
 import time
 
 from picker.cache.state import CacheState
-from picker.config import parse_settings
 from picker.facts import Answer, RequestFacts
 from picker.kv.stage import KvLookup
 from picker.request.exchange import Exchange
 from picker.request.path import Inbound
 from picker.routing.endpoints import BackendHold, StorageTier
 from picker.runtime.app import PickerApp
-from picker.runtime.compose import build_app
-
-BACKENDS = [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]
-CHAT = "/v1/chat/completions"
+from tests.support.builders import BACKENDS, CHAT, app_of
 
 
 def make_app(**extra) -> PickerApp:
-    return build_app(
-        parse_settings(
-            {
-                "selection_strategy": "PrefixAwareHash",
-                "prefix_routing": {"enabled": True},
-                "pool": {"backends": BACKENDS},
-            }
-            | extra
-        )
+    return app_of(
+        {
+            "selection_strategy": "PrefixAwareHash",
+            "prefix_routing": {"enabled": True},
+            "pool": {"backends": BACKENDS},
+        }
+        | extra
     )
 
 

@@ -17,11 +17,10 @@ from picker.routing.chwbl_ring import ring_hash
 from picker.routing.core import Prepared, Router
 from picker.routing.endpoints import BackendHold, Endpoint, EndpointState, PoolView, StorageTier
 from picker.runtime.app import PickerApp
-from picker.runtime.compose import build_app
+from tests.support.builders import CHAT, app_of
 
 EPS = [Endpoint(n, f"10.0.0.{i + 1}:80") for i, n in enumerate("abcde")]
 BACKENDS = [{"name": e.name, "address": e.address} for e in EPS]
-CHAT = "/v1/chat/completions"
 
 
 def router(strategy: str = "PrefixAwareHash", fallbacks: int = 2) -> Router:
@@ -129,14 +128,12 @@ def test_served_endpoint_is_read_from_envoy_lb_metadata() -> None:
 
 def make_app(**pool: object) -> PickerApp:
     cfg = {"window_size": 10, "min_samples": 3, "unhealthy_below": 0.5, "cooldown_seconds": 60}
-    return build_app(
-        parse_settings(
-            {
-                "selection_strategy": "PrefixAwareHash",
-                "prefix_routing": {"enabled": True},
-                "pool": {"backends": BACKENDS, "health": cfg, **pool},
-            }
-        )
+    return app_of(
+        {
+            "selection_strategy": "PrefixAwareHash",
+            "prefix_routing": {"enabled": True},
+            "pool": {"backends": BACKENDS, "health": cfg, **pool},
+        }
     )
 
 

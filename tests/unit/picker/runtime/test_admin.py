@@ -4,25 +4,20 @@ from __future__ import annotations
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from picker.config import parse_settings
 from picker.facts import RequestFacts
 from picker.runtime.admin import build_admin_app
 from picker.runtime.app import PickerApp
-from picker.runtime.compose import build_app
+from tests.support.builders import app_of
 
 
 def make_app(**extra) -> PickerApp:
-    return build_app(
-        parse_settings(
-            {
-                "selection_strategy": "PrefixAwareHash",
-                "prefix_routing": {"enabled": True},
-                "pool": {
-                    "backends": [{"name": "a", "address": "10.0.0.1:80"}, {"name": "b", "address": "10.0.0.2:80"}]
-                },
-                **extra,
-            }
-        )
+    return app_of(
+        {
+            "selection_strategy": "PrefixAwareHash",
+            "prefix_routing": {"enabled": True},
+            "pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}, {"name": "b", "address": "10.0.0.2:80"}]},
+            **extra,
+        }
     )
 
 

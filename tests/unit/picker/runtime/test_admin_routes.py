@@ -19,12 +19,12 @@ from picker.extproc.messages import FULL_DUPLEX
 from picker.facts import Answer
 from picker.ops.metrics import ROUTE_OUTCOMES, STATUS_OUTCOMES, PickerMetrics
 from picker.request.exchange import Exchange
-from picker.request.path import Inbound
 from picker.runtime.admin import build_admin_app
 from picker.runtime.admin_routes import duration_text
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
-from tests.integration.test_route_seconds_grpc import exchange, request_body, request_headers, serve  # noqa: F401  (fixture)
+from tests.support.builders import route
+from tests.support.extproc_grpc import exchange, request_body, request_headers, serve  # noqa: F401  (fixture)
 
 TOKEN = "adm1n-t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -63,10 +63,6 @@ async def client_of() -> AsyncIterator[Any]:
 
 def chat(content: str = "hi", **fields: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0, **fields}
-
-
-async def route(app: PickerApp, data: dict[str, Any]) -> Exchange | Answer:
-    return await app.path.route(Inbound(CHAT, {":method": "POST"}, json.dumps(data).encode()))
 
 
 async def store_one(app: PickerApp, content: str) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -19,69 +18,13 @@ from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 from picker.runtime.lifecycle import PickerServer
 from picker.shared.block_keys import chain_block_keys, root_key
-from picker.shared.discovery import DiscoveredBackend, PoolSnapshot, Publish
+from picker.shared.discovery import PoolSnapshot
 from picker.shared.discovery.config import BackendsFileRef
 from picker.shared.discovery.files import FileDiscovery, load_backends_file
 from picker.shared.tiers import StorageTier
+from tests.support.builders import app_of
+from tests.support.discovered_pool import POOL, TEMPLATE, FakeDiscovery, discovered_settings, snap
 from tests.support.poll import async_wait_until
-
-POOL = {"inference_pool": {"name": "vllm", "namespace": "serving"}}
-TEMPLATE = {"endpoint": "http://127.0.0.1:1/events/{name}", "reconnect_interval_ms": 60_000}
-
-
-def discovered_settings(kv: bool = False, **extra: Any) -> Any:
-    cfg: dict[str, Any] = {
-        "selection_strategy": "PrefixAwareHash",
-        "prefix_routing": {"enabled": True},
-        "pool": {**POOL, "engine_metrics": {"enabled": False}},
-        **extra,
-    }
-    if kv:
-        cfg["kv_cache_index"] = {
-            "enabled": True,
-            "event_source_template": TEMPLATE,
-            "checks": {"self_check": False},
-            "tokenizer": {"source": "none"},
-        }
-    return parse_settings(cfg)
-
-
-def snap(*backends: tuple[str, str], version: str = "1", unready: tuple[str, ...] = ()) -> PoolSnapshot:
-    """A snapshot of (name, ip:port) backends; those named in ``unready`` are not Ready."""
-    out = []
-    for name, addr in backends:
-        ip, port = addr.rsplit(":", 1)
-        b = DiscoveredBackend(
-            name=name, ip=ip, port=int(port), pod=name, namespace="serving", ready=name not in unready
-        )
-        out.append(b)
-    return PoolSnapshot(tuple(sorted(out, key=lambda b: b.name)), source="fake inference_pool", version=version)
-
-
-class FakeDiscovery:
-    """A discovery source the test drives: ``push`` publishes a snapshot (synced from the first one)."""
-
-    def __init__(self) -> None:
-        self._synced = False
-        self._publish: Publish | None = None
-        self.ready = asyncio.Event()
-
-    @property
-    def synced(self) -> bool:
-        return self._synced
-
-    async def run(self, publish: Publish) -> None:
-        self._publish = publish
-        self.ready.set()
-        await asyncio.Event().wait()  # until cancelled
-
-    def push(self, snapshot: PoolSnapshot) -> None:
-        assert self._publish is not None
-        self._synced = True
-        self._publish(snapshot)
-
-    def status(self) -> dict[str, object]:
-        return {"source": "fake", "synced": self._synced}
 
 
 def series(app: PickerApp, backend: str) -> list[str]:
@@ -424,7 +367,7 @@ def test_a_change_of_only_the_ready_flag_is_a_new_snapshot(tmp_path: Path) -> No
 
 def test_a_static_reload_keeps_working_and_cannot_switch_the_source() -> None:
     static = {"backends": [{"name": "a", "address": "10.0.0.1:80"}, {"name": "b", "address": "10.0.0.2:80"}]}
-    app = build_app(parse_settings({"pool": static}))
+    app = app_of({"pool": static})
     assert app.pool_synced and app.pool_source == "static"
     messages = app.apply(parse_settings({"pool": {"backends": static["backends"][:1]}}))
     assert messages == [] and app.pool.names() == ("a",)

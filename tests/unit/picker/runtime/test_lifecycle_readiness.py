@@ -19,8 +19,9 @@ from picker.kv.index import InMemoryKvIndex
 from picker.runtime.admin import build_admin_app
 from picker.runtime.compose import build_app
 from picker.runtime.lifecycle import PickerServer
+from tests.support.builders import app_of
+from tests.support.discovered_pool import POOL, TEMPLATE, FakeDiscovery, discovered_settings, snap
 from tests.support.poll import async_wait_until
-from tests.unit.picker.runtime.test_lifecycle import POOL, TEMPLATE, FakeDiscovery, discovered_settings, snap
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -113,7 +114,7 @@ def kv_static_settings(**checks: Any) -> Any:
 
 
 def test_a_static_pool_without_tier4_is_ready_once_started() -> None:
-    app = build_app(parse_settings({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}}))
+    app = app_of({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}})
     r = app.readiness()
     assert not r.ready and r.body["reason"] == "starting"
     app.ready = True
@@ -261,7 +262,7 @@ async def test_accepting_turns_off_at_the_drain_or_only_when_streams_are_refused
     """A sidecar's Envoy has one picker: with accepting_until "refusing" its health check keeps it in the cluster
     through the propagation (the picker still admits streams then), instead of failing closed with 500s."""
     extproc = {**PLAINTEXT, "drain_propagation_seconds": 60, "accepting_until": until}
-    app = build_app(parse_settings({"extproc": extproc, "admin": {"port": 0}}))
+    app = app_of({"extproc": extproc, "admin": {"port": 0}})
     server = PickerServer(app)
     await server.start()
     try:
@@ -288,7 +289,7 @@ async def test_accepting_turns_off_at_the_drain_or_only_when_streams_are_refused
 
 async def test_each_supervised_task_s_failure_series_exists_at_zero_from_its_start() -> None:
     """An alert on increase(...[10m]) > 0 must see the first crash: a series born at 1 shows no increase."""
-    app = build_app(parse_settings({"extproc": PLAINTEXT, "admin": {"port": 0}}))
+    app = app_of({"extproc": PLAINTEXT, "admin": {"port": 0}})
     server = PickerServer(app)
     await server.start()
     try:
