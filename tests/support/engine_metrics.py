@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from picker.config import PoolConfig, parse_settings
 from tests.support.http_server import serve
@@ -126,3 +127,53 @@ async def engines(n: int) -> AsyncIterator[list[tuple[Engine, str]]]:
         finally:
             for e, _ in out:
                 e.released.set()
+
+
+LABELS = ["model_name", "engine"]
+
+
+class VllmPrefillRecords:
+    """vLLM's two per-request prefill histograms (observed when a request finishes), per engine."""
+
+    def __init__(self, engines: int = 1) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        run = Gauge("vllm:num_requests_running", "Running.", LABELS, registry=r)
+        wait = Gauge("vllm:num_requests_waiting", "Waiting.", LABELS, registry=r)
+        self.time = Histogram(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+            LABELS, buckets=[0.1, 1.0, 10.0], registry=r,
+        )  # fmt: skip
+        self.tokens = Histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            LABELS, buckets=[100, 1000, 10000], registry=r,
+        )  # fmt: skip
+        for e in range(engines):
+            run.labels("m", str(e)).set(0)
+            wait.labels("m", str(e)).set(0)
+
+    def finish(self, seconds: float, computed_tokens: int, engine: int = 0) -> None:
+        self.time.labels("m", str(engine)).observe(seconds)
+        self.tokens.labels("m", str(engine)).observe(computed_tokens)
+
+    def body(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def vllm_registry_body(engines: int, running: list[int], waiting: list[int], usage: list[float]) -> str:
+    """A body rendered by prometheus_client (what vLLM serves through) with vLLM's names, label names and a
+    histogram per engine, so the real formatting (label order, float rendering, _created lines) is read."""
+    r = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    g_run = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels, registry=r)
+    g_wait = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r)
+    g_kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, registry=r)
+    hist = Histogram("vllm:request_queue_time_seconds", "Queue time.", labels, buckets=[0.3, 1.0, 5.0], registry=r)
+    for e in range(engines):
+        lv = ("m", str(e))
+        g_run.labels(*lv).set(running[e])
+        g_wait.labels(*lv).set(waiting[e])
+        g_kv.labels(*lv).set(usage[e])
+        hist.labels(*lv).observe(0.5)
+    return generate_latest(r).decode()

@@ -9,8 +9,10 @@ from typing import Any
 from benchmarks.engine_sim import EngineSimulator
 from picker.config import parse_settings
 from picker.facts import Answer
+from picker.ops.metrics import PickerMetrics
 from picker.request.exchange import Exchange
 from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_app
 from tests.support import builders
 from tests.support.builders import BACKENDS
 from tests.support.embeddings_sim import EMB
@@ -82,3 +84,7 @@ def sample(app: PickerApp, name: str, result: str) -> float | None:
 
 def semantic_count(app: PickerApp, result: str) -> float | None:
     return sample(app, "continuum_response_cache_semantic_requests_total", result)
+
+
+def make(backend: str, **kw: Any) -> PickerApp:
+    return build_app(settings(backend, **kw), PickerMetrics())

@@ -1,58 +1,38 @@
 """The semantic cache parts: the partition digest (isolation), the bounded vector index, the embeddings
-client against the real simulator and against servers that fail in each way."""
+client against the real simulator and against servers that fail in each way.
+
+The tests that start a server or bind a socket: tests/integration/test_semantic_http.py."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-import socket
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
-from aiohttp import web
 
-from benchmarks.engine_sim import EngineSimulator
 from benchmarks.engine_sim.embeddings import embed_text
 from picker.cache.embeddings import EmbeddingsClient
 from picker.cache.semantic import ENTRY_PREFIX, entry_key, partition_digest, semantic_query
 from picker.cache.vectors import MAX_DIM, SemanticIndex, normalize
 from picker.facts import caller_identity
 from tests.support.embeddings_sim import EMB
-from tests.support.http_server import serve
-from tests.support.poll import async_wait_until
-
-QUESTION = (
-    "How do I configure the maximum number of cached entries for the response cache in the picker "
-    "when running on Kubernetes with three replicas?"
+from tests.support.semantic_index import (
+    ALICE,
+    NEAR,
+    OTHER,
+    QUESTION,
+    SYSTEM,
+    Clock,
+    chat,
+    embed,
+    index,
+    query,
+    refused_url,
 )
-NEAR = QUESTION.replace("three", "four")
-OTHER = "Which planets of the solar system have rings, and what are the rings made of?"
-SYSTEM = {"role": "system", "content": "You answer questions about kv-epp."}
+
 TOOLS = [{"type": "function", "function": {"name": "search_docs", "parameters": {"type": "object"}}}]
-
-
-def chat(question: str, **fields: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": "m",
-        "temperature": 0,
-        "messages": [SYSTEM, {"role": "user", "content": question}],
-    }
-    body.update(fields)
-    return body
-
-
-ALICE = caller_identity({"authorization": "Bearer sk-alice"}, "authorization")
-
-
-def query(
-    data: dict[str, Any], tenant: str | None = "t1", max_input_bytes: int = 8192, identity: str | None = ALICE
-) -> Any:
-    return semantic_query(
-        data, path_api="chat", identity=identity, tenant_id=tenant, embedding_model=EMB,
-        max_input_bytes=max_input_bytes,
-    )  # fmt: skip
 
 
 def digest(data: dict[str, Any], tenant: str | None = "t1", emb: str = EMB, identity: str | None = ALICE) -> str | None:
@@ -198,21 +178,6 @@ def test_entry_keys_live_in_the_sem_key_space() -> None:
     assert entry_key(p, NEAR) != k and entry_key(p, QUESTION) == k
 
 
-# -- the index ------------------------------------------------------------------------------------------
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def index(
-    max_entries: int = 100, ttl: float = 300.0, threshold: float = 0.92, clock: Clock | None = None
-) -> SemanticIndex:
-    return SemanticIndex(max_entries=max_entries, ttl_seconds=ttl, threshold=threshold, clock=clock or Clock())
-
-
 def test_near_duplicate_question_matches_through_the_digest() -> None:
     idx = index()
     q1 = query(chat(QUESTION))
@@ -319,60 +284,6 @@ def test_vectors_of_another_dimension_are_skipped() -> None:
 # -- the embeddings client ------------------------------------------------------------------------------
 
 
-async def embed(client: EmbeddingsClient, backend: str, text: str = QUESTION, **kw: Any) -> Any:
-    opts: dict[str, Any] = {"timeout_ms": 2000, "max_input_bytes": 8192}
-    opts.update(kw)
-    return await client.embed(backend, EMB, text, **opts)
-
-
-async def test_client_against_the_simulator_near_duplicate_hits(sim: EngineSimulator) -> None:
-    client = EmbeddingsClient()
-    try:
-        v1 = await embed(client, sim.base_url + "/", QUESTION)
-        v2 = await embed(client, sim.base_url, NEAR)
-        v3 = await embed(client, sim.base_url, OTHER)
-    finally:
-        await client.close()
-    assert v1 is not None and v2 is not None and v3 is not None
-    assert all(abs(a - b) < 1e-12 for a, b in zip(v1, embed_text(QUESTION), strict=True))
-    idx = index()
-    q1, q2 = query(chat(QUESTION)), query(chat(NEAR))
-    assert q1 is not None and q2 is not None
-    idx.add(q1.partition, v1, "k1")
-    hit = idx.lookup(q2.partition, v2)
-    assert hit is not None and hit.key == "k1"
-    assert idx.lookup(q2.partition, v3) is None
-    assert client.stats.ok == 3 and client.stats.requests == 3 and not client.stats.errors
-
-
-async def test_long_or_empty_input_is_skipped_without_a_request() -> None:
-    seen: list[bytes] = []
-
-    async def handler(request: web.Request) -> web.Response:
-        seen.append(await request.read())
-        return web.json_response({"data": [{"embedding": [1.0, 0.0]}]})
-
-    async with serve([web.post("/v1/embeddings", handler)]) as url:
-        client = EmbeddingsClient()
-        try:
-            assert await embed(client, url, "x" * 101, max_input_bytes=100) is None
-            assert await embed(client, url, "캐시" * 17, max_input_bytes=100) is None  # 34 chars, 102 bytes
-            assert await embed(client, url, "") is None
-            assert await embed(client, url, "x" * 100, max_input_bytes=100) == (1.0, 0.0)
-        finally:
-            await client.close()
-    assert client.stats.skipped == 3 and len(seen) == 1
-    assert orjson.loads(seen[0]) == {"model": EMB, "input": "x" * 100}
-
-
-def refused_url() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
-    return f"http://127.0.0.1:{port}"
-
-
 async def test_refused_connection_is_a_miss() -> None:
     async with aiohttp.ClientSession() as session:
         client = EmbeddingsClient(session)
@@ -381,68 +292,6 @@ async def test_refused_connection_is_a_miss() -> None:
         await client.close()  # the caller's session is left open
         assert not session.closed
     assert client.stats.errors == {"connect": 2}
-
-
-async def test_a_backend_that_never_answers_is_a_miss_within_the_timeout() -> None:
-    release = asyncio.Event()
-
-    async def stall(request: web.Request) -> web.Response:
-        await release.wait()
-        return web.json_response({})
-
-    async with serve([web.post("/v1/embeddings", stall)]) as url:
-        client = EmbeddingsClient()
-        try:
-            assert await embed(client, url, timeout_ms=100) is None
-        finally:
-            release.set()
-            await client.close()
-    assert client.stats.timeouts == 1 and client.stats.ok == 0
-
-
-@pytest.mark.parametrize(
-    ("answer", "reason"),
-    [
-        (web.json_response({"error": "boom"}, status=500), "status"),
-        (web.Response(body=b"x" * 5000, content_type="application/json"), "too_large"),
-        (web.Response(body=b"not json", content_type="application/json"), "malformed"),
-        (web.json_response({"data": []}), "malformed"),
-        (web.json_response({"data": [{"embedding": [0.0, 0.0]}]}), "malformed"),
-        (web.json_response({"data": [{"embedding": "AAAA"}]}), "malformed"),
-        (web.json_response([1, 2]), "malformed"),
-    ],
-    ids=["500", "too-large", "not-json", "no-data", "zero-vector", "base64", "not-object"],
-)
-async def test_bad_answers_are_misses(answer: web.Response, reason: str) -> None:
-    async def handler(request: web.Request) -> web.Response:
-        return answer
-
-    async with serve([web.post("/v1/embeddings", handler)]) as url:
-        client = EmbeddingsClient(max_response_bytes=4096)
-        try:
-            assert await embed(client, url) is None
-        finally:
-            await client.close()
-    assert client.stats.errors == {reason: 1}
-
-
-async def test_a_streamed_answer_over_the_bound_is_cut_off() -> None:
-    async def chunked(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse()  # no Content-Length: the bound is applied while reading
-        resp.enable_chunked_encoding()
-        await resp.prepare(request)
-        for _ in range(64):
-            await resp.write(b" " * 1024)
-        await resp.write_eof()
-        return resp
-
-    async with serve([web.post("/v1/embeddings", chunked)]) as url:
-        client = EmbeddingsClient(max_response_bytes=4096)
-        try:
-            assert await embed(client, url) is None
-        finally:
-            await client.close()
-    assert client.stats.errors == {"too_large": 1}
 
 
 async def test_lookup_async_agrees_with_lookup_and_frees_the_loop() -> None:
@@ -527,69 +376,3 @@ def test_a_lookup_compares_only_the_partitions_most_recent_max_scan_entries() ->
     idx.configure(max_entries=100, ttl_seconds=300, threshold=0.99, max_scan=3)
     match = idx.lookup("p", [1.0, 0.0, 0.0])
     assert match is not None and match.key == "old" and match.similarity == pytest.approx(1.0)
-
-
-# -- the embeddings breaker -----------------------------------------------------------------------------
-async def test_the_breaker_opens_after_consecutive_failures_and_probes_after_the_cooldown() -> None:
-    seen: list[int] = []
-    healthy = False
-
-    async def handler(request: web.Request) -> web.Response:
-        seen.append(1)
-        if healthy:
-            return web.json_response({"data": [{"embedding": [1.0, 0.0]}]})
-        return web.json_response({"error": "down"}, status=503)
-
-    clock = Clock()
-    async with serve([web.post("/v1/embeddings", handler)]) as url:
-        client = EmbeddingsClient(clock=clock)
-        client.configure_breaker(3, 10.0)
-        try:
-            for _ in range(3):
-                assert not client.open
-                assert await embed(client, url) is None
-            assert client.open and len(seen) == 3 and client.stats.breaker_opened == 1
-            assert await embed(client, url) is None  # open: no request
-            assert len(seen) == 3
-            clock.now += 10.0  # the cool-down is over: one probe, which fails: open again
-            assert not client.open
-            assert await embed(client, url) is None
-            assert len(seen) == 4 and client.open and client.stats.breaker_opened == 2
-            healthy = True
-            clock.now += 10.0
-            assert await embed(client, url) == (1.0, 0.0)  # the probe succeeds: closed
-            assert not client.open and len(seen) == 5
-            healthy = False
-            assert await embed(client, url) is None  # one failure after a success: still closed
-            assert not client.open
-        finally:
-            await client.close()
-
-
-async def test_only_one_probe_goes_out_while_half_open() -> None:
-    release = asyncio.Event()
-    seen: list[int] = []
-
-    async def handler(request: web.Request) -> web.Response:
-        seen.append(1)
-        await release.wait()
-        return web.json_response({"data": [{"embedding": [0.0, 1.0]}]})
-
-    clock = Clock()
-    async with serve([web.post("/v1/embeddings", handler)]) as url:
-        client = EmbeddingsClient(clock=clock)
-        client.configure_breaker(1, 5.0)
-        try:
-            assert await embed(client, refused_url()) is None
-            assert client.open
-            clock.now += 5.0
-            probe = asyncio.create_task(embed(client, url))
-            await async_wait_until(lambda: len(seen) == 1, timeout=30.0)
-            assert client.open  # the probe is out: the others still skip
-            assert await embed(client, url) is None and len(seen) == 1
-            release.set()
-            assert await probe == (0.0, 1.0)
-            assert not client.open
-        finally:
-            release.set()
-            await client.close()

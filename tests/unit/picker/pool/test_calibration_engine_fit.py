@@ -1,51 +1,18 @@
 """The engines' own prefill cost teaches the TTFT model: vLLM's per-request prefill records (read from its
 /metrics, differenced between scrapes) fit a per-token cost, which becomes the prior the first-byte fit is
-pulled toward. Against a real HTTP peer serving a body rendered by prometheus_client with vLLM's names."""
+pulled toward. Against a real HTTP peer serving a body rendered by prometheus_client with vLLM's names.
+
+The tests that start a server or bind a socket: tests/integration/test_calibration_engine_fit_http.py."""
 
 from __future__ import annotations
 
 import random
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
-
 from picker.config import parse_settings
 from picker.pool.calibration import ENGINE_MIN_REQUESTS, EnginePrefillFit, TtftCalibrator, TtftSample
 from picker.pool.engine_readings import PrefillTotals, prefill_totals
-from picker.pool.engine_signals import EngineSignalScraper
 from picker.pool.exposition import parse_exposition
-from picker.pool.pool import Pool
-from tests.support.engine_metrics import engines, pool_config
-
-LABELS = ["model_name", "engine"]
-
-
-class VllmPrefillRecords:
-    """vLLM's two per-request prefill histograms (observed when a request finishes), per engine."""
-
-    def __init__(self, engines: int = 1) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        run = Gauge("vllm:num_requests_running", "Running.", LABELS, registry=r)
-        wait = Gauge("vllm:num_requests_waiting", "Waiting.", LABELS, registry=r)
-        self.time = Histogram(
-            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-            LABELS, buckets=[0.1, 1.0, 10.0], registry=r,
-        )  # fmt: skip
-        self.tokens = Histogram(
-            "vllm:request_prefill_kv_computed_tokens",
-            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-            LABELS, buckets=[100, 1000, 10000], registry=r,
-        )  # fmt: skip
-        for e in range(engines):
-            run.labels("m", str(e)).set(0)
-            wait.labels("m", str(e)).set(0)
-
-    def finish(self, seconds: float, computed_tokens: int, engine: int = 0) -> None:
-        self.time.labels("m", str(engine)).observe(seconds)
-        self.tokens.labels("m", str(engine)).observe(computed_tokens)
-
-    def body(self) -> str:
-        return generate_latest(self.registry).decode()
+from tests.support.engine_metrics import VllmPrefillRecords
 
 
 def test_prefill_totals_add_up_the_engines_of_one_server() -> None:
@@ -135,34 +102,3 @@ def test_config_turns_the_engine_prior_off() -> None:
     cost = parse_settings({"kv_cache_index": {"scoring": {"cost": {"prior_from_engine": False}}}})
     assert TtftCalibrator.from_config(cost.kv_cache_index.scoring.cost).prior_from_engine is False
     assert TtftCalibrator.from_config(parse_settings({}).kv_cache_index.scoring.cost).prior_from_engine is True
-
-
-async def test_the_scraper_differences_the_engines_records_into_the_pools_fit() -> None:
-    async with engines(1) as [(engine, address)]:
-        pool = Pool(pool_config({"e0": address}))
-        scraper = EngineSignalScraper(pool, None, clock=lambda: 1000.0)
-        rec = VllmPrefillRecords()
-        rec.finish(9.0, 100)  # before the picker started: never observed (the first scrape is a baseline)
-        try:
-            engine.body = rec.body()
-            await scraper.scrape_round()
-            assert pool.calibrator.engine.requests == 0
-            rec.finish(0.6, 1600)
-            rec.finish(0.05, 100)
-            engine.body = rec.body()
-            await scraper.scrape_round()
-            fit = pool.calibrator.engine
-            assert fit.requests == 2 and abs(fit.sy / fit.sw - 325.0) < 1e-6  # mean prefill ms of the two
-            await scraper.scrape_round()  # nothing finished since: nothing observed
-            assert pool.calibrator.engine.requests == 2
-            fresh = VllmPrefillRecords()  # the engine restarted: its counters start again
-            fresh.finish(0.1, 200)
-            engine.body = fresh.body()
-            await scraper.scrape_round()
-            assert pool.calibrator.engine.requests == 2  # a new baseline, nothing negative observed
-            fresh.finish(0.2, 500)
-            engine.body = fresh.body()
-            await scraper.scrape_round()
-            assert pool.calibrator.engine.requests == 3
-        finally:
-            await scraper.close()

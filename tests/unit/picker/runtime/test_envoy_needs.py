@@ -1,6 +1,8 @@
 """``kv-epp envoy-config --picker-config FILE`` derives what the picker's config needs of Envoy, refuses a flag
 that would silently disable one of its features (exit 2, one line naming the flag and the config key), and the
-picker says which response mode its response cache needs (start log, ``/readyz``) and what its streams showed."""
+picker says which response mode its response cache needs (start log, ``/readyz``) and what its streams showed.
+
+The tests that start a server or bind a socket: tests/integration/test_envoy_needs_http.py."""
 
 from __future__ import annotations
 
@@ -9,12 +11,10 @@ from typing import Any
 
 import pytest
 import yaml
-from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import parse_settings
 from picker.request.exchange import Exchange
 from picker.runtime import cli as picker_cli
-from picker.runtime.admin import build_admin_app
 from picker.runtime.envoy_needs import (
     FULL_MODE_COST,
     Given,
@@ -287,15 +287,3 @@ def test_without_the_cache_readyz_says_nothing_of_it() -> None:
     on = settings(response_cache={"enabled": True})
     detail = response_cache_detail(on, {"reached": 3, "missing": 0}, 2)
     assert detail is not None and detail["envoy_sends_response_bodies"] is True and "problem" not in detail
-
-
-async def test_readyz_carries_the_detail() -> None:
-    app, _, _ = make()
-    client = TestClient(TestServer(build_admin_app(app)))
-    await client.start_server()
-    try:
-        body = await (await client.get("/readyz")).json()
-        assert body["response_cache"]["needs_response_mode"] == "full"
-        assert body["response_cache"]["envoy_sends_response_bodies"] is None
-    finally:
-        await client.close()

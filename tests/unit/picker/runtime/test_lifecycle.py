@@ -1,6 +1,8 @@
 """The picker follows a discovered pool: config (sources, env, template), snapshot application (pool, ring,
 metrics, recorder, placements, KV index, feeds), readiness gating routing only (an unready backend is on standby:
-not routed to, its feed and index entries kept), static reloads beside it, and the discovery task."""
+not routed to, its feed and index entries kept), static reloads beside it, and the discovery task.
+
+The tests that start a server or bind a socket: tests/integration/test_lifecycle_http.py."""
 
 from __future__ import annotations
 
@@ -8,22 +10,19 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from picker.config import ConfigError, parse_settings, restart_required_changes
 from picker.facts import RequestFacts
 from picker.routing.endpoints import Decision, Endpoint
-from picker.runtime.admin import build_admin_app
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
-from picker.runtime.lifecycle import PickerServer
 from picker.shared.block_keys import chain_block_keys, root_key
 from picker.shared.discovery import PoolSnapshot
 from picker.shared.discovery.config import BackendsFileRef
 from picker.shared.discovery.files import FileDiscovery, load_backends_file
 from picker.shared.tiers import StorageTier
 from tests.support.builders import app_of
-from tests.support.discovered_pool import POOL, TEMPLATE, FakeDiscovery, discovered_settings, snap
+from tests.support.discovered_pool import POOL, TEMPLATE, discovered_settings, snap
 from tests.support.poll import async_wait_until
 
 
@@ -390,44 +389,6 @@ def test_a_reload_while_discovered_keeps_the_discovered_members() -> None:
 
 
 # -- the discovery task --------------------------------------------------------------------------------------
-
-
-async def test_discovery_runs_supervised_and_admin_shows_it() -> None:
-    settings = discovered_settings(
-        extproc={"host": "127.0.0.1", "port": 0, "health_port": None, "tls": {"mode": "plaintext"}},
-        admin={"port": 0},
-    )
-    discovery = FakeDiscovery()
-    app = build_app(settings, discovery=discovery)
-    server = PickerServer(app)
-    await server.start()
-    client = TestClient(TestServer(build_admin_app(app)))
-    await client.start_server()
-    try:
-        assert "pool-discovery" in server.supervisor.names
-        await asyncio.wait_for(discovery.ready.wait(), 30)
-        r = await client.get("/readyz")
-        body = await r.json()
-        assert r.status == 503 and body["pool"] == {"source": "inference_pool", "synced": False, "backends": 0}
-        assert "pool not synced" in body["reason"]
-        discovery.push(snap(("p-a", "10.0.0.1:8000")))
-        r = await client.get("/readyz")
-        assert r.status == 200 and (await r.json())["pool"]["synced"] is True
-        pool = await (await client.get("/admin/pool")).json()
-        assert pool["discovery"] == {"source": "fake", "synced": True}
-        assert [b["backend"] for b in pool["backends"]] == ["p-a"] and pool["pool"]["synced"] is True
-        app.metrics.discovery_event("watch_event")
-        text = await (await client.get("/metrics")).text()
-        for line in (
-            'continuum_picker_discovery_events_total{event="watch_event"} 1.0',
-            "continuum_picker_pool_backends 1.0",
-            "continuum_picker_pool_synced 1.0",
-        ):
-            assert line in text
-        await async_wait_until(lambda: app.metrics.ready._value.get() == 1, timeout=30, what="ready gauge")
-    finally:
-        await client.close()
-        await server.stop()
 
 
 def test_discovery_event_names_are_bounded() -> None:
