@@ -3,7 +3,8 @@ snapshot, the refusals (NOT_FOUND, UNAVAILABLE while draining, RESOURCE_EXHAUSTE
 without the token) and the setup errors that stop a start. Through the whole listener and the picker's consumer:
 tests/integration/test_grpc_feed.py.
 
-Here the tests that start a server or bind a socket; the rest, in process: tests/unit/listener/test_grpc_feed.py."""
+Here the tests that start a server or bind a socket; the rest, in process:
+tests/unit/listener/test_grpc_feed.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ SourceOpenError (and leaves nothing open), ``close`` is idempotent, ``backlog_by
 the source keeps, ``status`` has the fields /healthz reads; and a source the app has never seen (a fake here,
 the gRPC source later) is run, counted and reported through the Protocol alone.
 
-Here the tests that start a server or bind a socket; the rest, in process: tests/unit/listener/test_source.py."""
+Here the tests that start a server or bind a socket; the rest, in process:
+tests/unit/listener/test_source.py."""
 
 from __future__ import annotations
 

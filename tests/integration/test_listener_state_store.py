@@ -4,7 +4,8 @@ the listener restarted while an engine keeps publishing resumes exactly (its fee
 listener that never restarted), an engine that restarted while the listener was down has its old incarnation
 cleared before any of its new blocks count, and an unverifiable incarnation is never restored (issue 8).
 
-Here the tests that start a server or bind a socket; the rest, in process: tests/unit/listener/test_state_store.py."""
+Here the tests that start a server or bind a socket; the rest, in process:
+tests/unit/listener/test_state_store.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """listener.trtllm_source: the poller against a small aiohttp server serving POST /kv_cache_events (ids, gaps,
 restarts, bad bodies, the allow-list, a response over the bound) and the decoder of its JSON events.
 
-Here the tests that start a server or bind a socket; the rest, in process: tests/unit/listener/test_trtllm_source.py."""
+Here the tests that start a server or bind a socket; the rest, in process:
+tests/unit/listener/test_trtllm_source.py."""
 
 from __future__ import annotations
 

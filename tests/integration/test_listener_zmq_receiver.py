@@ -1,7 +1,8 @@
 """listener.zmq_receiver over real ZMQ sockets: the true connection state (and what /healthz makes of it),
 staleness, the receive backlog bound, the publisher allow-list, bind mode.
 
-Here the tests that start a server or bind a socket; the rest, in process: tests/unit/listener/test_zmq_receiver.py."""
+Here the tests that start a server or bind a socket; the rest, in process:
+tests/unit/listener/test_zmq_receiver.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """listener.zmq_replay against a replay ROUTER on loopback: every reply layout, the end marker, a silent or a
 malformed engine, the bound on one replay.
 
-Here the tests that start a server or bind a socket; the rest, in process: tests/unit/listener/test_zmq_replay.py."""
+Here the tests that start a server or bind a socket; the rest, in process:
+tests/unit/listener/test_zmq_replay.py."""
 
 from __future__ import annotations
 

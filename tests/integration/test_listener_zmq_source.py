@@ -2,7 +2,8 @@
 layouts), restart, clears, allowed publishers, topic filter and hostile payloads; the keys of what vLLM and SGLang
 publish; the applier's turns; incarnation checks on a reconnection; restoring persisted state.
 
-Here the tests that start a server or bind a socket; the rest, in process: tests/unit/listener/test_zmq_source.py."""
+Here the tests that start a server or bind a socket; the rest, in process:
+tests/unit/listener/test_zmq_source.py."""
 
 from __future__ import annotations
 
