@@ -11,8 +11,8 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, Mapping
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Any, NoReturn
 
 import httpx2
 import orjson
@@ -94,7 +94,230 @@ class _GoneStreak:
             await self._backoff.sleep()
 
 
-class KubernetesPoolDiscovery:
+class KubeFollower:
+    """What a follower of API objects shares: the HTTP requests (a list page, a watch stream), the counters, the
+    failure state and its logs, the connection loop (``_connected``), a paged list (``_list_all``) and the
+    list-then-watch loop (``_list_watch``). ``KubernetesPoolDiscovery`` follows the pool and its pods with it,
+    ``kube_objectives.KubernetesObjectiveWatch`` the InferenceObjectives. ``count_prefix`` is put before every
+    counter name given to ``count`` (not in ``status()``'s counts)."""
+
+    count_prefix = ""
+
+    def __init__(self, ref: InferencePoolRef, count: Count | None, service_account_dir: str) -> None:
+        self._ref = ref
+        self._count_cb = count
+        self._sa_dir = service_account_dir
+        self._namespace: str | None = ref.namespace
+        self._counts: dict[str, int] = {}  # keys: a fixed set of counter names
+        self._last_error: str | None = None
+        self._failing = False  # a failure was logged and no success since
+        self._stalls = 0  # stalled watches since a watch last delivered something (for the log level)
+
+    @property
+    def source(self) -> str:
+        raise NotImplementedError
+
+    async def _connected(self, follow: Callable[[httpx2.AsyncClient], Awaitable[None]]) -> NoReturn:
+        """Load the credentials, make a client and ``follow`` with it; for ever (a bad kubeconfig is retried: it may
+        be mounted or fixed)."""
+        backoff = _Backoff(self._ref.retry_max_seconds)
+        while True:
+            try:
+                access = await asyncio.to_thread(load_kube_access, self._ref, service_account_dir=self._sa_dir)
+                client = await asyncio.to_thread(make_http_client, access)
+            except Exception as exc:
+                self._fail(f"{exc}")
+                await backoff.sleep()
+                continue
+            self._namespace = access.namespace
+            log.info("event=discovery_start source=%r credentials=%r", self.source, access.origin)
+            async with client:
+                await follow(client)
+
+    async def _list_all(
+        self, http: httpx2.AsyncClient, path: str, params: dict[str, str], take: Callable[[Any], None]
+    ) -> str:
+        """List ``path`` page by page (LIST_PAGE_SIZE items a page), calling ``take`` on each item; returns the
+        list's resourceVersion."""
+        rv = ""
+        cont = ""
+        while True:
+            page = {**params, "limit": str(LIST_PAGE_SIZE)}
+            if cont:
+                page["continue"] = cont
+            body = await self._get_json(http, path, page)
+            meta = body.get("metadata") or {}
+            rv = str(meta.get("resourceVersion") or rv)
+            for item in body.get("items") or ():
+                take(item)
+            cont = str(meta.get("continue") or "")
+            if not cont:
+                return rv
+
+    async def _list_watch(
+        self,
+        http: httpx2.AsyncClient,
+        what: str,
+        path: str,
+        params: dict[str, str],
+        relist: Callable[[], Awaitable[str]],
+        on_event: Callable[[str, dict[str, Any], str], None],
+    ) -> NoReturn:
+        """List (``relist`` returns the list's resourceVersion), then watch ``path`` from that version with bookmarks,
+        for ever: ``on_event(type, object, version)`` for each event, BOOKMARK included. A watch the server ends
+        (timeoutSeconds) or that stalls is renewed from its last version; a 410 lists again (the second and later
+        in a row after the backoff, ``_GoneStreak``); another error goes to ``_on_error`` and backs off."""
+        backoff = _Backoff(self._ref.retry_max_seconds)
+        gone = _GoneStreak(self._ref.retry_max_seconds, self._count)
+        rv = ""
+        params = {
+            **params,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(self._ref.watch_timeout_seconds),
+        }
+        while True:
+            try:
+                if not rv:
+                    await gone.wait()
+                    rv = await relist()
+                    backoff.reset()
+                started, events = time.monotonic(), 0
+                async with contextlib.aclosing(self._watch(http, path, params, rv)) as stream:
+                    async for etype, obj in stream:
+                        events += 1
+                        gone.reset()
+                        self._stalls = 0
+                        rv = _resource_version(obj) or rv
+                        self._count("bookmark" if etype == "BOOKMARK" else "watch_event")
+                        on_event(etype, obj, rv)
+                # the server ended the watch (timeoutSeconds): renew it from rv; one that ends at once backs off
+                if events or time.monotonic() - started >= 1.0:
+                    backoff.reset()
+                else:
+                    await backoff.sleep()
+            except _Gone as exc:
+                self._count("gone")
+                gone.note()
+                log.info("event=discovery_gone what=%s source=%r detail=%r", what, self.source, str(exc))
+                rv = ""
+            except _Stalled:
+                self._stalled(what)
+            except Exception as exc:
+                self._on_error(what, exc)
+                await backoff.sleep()
+
+    def _on_error(self, what: str, exc: Exception) -> None:
+        """A list or watch of ``what`` failed (it is retried after the backoff)."""
+        self._fail(f"{what} of {self.source}: {_describe(exc)}")
+
+    # --- HTTP ---
+
+    async def _get_json(self, http: httpx2.AsyncClient, path: str, params: dict[str, str]) -> dict[str, Any]:
+        async with http.stream("GET", path, params=params) as resp:
+            if resp.status_code != 200:
+                await _raise_for(resp)
+            body = bytearray()
+            async for chunk in resp.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise _ApiError(0, f"GET {path}: the answer is over {MAX_BODY_BYTES} bytes")
+        data = orjson.loads(body)
+        if not isinstance(data, dict):
+            raise _ApiError(0, f"GET {path}: the answer is not a JSON object")
+        return data
+
+    async def _watch(
+        self, http: httpx2.AsyncClient, path: str, params: dict[str, str], rv: str
+    ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        """One watch request from ``rv``: yields (type, object) for ADDED, MODIFIED, DELETED and BOOKMARK;
+        raises _Gone on 410 (status or ERROR event), _Stalled when nothing arrives for the idle timeout (the
+        answer's headers included), _ApiError on another error; returns when the server ends the stream."""
+        self._count("watch")
+        timeout = httpx2.Timeout(REQUEST_TIMEOUT_SECONDS, read=self.watch_read_timeout)
+        query = {**params, "watch": "1", "resourceVersion": rv}
+        try:
+            async with contextlib.aclosing(self._watch_stream(http, path, query, timeout)) as stream:
+                async for item in stream:
+                    yield item
+        except httpx2.ReadTimeout:
+            raise _Stalled(f"GET {path}: nothing for {self.watch_read_timeout:g} s") from None
+
+    @property
+    def watch_read_timeout(self) -> float:
+        """How long a watch may send nothing: ``watch_idle_timeout_seconds``, at most ``watch_timeout_seconds`` +
+        WATCH_READ_GRACE_SECONDS (the server ends the stream itself by then)."""
+        ref = self._ref
+        return min(ref.watch_idle_timeout_seconds, ref.watch_timeout_seconds + WATCH_READ_GRACE_SECONDS)
+
+    async def _watch_stream(
+        self, http: httpx2.AsyncClient, path: str, query: dict[str, str], timeout: httpx2.Timeout
+    ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        async with http.stream("GET", path, params=query, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                await _raise_for(resp)
+            self._ok()
+            buf = bytearray()
+            async for chunk in resp.aiter_bytes():
+                buf += chunk
+                start = 0
+                while (end := buf.find(b"\n", start)) >= 0:
+                    if end > start:
+                        yield _decode_event(bytes(buf[start:end]))
+                    start = end + 1
+                del buf[:start]
+                if len(buf) > MAX_EVENT_BYTES:
+                    raise _ApiError(0, f"a watch event over {MAX_EVENT_BYTES} bytes")
+            if buf.strip():
+                yield _decode_event(bytes(buf))
+
+    # --- bookkeeping ---
+
+    def _count(self, name: str) -> None:
+        self._counts[name] = self._counts.get(name, 0) + 1
+        if self._count_cb is not None:
+            try:
+                self._count_cb(self.count_prefix + name)
+            except Exception:
+                log.exception("event=discovery_count_failed name=%s", name)
+
+    def _fail(self, message: str, *, log_it: bool = True) -> None:
+        self._count("error")
+        self._last_error = message
+        if log_it and not self._failing:
+            log.warning(
+                "event=discovery_error source=%r error=%r (retrying; the last snapshot is kept)", self.source, message
+            )
+        elif log_it:
+            log.debug("event=discovery_error source=%r error=%r", self.source, message)
+        self._failing = self._failing or log_it
+
+    def _stalled(self, what: str) -> None:
+        """A watch sent nothing for the idle timeout: renewed from its last version at once (the wait itself spaces
+        the renewals). Logged at info the first time in a row, then at debug."""
+        self._count("watch_stalled")
+        self._stalls += 1
+        level = logging.INFO if self._stalls == 1 else logging.DEBUG
+        log.log(
+            level,
+            "event=discovery_watch_stalled what=%s source=%r idle_s=%g (renewed from its last version)",
+            what,
+            self.source,
+            self.watch_read_timeout,
+        )
+
+    def _ok(self) -> None:
+        """A request succeeded: the trouble is over (but for ``_standing_error``)."""
+        if self._failing:
+            log.info("event=discovery_recovered source=%r", self.source)
+        self._failing = False
+        self._last_error = self._standing_error()
+
+    def _standing_error(self) -> str | None:
+        """The error still reported after a request succeeded (none here)."""
+        return None
+
+
+class KubernetesPoolDiscovery(KubeFollower):
     """Follows one InferencePool and its pods (docs/picker.md, "Pool discovery"); implements ``Discovery``.
 
     Bounds: the pod map holds at most ``ref.max_pods`` pods (a pod past it is ignored until a slot frees and the
@@ -110,15 +333,9 @@ class KubernetesPoolDiscovery:
         *,
         service_account_dir: str = SERVICE_ACCOUNT_DIR,
     ) -> None:
-        self._ref = ref
-        self._count_cb = count
-        self._sa_dir = service_account_dir
-        self._namespace: str | None = ref.namespace
+        super().__init__(ref, count, service_account_dir)
         self._synced = False
         self._publish: Publish | None = None
-        self._counts: dict[str, int] = {}  # keys: the fixed set of counter names above
-        self._last_error: str | None = None
-        self._failing = False  # a failure was logged and no success since
         self._pool_found: bool | None = None  # None: not read yet
         self._target: PoolSpec | None = None  # the pool's spec as last read
         self._spec: PoolSpec | None = None  # the spec the pod map was listed with
@@ -128,7 +345,6 @@ class KubernetesPoolDiscovery:
         self._ignored = 0  # pods ignored past max_pods since the last list
         self._published: tuple[DiscoveredBackend, ...] | None = None
         self._flush_pending = False
-        self._stalls = 0  # stalled watches since a watch last delivered something (for the log level)
 
     # --- Discovery ---
 
@@ -162,19 +378,7 @@ class KubernetesPoolDiscovery:
 
     async def run(self, publish: Publish) -> None:
         self._publish = publish
-        backoff = _Backoff(self._ref.retry_max_seconds)
-        while True:
-            try:
-                access = await asyncio.to_thread(load_kube_access, self._ref, service_account_dir=self._sa_dir)
-                client = await asyncio.to_thread(make_http_client, access)
-            except Exception as exc:  # a bad kubeconfig: keep retrying, it may be mounted or fixed
-                self._fail(f"{exc}")
-                await backoff.sleep()
-                continue
-            self._namespace = access.namespace
-            log.info("event=discovery_start source=%r credentials=%r", self.source, access.origin)
-            async with client:
-                await self._follow_pool(client)
+        await self._connected(self._follow_pool)
 
     # --- the pool ---
 
@@ -288,79 +492,42 @@ class KubernetesPoolDiscovery:
 
     async def _follow_pods(self, http: httpx2.AsyncClient, spec: PoolSpec) -> None:
         """List the pods the spec selects, then watch them; list again after 410 Gone. For ever."""
-        backoff = _Backoff(self._ref.retry_max_seconds)
-        gone = _GoneStreak(self._ref.retry_max_seconds, self._count)
-        rv = ""
         relist = self._spec is not None  # a first list for this spec after another one is a resync too
-        params = {
-            "labelSelector": spec.label_selector,
-            "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(self._ref.watch_timeout_seconds),
-        }
-        while True:
-            try:
-                if not rv:
-                    await gone.wait()
-                    if relist:
-                        self._count("resync")
-                    rv = await self._list_pods(http, spec)
-                    relist = True
-                    backoff.reset()
-                started, events = time.monotonic(), 0
-                async with contextlib.aclosing(self._watch(http, self._pods_path(), params, rv)) as stream:
-                    async for etype, obj in stream:
-                        events += 1
-                        gone.reset()
-                        self._stalls = 0
-                        rv = _resource_version(obj) or rv
-                        self._pods_rv = rv
-                        if etype == "BOOKMARK":
-                            self._count("bookmark")
-                            continue
-                        self._count("watch_event")
-                        self._apply_pod_event(etype, obj)
-                # the server ended the watch (timeoutSeconds): renew it from rv; one that ends at once backs off
-                if events or time.monotonic() - started >= 1.0:
-                    backoff.reset()
-                else:
-                    await backoff.sleep()
-            except _Gone as exc:
-                self._count("gone")
-                gone.note()
-                log.info("event=discovery_gone what=pods source=%r detail=%r", self.source, str(exc))
-                rv = ""
-            except _Stalled:
-                self._stalled("pods")
-            except Exception as exc:
-                self._fail(f"pods of {self.source}: {_describe(exc)}")
-                await backoff.sleep()
+
+        async def list_pods() -> str:
+            nonlocal relist
+            if relist:
+                self._count("resync")
+            rv = await self._list_pods(http, spec)
+            relist = True
+            return rv
+
+        def on_event(etype: str, obj: dict[str, Any], rv: str) -> None:
+            self._pods_rv = rv
+            if etype != "BOOKMARK":
+                self._apply_pod_event(etype, obj)
+
+        params = {"labelSelector": spec.label_selector}
+        await self._list_watch(http, "pods", self._pods_path(), params, list_pods, on_event)
 
     async def _list_pods(self, http: httpx2.AsyncClient, spec: PoolSpec) -> str:
         """List every selected pod (page by page) and replace the pod map at once; returns the list's version."""
         pods: dict[str, Pod] = {}
         ignored = 0
-        rv = ""
-        cont = ""
-        while True:
-            params = {"labelSelector": spec.label_selector, "limit": str(LIST_PAGE_SIZE)}
-            if cont:
-                params["continue"] = cont
-            body = await self._get_json(http, self._pods_path(), params)
-            meta = body.get("metadata") or {}
-            rv = str(meta.get("resourceVersion") or rv)
-            for item in body.get("items") or ():
-                try:
-                    name, pod = parse_pod(item)
-                except ValueError as exc:
-                    self._fail(f"pods of {self.source}: {exc}", log_it=False)
-                    continue
-                if name not in pods and len(pods) >= self._ref.max_pods:
-                    ignored += 1
-                    continue
-                pods[name] = pod
-            cont = str(meta.get("continue") or "")
-            if not cont:
-                break
+
+        def take(item: Any) -> None:
+            nonlocal ignored
+            try:
+                name, pod = parse_pod(item)
+            except ValueError as exc:
+                self._fail(f"pods of {self.source}: {exc}", log_it=False)
+                return
+            if name not in pods and len(pods) >= self._ref.max_pods:
+                ignored += 1
+                return
+            pods[name] = pod
+
+        rv = await self._list_all(http, self._pods_path(), {"labelSelector": spec.label_selector}, take)
         self._count("list")
         self._pods, self._spec, self._pods_rv = pods, spec, rv
         self._ignored = 0
@@ -447,108 +614,9 @@ class KubernetesPoolDiscovery:
         out.sort(key=lambda b: b.name)
         return tuple(out)
 
-    # --- HTTP ---
-
-    async def _get_json(self, http: httpx2.AsyncClient, path: str, params: dict[str, str]) -> dict[str, Any]:
-        async with http.stream("GET", path, params=params) as resp:
-            if resp.status_code != 200:
-                await _raise_for(resp)
-            body = bytearray()
-            async for chunk in resp.aiter_bytes():
-                body += chunk
-                if len(body) > MAX_BODY_BYTES:
-                    raise _ApiError(0, f"GET {path}: the answer is over {MAX_BODY_BYTES} bytes")
-        data = orjson.loads(body)
-        if not isinstance(data, dict):
-            raise _ApiError(0, f"GET {path}: the answer is not a JSON object")
-        return data
-
-    async def _watch(
-        self, http: httpx2.AsyncClient, path: str, params: dict[str, str], rv: str
-    ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
-        """One watch request from ``rv``: yields (type, object) for ADDED, MODIFIED, DELETED and BOOKMARK;
-        raises _Gone on 410 (status or ERROR event), _Stalled when nothing arrives for the idle timeout (the
-        answer's headers included), _ApiError on another error; returns when the server ends the stream."""
-        self._count("watch")
-        timeout = httpx2.Timeout(REQUEST_TIMEOUT_SECONDS, read=self.watch_read_timeout)
-        query = {**params, "watch": "1", "resourceVersion": rv}
-        try:
-            async with contextlib.aclosing(self._watch_stream(http, path, query, timeout)) as stream:
-                async for item in stream:
-                    yield item
-        except httpx2.ReadTimeout:
-            raise _Stalled(f"GET {path}: nothing for {self.watch_read_timeout:g} s") from None
-
-    @property
-    def watch_read_timeout(self) -> float:
-        """How long a watch may send nothing: ``watch_idle_timeout_seconds``, at most ``watch_timeout_seconds`` +
-        WATCH_READ_GRACE_SECONDS (the server ends the stream itself by then)."""
-        ref = self._ref
-        return min(ref.watch_idle_timeout_seconds, ref.watch_timeout_seconds + WATCH_READ_GRACE_SECONDS)
-
-    async def _watch_stream(
-        self, http: httpx2.AsyncClient, path: str, query: dict[str, str], timeout: httpx2.Timeout
-    ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
-        async with http.stream("GET", path, params=query, timeout=timeout) as resp:
-            if resp.status_code != 200:
-                await _raise_for(resp)
-            self._ok()
-            buf = bytearray()
-            async for chunk in resp.aiter_bytes():
-                buf += chunk
-                start = 0
-                while (end := buf.find(b"\n", start)) >= 0:
-                    if end > start:
-                        yield _decode_event(bytes(buf[start:end]))
-                    start = end + 1
-                del buf[:start]
-                if len(buf) > MAX_EVENT_BYTES:
-                    raise _ApiError(0, f"a watch event over {MAX_EVENT_BYTES} bytes")
-            if buf.strip():
-                yield _decode_event(bytes(buf))
-
-    # --- bookkeeping ---
-
-    def _count(self, name: str) -> None:
-        self._counts[name] = self._counts.get(name, 0) + 1
-        if self._count_cb is not None:
-            try:
-                self._count_cb(name)
-            except Exception:
-                log.exception("event=discovery_count_failed name=%s", name)
-
-    def _fail(self, message: str, *, log_it: bool = True) -> None:
-        self._count("error")
-        self._last_error = message
-        if log_it and not self._failing:
-            log.warning(
-                "event=discovery_error source=%r error=%r (retrying; the last snapshot is kept)", self.source, message
-            )
-        elif log_it:
-            log.debug("event=discovery_error source=%r error=%r", self.source, message)
-        self._failing = self._failing or log_it
-
-    def _stalled(self, what: str) -> None:
-        """A watch sent nothing for the idle timeout: renewed from its last version at once (the wait itself spaces
-        the renewals). Logged at info the first time in a row, then at debug."""
-        self._count("watch_stalled")
-        self._stalls += 1
-        level = logging.INFO if self._stalls == 1 else logging.DEBUG
-        log.log(
-            level,
-            "event=discovery_watch_stalled what=%s source=%r idle_s=%g (renewed from its last version)",
-            what,
-            self.source,
-            self.watch_read_timeout,
-        )
-
-    def _ok(self) -> None:
-        """A request succeeded: the trouble is over (a missing pool stays the reported error)."""
-        if self._failing:
-            log.info("event=discovery_recovered source=%r", self.source)
-        self._failing = False
-        if self._pool_found is not False:
-            self._last_error = None
+    def _standing_error(self) -> str | None:
+        """A missing pool stays the reported error after a success."""
+        return self._last_error if self._pool_found is False else None
 
 
 def _resource_version(obj: Mapping[str, Any]) -> str:
