@@ -1054,6 +1054,26 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
                 "request out in Envoy first; raise that too (`kv-epp envoy-config --picker-config` does)",
             )
         )
+    fc = s.flow_control
+    if fc.enabled:
+        longest = max(fc.default_ttl_ms, fc.no_endpoints_ttl_ms)
+        if longest >= 4000:
+            out.append(
+                (
+                    "flow_control.default_ttl_ms",
+                    f"a request may wait up to {longest} ms in flow control: Envoy's ext_proc message timeout must be "
+                    "longer (5000 ms as kv-epp generates it by default; `kv-epp envoy-config --picker-config` derives "
+                    "it), or a queued request times out in Envoy first",
+                )
+            )
+        if fc.max_requests > s.admission.max_open_streams:
+            out.append(
+                (
+                    "flow_control.max_requests",
+                    f"{fc.max_requests} queued requests need as many open streams, but admission.max_open_streams is "
+                    f"{s.admission.max_open_streams}: past it requests are refused 429 before they can queue",
+                )
+            )
     ip = s.pool.inference_pool
     if ip is not None and ip.watch_idle_timeout_seconds < 65:
         out.append(

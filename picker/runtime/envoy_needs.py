@@ -28,6 +28,7 @@ FULL_MODE_COST = (
     "every response body chunk passes through the picker (measured: about 10.7 ms of picker CPU per streamed "
     "256-token response against 0.6 ms with none)"
 )
+FLOW_MARGIN_MS = 1000  # a dispatched request's decide, commit and answer after its wait
 SEMANTIC_MARGIN_MS = 1000  # the message timeout above the embedding's: the rest of the request path
 
 
@@ -238,24 +239,39 @@ def _picker_tls(s: Settings, g: Given, out: Derived, source: str) -> None:
 
 
 def _message_timeout(s: Settings, g: Given, out: Derived, source: str) -> None:
-    """The semantic cache waits on an embedding inside the request-body message: Envoy's message timeout must
-    outlast it."""
+    """The picker answers some request messages only after a wait: the semantic cache's embedding, flow
+    control's queue (up to the longest TTL). Envoy's message timeout must outlast the longest."""
+    needs: list[tuple[int, str]] = []
     sem = s.response_cache.semantic
-    if not (s.response_cache.enabled and sem.enabled):
+    if s.response_cache.enabled and sem.enabled:
+        needs.append(
+            (
+                sem.embedding_timeout_ms + SEMANTIC_MARGIN_MS,
+                f"response_cache.semantic.embedding_timeout_ms is {sem.embedding_timeout_ms} in {source} "
+                f"(+{SEMANTIC_MARGIN_MS} ms for the rest of the request path)",
+            )
+        )
+    fc = s.flow_control
+    if fc.enabled:
+        longest = max(fc.default_ttl_ms, fc.no_endpoints_ttl_ms)
+        needs.append(
+            (
+                longest + FLOW_MARGIN_MS,
+                f"a request may wait {longest} ms in flow control (flow_control.default_ttl_ms / "
+                f"no_endpoints_ttl_ms in {source}; +{FLOW_MARGIN_MS} ms for the rest of the request path)",
+            )
+        )
+    if not needs:
         return
-    need = sem.embedding_timeout_ms + SEMANTIC_MARGIN_MS
+    need, why = max(needs)
     if g.message_timeout_ms is None:
         if need > _DEFAULTS.message_timeout_ms:
             out.options["message_timeout_ms"] = need
-            out.notes.append(
-                f"ext_proc message timeout {need} ms: response_cache.semantic.embedding_timeout_ms is "
-                f"{sem.embedding_timeout_ms} in {source} (+{SEMANTIC_MARGIN_MS} ms for the rest of the request path)"
-            )
+            out.notes.append(f"ext_proc message timeout {need} ms: {why}")
     elif g.message_timeout_ms < need:
         out.warnings.append(
-            f"--message-timeout-ms {g.message_timeout_ms} is below response_cache.semantic."
-            f"embedding_timeout_ms ({sem.embedding_timeout_ms}) + {SEMANTIC_MARGIN_MS} ms of {source}: a slow "
-            "embedding times the request out in Envoy first (a 500, or fail-open)"
+            f"--message-timeout-ms {g.message_timeout_ms} is below {need} ms: {why}; a request that waits that long "
+            "times out in Envoy first (a 500, or fail-open)"
         )
 
 
