@@ -66,6 +66,7 @@ RESTART_REQUIRED_KEYS = (
     ("pool", "backends_file"),
     ("response_cache", "backend"),
     ("response_cache", "redis"),
+    ("flow_control", "watch_objectives"),  # the InferenceObjective watch is started (or not) at start
 )
 ENV_PREFIX = "KV_EPP_"
 ENV_NESTED_DELIMITER = "__"
@@ -651,7 +652,8 @@ class FlowControlConfig(_Section):
     fairness: FairnessPolicy = "global_fifo"
     ordering: OrderingPolicy = "fcfs"
     objectives: dict[str, FlowObjectiveConfig] = Field(default_factory=dict, max_length=10_000)
-    watch_objectives: bool = True  # with pool.inference_pool: InferenceObjective objects whose poolRef is ours
+    # with pool.inference_pool: watch InferenceObjective objects whose poolRef is ours (restart-required)
+    watch_objectives: bool = True
     max_requests: int = Field(5000, ge=1, le=10_000_000)  # queued, all bands together
     max_bytes: int = Field(1 << 30, ge=1024, le=64 << 30)  # queued request bytes, all bands together
     default_band: FlowBandConfig = FlowBandConfig()

@@ -226,7 +226,10 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
         return web.json_response(body)
 
     async def flow_control(_: web.Request) -> web.Response:
-        return web.json_response(app.path.flow.stats())
+        body = app.path.flow.stats()
+        if app.objective_watch is not None:  # where watched_objectives come from, and how that goes
+            body["objective_watch"] = app.objective_watch.status()
+        return web.json_response(body)
 
     async def reload(_: web.Request) -> web.Response:
         applied, messages = app.reload()

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from picker.cache import CacheStore
 from picker.cache.embeddings import EmbeddingsClient
@@ -32,6 +33,9 @@ from picker.request.path import RequestPath
 from picker.routing.core import Router
 from picker.routing.endpoints import Endpoint
 from picker.shared.discovery import Discovery, PoolSnapshot
+
+if TYPE_CHECKING:
+    from picker.shared.discovery.kube_objectives import KubernetesObjectiveWatch
 
 log = logging.getLogger("kv_epp.app")
 
@@ -91,6 +95,8 @@ class PickerApp:
             self.tier4.on_change = self._readiness_inputs_changed
         # the pool's source: static (synced at once) or a discovery that publishes snapshots
         self.discovery = discovery
+        # the InferenceObjective watch behind flow control's watched priorities (set by the composition root)
+        self.objective_watch: KubernetesObjectiveWatch | None = None
         self.pool_source = settings.pool.source
         self.pool_synced = not settings.pool.discovered
         self.pool_version = ""

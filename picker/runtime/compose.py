@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from picker.cache.embeddings import EmbeddingsClient
 from picker.cache.metrics import CacheStoreMetrics
@@ -33,6 +34,9 @@ from picker.runtime.app import PickerApp
 from picker.runtime.lifecycle import PickerServer
 from picker.shared.discovery import Count, Discovery, make_discovery
 
+if TYPE_CHECKING:
+    from picker.shared.discovery.kube_objectives import KubernetesObjectiveWatch
+
 log = logging.getLogger("kv_epp.wiring")  # the name its log lines have always had
 
 RESPONSE_CACHE_FLUSH_SECONDS = 3.0  # pending store writes at stop (below lifecycle's HOOK_STOP_SECONDS, 5 s)
@@ -42,6 +46,21 @@ def pool_discovery(pool: PoolConfig, count: Count | None = None) -> Discovery | 
     """The discovery source ``pool`` names (None for a static pool)."""
     ref = pool.inference_pool or pool.backends_file
     return make_discovery(ref, count) if ref is not None else None
+
+
+def objective_watch(settings: Settings, app: PickerApp) -> KubernetesObjectiveWatch | None:
+    """The watch of the pool's InferenceObjectives whose priorities flow control reads (``app.path.flow.watched``,
+    replaced at each change): with ``pool.inference_pool`` and ``flow_control.watch_objectives``, else None. It runs
+    beside the pool's discovery, with its own client: nothing it meets can stop the pool's."""
+    ref = settings.pool.inference_pool
+    if ref is None or not settings.flow_control.watch_objectives:
+        return None
+    from picker.shared.discovery.kube_objectives import KubernetesObjectiveWatch  # lightkube: only when used
+
+    def publish(watched: dict[str, int]) -> None:
+        app.path.flow.watched = watched
+
+    return KubernetesObjectiveWatch(ref, publish, app.metrics.discovery_event)
 
 
 def build_response_cache(rc: ResponseCacheConfig, metrics: PickerMetrics) -> ResponseCache:
@@ -109,6 +128,10 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
         metrics.child(metrics.discovery_events, "error").inc(0)  # from the start: increase() sees the first error
     app = build_app(settings, metrics, config_path, discovery)
     server = PickerServer(app)  # runs the discovery (supervised) when there is one
+    app.objective_watch = objective_watch(settings, app)
+    if app.objective_watch is not None:  # flow control's priorities from InferenceObjective objects
+        metrics.child(metrics.discovery_events, "objectives_error").inc(0)
+        server.background.append(app.objective_watch.run)
     # engine signals: always supervised; it reads pool.engine_metrics (hot-reloadable) each round and idles
     # while that says enabled: false
     scraper = EngineSignalScraper(app.pool, app.metrics)
@@ -141,4 +164,4 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     return server
 
 
-__all__ = ["build_app", "build_response_cache", "build_server", "pool_discovery"]
+__all__ = ["build_app", "build_response_cache", "build_server", "objective_watch", "pool_discovery"]

@@ -1,6 +1,7 @@
 """What the InferencePool watcher reads of the API's objects: an InferencePool's spec (its pods' label selector
-and target ports) and a pod (its IP, whether it is being deleted, its Ready condition, its annotations).
-See docs/picker.md, "Pool discovery".
+and target ports), a pod (its IP, whether it is being deleted, its Ready condition, its annotations) and an
+InferenceObjective (its name, its pool and its priority). See docs/picker.md, "Pool discovery", and
+docs/flow-control.md, "Flows, priorities and bands".
 """
 
 from __future__ import annotations
@@ -102,6 +103,52 @@ def parse_pod(obj: Mapping[str, Any]) -> tuple[str, Pod]:
     # EndpointSlices).
     ended = status.get("phase") in ("Failed", "Succeeded")
     return name, Pod(ip, ready, ended or bool(meta.get("deletionTimestamp")), annotations)
+
+
+POOL_GROUP = "inference.networking.k8s.io"  # an InferenceObjective's spec.poolRef.group default
+POOL_KIND = "InferencePool"  # its spec.poolRef.kind default
+OBJECTIVE_NAME_MAX = 253  # a Kubernetes object name
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1  # spec.priority is an int32
+
+
+class BadObjective(ValueError):
+    """An InferenceObjective that cannot be read (the CRD's validation should make this unreachable); ``name`` is
+    its metadata.name when that much could be read."""
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def parse_objective(obj: Mapping[str, Any], pool: str) -> tuple[str, int | None]:
+    """(name, priority) of an ``llm-d.ai/v1alpha2`` InferenceObjective for the InferencePool named ``pool`` in its
+    namespace: the priority is ``spec.priority``, 0 when unset (as llm-d reads it), None when the object is not
+    for this pool (``spec.poolRef`` names another pool, or a group or kind other than the InferencePool's) or is
+    being deleted. BadObjective naming the field when it is malformed."""
+    if not isinstance(obj, Mapping):
+        raise BadObjective(f"inferenceobjective: not an object but {type(obj).__name__}")
+    meta = obj.get("metadata")
+    meta = meta if isinstance(meta, dict) else {}
+    name = meta.get("name")
+    if not isinstance(name, str) or not 0 < len(name) <= OBJECTIVE_NAME_MAX:
+        raise BadObjective(f"inferenceobjective: metadata.name {name!r} is not an object name")
+    if meta.get("deletionTimestamp"):
+        return name, None
+    spec = obj.get("spec")
+    ref = spec.get("poolRef") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict) or not isinstance(ref, dict):
+        raise BadObjective(f"inferenceobjective {name}: spec.poolRef is missing or not an object", name)
+    ref_name, group, kind = ref.get("name"), ref.get("group", POOL_GROUP), ref.get("kind", POOL_KIND)
+    if not isinstance(ref_name, str) or not ref_name or not isinstance(group, str) or not isinstance(kind, str):
+        raise BadObjective(f"inferenceobjective {name}: spec.poolRef name, group or kind is not a string", name)
+    if (ref_name, group, kind) != (pool, POOL_GROUP, POOL_KIND):
+        return name, None
+    priority = spec.get("priority")
+    if priority is None:
+        return name, 0
+    if not isinstance(priority, int) or isinstance(priority, bool) or not INT32_MIN <= priority <= INT32_MAX:
+        raise BadObjective(f"inferenceobjective {name}: spec.priority {priority!r} is not an int32", name)
+    return name, priority
 
 
 def _object_or_none(value: Any, field: str) -> Mapping[str, Any]:

@@ -1,7 +1,7 @@
 """InferencePool discovery: follow an ``inference.networking.k8s.io/v1`` InferencePool and the Pods it selects (lists,
 watches with bookmarks, resyncs on 410, stall detection, backoff) and publish snapshots. One module on purpose: one
-state machine over the pool and its pods; credentials are ``kube_access``, the objects ``kube_objects``.
-See docs/picker.md, "Pool discovery".
+state machine over the pool and its pods; credentials are ``kube_access``, the objects ``kube_objects``. The
+list/watch machinery (``KubeFollower``) serves ``kube_objectives`` too. See docs/picker.md, "Pool discovery".
 """
 
 from __future__ import annotations
@@ -655,6 +655,11 @@ async def _raise_for(resp: httpx2.Response) -> None:
     if resp.status_code == 410:
         raise _Gone(message)
     raise _ApiError(resp.status_code, f"{resp.request.method} {resp.request.url.path}: {message}")
+
+
+def api_error_code(exc: BaseException) -> int | None:
+    """The HTTP status of an error answer the API server gave (None: another failure)."""
+    return exc.code if isinstance(exc, _ApiError) else None
 
 
 def _describe(exc: BaseException) -> str:
