@@ -1,7 +1,8 @@
 """What discovery reads of the API's objects, malformed ones included: an InferencePool's spec is refused with
 the path of its bad field, a pod is parsed without raising whatever its status holds (only an unusable name is
-refused), and what a pod contributes to the published backends. The basic live/ready cases and the first
-refusals are in test_kube_access.py."""
+refused), what a pod contributes to the published backends, and the priority an InferenceObjective gives our
+pool (none for another pool's; a malformed one refused with its field and, when known, its name). The basic
+live/ready cases and the first refusals are in test_kube_access.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from picker.shared.discovery.kube_objects import BadPool, Pod, parse_pod, parse_pool_spec
+from picker.shared.discovery.kube_objects import BadObjective, BadPool, Pod, parse_objective, parse_pod, parse_pool_spec
 
 READY = [{"type": "Ready", "status": "True"}]
 
@@ -125,3 +126,64 @@ def test_a_pod_whose_metadata_or_status_has_the_wrong_type_is_refused_like_a_bad
         return
     # parsed: then it must at least be a pod that is not routed to
     assert not parse_pod(obj)[1].live
+
+
+# -- InferenceObjectives -----------------------------------------------------------------------------------------
+
+POOL_NAME = "vllm"
+
+
+def objective(name: Any = "chat", priority: Any = 5, **ref: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {"poolRef": {"name": POOL_NAME, **ref}}
+    if priority is not None:
+        spec["priority"] = priority
+    return {"apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceObjective", "metadata": {"name": name}, "spec": spec}
+
+
+@pytest.mark.parametrize(
+    ("obj", "parsed"),
+    [
+        (objective(), ("chat", 5)),
+        (objective(priority=-10), ("chat", -10)),
+        (objective(priority=None), ("chat", 0)),  # unset: 0, as llm-d reads it
+        (objective(priority=(1 << 31) - 1), ("chat", (1 << 31) - 1)),
+        (objective(group="inference.networking.k8s.io", kind="InferencePool"), ("chat", 5)),  # the defaults, spelt
+        (objective(name="batch", group="inference.networking.x-k8s.io"), ("batch", None)),  # another group's pool
+        (objective(kind="Service"), ("chat", None)),
+        (objective(group=""), ("chat", None)),
+        ({**objective(), "spec": {"poolRef": {"name": "other"}, "priority": 5}}, ("chat", None)),  # another pool
+        ({**objective(), "spec": {"poolRef": {"name": "other"}, "priority": "x"}}, ("chat", None)),  # not ours to judge
+        ({**objective(), "metadata": {"name": "chat", "deletionTimestamp": "2026-01-01T00:00:00Z"}}, ("chat", None)),
+    ],
+)
+def test_an_objective_gives_its_priority_for_our_pool_only(obj: dict[str, Any], parsed: tuple[str, int | None]) -> None:
+    assert parse_objective(obj, POOL_NAME) == parsed
+
+
+@pytest.mark.parametrize(
+    ("obj", "name", "says"),
+    [
+        ([1], None, "not an object but list"),
+        ({"spec": {}}, None, "metadata.name None is not an object name"),
+        ({"metadata": [], "spec": {}}, None, "metadata.name None"),
+        (objective(name=""), None, "metadata.name '' is not an object name"),
+        (objective(name="x" * 254), None, "is not an object name"),
+        (objective(name=7), None, "metadata.name 7"),
+        ({"metadata": {"name": "chat"}}, "chat", "inferenceobjective chat: spec.poolRef is missing or not an object"),
+        ({"metadata": {"name": "chat"}, "spec": {"poolRef": "vllm"}}, "chat", "spec.poolRef is missing"),
+        ({"metadata": {"name": "chat"}, "spec": []}, "chat", "spec.poolRef is missing"),
+        ({"metadata": {"name": "chat"}, "spec": {"poolRef": {}}}, "chat", "name, group or kind is not a string"),
+        (objective(group=None), "chat", "name, group or kind is not a string"),
+        (objective(priority="5"), "chat", "spec.priority '5' is not an int32"),
+        (objective(priority=True), "chat", "spec.priority True is not an int32"),
+        (objective(priority=1.5), "chat", "spec.priority 1.5 is not an int32"),
+        (objective(priority=1 << 31), "chat", f"spec.priority {1 << 31} is not an int32"),
+        (objective(priority=-(1 << 31) - 1), "chat", "is not an int32"),
+    ],
+)  # fmt: skip
+def test_a_malformed_objective_is_refused_naming_the_field_and_its_name_when_known(
+    obj: Any, name: str | None, says: str
+) -> None:
+    with pytest.raises(BadObjective, match=re.escape(says)) as caught:
+        parse_objective(obj, POOL_NAME)
+    assert caught.value.name == name and isinstance(caught.value, ValueError)
