@@ -1,5 +1,6 @@
 """The FAKE Kubernetes API server (tests.support.fake_kube) itself, over real HTTP: that it answers as the
-discovery tests assume the real one does (lists, watches from a version, selectors, 410, bookmarks, auth)."""
+discovery tests assume the real one does (lists, watches from a version, selectors, 410, bookmarks, auth, a custom
+resource and its CRD uninstalled)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support.fake_kube import DEFAULT_TOKEN, FakeKubeApiServer
+from tests.support.fake_kube import DEFAULT_TOKEN, OBJECTIVES, FakeKubeApiServer
 from tests.support.poll import async_wait_until
 
 NS = "ns"
 PODS = f"/api/v1/namespaces/{NS}/pods"
 POOLS = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
+OBJECTIVES_PATH = f"/apis/llm-d.ai/v1alpha2/namespaces/{NS}/inferenceobjectives"
 AUTH = {"Authorization": f"Bearer {DEFAULT_TOKEN}"}
 
 
@@ -75,6 +77,42 @@ async def test_pool_get_and_404(fake: FakeKubeApiServer, http: aiohttp.ClientSes
     assert body["spec"]["selector"]["matchLabels"] == {"app": "x"}
     status, body = await get(http, fake, POOLS + "/q")
     assert status == 404 and body["code"] == 404
+
+
+async def test_custom_resources_list_watch_and_answer_404_while_uninstalled(
+    fake: FakeKubeApiServer, http: aiohttp.ClientSession
+) -> None:
+    manifest = {
+        "metadata": {"name": "chat", "labels": {"team": "a"}},
+        "spec": {"poolRef": {"name": "p"}, "priority": 1},
+    }
+    fake.put_object(OBJECTIVES, NS, manifest)
+    fake.put_object(OBJECTIVES, "other", {"metadata": {"name": "elsewhere"}, "spec": {"poolRef": {"name": "p"}}})
+    status, body = await get(http, fake, OBJECTIVES_PATH)
+    assert status == 200 and body["kind"] == "InferenceObjectiveList" and body["apiVersion"] == "llm-d.ai/v1alpha2"
+    (item,) = body["items"]
+    assert item["metadata"]["name"] == "chat" and item["spec"] == manifest["spec"]
+    assert item["metadata"]["labels"] == {"team": "a"}
+    since = body["metadata"]["resourceVersion"]
+    fake.put_object(OBJECTIVES, NS, {"metadata": {"name": "chat"}, "spec": {"poolRef": {"name": "p"}, "priority": 2}})
+    fake.delete_object(OBJECTIVES, NS, "chat")
+    fake.close_watches()
+    events = await watch(http, fake, OBJECTIVES_PATH, resourceVersion=since, timeoutSeconds="1")
+    assert [(e["type"], e["object"]["kind"], e["object"]["spec"].get("priority")) for e in events] == [
+        ("MODIFIED", "InferenceObjective", 2),
+        ("DELETED", "InferenceObjective", 2),
+    ]
+    fake.put_object(OBJECTIVES, NS, manifest)
+    fake.uninstall(OBJECTIVES)  # as deleting the CRD: its objects go (DELETED), then 404
+    status, body = await get(http, fake, OBJECTIVES_PATH)
+    assert status == 404 and body["code"] == 404
+    async with http.get(fake.url + OBJECTIVES_PATH, params={"watch": "1"}) as resp:
+        assert resp.status == 404
+    fake.install(OBJECTIVES)
+    status, body = await get(http, fake, OBJECTIVES_PATH)
+    assert status == 200 and body["items"] == []
+    with pytest.raises(ValueError, match="not a custom resource"):
+        fake.put_object("pods", NS, manifest)
 
 
 async def test_a_watch_replays_from_its_version_and_translates_selector_moves(

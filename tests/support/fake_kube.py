@@ -1,8 +1,10 @@
 """A FAKE Kubernetes API server for the discovery tests: just the part of the API that InferencePool discovery
 uses, served over real HTTP by aiohttp on 127.0.0.1 (port 0).
 
-It is not Kubernetes. It implements, for ``/api/v1/namespaces/{ns}/pods`` and
-``/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools[/{name}]``:
+It is not Kubernetes. It implements, for ``/api/v1/namespaces/{ns}/pods``,
+``/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools[/{name}]`` and the namespaced custom
+resources of ``CUSTOM_RESOURCES`` (``/apis/{group}/{version}/namespaces/{ns}/{plural}``: InferenceObjectives), each
+of which can be uninstalled (404, as when its CRD is not installed) and installed again:
 
 - GET list (``labelSelector`` with ``=``/``==``/``!=`` terms, ``fieldSelector`` on ``metadata.name`` /
   ``metadata.namespace``, ``limit`` + ``continue`` pages served from one snapshot) and GET of one pool;
@@ -46,7 +48,14 @@ POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
 PODS = "pods"
 POOLS = "inferencepools"
-_KIND = {PODS: ("Pod", "v1"), POOLS: ("InferencePool", f"{POOL_GROUP}/{POOL_VERSION}")}
+OBJECTIVES = "inferenceobjectives"
+# namespaced custom resources served generically: plural -> (group, version, kind)
+CUSTOM_RESOURCES = {OBJECTIVES: ("llm-d.ai", "v1alpha2", "InferenceObjective")}
+_KIND = {
+    PODS: ("Pod", "v1"),
+    POOLS: ("InferencePool", f"{POOL_GROUP}/{POOL_VERSION}"),
+    **{plural: (kind, f"{group}/{version}") for plural, (group, version, kind) in CUSTOM_RESOURCES.items()},
+}
 
 MAX_HISTORY = 10_000  # events kept for watches from an older resourceVersion; older ones get 410
 MAX_WATCH_QUEUE = 10_000  # events queued for one watch; a watcher that falls this far behind is ended with 410
@@ -166,7 +175,8 @@ class _Watch:
 
 
 class FakeKubeApiServer:
-    """A FAKE Kubernetes API server (see the module docstring): pods and InferencePools, list and watch.
+    """A FAKE Kubernetes API server (see the module docstring): pods, InferencePools and custom resources, list and
+    watch.
 
     ``requests`` records (method, path, query) of every request, most recent last (the last
     MAX_REQUESTS_RECORDED kept). ``token``: the bearer token required (None: no auth)."""
@@ -181,7 +191,8 @@ class FakeKubeApiServer:
         self._unstalled = asyncio.Event()
         self._rv = 1
         self._compacted = 0  # a resourceVersion below this is Gone
-        self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {PODS: {}, POOLS: {}}
+        self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {r: {} for r in _KIND}
+        self._uninstalled: set[str] = set()  # custom resources answered 404 (their CRD is not installed)
         self._history: deque[_Event] = deque(maxlen=MAX_HISTORY)
         self._watches: list[_Watch] = []
         self._continues: dict[str, tuple[int, list[dict[str, Any]]]] = {}
@@ -203,6 +214,10 @@ class FakeKubeApiServer:
                 web.get(pods, self._collection(PODS)),
                 web.get(pools, self._collection(POOLS)),
                 web.get(pools + "/{name}", self._get_pool),
+                *(
+                    web.get(f"/apis/{group}/{version}/namespaces/{{ns}}/{plural}", self._collection(plural))
+                    for plural, (group, version, _) in CUSTOM_RESOURCES.items()
+                ),
             ]
         )
         # handler_cancellation: a watch handler ends when its client disconnects
@@ -312,6 +327,33 @@ class FakeKubeApiServer:
     def delete_pod(self, name: str, namespace: str) -> None:
         self._delete(PODS, namespace, name)
 
+    def put_object(self, resource: str, namespace: str, obj: dict[str, Any]) -> None:
+        """Create or update an object of a custom resource (``CUSTOM_RESOURCES``) from its manifest: its
+        ``metadata.name``, ``metadata.labels`` and ``spec`` are kept (kind, apiVersion and the rest of the metadata are
+        the server's)."""
+        if resource not in CUSTOM_RESOURCES:
+            raise ValueError(f"{resource!r} is not a custom resource of the fake ({', '.join(CUSTOM_RESOURCES)})")
+        name = obj["metadata"]["name"]
+        prev = self._objects[resource].get((namespace, name))
+        meta = self._meta(name, namespace, prev, obj["metadata"].get("labels") or {}, {})
+        self._write(resource, namespace, name, {"metadata": meta, "spec": json.loads(json.dumps(obj["spec"]))}, prev)
+
+    def delete_object(self, resource: str, namespace: str, name: str) -> None:
+        self._delete(resource, namespace, name)
+
+    def uninstall(self, resource: str) -> None:
+        """As deleting the CRD: every object of ``resource`` is deleted (DELETED events), its open watches end, and
+        its requests are answered 404 until ``install``."""
+        for namespace, name in sorted(self._objects[resource]):
+            self._delete(resource, namespace, name)
+        self._uninstalled.add(resource)
+        for w in self._watches:
+            if w.resource == resource:
+                w.offer("close")
+
+    def install(self, resource: str) -> None:
+        self._uninstalled.discard(resource)
+
     def expire_watches(self) -> None:
         """Compaction: every open watch gets an ERROR 410 and ends; anything older than now is Gone."""
         self._compacted = self._rv
@@ -368,7 +410,7 @@ class FakeKubeApiServer:
         self._fail = n_or_bool
 
     def open_watches(self, resource: str = PODS) -> int:
-        """How many watch streams on ``resource`` ("pods" or "inferencepools") are open now."""
+        """How many watch streams on ``resource`` ("pods", "inferencepools", a custom resource) are open now."""
         return sum(1 for w in self._watches if w.resource == resource and not w.closed)
 
     # --- internals ---
@@ -441,6 +483,8 @@ class FakeKubeApiServer:
     def _collection(self, resource: str) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.StreamResponse:
             ns = request.match_info["ns"]
+            if resource in self._uninstalled:
+                return _status_response(404, "NotFound", "the server could not find the requested resource")
             try:
                 selector = _Selector(
                     _parse_label_selector(request.query.get("labelSelector", "")),
@@ -621,6 +665,18 @@ class ThreadedFakeKube:
 
     def delete_pod(self, name: str, namespace: str) -> None:
         self._call(self.server.delete_pod, name, namespace)
+
+    def put_object(self, resource: str, namespace: str, obj: dict[str, Any]) -> None:
+        self._call(self.server.put_object, resource, namespace, obj)
+
+    def delete_object(self, resource: str, namespace: str, name: str) -> None:
+        self._call(self.server.delete_object, resource, namespace, name)
+
+    def uninstall(self, resource: str) -> None:
+        self._call(self.server.uninstall, resource)
+
+    def install(self, resource: str) -> None:
+        self._call(self.server.install, resource)
 
     def expire_watches(self) -> None:
         self._call(self.server.expire_watches)
