@@ -26,6 +26,13 @@ GATEWAY_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.na
 KV_AWARE = {"listener": {"enabled": True, "sourceTemplate": {"model": "meta-llama/Llama-3.1-8B-Instruct"}}}
 MONITORING = {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}, "dashboards": {"enabled": True}}
 TLS_VERIFIED = {"tls": {"mode": "existingSecret", "existingSecret": "kv-epp-tls", "verify": True}}
+# max_requests under admission.max_open_streams (1024): a queued request holds its stream (a config warning else);
+# Envoy's ext_proc message timeout above the longest wait (default_ttl_ms, 60 s): the chart refuses it otherwise.
+FLOW_CONTROL = {
+    "flowControl": {"installObjectiveCRD": True},
+    "picker": {"config": {"flow_control": {"enabled": True, "max_requests": 1000}}},
+    "envoy": {"messageTimeoutMs": 61000},
+}
 NETWORK_POLICY = {
     "networkPolicy": {
         "enabled": True,
@@ -55,12 +62,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "buffered-sampled": {"envoy": {"bodyMode": "BUFFERED", "responseMode": "sampled", "failOpen": True}},
     "ipv6": {**KV_AWARE, "bindAddress": "::"},
+    "flow-control": {**FLOW_CONTROL, **MONITORING},
     "everything": {
         **KV_AWARE,
+        **FLOW_CONTROL,
         **MONITORING,
         **NETWORK_POLICY,
         **TLS_VERIFIED,
-        "envoy": {"mode": "standalone", "bodyMode": "BUFFERED", "responseMode": "full"},
+        "envoy": {"mode": "standalone", "bodyMode": "BUFFERED", "responseMode": "full", "messageTimeoutMs": 61000},
         "inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8001}]},
         "image": {"digest": "sha256:" + "0" * 64},
     },
@@ -157,3 +166,22 @@ def metric_names(expr: str) -> set[str]:
 
     promql_parser.walk(promql_parser.parse(expr), visit)
     return names
+
+
+FLOW_PREFIXES = ("llm_d_epp_flow_control_", "continuum_picker_flow_control_")
+
+
+def flow_metric_names() -> set[str]:
+    """Every metric name flow control exports (``picker/flow/metrics.py``), as Prometheus stores them: its
+    ``FlowMetrics`` on a registry of its own, after one queued and one dispatched request (a labelled family has
+    no sample before), by their samples' names (``_total``, ``_bucket``, ...)."""
+    from prometheus_client import CollectorRegistry
+
+    from picker.flow.metrics import FlowMetrics
+
+    registry = CollectorRegistry()
+    m = FlowMetrics(registry)
+    m.queued(0, "tenant", 100)
+    m.left(0, "tenant", 100, "dispatched", 0.01, True)
+    m.saturation(0.5)
+    return {s.name for fam in registry.collect() for s in fam.samples}

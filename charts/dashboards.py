@@ -2,9 +2,9 @@
 ``charts/kv-epp/dashboards/<name>.json`` (shipped as files and, with ``dashboards.enabled``, as a ConfigMap).
 
 Every query is PromQL over the metrics the picker (``picker/ops/metrics.py``, ``picker/ops/recorder.py``,
-``picker/extproc/sampling.py``), the listener (``listener/metrics.py``) and Envoy's stats listener
-(``/stats/prometheus``) export; ``tests/integration/test_dashboard_metrics.py`` checks that each name exists on
-live processes. Grafana variables: ``$datasource``, ``$namespace`` and ``$__rate_interval``.
+``picker/extproc/sampling.py``, ``picker/flow/metrics.py``), the listener (``listener/metrics.py``) and Envoy's
+stats listener (``/stats/prometheus``) export; ``tests/integration/test_dashboard_metrics.py`` checks that each
+name exists on live processes. Grafana variables: ``$datasource``, ``$namespace`` and ``$__rate_interval``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,14 @@ def share(num: str, den: str) -> str:
 def quantiles(bucket: str, *matchers: str, scale: str = "", qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> list[Target]:
     return [
         (f"histogram_quantile({q}, sum by (le) ({rate(bucket, *matchers)})){scale}", f"p{round(q * 100)}") for q in qs
+    ]
+
+
+def quantiles_by(bucket: str, by: str, *matchers: str, qs: tuple[float, ...] = (0.5, 0.99)) -> list[Target]:
+    """One series per quantile and value of the label ``by``."""
+    return [
+        (f"histogram_quantile({q}, sum by (le, {by}) ({rate(bucket, *matchers)}))", f"p{round(q * 100)} {{{{{by}}}}}")
+        for q in qs
     ]
 
 
@@ -79,12 +87,22 @@ class Board:
         kind: str = "timeseries",
         width: int = 8,
         stack: bool = False,
+        threshold: float | None = None,
     ) -> None:
+        """``threshold``: a red line at that value (timeseries) or the value past which a stat turns red."""
         if self.x + width > 24:
             self.x, self.y = 0, self.y + 8
         defaults: dict[str, Any] = {"unit": unit}
         if kind == "timeseries":
             defaults["custom"] = {"fillOpacity": 10, "stacking": {"mode": "normal" if stack else "none"}}
+        if threshold is not None:
+            steps = [{"color": "green", "value": None}, {"color": "red", "value": threshold}]
+            defaults["thresholds"] = {"mode": "absolute", "steps": steps}
+            if kind == "timeseries":
+                defaults["custom"]["thresholdsStyle"] = {"mode": "line"}
+        options: dict[str, Any] = {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}}
+        if kind == "stat":
+            options = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}, "colorMode": "value"}
         self.panels.append(
             {
                 "id": self._id(),
@@ -94,7 +112,7 @@ class Board:
                 "datasource": DATASOURCE,
                 "gridPos": {"h": 8, "w": width, "x": self.x, "y": self.y},
                 "fieldConfig": {"defaults": defaults, "overrides": []},
-                "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}},
+                "options": options,
                 "targets": [
                     {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr, "legendFormat": legend}
                     for i, (expr, legend) in enumerate(targets)
@@ -202,6 +220,8 @@ def routing() -> dict[str, Any]:
         [(f"sum by (reason) ({rate('continuum_kv_tokenize_failures_total')})", "{{reason}}")],
         "reqps",
     )
+
+    flow_control(b)
 
     b.row("Cached tokens (Tier 4): available, captured, delivered")
     cached = "continuum_picker_cached_tokens_total"
@@ -374,6 +394,70 @@ def routing() -> dict[str, Any]:
         "short",
     )
     return b.dashboard("kv-epp-routing", "kv-epp / Routing", "Routing decisions, cached tokens, latency and Envoy.")
+
+
+def flow_control(b: Board) -> None:
+    """The "Flow control" row (picker/flow/metrics.py; docs/flow-control.md): empty while flow_control is off."""
+    b.row("Flow control")
+    b.panel(
+        "Queued requests",
+        "continuum_picker_flow_control_queued_requests: requests waiting in flow control now, over pickers "
+        "(0 while the pool has room or flow control is off).",
+        [(f"sum({sel('continuum_picker_flow_control_queued_requests')})", "queued")],
+        "short",
+        kind="stat",
+        width=4,
+    )
+    b.panel(
+        "Queue size by priority",
+        "llm_d_epp_flow_control_queue_size by priority band (an InferenceObjective's priority; negative: "
+        "sheddable), over pickers and fairness ids.",
+        [(f"sum by (priority) ({sel('llm_d_epp_flow_control_queue_size')})", "priority {{priority}}")],
+        "short",
+        width=10,
+        stack=True,
+    )
+    b.panel(
+        "Queue bytes by priority",
+        "llm_d_epp_flow_control_queue_bytes: request bodies held by queued requests (bounded by "
+        "flow_control.max_bytes per picker).",
+        [(f"sum by (priority) ({sel('llm_d_epp_flow_control_queue_bytes')})", "priority {{priority}}")],
+        "bytes",
+        width=10,
+        stack=True,
+    )
+    b.panel(
+        "Pool saturation",
+        "llm_d_epp_flow_control_pool_saturation per picker: the mean over routable endpoints of each one's "
+        "largest signal over its threshold. At 1.0 (the red line) dispatch stops and requests queue; a band "
+        "with a lower saturation_limit stops earlier. Missing or old engine readings count as saturated.",
+        [(f"max by (pod) ({sel('llm_d_epp_flow_control_pool_saturation')})", "{{pod}}")],
+        "short",
+        threshold=1.0,
+    )
+    b.panel(
+        "Dispatched and dropped by outcome and priority",
+        "llm_d_epp_flow_control_requests_total: dispatched, or dropped rejected-saturated (a bound full), "
+        "rejected-ttl-expired (waited past its TTL), rejected-no-endpoints, rejected-context-cancelled, "
+        "rejected-shutting-down.",
+        [
+            (
+                f"sum by (outcome, priority) ({rate('llm_d_epp_flow_control_requests_total')})",
+                "{{outcome}} priority {{priority}}",
+            )
+        ],
+        "reqps",
+        stack=True,
+    )
+    b.panel(
+        "Queue wait of dispatched requests by priority",
+        'llm_d_epp_flow_control_request_queue_duration_seconds{outcome="dispatched"}: time in flow control '
+        "before dispatch (about 0 for a request dispatched at once), p50 and p99 per priority band.",
+        quantiles_by(
+            "llm_d_epp_flow_control_request_queue_duration_seconds_bucket", "priority", 'outcome="dispatched"'
+        ),
+        "s",
+    )
 
 
 def pool() -> dict[str, Any]:

@@ -484,6 +484,17 @@ def chart_values_schema() -> dict[str, Any]:
                     ),
                 },
             ),
+            "flowControl": _obj(
+                "Flow control (the picker's picker.config.flow_control section; docs/flow-control.md).",
+                {
+                    "installObjectiveCRD": _s(
+                        "boolean",
+                        "Install the InferenceObjective CRD (inferenceobjectives.llm-d.ai, v1alpha2), whose objects "
+                        "give requests their priority; annotated helm.sh/resource-policy keep (an uninstall leaves "
+                        "it and the objects). Leave false where llm-d or another release installs it.",
+                    ),
+                },
+            ),
             "picker": _obj(
                 "The picker (kv-epp serve).",
                 {
@@ -705,6 +716,28 @@ def chart_values_schema() -> dict[str, Any]:
                     ),
                     "notReadyFor": _s(
                         "string", "How long a picker may be not ready before KvEppPickerNotReady.", pattern=duration
+                    ),
+                    "flowControlDropRatio": _s(
+                        "number",
+                        "Share of flow control's requests dropped rejected-saturated or rejected-ttl-expired before "
+                        "KvEppFlowControlDropping (with picker.config.flow_control.enabled).",
+                        exclusiveMinimum=0,
+                        maximum=1,
+                    ),
+                    "flowControlDropsFor": _s(
+                        "string", "How long drops stay over flowControlDropRatio before the alert.", pattern=duration
+                    ),
+                    "flowControlQueueRatio": _s(
+                        "number",
+                        "Share of flow_control.max_requests or max_bytes a picker's queue may hold for 5m before "
+                        "KvEppFlowControlQueueNearFull.",
+                        exclusiveMinimum=0,
+                        maximum=1,
+                    ),
+                    "poolSaturatedFor": _s(
+                        "string",
+                        "How long a picker may read the pool's saturation at 1 or more before KvEppPoolSaturated.",
+                        pattern=duration,
                     ),
                 },
             ),

@@ -132,6 +132,13 @@ render which only made a new token (helm template: no lookup) is told from a cha
 {{- if not .Values.inferencePool.selector -}}
 {{- fail "inferencePool.selector is required: the matchLabels of the model-server pods (e.g. --set inferencePool.selector.app=vllm)" -}}
 {{- end -}}
+{{- $flow := dig "flow_control" (dict) .Values.picker.config -}}
+{{- if and (dig "enabled" false $flow) (ne .Values.envoy.mode "none") -}}
+{{- $wait := max (int64 (dig "default_ttl_ms" 60000 $flow)) (int64 (dig "no_endpoints_ttl_ms" 10000 $flow)) -}}
+{{- if le (int64 .Values.envoy.messageTimeoutMs) $wait -}}
+{{- fail (printf "picker.config.flow_control: a request may wait %d ms in flow control, so envoy.messageTimeoutMs (%d) must be longer (e.g. %d), or Envoy times the queued request out first" $wait (int64 .Values.envoy.messageTimeoutMs) (add $wait 1000)) -}}
+{{- end -}}
+{{- end -}}
 {{- if and (eq .Values.envoy.responseMode "sampled") (ne .Values.envoy.bodyMode "BUFFERED") -}}
 {{- fail "envoy.responseMode sampled needs envoy.bodyMode BUFFERED (Envoy ignores a mode override in full-duplex mode)" -}}
 {{- end -}}

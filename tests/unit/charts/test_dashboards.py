@@ -94,3 +94,85 @@ def test_the_alerts_cover_what_the_issue_asks_for() -> None:
     assert 'decision="fallback"' in alerts["KvEppHighFallbackRate"]
     assert "continuum_picker_ready" in alerts["KvEppPickerNotReady"]
     assert all(f'namespace="{cv.NAMESPACE}"' in e for e in alerts.values())  # scoped to the release
+
+
+# -- flow control (docs/flow-control.md, "Metrics") ----------------------------------------------------------------
+
+
+def flow_names(exprs: list[tuple[str, str]]) -> dict[str, set[str]]:
+    """where -> the flow-control metric names its expression selects (only the expressions that select one)."""
+    out = {}
+    for where, expr in exprs:
+        names = {n for n in cv.metric_names(expr) if n.startswith(cv.FLOW_PREFIXES)}
+        if names:
+            out[where] = names
+    return out
+
+
+def test_flow_control_names_are_ones_the_picker_exports() -> None:
+    """Checked against picker/flow/metrics.py itself: a renamed or misspelt family fails here, offline."""
+    exported = cv.flow_metric_names()
+    assert {"llm_d_epp_flow_control_requests_total", "continuum_picker_flow_control_queued_requests"} <= exported
+    used = flow_names(cv.dashboard_expressions() + cv.rule_expressions())
+    assert used
+    for where, names in used.items():
+        assert names <= exported, f"{where}: {names - exported} not exported by picker/flow/metrics.py"
+
+
+def test_the_routing_dashboard_has_a_flow_control_row() -> None:
+    panels = boards()["kv-epp-routing"]["panels"]
+    titles = [p["title"] for p in panels]
+    start = titles.index("Flow control")
+    assert panels[start]["type"] == "row"
+    end = next(i for i in range(start + 1, len(panels)) if panels[i]["type"] == "row")
+    row = {p["title"]: p for p in panels[start + 1 : end]}
+    exprs = {title: [t["expr"] for t in p["targets"]] for title, p in row.items()}
+
+    def names(title: str) -> set[str]:
+        return {n for e in exprs[title] for n in cv.metric_names(e.replace("$__rate_interval", "1m"))}
+
+    (stat,) = [p for p in row.values() if p["type"] == "stat"]
+    assert names(stat["title"]) == {"continuum_picker_flow_control_queued_requests"}
+    assert exprs["Queue size by priority"] == [
+        'sum by (priority) (llm_d_epp_flow_control_queue_size{namespace=~"$namespace"})'
+    ]
+    assert names("Queue bytes by priority") == {"llm_d_epp_flow_control_queue_bytes"}
+    assert row["Queue bytes by priority"]["fieldConfig"]["defaults"]["unit"] == "bytes"
+    saturation = row["Pool saturation"]["fieldConfig"]["defaults"]
+    assert names("Pool saturation") == {"llm_d_epp_flow_control_pool_saturation"}
+    assert saturation["custom"]["thresholdsStyle"] == {"mode": "line"}
+    assert [s["value"] for s in saturation["thresholds"]["steps"]] == [None, 1.0]  # the 1.0 line
+    outcomes = "Dispatched and dropped by outcome and priority"
+    assert names(outcomes) == {"llm_d_epp_flow_control_requests_total"}
+    assert all("sum by (outcome, priority) (rate(" in e for e in exprs[outcomes])
+    wait = exprs["Queue wait of dispatched requests by priority"]
+    assert [e.split(",", 1)[0] for e in wait] == ["histogram_quantile(0.5", "histogram_quantile(0.99"]
+    assert all("sum by (le, priority)" in e and 'outcome="dispatched"' in e for e in wait)
+    assert all("llm_d_epp_flow_control_request_queue_duration_seconds_bucket" in e for e in wait)
+
+
+def test_the_flow_control_alerts_cover_drops_a_full_queue_and_a_saturated_pool() -> None:
+    from picker.flow import controller
+
+    alerts = dict(cv.rule_expressions())
+    drops = alerts["KvEppFlowControlDropping"]
+    assert cv.metric_names(drops) == {"llm_d_epp_flow_control_requests_total"}
+    assert 'outcome=~"rejected-saturated|rejected-ttl-expired"' in drops
+    for outcome in ("rejected-saturated", "rejected-ttl-expired"):
+        assert outcome in controller.OUTCOMES  # the label values the controller gives
+    full = alerts["KvEppFlowControlQueueNearFull"]
+    assert cv.metric_names(full) == {"llm_d_epp_flow_control_queue_size", "llm_d_epp_flow_control_queue_bytes"}
+    assert "> 0.9 * 1000)" in full  # the everything variant's flow_control.max_requests
+    assert "> 0.9 * 1073741824)" in full  # max_bytes: the picker's default
+    assert alerts["KvEppPoolSaturated"].endswith(">= 1")
+    assert cv.metric_names(alerts["KvEppPoolSaturated"]) == {"llm_d_epp_flow_control_pool_saturation"}
+
+
+def test_the_flow_control_alerts_render_only_with_flow_control_on() -> None:
+    def alerts(values: dict[str, Any]) -> set[str]:
+        (rule,) = [o for o in cv.objects(values) if o["kind"] == "PrometheusRule"]
+        return {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+
+    flow = {"KvEppFlowControlDropping", "KvEppFlowControlQueueNearFull", "KvEppPoolSaturated"}
+    assert not flow & alerts(cv.values_of("monitoring"))
+    assert flow <= alerts(cv.values_of("flow-control"))
