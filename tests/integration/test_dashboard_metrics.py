@@ -60,6 +60,15 @@ NO_SAMPLE_HERE: dict[str, str] = {
     "kv_listener_feed_overflows_total": "a feed subscriber that stops reading (benchmarks/feed_hostile.py)",
     "kv_listener_blocks_total": "a block the listener cannot key (unknown parent, multimodal, ...) or prunes",
     "kv_listener_incarnation_checks_total": "a reconnection, a gap or a restored state file",
+    # Flow control (picker/flow/metrics.py) is off here, as in the chart's default: its families are declared by
+    # every picker (FlowMetrics is always registered; llm_d_epp_flow_control_pool_saturation, unlabelled, has a
+    # sample), its labelled series appear once flow control handles a request. The dashboards' and alerts'
+    # names are also checked against FlowMetrics itself (tests/unit/charts/test_dashboards.py).
+    "llm_d_epp_flow_control_queue_size": "a request queued by flow control (flow_control.enabled, a saturated pool)",
+    "llm_d_epp_flow_control_queue_bytes": "a request queued by flow control",
+    "continuum_picker_flow_control_queued_requests": "a request queued by flow control",
+    "llm_d_epp_flow_control_requests_total": "a request through flow control (flow_control.enabled)",
+    "llm_d_epp_flow_control_request_queue_duration_seconds_bucket": "a request through flow control",
 }
 
 
