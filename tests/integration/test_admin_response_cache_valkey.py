@@ -20,7 +20,7 @@ from picker.runtime.admin_routes import REDIS_UNREACHABLE, scrub
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 from tests.support.admin_redis import require_password
-from tests.support.builders import CHAT
+from tests.support.builders import CHAT, static_pool
 from tests.support.valkey import ValkeyProcess, free_port, valkey_server  # noqa: F401  (the fixture)
 
 TOKEN = "adm1n-t0ken"
@@ -33,7 +33,7 @@ PREFIX = "t:admin:"
 def make_app(url: str, **redis: Any) -> PickerApp:
     settings = parse_settings(
         {
-            "pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]},
+            "pool": static_pool(1, port=80),
             "response_cache": {
                 "enabled": True,
                 "backend": "redis",

@@ -25,6 +25,7 @@ from picker.runtime.admin import build_admin_app
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app, build_server
 from picker.runtime.errors import StartupError
+from tests.support.builders import static_pool
 
 POOL = "pool:\n  backends:\n    - {name: a, address: 10.0.0.1:80}\n"
 # -- config --------------------------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ async def test_a_reload_without_the_file_keeps_the_token_in_force(guarded: tuple
 async def test_the_picker_does_not_start_without_the_file(tmp_path: Path) -> None:
     settings = parse_settings(
         {
-            "pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]},
+            "pool": static_pool(1, port=80),
             "extproc": {"host": "127.0.0.1", "port": 0, "health_port": None, "tls": {"mode": "plaintext"}},
             "admin": {"port": 0, "bearer_token_file": str(tmp_path / "absent")},
         }

@@ -1,6 +1,6 @@
 """The engine simulator as an embeddings backend for the semantic-cache tests: its deterministic
 ``/v1/embeddings`` on a free port, serving the model ``EMB``, stopped at teardown. The ``sim`` fixture is
-registered in tests/unit/conftest.py (a test module's own ``sim`` fixture takes precedence there)."""
+registered in tests/integration/conftest.py (a test module's own ``sim`` fixture takes precedence there)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from picker.config import parse_settings
 from picker.facts import Answer, parse_request_body
 from picker.request.exchange import Exchange
 from picker.request.path import Inbound
-from tests.support.builders import CHAT, app_of
+from tests.support.builders import CHAT, app_of, static_pool
 
 OK = b'{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}'
 
@@ -40,7 +40,7 @@ async def test_lookup_gives_bypass_miss_or_the_hit() -> None:
 
 
 async def test_the_exchange_carries_the_cache_state_and_the_observer_fills_it() -> None:
-    s = {"response_cache": {"enabled": True}, "pool": {"backends": [{"name": "a", "address": "10.0.0.1:8000"}]}}
+    s = {"response_cache": {"enabled": True}, "pool": static_pool(1)}
     app = app_of(s)
     ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, body()))
     assert isinstance(ex, Exchange) and ex.cache is not None and ex.x_cache == MISS and ex.wants_body
@@ -55,6 +55,6 @@ async def test_the_exchange_carries_the_cache_state_and_the_observer_fills_it() 
 
 
 async def test_without_a_response_cache_an_exchange_has_no_cache_state() -> None:
-    app = app_of({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:8000"}]}})
+    app = app_of({"pool": static_pool(1)})
     ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, body()))
     assert isinstance(ex, Exchange) and ex.cache is None and ex.x_cache is None and ex.kv is None

@@ -14,7 +14,7 @@ from picker.config import parse_settings
 from picker.extproc.stream import MAX_STREAMED_CHUNK, RequestStream
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
-from tests.support.builders import BACKENDS, app_of, stream_of
+from tests.support.builders import BACKENDS, app_of, static_pool, stream_of
 
 
 def app(mode: str = "FULL_DUPLEX_STREAMED") -> PickerApp:
@@ -172,7 +172,7 @@ async def test_streamed_mode_routes_at_headers_and_answers_every_chunk() -> None
 
 @pytest.mark.parametrize("value", ["²", "9" * 5000, "-1", "1e3"])
 async def test_a_hostile_content_length_is_not_a_crash(value: str) -> None:
-    app = app_of({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}})
+    app = app_of({"pool": static_pool(1, port=80)})
     msg = pb.ProcessingRequest()
     for k, v in ((":path", "/v1/chat/completions"), (":method", "POST"), ("content-length", value)):
         msg.request_headers.headers.headers.add(key=k, raw_value=v.encode())

@@ -23,10 +23,10 @@ from picker.runtime.envoy_needs import (
     response_cache_detail,
     response_cache_log_fields,
 )
-from tests.support.builders import route
+from tests.support.builders import route, static_pool
 from tests.support.response_cache import OK, make, req, respond
 
-POOL = {"backends": [{"name": "a", "address": "10.0.0.1:8000"}, {"name": "b", "address": "10.0.0.2:8000"}]}
+POOL = static_pool(2)
 TOKEN = "s3cret-token"
 
 

@@ -21,7 +21,7 @@ from picker.shared.discovery import PoolSnapshot
 from picker.shared.discovery.config import BackendsFileRef
 from picker.shared.discovery.files import FileDiscovery, load_backends_file
 from picker.shared.tiers import StorageTier
-from tests.support.builders import app_of
+from tests.support.builders import app_of, static_pool
 from tests.support.discovered_pool import POOL, TEMPLATE, discovered_settings, snap
 from tests.support.poll import async_wait_until
 
@@ -49,7 +49,7 @@ def test_inference_pool_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_the_pool_has_one_source() -> None:
-    static = {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}
+    static = static_pool(1, port=80)
     for extra, key in (
         (POOL, "pool.inference_pool"),
         ({"backends_file": {"path": "/tmp/b.yaml"}}, "pool.backends_file"),
@@ -68,7 +68,7 @@ def test_feeds_match_the_pool_source() -> None:
     with pytest.raises(ConfigError) as info:
         parse_settings({"pool": POOL, "kv_cache_index": {"enabled": True, "event_sources": [source]}})
     assert info.value.problems[0][0] == "kv_cache_index.event_sources"
-    static = {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}
+    static = static_pool(1, port=80)
     with pytest.raises(ConfigError) as info:
         parse_settings({"pool": static, "kv_cache_index": {"event_source_template": TEMPLATE}})
     assert info.value.problems[0][0] == "kv_cache_index.event_source_template"

@@ -14,7 +14,7 @@ from picker.config import EventSourceConfig, parse_settings
 from picker.kv.feed_consumer import KvFeedConsumer
 from picker.kv.index import InMemoryKvIndex
 from picker.runtime.compose import build_app
-from tests.support.builders import app_of
+from tests.support.builders import app_of, static_pool
 from tests.support.discovered_pool import FakeDiscovery, discovered_settings, snap
 
 
@@ -104,7 +104,7 @@ def kv_static_settings(**checks: Any) -> Any:
 
 
 def test_a_static_pool_without_tier4_is_ready_once_started() -> None:
-    app = app_of({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}]}})
+    app = app_of({"pool": static_pool(1, port=80)})
     r = app.readiness()
     assert not r.ready and r.body["reason"] == "starting"
     app.ready = True
