@@ -9,7 +9,6 @@ malformed object) is counted and logged and changes nothing of the pool.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +25,7 @@ log = logging.getLogger("kv_epp.discovery")
 
 OBJECTIVES_API = "apis/llm-d.ai/v1alpha2"
 MAX_OBJECTIVES = 10_000  # objectives of the pool kept; one past it is ignored, counted "over_limit" and logged
-LOG_EVERY = 1000  # log the first malformed (or over-limit) object, then every this many
+LOG_EVERY = 1000  # log the first malformed object, then every this many
 
 PublishObjectives = Callable[[dict[str, int]], None]
 
@@ -60,8 +59,6 @@ class KubernetesObjectiveWatch(KubeFollower):
         self._found: bool | None = None  # the resource is served (None: not asked yet)
         self._rv = ""
         self._malformed = 0
-        self._ignored = 0  # objectives ignored past max_objectives since the last list
-        self._flush_pending = False
 
     @property
     def source(self) -> str:
@@ -161,15 +158,7 @@ class KubernetesObjectiveWatch(KubeFollower):
             return exc.name, None
 
     def _over_limit(self) -> None:
-        self._ignored += 1
-        self._count("over_limit")
-        if self._ignored % LOG_EVERY == 1 or LOG_EVERY == 1:
-            log.warning(
-                "event=inferenceobjectives_over_limit source=%r max_objectives=%d ignored=%d",
-                self.source,
-                self._max,
-                self._ignored,
-            )
+        self._ignore_one("over_limit", "inferenceobjectives_over_limit", "max_objectives", self._max)
 
     def _on_error(self, what: str, exc: Exception) -> None:
         if api_error_code(exc) != 404:
@@ -187,21 +176,12 @@ class KubernetesObjectiveWatch(KubeFollower):
         self._objectives, self._ignored = {}, 0
         self._flush()
 
-    def _schedule_flush(self) -> None:
-        """Publish on the next loop turn: the events already read in the same chunk coalesce into one."""
-        if not self._flush_pending:
-            self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
     def _flush(self) -> None:
         self._flush_pending = False
         if not self._listed or self._objectives == self._published:
             return
         self._published = dict(self._objectives)
-        try:
-            self._publish(dict(self._objectives))
-        except Exception:  # the consumer's bug must not stop the watch
-            log.exception("event=inferenceobjectives_publish_failed source=%r", self.source)
+        self._hand_over(self._publish, dict(self._objectives))
 
 
 __all__ = ["MAX_OBJECTIVES", "KubernetesObjectiveWatch", "PublishObjectives"]

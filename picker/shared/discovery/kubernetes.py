@@ -12,7 +12,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import httpx2
 import orjson
@@ -36,7 +36,8 @@ MAX_BODY_BYTES = 256 << 20  # one list page's body
 MAX_ERROR_BODY_BYTES = 64 << 10  # the part of an error answer read for its Status message
 WATCH_READ_GRACE_SECONDS = 60.0  # a watch stream silent this long past timeoutSeconds is taken as dead
 BACKOFF_FIRST_SECONDS = 0.1
-OVER_LIMIT_LOG_EVERY = 1000  # log the first pod ignored past max_pods, then every this many
+OVER_LIMIT_LOG_EVERY = 1000  # log the first object ignored past its bound (max_pods, ...), then every this many
+_T = TypeVar("_T")
 
 
 class _Gone(Exception):
@@ -112,10 +113,36 @@ class KubeFollower:
         self._last_error: str | None = None
         self._failing = False  # a failure was logged and no success since
         self._stalls = 0  # stalled watches since a watch last delivered something (for the log level)
+        self._ignored = 0  # objects ignored past the bound since the last list
+        self._flush_pending = False
 
     @property
     def source(self) -> str:
         raise NotImplementedError
+
+    def _ignore_one(self, counter: str, event: str, bound: str, limit: int) -> None:
+        """One more object ignored past its bound: counted, logged the first time, then every OVER_LIMIT_LOG_EVERY."""
+        self._ignored += 1
+        self._count(counter)
+        if self._ignored % OVER_LIMIT_LOG_EVERY == 1 or OVER_LIMIT_LOG_EVERY == 1:
+            log.warning("event=%s source=%r %s=%d ignored=%d", event, self.source, bound, limit, self._ignored)
+
+    def _schedule_flush(self) -> None:
+        """Publish on the next loop turn: the events already read in the same chunk coalesce into one."""
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Publish what changed since the last publication (and clear ``_flush_pending``)."""
+        raise NotImplementedError
+
+    def _hand_over(self, publish: Callable[[_T], None], value: _T) -> None:
+        """``publish(value)``: the consumer's bug is logged, and must not stop the follower."""
+        try:
+            publish(value)
+        except Exception:
+            log.exception("event=discovery_publish_failed source=%r", self.source)
 
     async def _connected(self, follow: Callable[[httpx2.AsyncClient], Awaitable[None]]) -> NoReturn:
         """Load the credentials, make a client and ``follow`` with it; for ever (a bad kubeconfig is retried: it may
@@ -559,23 +586,9 @@ class KubernetesPoolDiscovery(KubeFollower):
             self._schedule_flush()
 
     def _over_limit(self) -> None:
-        self._ignored += 1
-        self._count("pod_over_limit")
-        if self._ignored % OVER_LIMIT_LOG_EVERY == 1 or OVER_LIMIT_LOG_EVERY == 1:
-            log.warning(
-                "event=discovery_pods_over_limit source=%r max_pods=%d ignored=%d",
-                self.source,
-                self._ref.max_pods,
-                self._ignored,
-            )
+        self._ignore_one("pod_over_limit", "discovery_pods_over_limit", "max_pods", self._ref.max_pods)
 
     # --- publication ---
-
-    def _schedule_flush(self) -> None:
-        """Publish on the next loop turn: the events already read in the same chunk coalesce into one."""
-        if not self._flush_pending:
-            self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_pending = False
@@ -585,11 +598,7 @@ class KubernetesPoolDiscovery(KubeFollower):
         if backends == self._published:
             return
         self._published = backends
-        snapshot = PoolSnapshot(backends, source=self.source, version=self._pods_rv)
-        try:
-            self._publish(snapshot)
-        except Exception:  # the consumer's bug must not stop discovery
-            log.exception("event=discovery_publish_failed source=%r", self.source)
+        self._hand_over(self._publish, PoolSnapshot(backends, source=self.source, version=self._pods_rv))
 
     def _backends(self) -> tuple[DiscoveredBackend, ...]:
         spec = self._spec

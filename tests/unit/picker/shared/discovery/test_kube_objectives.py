@@ -123,7 +123,7 @@ async def test_a_consumer_that_raises_does_not_stop_the_watch(caplog: pytest.Log
     run = Run(publish=publish)
     with caplog.at_level(logging.ERROR, "kv_epp.discovery"):
         await run.listed([objective("a", 1)])
-    assert "event=inferenceobjectives_publish_failed" in caplog.text
+    assert "event=discovery_publish_failed source='inferenceobjectives" in caplog.text
     run.watch._on_event("ADDED", objective("b", 2), "43")
     await next_turn()
     assert run.watch.status()["objectives"] == 2
