@@ -673,7 +673,9 @@ def chart_values_schema() -> dict[str, Any]:
                 "RBAC.",
                 {
                     "create": _s(
-                        "boolean", "Role + RoleBinding: get/list/watch pods and inferencepools in the pool's namespace."
+                        "boolean",
+                        "Role + RoleBinding: get/list/watch pods, inferencepools and inferenceobjectives in the pool's "
+                        "namespace.",
                     )
                 },
             ),
