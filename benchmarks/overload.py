@@ -196,6 +196,13 @@ async def measure_capacity(url: str, seconds: float, concurrency: int, seed: int
         return done / (time.perf_counter() - start)
 
 
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def percentile(xs: Sequence[float], q: float) -> float | None:
     if not xs:
         return None
@@ -279,6 +286,9 @@ def class_figures(reqs: Sequence[Req], ttl_of: dict[str, float]) -> dict[str, An
             "unanswered": len(unanswered),
             "ttft_p50_s": percentile(ttfts, 0.5),
             "ttft_p99_s": percentile(ttfts, 0.99),
+            # to the response headers: the wait in the picker's queue plus the pick and the engine's admission
+            "headers_p50_s": percentile([r.answered_s for r in served if r.answered_s is not None], 0.5),
+            "headers_p99_s": percentile([r.answered_s for r in served if r.answered_s is not None], 0.99),
             "longest_wait_for_headers_s": max(waits) if waits else None,
             "waited_past_ttl_plus_1s": sum(1 for r in rs if (r.answered_s or (r.done_s or 0.0)) > ttl + 1.0),
             "ttl_s": ttl,
@@ -377,15 +387,15 @@ def render(result: dict[str, Any]) -> str:
         "",
         f"critical alone on the unloaded pool: TTFT p99 {fmt(result['unloaded_critical_ttft_p99_s'])}",
         "",
-        "| arm | class | offered | served | dropped (reason: n) | TTFT p50 | TTFT p99 | past TTL+1s |",
-        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| arm | class | offered | served | dropped (reason: n) | TTFT p50 | TTFT p99 | headers p99 | past TTL+1s |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for arm in result["arms"]:
         for cls, c in arm["classes"].items():
             drops = ", ".join(f"{k}: {v}" for k, v in sorted(c["dropped"].items())) or "-"
             lines.append(
                 f"| {arm['arm']} | {cls} | {c['offered']} | {c['served']} | {drops} | {fmt(c['ttft_p50_s'])} | "
-                f"{fmt(c['ttft_p99_s'])} | {c['waited_past_ttl_plus_1s']} |"
+                f"{fmt(c['ttft_p99_s'])} | {fmt(c['headers_p99_s'])} | {c['waited_past_ttl_plus_1s']} |"
             )
     lines += ["", "| arm | tenant | offered | dispatched | fair share (req) | of fair share | of offered |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
@@ -418,6 +428,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = workdir / "logs"
     log_dir.mkdir()
     arms = [a for a in args.arms.split(",") if a]
+    if args.flow:
+        for name, cfg in ARMS.items():
+            if cfg is not None:
+                ARMS[name] = merge(cfg, args.flow)
     for a in arms:
         if a not in ARMS:
             raise SystemExit(f"unknown arm {a!r}: one of {', '.join(ARMS)}")
@@ -456,6 +470,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "unloaded_critical_requests": len(ttfts),
         "workload": {"classes": CLASSES, "max_tokens": MAX_TOKENS, "slots_per_engine": SLOTS, "ttl_s": TTL_S},
         "engines": args.engines,
+        "flow_override": args.flow,
         "machine": machine_description(),
         "arms": results,
     }
@@ -474,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity-seconds", type=float, default=20.0)
     ap.add_argument("--unloaded-seconds", type=float, default=30.0)
     ap.add_argument("--time-scale", type=float, default=1.0, help="the simulators' real s per simulated s")
+    ap.add_argument(
+        "--flow", type=json.loads, default=None,
+        help="JSON merged over the flow-control arms' flow_control section (a diagnostic: the reported runs use none)",
+    )  # fmt: skip
     ap.add_argument("--engines", choices=("sim", "vllm"), default="sim", help="simulated or real vLLM (CPU) engines")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
