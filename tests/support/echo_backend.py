@@ -9,6 +9,10 @@ Once every port listens it prints ``echo-backend ready ports=P1,P2,...`` on stdo
 Control (per port): POST /control {"fail": true|false, "delay_ms": N, "hang": true|false}. With ``hang`` every
 request but /control and /stats is read and never answered (a replica that accepts connections and hangs:
 its health and metrics routes too) until ``hang`` is false; ``hung`` counts the API requests it held.
+``hold`` is finer: with ``{"hold": true}`` each API request is read and then held on its own, until
+``{"release": N}`` answers the N held longest (``{"release": -1}``: all of them) or ``hold`` is false (all).
+``arrivals`` lists, in arrival order, the ``x-test-tag`` header of every API request that reached it;
+``held`` those still held (a held request whose client went away leaves it); ``reset`` clears both.
 """
 
 from __future__ import annotations
@@ -17,24 +21,41 @@ import argparse
 import asyncio
 import json
 import socket
+from collections import deque
 
 from aiohttp import web
 
 
 def make_app(name: str) -> web.Application:
-    state = {"fail": False, "delay_ms": 0, "active": 0, "seen": 0, "max_active": 0, "hang": False, "hung": 0}
+    state = {
+        "fail": False, "delay_ms": 0, "active": 0, "seen": 0, "max_active": 0, "hang": False, "hung": 0,
+        "hold": False, "arrivals": [], "held": [],
+    }  # fmt: skip
     answering = asyncio.Event()
     answering.set()
+    holding: deque[tuple[str, asyncio.Future[None]]] = deque()  # held requests, longest held first
+
+    def release(n: int) -> None:
+        while holding and n != 0:
+            tag, fut = holding.popleft()
+            state["held"].remove(tag)
+            if not fut.done():
+                fut.set_result(None)
+            n -= 1
 
     async def control(request: web.Request) -> web.Response:
         data = await request.json()
-        state.update({k: v for k, v in data.items() if k in ("fail", "delay_ms", "hang")})
+        state.update({k: v for k, v in data.items() if k in ("fail", "delay_ms", "hang", "hold")})
         if data.get("reset"):
-            state.update(seen=0, max_active=0, hung=0)
+            state.update(seen=0, max_active=0, hung=0, arrivals=[])
         if state["hang"]:
             answering.clear()
         else:
             answering.set()
+        if not state["hold"]:
+            release(-1)
+        elif "release" in data:
+            release(int(data["release"]))
         return web.json_response(state)
 
     @web.middleware
@@ -51,6 +72,18 @@ def make_app(name: str) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         state["seen"] += 1
+        tag = request.headers.get("x-test-tag", "")
+        state["arrivals"].append(tag)
+        if state["hold"]:
+            entry: tuple[str, asyncio.Future[None]] = (tag, asyncio.get_running_loop().create_future())
+            holding.append(entry)
+            state["held"].append(tag)
+            try:
+                await entry[1]
+            finally:
+                if entry in holding:  # the client went away while held
+                    holding.remove(entry)
+                    state["held"].remove(tag)
         state["active"] += 1
         state["max_active"] = max(state["max_active"], state["active"])
         try:
