@@ -63,8 +63,9 @@ MAX_TOKENS = 64
 OBJECTIVES = {"critical": {"priority": 10}, "standard": {"priority": 0}, "sheddable": {"priority": -1}}
 TTL_S = 10.0  # the standard band's (and default) TTL
 SHEDDABLE_TTL_S = 5.0
-SLOTS = 16  # the simulated engines' max_num_seqs
-SIM = SimConfig(model=MODEL, max_num_seqs=SLOTS, default_max_tokens=MAX_TOKENS)
+SLOTS = 16  # the engines' max_num_seqs
+BATCHED_TOKENS = 2048  # the engines' max_num_batched_tokens (the chunked-prefill budget of one step)
+SIM = SimConfig(model=MODEL, max_num_seqs=SLOTS, max_num_batched_tokens=BATCHED_TOKENS, default_max_tokens=MAX_TOKENS)
 
 FLOW_BASE: dict[str, Any] = {
     "enabled": True,
@@ -73,7 +74,14 @@ FLOW_BASE: dict[str, Any] = {
     "no_endpoints_ttl_ms": 5000,
     # headroom: standard stops at 0.75 of the batch slots, sheddable at 0.5; critical may fill them
     "bands": {"0": {"saturation_limit": 0.75}, "-1": {"saturation_limit": 0.5, "ttl_ms": int(SHEDDABLE_TTL_S * 1000)}},
-    "saturation": {"in_flight_threshold": SLOTS, "queue_depth_threshold": 5, "kv_cache_threshold": 0.8},
+    # the engines' batch slots, and one chunked-prefill budget of pending prefill per engine: a new request then
+    # starts within a step or two instead of behind other requests' long prefills (docs/flow-control.md)
+    "saturation": {
+        "in_flight_threshold": SLOTS,
+        "pending_prefill_tokens_threshold": BATCHED_TOKENS,
+        "queue_depth_threshold": 5,
+        "kv_cache_threshold": 0.8,
+    },
 }
 ARMS: dict[str, dict[str, Any] | None] = {
     "off": None,  # flow control off: admission's defaults, the engines queue
@@ -385,7 +393,8 @@ def render(result: dict[str, Any]) -> str:
         f"({result['capacity_rps']:.1f} req/s measured), "
         f"{result['seconds']} s per arm",
         "",
-        f"critical alone on the unloaded pool: TTFT p99 {fmt(result['unloaded_critical_ttft_p99_s'])}",
+        f"critical alone on the unloaded pool: TTFT p50 {fmt(result['unloaded_critical_ttft_p50_s'])}, "
+        f"p99 {fmt(result['unloaded_critical_ttft_p99_s'])}",
         "",
         "| arm | class | offered | served | dropped (reason: n) | TTFT p50 | TTFT p99 | headers p99 | past TTL+1s |",
         "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
@@ -438,7 +447,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     sims: Sequence[Engine]
     if args.engines == "vllm":  # real vLLM (CPU build): the same batch slots, its own /metrics
         MODEL_IN_USE[0] = VLLM_MODEL
-        configs = [VllmConfig(name=f"vllm-{i}", max_num_seqs=SLOTS, num_gpu_blocks=None) for i in range(2)]
+        configs = [
+            VllmConfig(name=f"vllm-{i}", max_num_seqs=SLOTS, max_num_batched_tokens=BATCHED_TOKENS, num_gpu_blocks=None)
+            for i in range(2)
+        ]
         sims = start_engines(configs, ensure_model(), log_dir)
     else:
         sims = start_simulators(2, dataclasses.replace(SIM, time_scale=args.time_scale), log_dir=log_dir)
@@ -452,6 +464,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await run_open_loop(stack.url, alone, timeout_s=60)
             ttfts = [r.ttft_s for r in alone if r.ttft_s is not None and r.complete]
             unloaded_p99 = percentile(ttfts, 0.99)
+            unloaded_p50 = percentile(ttfts, 0.5)
         finally:
             stack.stop()
         rate = args.overload * capacity
@@ -467,6 +480,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": args.seconds,
         "capacity_rps": capacity,
         "unloaded_critical_ttft_p99_s": unloaded_p99,
+        "unloaded_critical_ttft_p50_s": unloaded_p50,
         "unloaded_critical_requests": len(ttfts),
         "workload": {"classes": CLASSES, "max_tokens": MAX_TOKENS, "slots_per_engine": SLOTS, "ttl_s": TTL_S},
         "engines": args.engines,
@@ -487,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {', '.join(ARMS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capacity-seconds", type=float, default=20.0)
-    ap.add_argument("--unloaded-seconds", type=float, default=30.0)
+    ap.add_argument("--unloaded-seconds", type=float, default=60.0, help="critical alone (as many samples as an arm)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="the simulators' real s per simulated s")
     ap.add_argument(
         "--flow", type=json.loads, default=None,
