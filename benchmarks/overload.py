@@ -125,7 +125,7 @@ def make_schedule(rate: float, seconds: float, seed: int) -> list[Req]:
     out = []
     for t in times:
         cls = rng.choices(names, weights)[0]
-        out.append(Req(cls, t, random_text(rng, CLASSES[cls][3])))
+        out.append(Req(cls, t, random_text(rng, prompt_words(cls))))
     return out
 
 
@@ -135,11 +135,23 @@ def headers_of(cls: str) -> dict[str, str]:
 
 
 MODEL_IN_USE = [MODEL]  # the served model name of the engines this run started
+# real vLLM on these CPUs is about 30x slower than the simulator: its run scales every prompt and the output by
+# VLLM_SCALE (the shares, the objectives and the 20x ratio between the tenants stay)
+VLLM_SCALE = 0.25
+SCALE = [1.0]
+
+
+def prompt_words(cls: str) -> int:
+    return max(1, round(CLASSES[cls][3] * SCALE[0]))
+
+
+def max_tokens() -> int:
+    return max(1, round(MAX_TOKENS * SCALE[0]))
 
 
 async def send(http: aiohttp.ClientSession, url: str, r: Req, t0: float) -> None:
     body = {
-        "model": MODEL_IN_USE[0], "messages": [{"role": "user", "content": r.prompt}], "max_tokens": MAX_TOKENS,
+        "model": MODEL_IN_USE[0], "messages": [{"role": "user", "content": r.prompt}], "max_tokens": max_tokens(),
         "stream": True, "temperature": 0,
     }  # fmt: skip
     try:
@@ -185,23 +197,24 @@ async def measure_capacity(url: str, seconds: float, concurrency: int, seed: int
     rng = random.Random(seed + 7)
     names = list(CLASSES)
     weights = [CLASSES[c][0] for c in names]
-    done = 0
-    stop = time.perf_counter() + seconds
+    finished: list[float] = []
+    start = time.perf_counter()
+    stop = start + seconds
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as http:
 
         async def worker() -> None:
-            nonlocal done
             while time.perf_counter() < stop:
                 cls = rng.choices(names, weights)[0]
-                r = Req(cls, 0.0, random_text(rng, CLASSES[cls][3]))
+                r = Req(cls, 0.0, random_text(rng, prompt_words(cls)))
                 await send(http, url, r, time.perf_counter())
                 if r.complete:
-                    done += 1
+                    finished.append(time.perf_counter())
 
-        start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done / (time.perf_counter() - start)
+    # the steady state: completions in the last two thirds (the first third fills the engines), none after stop
+    warm = start + seconds / 3
+    return sum(1 for f in finished if warm <= f <= stop) / (stop - warm)
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -307,7 +320,7 @@ def class_figures(reqs: Sequence[Req], ttl_of: dict[str, float]) -> dict[str, An
 def fairness_figures(reqs: Sequence[Req]) -> dict[str, Any]:
     """The standard band's tenants: dispatched (answered 200) against the max-min fair share, in tokens and in
     requests, of what the band dispatched."""
-    tokens = {c: CLASSES[c][3] + MAX_TOKENS for c in ("heavy", "light")}
+    tokens = {c: prompt_words(c) + max_tokens() for c in ("heavy", "light")}
     demand = {c: sum(1 for r in reqs if r.cls == c) for c in tokens}
     got = {c: sum(1 for r in reqs if r.cls == c and r.status == 200) for c in tokens}
     band_tokens = sum(got[c] * tokens[c] for c in tokens)
@@ -447,6 +460,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     sims: Sequence[Engine]
     if args.engines == "vllm":  # real vLLM (CPU build): the same batch slots, its own /metrics
         MODEL_IN_USE[0] = VLLM_MODEL
+        SCALE[0] = VLLM_SCALE
         configs = [
             VllmConfig(name=f"vllm-{i}", max_num_seqs=SLOTS, max_num_batched_tokens=BATCHED_TOKENS, num_gpu_blocks=None)
             for i in range(2)
@@ -457,7 +471,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     try:
         stack = start_stack(sims, None, workdir)
         try:
-            capacity = await measure_capacity(stack.url, args.capacity_seconds, 2 * 2 * SLOTS, args.seed)
+            seconds = args.capacity_seconds or (90.0 if args.engines == "vllm" else 30.0)
+            capacity = await measure_capacity(stack.url, seconds, 2 * 2 * SLOTS, args.seed)
             crit_rate = CLASSES["critical"][0] * args.overload * capacity
             alone = make_schedule(crit_rate, args.unloaded_seconds, args.seed + 1)
             alone = [dataclasses.replace(r, cls="critical") for r in alone]
@@ -482,7 +497,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "unloaded_critical_ttft_p99_s": unloaded_p99,
         "unloaded_critical_ttft_p50_s": unloaded_p50,
         "unloaded_critical_requests": len(ttfts),
-        "workload": {"classes": CLASSES, "max_tokens": MAX_TOKENS, "slots_per_engine": SLOTS, "ttl_s": TTL_S},
+        "workload": {
+            "classes": CLASSES,
+            "scale": SCALE[0],
+            "max_tokens": max_tokens(),
+            "slots_per_engine": SLOTS,
+            "ttl_s": TTL_S,
+            "prompt_words": {c: prompt_words(c) for c in CLASSES},
+        },
         "engines": args.engines,
         "flow_override": args.flow,
         "machine": machine_description(),
@@ -500,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overload", type=float, default=2.0, help="offered load / measured capacity")
     ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {', '.join(ARMS)}")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--capacity-seconds", type=float, default=20.0)
+    ap.add_argument("--capacity-seconds", type=float, default=None, help="the closed loop (default 30, vllm 90)")
     ap.add_argument("--unloaded-seconds", type=float, default=60.0, help="critical alone (as many samples as an arm)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="the simulators' real s per simulated s")
     ap.add_argument(
