@@ -72,8 +72,9 @@ FLOW_BASE: dict[str, Any] = {
     "objectives": OBJECTIVES,
     "default_ttl_ms": int(TTL_S * 1000),
     "no_endpoints_ttl_ms": 5000,
-    # headroom: standard stops at 0.75 of the batch slots, sheddable at 0.5; critical may fill them
-    "bands": {"0": {"saturation_limit": 0.75}, "-1": {"saturation_limit": 0.5, "ttl_ms": int(SHEDDABLE_TTL_S * 1000)}},
+    # headroom: standard stops at 0.6 saturation, sheddable at 0.4; critical may go to 1.0 (at 0.75 and 0.5 critical
+    # TTFT p99 was 1.33-2.43x unloaded in 4 runs; a diagnostic at 0.6 gave 1.13x: docs/flow-control.md)
+    "bands": {"0": {"saturation_limit": 0.6}, "-1": {"saturation_limit": 0.4, "ttl_ms": int(SHEDDABLE_TTL_S * 1000)}},
     # the engines' batch slots, and one chunked-prefill budget of pending prefill per engine: a new request then
     # starts within a step or two instead of behind other requests' long prefills (docs/flow-control.md)
     "saturation": {
