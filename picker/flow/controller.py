@@ -29,6 +29,7 @@ OBJECTIVE_HEADER = "x-llm-d-inference-objective"
 TTL_HEADER = "x-llm-d-inference-ttl"
 SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
 DROPPED_HEADER = "x-llm-d-request-dropped-reason"
+DROP_DETAILS = "kv_epp_flow_control:"  # the details of a drop's answer: this prefix and the outcome
 HEADERS = frozenset({FAIRNESS_HEADER, OBJECTIVE_HEADER, TTL_HEADER, SLO_TTFT_HEADER})
 MAX_ID_CHARS = 128  # a longer fairness id is cut (a label value and a dict key)
 
@@ -80,7 +81,7 @@ def dropped_answer(outcome: str, retry_after_s: int) -> Answer:
     headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"), (DROPPED_HEADER, outcome))
     if outcome in (SATURATED, TTL_EXPIRED, NO_ENDPOINTS):
         headers = (*headers, ("retry-after", str(retry_after_s)))
-    return Answer(status, error_body(f"kv-epp: {message}", outcome, kind), f"kv_epp_flow_control:{outcome}", headers)
+    return Answer(status, error_body(f"kv-epp: {message}", outcome, kind), f"{DROP_DETAILS}{outcome}", headers)
 
 
 class FlowListener:
@@ -234,7 +235,7 @@ class FlowController:
             raise
 
     def _waiting_at_or_above(self, priority: int) -> bool:
-        return any(p >= priority and self.counts[p].requests for p in self.bands)
+        return any(p >= priority for p in self.bands)  # a band exists only while it holds requests
 
     def _over_bounds(self, priority: int, nbytes: int, lim: BandLimits, fid: str) -> str | None:
         c = self.counts.get(priority)

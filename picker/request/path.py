@@ -23,6 +23,7 @@ from picker.facts import (
     error_body,
     parse_request_body,
 )
+from picker.flow.controller import DROP_DETAILS as FLOW_DROP_DETAILS
 from picker.flow.controller import HEADERS as FLOW_HEADERS
 from picker.flow.controller import FlowController, FlowListener
 from picker.kv.placements import RecentPlacements
@@ -138,11 +139,10 @@ class RequestPath:
         self.tenant_header = settings.extproc.tenant_header.lower()
         self.max_body_bytes = settings.extproc.max_body_bytes
         self.admission.configure(settings.admission)
-        if hasattr(self, "flow"):  # (built after the first configure)
-            self.flow.configure(
-                settings.flow_control, engine_signals=settings.pool.engine_metrics.enabled,
-                retry_after_s=settings.admission.retry_after_seconds,
-            )  # fmt: skip
+        self.flow.configure(
+            settings.flow_control, engine_signals=settings.pool.engine_metrics.enabled,
+            retry_after_s=settings.admission.retry_after_seconds,
+        )  # fmt: skip
         self.tier4 = self.holds is not None and self.router.tier4_active()
         self.max_prefix_tokens = settings.kv_cache_index.tokenizer.max_prefix_tokens
         # the semantic cache's caller identity (hashed into RequestFacts.identity), read only while it is on
@@ -280,7 +280,7 @@ class RequestPath:
         result = await flow.admit(
             req.headers, nbytes, cost, lambda: self.dispatch(facts, prepared, req, cached, cpu), release=_release
         )
-        if isinstance(result, Answer) and result.details.startswith("kv_epp_flow_control:"):
+        if isinstance(result, Answer) and result.details.startswith(FLOW_DROP_DETAILS):
             self.recorder.refused("overloaded")
         assert isinstance(result, (Exchange, Answer))
         return result
