@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.engine_sim.config import SimConfig
 from benchmarks.engine_sim.process import start_simulators
@@ -241,6 +242,7 @@ class Sampler:
     peak_queue_bytes: int = 0
     peak_queue_requests: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
+    latest_ttl_drop_ms: float = 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
         pid = self.picker.process.proc.pid
@@ -256,11 +258,42 @@ class Sampler:
                     self.peak_queue_bytes = max(self.peak_queue_bytes, int(body["queued_bytes"]))
                     self.peak_queue_requests = max(self.peak_queue_requests, int(body["queued_requests"]))
                     self.outcomes = dict(body["outcomes"])
+                    self.latest_ttl_drop_ms = float(body.get("latest_ttl_drop_ms", 0.0))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.2)
 
 
 SLOW_METRICS = [False]  # vLLM on these CPUs answers /metrics late under load (docs/real-engines.md)
+
+
+QUEUE_FAMILY = "llm_d_epp_flow_control_request_queue_duration_seconds"
+
+
+async def picker_queue_waits(admin_url: str) -> dict[str, dict[str, float | None]]:
+    """The picker's own queue wait of the requests it dispatched, per priority, from its histogram
+    (``QUEUE_FAMILY``): p50 and p99 as the upper bound of the bucket that holds them. The client's clock adds
+    Envoy, the engine and, on a starved machine, everyone's CPU wait; this is the picker's part alone."""
+    async with aiohttp.ClientSession() as http, http.get(admin_url + "/metrics") as resp:
+        text = await resp.text()
+    buckets: dict[str, dict[float, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != QUEUE_FAMILY:
+            continue
+        for sm in fam.samples:
+            if sm.name.endswith("_bucket") and sm.labels.get("outcome") == "dispatched":
+                per = buckets.setdefault(sm.labels["priority"], {})
+                le = float(sm.labels["le"])
+                per[le] = per.get(le, 0.0) + sm.value  # summed over fairness ids
+    return {
+        prio: {"dispatched": max(cum.values()), "p50_le_s": bucket_bound(cum, 0.5), "p99_le_s": bucket_bound(cum, 0.99)}
+        for prio, cum in buckets.items()
+    }
+
+
+def bucket_bound(cum: dict[float, float], q: float) -> float | None:
+    """The upper bound of the histogram bucket (``le`` -> cumulative count) that holds the ``q`` quantile."""
+    n = max(cum.values(), default=0.0)
+    return next((le for le in sorted(cum) if cum[le] >= q * n), None) if n else None
 
 
 def policy_for(flow: dict[str, Any] | None) -> PolicySpec:
@@ -375,6 +408,7 @@ async def run_arm(
         wall = time.perf_counter() - started
         stop.set()
         await poll
+        waits = await picker_queue_waits(stack.picker.admin_url) if flow is not None else {}
     finally:
         stack.stop()
     ttl_of = {c: (SHEDDABLE_TTL_S if CLASSES[c][1] == "sheddable" else TTL_S) for c in CLASSES}
@@ -390,6 +424,8 @@ async def run_arm(
         "peak_queue_bytes": sampler.peak_queue_bytes,
         "peak_queue_requests": sampler.peak_queue_requests,
         "picker_outcomes": sampler.outcomes,
+        "picker_queue_wait_dispatched": waits,  # per priority, from the picker's histogram (bucket bounds)
+        "picker_latest_ttl_drop_ms": sampler.latest_ttl_drop_ms,  # the dispatcher's own lateness on a drop
     }
 
 
@@ -459,6 +495,15 @@ def render(result: dict[str, Any]) -> str:
     for arm in result["arms"]:
         rss, n, b = arm["picker_peak_rss_mb"], arm["peak_queue_requests"], arm["peak_queue_bytes"]
         lines.append(f"| {arm['arm']} | {rss} MB | {n} | {b} |")
+    lines += ["", "The picker's own queue wait of dispatched requests (bucket bounds), and its drop lateness:"]
+    for arm in result["arms"]:
+        if arm["flow_control"] is None:
+            continue
+        waits = ", ".join(
+            f"priority {p}: p50 <= {fmt(w['p50_le_s'])}, p99 <= {fmt(w['p99_le_s'])} (n={w['dispatched']:.0f})"
+            for p, w in sorted(arm["picker_queue_wait_dispatched"].items(), key=lambda kv: -int(kv[0]))
+        )
+        lines.append(f"- {arm['arm']}: {waits or '-'}; latest TTL drop {arm['picker_latest_ttl_drop_ms']} ms late")
     lines += ["", "Checks:"]
     for name, ok, detail in result["checks"]:
         lines.append(f"- [{'x' if ok else ' '}] {name}: {detail}")

@@ -620,8 +620,10 @@ class FlowBandConfig(_Section):
     max_bytes: int | None = Field(None, ge=1024, le=64 << 30)
     ttl_ms: int | None = Field(None, ge=1, le=86_400_000)
     # dispatch only while the pool's saturation is below this: a band below 1.0 leaves headroom that only
-    # higher bands may use (their requests then start on an engine that still has room)
-    saturation_limit: float | None = Field(None, gt=0.0, le=1.0)
+    # higher bands may use (their requests then start on an engine that still has room); above 1.0 (at most
+    # 4.0) the band dispatches past saturation, for a top band that must not wait behind the
+    # engines' queues. Missing or old engine readings stop every band (fail closed).
+    saturation_limit: float | None = Field(None, gt=0.0, le=4.0)
 
 
 class FlowSaturationConfig(_Section):

@@ -93,6 +93,8 @@ class FlowListener:
         or refused on arrival)."""
 
     def saturation(self, level: float) -> None: ...
+    def dropped_late(self, late_s: float) -> None:
+        """A request was dropped at its TTL, ``late_s`` after it expired (the dispatcher's own delay)."""
 
 
 @dataclass(slots=True)
@@ -141,6 +143,7 @@ class FlowController:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.last_saturation = 0.0
+        self.latest_drop_s = 0.0  # the largest lateness of a TTL drop: answered this long after its expiry
         self.configure(cfg, engine_signals=engine_signals, retry_after_s=retry_after_s)
 
     # -- settings ---------------------------------------------------------------------------------
@@ -149,6 +152,9 @@ class FlowController:
         without flow control); a new fairness or ordering policy applies to flows created from now on."""
         self.cfg = cfg
         self.engine_signals = engine_signals
+        # a missing or old engine reading counts as this: at least every band's limit, so no band dispatches on it
+        limits = [b.saturation_limit for b in (cfg.default_band, *cfg.bands.values()) if b.saturation_limit]
+        self.closed_level = max([FULL, *limits])
         self.retry_after_s = retry_after_s
         for band in self.bands.values():
             band.fairness = cfg.fairness
@@ -302,7 +308,7 @@ class FlowController:
     # -- dispatch -----------------------------------------------------------------------------------
     def level(self) -> float | None:
         """The pool's saturation now (None: no routable endpoint)."""
-        level = pool_saturation(self.pool.view(), self.cfg.saturation, self.engine_signals)
+        level = pool_saturation(self.pool.view(), self.cfg.saturation, self.engine_signals, self.closed_level)
         if level is not None:
             self.last_saturation = level
             self.listener.saturation(level)
@@ -380,6 +386,9 @@ class FlowController:
             while h and (h[0][2].gone or h[0][0] <= now):
                 _, _, item = heapq.heappop(h)
                 if not item.gone:
+                    late = now - item.expires
+                    self.latest_drop_s = max(self.latest_drop_s, late)
+                    self.listener.dropped_late(late)
                     self._remove(item, TTL_EXPIRED)
         else:
             ne_ttl = self.cfg.no_endpoints_ttl_ms / 1000.0
@@ -438,6 +447,7 @@ class FlowController:
                 for p, c in sorted(self.counts.items(), reverse=True)
             },
             "outcomes": dict(self.totals),
+            "latest_ttl_drop_ms": round(self.latest_drop_s * 1000.0, 1),
             "watched_objectives": len(self.watched),
         }
 

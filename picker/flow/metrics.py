@@ -12,6 +12,7 @@ from picker.flow.controller import FlowListener
 
 MAX_FAIRNESS_LABELS = 100
 OTHER = "other"
+LATE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -45,6 +46,11 @@ class FlowMetrics(FlowListener):
             "continuum_picker_flow_control_outcomes", "Requests through flow control by outcome and priority",
             ("outcome", "priority"), registry=r,
         )  # fmt: skip
+        self.drop_lateness = Histogram(
+            "continuum_picker_flow_control_ttl_drop_lateness_seconds",
+            "How long after its TTL expired a request was dropped (the dispatcher's delay, not the client's)",
+            buckets=LATE_BUCKETS, registry=r,
+        )  # fmt: skip
         self._fids: set[str] = set()
 
     def _fid(self, fid: str) -> str:
@@ -73,3 +79,6 @@ class FlowMetrics(FlowListener):
 
     def saturation(self, level: float) -> None:
         self.pool_saturation.set(level)
+
+    def dropped_late(self, late_s: float) -> None:
+        self.drop_lateness.observe(max(0.0, late_s))
