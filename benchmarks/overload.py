@@ -73,9 +73,15 @@ FLOW_BASE: dict[str, Any] = {
     "objectives": OBJECTIVES,
     "default_ttl_ms": int(TTL_S * 1000),
     "no_endpoints_ttl_ms": 5000,
-    # headroom: standard stops at 0.6 saturation, sheddable at 0.4; critical may go to 1.0 (at 0.75 and 0.5 critical
-    # TTFT p99 was 1.33-2.43x unloaded in 4 runs; a diagnostic at 0.6 gave 1.13x: docs/flow-control.md)
-    "bands": {"0": {"saturation_limit": 0.6}, "-1": {"saturation_limit": 0.4, "ttl_ms": int(SHEDDABLE_TTL_S * 1000)}},
+    # headroom: standard stops at 0.6 saturation, sheddable at 0.4 (at 0.75 and 0.5 critical TTFT p99 was
+    # 1.33-2.43x unloaded in 4 runs; a diagnostic at 0.6 gave 1.13x); critical may go past saturation to 1.5, so it
+    # does not wait behind the engines' queues (at 1.0 it waited up to 3.8 s in the picker's queue on real vLLM:
+    # docs/flow-control.md)
+    "bands": {
+        "10": {"saturation_limit": 1.5},
+        "0": {"saturation_limit": 0.6},
+        "-1": {"saturation_limit": 0.4, "ttl_ms": int(SHEDDABLE_TTL_S * 1000)},
+    },
     # the engines' batch slots, and one chunked-prefill budget of pending prefill per engine: a new request then
     # starts within a step or two instead of behind other requests' long prefills (docs/flow-control.md)
     "saturation": {
@@ -532,7 +538,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         SCALE[0] = VLLM_SCALE
         SLOW_METRICS[0] = True
         configs = [
-            VllmConfig(name=f"vllm-{i}", max_num_seqs=SLOTS, max_num_batched_tokens=BATCHED_TOKENS, num_gpu_blocks=None)
+            VllmConfig(
+                name=f"vllm-{i}",
+                max_num_seqs=SLOTS,
+                max_num_batched_tokens=BATCHED_TOKENS,
+                num_gpu_blocks=None,
+                nice=args.engine_nice,
+            )
             for i in range(2)
         ]
         sims = start_engines(configs, ensure_model(), log_dir)
@@ -600,6 +612,11 @@ def main(argv: list[str] | None = None) -> int:
         help="JSON merged over the flow-control arms' flow_control section (a diagnostic: the reported runs use none)",
     )  # fmt: skip
     ap.add_argument("--engines", choices=("sim", "vllm"), default="sim", help="simulated or real vLLM (CPU) engines")
+    ap.add_argument(
+        "--engine-nice", type=int, default=10,
+        help="vLLM runs at this niceness: the picker, Envoy and the clients get the 2 cores first, as on their own "
+        "nodes (0: equal shares, the engines then starve the picker's event loop)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

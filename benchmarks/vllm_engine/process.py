@@ -85,6 +85,9 @@ class VllmConfig:
     dtype: str = "float32"
     enforce_eager: bool = True  # skips torch.compile: a start in ~40 s instead of minutes; prefill cost alike
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    # run at this niceness (0: as the caller): a benchmark that shares the cores with the picker, Envoy and the
+    # load generator gives them the CPU first, as their own nodes would (vLLM's own processes inherit it)
+    nice: int = 0
 
 
 def engine_env(cfg: VllmConfig) -> dict[str, str]:
@@ -145,7 +148,8 @@ class VllmProcess:
             cmd += ["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
         if c.enforce_eager:
             cmd.append("--enforce-eager")
-        return [*cmd, *c.extra_args]
+        prefix = ["nice", "-n", str(c.nice)] if c.nice else []
+        return [*prefix, *cmd, *c.extra_args]
 
     @property
     def max_model_len(self) -> int:

@@ -51,6 +51,7 @@ def test_defaults_follow_the_seed() -> None:
             "pool",
         ),
         ({"unknown_section": {}}, "unknown_section"),
+        ({"flow_control": {"bands": {"10": {"saturation_limit": 4.5}}}}, "flow_control.bands.10.saturation_limit"),
     ],
 )
 def test_bad_keys_are_refused_with_their_path(data: dict, path: str) -> None:

@@ -213,6 +213,7 @@ async def test_a_request_past_its_ttl_is_dropped_429_with_the_reason_and_never_r
     assert ("retry-after", "1") in answer.headers
     assert runs.order == [] and fc.requests == 0 and fc.bytes == 0
     assert fc.totals["rejected-ttl-expired"] == 1
+    assert fc.stats()["latest_ttl_drop_ms"] == pytest.approx(100.0)  # dropped 100 ms after its expiry
 
 
 async def test_while_the_pool_has_no_endpoint_the_no_endpoints_ttl_drops_503() -> None:
@@ -347,6 +348,33 @@ async def test_a_band_below_full_leaves_headroom_for_higher_bands() -> None:
     assert await fc.admit({}, 1, 1, runs("std", take_slot=False)) == "std"
     fc.close()
     await batch
+
+
+async def test_a_band_above_full_dispatches_past_saturation_but_never_on_missing_engine_signals() -> None:
+    """in_flight_threshold 1: one request in flight is saturation 1.0. The critical band (limit 1.5) goes on at
+    1.0 while the default band (1.0) queues; a missing engine reading counts as 1.5, so it stops critical too."""
+    cfg = {"bands": {"10": {"saturation_limit": 1.5}}, "objectives": {"critical": {"priority": 10}}}
+    fc, pool, _ = make(cfg)
+    fill(pool)
+    runs = Runs(pool)
+    std = asyncio.create_task(fc.admit({}, 1, 1, runs("std", take_slot=False)))
+    await settle()
+    assert not std.done()
+    crit = {"x-llm-d-inference-objective": "critical"}
+    assert await fc.admit(crit, 1, 1, runs("crit", take_slot=False)) == "crit"
+    fc.close()
+    await std
+
+    fc, pool, _ = make(
+        {**cfg, "saturation": {"in_flight_threshold": 1, "queue_depth_threshold": 5}}, engine_signals=True
+    )
+    assert fc.closed_level == 1.5
+    task = asyncio.create_task(fc.admit(crit, 1, 1, runs("crit-unread", take_slot=False)))
+    await settle()
+    assert not task.done()  # no engine reading yet: fail closed for every band
+    pool.set_engine_signals("b0", EngineSignals(waiting=0, running=0, kv_usage=0.1, age_s=0.0))
+    assert await task == "crit-unread"
+    fc.close()
 
 
 @pytest.mark.parametrize(

@@ -46,3 +46,13 @@ def test_fairness_ids_past_the_cap_share_the_other_series() -> None:
     assert value(r, "llm_d_epp_flow_control_queue_size", fairness_id="other", priority="0") == 5
     m.saturation(0.75)
     assert value(r, "llm_d_epp_flow_control_pool_saturation") == 0.75
+
+
+def test_a_late_ttl_drop_is_observed_in_the_lateness_histogram() -> None:
+    r = CollectorRegistry()
+    m = FlowMetrics(r)
+    m.dropped_late(0.3)
+    m.dropped_late(-0.001)  # dropped a hair before its expiry on the clock's reading: counted as on time
+    assert value(r, "continuum_picker_flow_control_ttl_drop_lateness_seconds_count") == 2
+    assert value(r, "continuum_picker_flow_control_ttl_drop_lateness_seconds_bucket", le="0.25") == 1
+    assert value(r, "continuum_picker_flow_control_ttl_drop_lateness_seconds_sum") == 0.3

@@ -36,6 +36,9 @@ def test_missing_or_old_engine_readings_fail_closed_only_while_engines_are_scrap
     old = EngineSignals(waiting=0, running=0, kv_usage=0.0, age_s=CFG.max_signal_age_ms / 1000 + 0.1)
     assert endpoint_saturation(state(engine=old), CFG, True) == 1.0
     assert endpoint_saturation(state(), CFG, False) == 0.0
+    # a band may dispatch past 1.0: an unread endpoint then counts as the highest limit, closed for every band
+    assert endpoint_saturation(state(engine=old), CFG, True, closed=1.5) == 1.5
+    assert endpoint_saturation(state(in_flight=30, engine=old), CFG, True, closed=1.5) == 3.0  # its own is more
 
 
 def test_the_pool_is_the_mean_of_its_endpoints_and_none_when_empty() -> None:
