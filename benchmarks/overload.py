@@ -73,15 +73,10 @@ FLOW_BASE: dict[str, Any] = {
     "objectives": OBJECTIVES,
     "default_ttl_ms": int(TTL_S * 1000),
     "no_endpoints_ttl_ms": 5000,
-    # headroom: standard stops at 0.6 saturation, sheddable at 0.4 (at 0.75 and 0.5 critical TTFT p99 was
-    # 1.33-2.43x unloaded in 4 runs; a diagnostic at 0.6 gave 1.13x); critical may go past saturation to 1.5, so it
-    # does not wait behind the engines' queues (at 1.0 it waited up to 3.8 s in the picker's queue on real vLLM:
-    # docs/flow-control.md)
-    "bands": {
-        "10": {"saturation_limit": 1.5},
-        "0": {"saturation_limit": 0.6},
-        "-1": {"saturation_limit": 0.4, "ttl_ms": int(SHEDDABLE_TTL_S * 1000)},
-    },
+    # headroom: standard stops at 0.6 saturation, sheddable at 0.4; critical goes to 1.0 (at 0.75 and 0.5 critical
+    # TTFT p99 was 1.33-2.43x unloaded in 4 runs; a diagnostic at 0.6 gave 1.13x; critical past saturation, at 1.5,
+    # on real vLLM: docs/flow-control.md)
+    "bands": {"0": {"saturation_limit": 0.6}, "-1": {"saturation_limit": 0.4, "ttl_ms": int(SHEDDABLE_TTL_S * 1000)}},
     # the engines' batch slots, and one chunked-prefill budget of pending prefill per engine: a new request then
     # starts within a step or two instead of behind other requests' long prefills (docs/flow-control.md)
     "saturation": {
@@ -613,9 +608,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--engines", choices=("sim", "vllm"), default="sim", help="simulated or real vLLM (CPU) engines")
     ap.add_argument(
-        "--engine-nice", type=int, default=10,
-        help="vLLM runs at this niceness: the picker, Envoy and the clients get the 2 cores first, as on their own "
-        "nodes (0: equal shares, the engines then starve the picker's event loop)",
+        "--engine-nice", type=int, default=0,
+        help="vLLM runs at this niceness (e.g. 10: the picker, Envoy and the clients get the 2 cores first, as on "
+        "their own nodes; 0: equal shares)",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
