@@ -15,6 +15,7 @@ import ipaddress
 import json
 import os
 import re
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from types import UnionType
@@ -25,7 +26,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -311,6 +314,7 @@ class BackendConfig(_Section):
     """A static backend (model-server replica)."""
 
     name: BackendName
+    type: Literal["engine"] = "engine"
     address: str
     weight: int = Field(1, ge=1, le=1000)
 
@@ -318,6 +322,58 @@ class BackendConfig(_Section):
     @classmethod
     def _valid_address(cls, v: str) -> str:
         return _ip_port(v)
+
+
+GEMINI_DEFAULT_BASE_URL = "https://generativelanguage.googleapis.com"
+
+
+class GeminiBackendConfig(_Section):
+    """A backend of ``type: gemini``: Google's Generative Language API (an external host; it publishes no KV
+    events). A request whose ``model`` is in ``models`` goes to it through Envoy's cluster for ``base_url``'s
+    host (TLS, SNI, DNS for this host alone). The API key is read from ``api_key_file`` (a mounted Secret), never
+    from the config or the environment, and never logged. ``http://`` only with ``allow_insecure`` (a local fake
+    in tests). See docs/gemini.md."""
+
+    name: BackendName
+    type: Literal["gemini"]
+    base_url: str = GEMINI_DEFAULT_BASE_URL
+    api_key_file: str = Field(min_length=1)
+    models: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field(min_length=1, max_length=1000)
+    allow_insecure: bool = False
+
+    @model_validator(mode="after")
+    def _valid_url(self) -> GeminiBackendConfig:
+        u = urllib.parse.urlsplit(self.base_url)
+        if u.scheme not in ("https", "http") or not u.hostname or u.path not in ("", "/") or u.query or u.fragment:
+            raise ValueError("base_url must be https://HOST[:PORT] (no path, query or fragment)")
+        if u.scheme == "http" and not self.allow_insecure:
+            raise ValueError("base_url is http://: the API key would travel in clear text (allow_insecure: true is "
+                             "for a local fake in tests)")  # fmt: skip
+        return self
+
+    @property
+    def host(self) -> str:
+        return urllib.parse.urlsplit(self.base_url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        u = urllib.parse.urlsplit(self.base_url)
+        return u.port or (443 if u.scheme == "https" else 80)
+
+    @property
+    def tls(self) -> bool:
+        return urllib.parse.urlsplit(self.base_url).scheme == "https"
+
+
+def _backend_type(v: Any) -> str:
+    t = v.get("type", "engine") if isinstance(v, dict) else getattr(v, "type", "engine")
+    return "type=gemini" if t == "gemini" else "type=engine"  # an unknown type: BackendConfig names the key
+
+
+AnyBackend = Annotated[
+    Annotated[BackendConfig, Tag("type=engine")] | Annotated[GeminiBackendConfig, Tag("type=gemini")],
+    Discriminator(_backend_type),
+]
 
 
 def _ip_port(v: str) -> str:
@@ -425,7 +481,8 @@ class PoolConfig(_Section):
     is restart-required, the other keys hot-reloadable (a reloaded config cannot list ``backends`` beside
     a discovery source: it is refused like any other bad file)."""
 
-    backends: tuple[BackendConfig, ...] = ()
+    # engine replicas, and external backends of ``type: gemini`` (allowed beside a discovery source)
+    backends: tuple[AnyBackend, ...] = ()
     inference_pool: InferencePoolRef | None = None
     backends_file: BackendsFileRef | None = None
     health: HealthConfig = HealthConfig()
@@ -442,11 +499,25 @@ class PoolConfig(_Section):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"duplicate backend names: {sorted(dup)}")
-        addrs = [b.address for b in self.backends]
+        models = [m for g in self.gemini for m in g.models]
+        dup = {m for m in models if models.count(m) > 1}
+        if dup:
+            raise ValueError(f"a model is listed by two gemini backends: {sorted(dup)}")
+        addrs = [b.address for b in self.engines]
         dup = {a for a in addrs if addrs.count(a) > 1}
         if dup:
             raise ValueError(f"duplicate backend addresses: {sorted(dup)}")
         return self
+
+    @property
+    def engines(self) -> tuple[BackendConfig, ...]:
+        """The static engine replicas (``backends`` less the gemini ones)."""
+        return tuple(b for b in self.backends if isinstance(b, BackendConfig))
+
+    @property
+    def gemini(self) -> tuple[GeminiBackendConfig, ...]:
+        """The backends of ``type: gemini``."""
+        return tuple(b for b in self.backends if isinstance(b, GeminiBackendConfig))
 
     @property
     def source(self) -> str:
@@ -667,6 +738,46 @@ class FlowControlConfig(_Section):
     saturation: FlowSaturationConfig = FlowSaturationConfig()
 
 
+_GEMINI_TTL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_GEMINI_TTL_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def duration_seconds(v: str) -> float:
+    """``10m``, ``90s``, ``1h``, ``500ms`` or bare seconds, in seconds; ValueError otherwise."""
+    m = _GEMINI_TTL.match(v)
+    if m is None:
+        raise ValueError(f"{v!r} is not a duration (e.g. 10m, 90s, 1h)")
+    return float(m.group(1)) * _GEMINI_TTL_UNIT[m.group(2)]
+
+
+def _gemini_ttl(v: str) -> str:
+    if duration_seconds(v) < 60.0:
+        raise ValueError("ttl must be at least 60s")
+    return v
+
+
+class GeminiContextCacheConfig(_Section):
+    """The seed's Gemini context cache (restart-required; off by default: then nothing is allocated and no task
+    runs). For requests to a ``type: gemini`` backend whose system prompt is at least ``min_prefix_bytes``, the
+    picker keeps a server-side ``cachedContents`` resource per (model, whole system prompt) and references it in
+    later requests. See docs/gemini.md."""
+
+    enabled: bool = False
+    min_prefix_bytes: int = Field(16384, ge=1024, le=64 << 20)  # approximates Google's minimum cacheable tokens
+    ttl: Annotated[str, AfterValidator(_gemini_ttl)] = "10m"  # of a created resource
+    extend_on_hit: bool = False  # a hit within the last 20% of the TTL extends it (PATCH), in the background
+    max_entries: int = Field(1000, ge=10, le=1_000_000)  # tracked resources and refused prefixes together; LRU
+    create_timeout_ms: int = Field(5000, ge=500, le=60_000)
+    negative_ttl_seconds: int = Field(600, ge=1, le=86_400 * 30)  # a refused prefix is not retried this long
+    # chat completions to a gemini backend use the native generateContent / streamGenerateContent instead of
+    # the OpenAI-compatible /v1beta/openai/chat/completions
+    prefer_native_api: bool = False
+
+    @property
+    def ttl_seconds(self) -> float:
+        return duration_seconds(self.ttl)
+
+
 ADMIN_TOKEN_FILE_MAX_BYTES = 4096  # a bearer token is short: a larger file is refused, never read whole
 
 
@@ -883,6 +994,7 @@ class Settings(BaseSettings):
     flow_control: FlowControlConfig = FlowControlConfig()
     admin: AdminConfig = AdminConfig()
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
+    gemini_context_cache: GeminiContextCacheConfig = GeminiContextCacheConfig()
 
     @classmethod
     def settings_customise_sources(
@@ -957,7 +1069,7 @@ def _pool_source_problems(s: Settings) -> list[tuple[str, str]]:
     given = [
         key
         for key, on in (
-            ("backends", bool(pool.backends)),
+            ("backends", bool(pool.engines)),
             ("inference_pool", pool.inference_pool is not None),
             ("backends_file", pool.backends_file is not None),
         )
@@ -1119,7 +1231,7 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
         out.append((f"kv_cache_index.{key}", "no event sources: the KV index stays empty"))
     if kv.enabled and kv.tokenizer.source == "none":
         out.append(("kv_cache_index.tokenizer.source", "source none: requests have no block keys"))
-    if not s.pool.backends and not s.pool.discovered:
+    if not s.pool.engines and not s.pool.discovered and not s.pool.gemini:
         out.append(("pool.backends", "no backends: every request is answered 503"))
     out.extend(not_implemented_warnings(s))
     if s.response_cache.enabled:

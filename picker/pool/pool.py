@@ -147,7 +147,7 @@ class Pool:
         parked = self._standby
         new: dict[str, _EndpointStats] = {}
         aside: dict[str, _EndpointStats] = {}
-        eps = members if members is not None else (Endpoint(b.name, b.address, b.weight) for b in cfg.backends)
+        eps = members if members is not None else (Endpoint(b.name, b.address, b.weight) for b in cfg.engines)
         for table, group in ((new, eps), (aside, standby)):
             for ep in group:
                 if ep.name in new or ep.name in aside:

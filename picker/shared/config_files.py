@@ -46,9 +46,14 @@ class ConfigError(Exception):
         super().__init__("; ".join(f"{p}: {m}" for p, m in problems))
 
 
+UNION_TAG_PREFIX = "type="  # a discriminated union's tag (``Tag("type=gemini")``): in pydantic's loc, not in the file
+
+
 def _loc(loc: Iterable[int | str]) -> str:
     parts: list[str] = []
     for item in loc:
+        if isinstance(item, str) and item.startswith(UNION_TAG_PREFIX):
+            continue
         if isinstance(item, int):
             parts.append(f"[{item}]")
         else:

@@ -52,6 +52,36 @@ def test_defaults_follow_the_seed() -> None:
         ),
         ({"unknown_section": {}}, "unknown_section"),
         ({"flow_control": {"bands": {"10": {"saturation_limit": 4.5}}}}, "flow_control.bands.10.saturation_limit"),
+        ({"pool": {"backends": [{"name": "g", "type": "gemini", "api_key_file": "/k"}]}}, "pool.backends[0].models"),
+        (
+            {
+                "pool": {
+                    "backends": [
+                        {
+                            "name": "g",
+                            "type": "gemini",
+                            "api_key_file": "/k",
+                            "models": ["m"],
+                            "base_url": "http://127.0.0.1:1",
+                        }
+                    ]
+                }
+            },
+            "pool.backends[0]",
+        ),  # fmt: skip
+        ({"pool": {"backends": [{"name": "a", "type": "tpu", "address": "1.2.3.4:5"}]}}, "pool.backends[0].type"),
+        (
+            {
+                "pool": {
+                    "backends": [
+                        {"name": f"g{i}", "type": "gemini", "api_key_file": "/k", "models": ["m"]} for i in range(2)
+                    ]
+                }
+            },
+            "pool",
+        ),  # fmt: skip
+        ({"gemini_context_cache": {"ttl": "30s"}}, "gemini_context_cache.ttl"),
+        ({"gemini_context_cache": {"min_prefix_bytes": 100}}, "gemini_context_cache.min_prefix_bytes"),
     ],
 )
 def test_bad_keys_are_refused_with_their_path(data: dict, path: str) -> None:
@@ -179,3 +209,16 @@ def test_ipv6_addresses_are_canonical_so_the_served_endpoint_matches() -> None:
         parse_settings(
             {"pool": {"backends": [{"name": "a", "address": "[::1]:80"}, {"name": "b", "address": "[0::1]:80"}]}}
         )
+
+
+def test_gemini_backends_sit_beside_engines_and_beside_a_discovered_pool() -> None:
+    gemini = {"name": "gemini", "type": "gemini", "api_key_file": "/run/key", "models": ["gemini-2.5-flash"]}
+    s = parse_settings({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}, gemini]}})
+    assert [b.name for b in s.pool.engines] == ["a"] and [b.name for b in s.pool.gemini] == ["gemini"]
+    g = s.pool.gemini[0]
+    assert (g.host, g.port, g.tls) == ("generativelanguage.googleapis.com", 443, True)
+    d = parse_settings({"pool": {"backends": [gemini], "backends_file": {"path": "/tmp/b.yaml"}}})
+    assert d.pool.discovered and not d.pool.engines
+    local = {**gemini, "base_url": "http://127.0.0.1:8080", "allow_insecure": True}
+    assert parse_settings({"pool": {"backends": [local]}}).pool.gemini[0].port == 8080
+    assert parse_settings({"gemini_context_cache": {"ttl": "2m"}}).gemini_context_cache.ttl_seconds == 120.0
