@@ -204,7 +204,7 @@ def test_an_embedding_timeout_past_envoys_message_timeout_is_warned_about() -> N
 
 def test_ipv6_addresses_are_canonical_so_the_served_endpoint_matches() -> None:
     s = parse_settings({"pool": {"backends": [{"name": "a", "address": "[0:0:0:0:0:0:0:1]:08000"}]}})
-    assert s.pool.backends[0].address == "[::1]:8000"  # what Envoy reports as the endpoint that served
+    assert s.pool.engines[0].address == "[::1]:8000"  # what Envoy reports as the endpoint that served
     with pytest.raises(ConfigError, match="duplicate backend addresses"):
         parse_settings(
             {"pool": {"backends": [{"name": "a", "address": "[::1]:80"}, {"name": "b", "address": "[0::1]:80"}]}}
