@@ -1,0 +1,1 @@
+"""Google Generative Language API backends (``type: gemini``): the request conversion and the context cache."""
