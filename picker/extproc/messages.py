@@ -10,6 +10,8 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
+from picker.gemini.names import UPSTREAM_HEADER
+
 DEST_HEADER = "x-gateway-destination-endpoint"
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # envoy.lb: the endpoint Envoy actually used
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
@@ -145,11 +147,50 @@ def sampled_headers_answer(request_body_mode: int, x_cache: str | None = None) -
     return r
 
 
-def response_headers_answer(x_cache: str | None) -> pb.ProcessingResponse:
+def response_headers_answer(x_cache: str | None, content_type: str | None = None) -> pb.ProcessingResponse:
     """The answer to the response headers: continue, adding ``x-cache: <x_cache>`` (overwriting an upstream's)
-    when the response cache is on."""
+    when the response cache is on. ``content_type``: the picker converts the body (a gemini backend's native
+    answer), so its ``content-length`` goes and its type is this."""
     r = pb.ProcessingResponse()
     r.response_headers.SetInParent()
+    mutation = r.response_headers.response.header_mutation
     if x_cache is not None:
-        set_header(r.response_headers.response.header_mutation, "x-cache", x_cache)
+        set_header(mutation, "x-cache", x_cache)
+    if content_type is not None:
+        set_header(mutation, "content-type", content_type)
+        mutation.remove_headers.append("content-length")
+    return r
+
+
+def external_pick_response(
+    cluster: str,
+    path: str,
+    headers: Iterable[tuple[str, str]],
+    remove: Iterable[str],
+    content_length: int | None,
+    *,
+    on_body: bool,
+) -> pb.ProcessingResponse:
+    """The pick of an external backend (``type: gemini``): ``upstream_header`` names its cluster (Envoy's route
+    for it matches once ``clear_route_cache`` makes Envoy choose again), ``:path`` is the API's, ``headers`` are
+    set (its API key) and ``remove`` removed (the client's credentials); ``content-length`` when the body is
+    re-sent or replaced."""
+    r = pb.ProcessingResponse()
+    common = r.request_body.response if on_body else r.request_headers.response
+    m = common.header_mutation
+    set_header(m, UPSTREAM_HEADER, cluster)
+    set_header(m, ":path", path)
+    for k, v in headers:
+        set_header(m, k, v)
+    m.remove_headers.extend(remove)
+    if content_length is not None:
+        set_header(m, "content-length", str(content_length))
+    common.clear_route_cache = True
+    return r
+
+
+def streamed_response_body(chunk: bytes) -> pb.ProcessingResponse:
+    """A STREAMED response-body answer that replaces the chunk with ``chunk`` (a converted answer; maybe empty)."""
+    r = pb.ProcessingResponse()
+    r.response_body.response.body_mutation.body = chunk
     return r

@@ -21,6 +21,7 @@ from picker.extproc.messages import (
     MAX_STREAMED_CHUNK,
     RESPONSE_NONE,
     STREAMED,
+    external_pick_response,
     header_value,
     immediate,
     pick_response,
@@ -28,12 +29,14 @@ from picker.extproc.messages import (
     sampled_headers_answer,
     served_endpoint,
     streamed_chunks,
+    streamed_response_body,
     subset_hint,
 )
 from picker.extproc.sampling import TAIL_BYTES, ResponseSampling
 from picker.facts import Answer, BadRequest, error_body
 from picker.ops.metrics import STATUS_OUTCOMES, RouteSeconds
 from picker.request.exchange import Exchange
+from picker.request.external import ExternalExchange
 from picker.request.path import Inbound, RequestPath, ResponseCache
 from picker.routing.endpoints import Decision
 
@@ -256,6 +259,8 @@ class RequestStream:
         self.exchange = result
         self.phase = Phase.ROUTED
         self.answer = "routed"
+        if isinstance(result, ExternalExchange):
+            return self._pick_external(result, body or b"", at_headers, body_eos)
         dest = result.decision.destinations()
         if result.body_out is not None and not at_headers:  # the request path rewrote the body (Anthropic)
             return self._pick(dest, result.body_out, at_headers, body_eos, mutated=True)
@@ -284,6 +289,25 @@ class RequestStream:
         # full duplex: the deferred headers answer, then the whole body back as streamed mutations
         return [pick_response(dest, len(body), on_body=False), *streamed_chunks(body, body_eos, request=True)]
 
+    def _pick_external(
+        self, ex: ExternalExchange, body: bytes, at_headers: bool, body_eos: bool
+    ) -> Sequence[pb.ProcessingResponse]:
+        """The pick of an external backend: its cluster, path and headers; its body (replaced or echoed)."""
+        rt = ex.route
+        out = rt.body if rt.body is not None else body
+        if at_headers:
+            return (
+                external_pick_response(rt.cluster, rt.path, rt.set_headers, rt.remove_headers, None, on_body=False),
+            )
+        if self.mode != FULL_DUPLEX:  # BUFFERED: on the body answer, the body replaced when it changed
+            length = len(out) if rt.body is not None else None
+            r = external_pick_response(rt.cluster, rt.path, rt.set_headers, rt.remove_headers, length, on_body=True)
+            if rt.body is not None:
+                r.request_body.response.body_mutation.body = out
+            return (r,)
+        first = external_pick_response(rt.cluster, rt.path, rt.set_headers, rt.remove_headers, len(out), on_body=False)
+        return [first, *streamed_chunks(out, body_eos, request=True)]
+
     # -- response phases --------------------------------------------------------------------------
     def _response_headers(self, msg: pb.HttpHeaders, served: str | None = None) -> Sequence[pb.ProcessingResponse]:
         status: int | None = None
@@ -304,7 +328,10 @@ class RequestStream:
                 cache.headers = tuple((h.key, header_value(h)) for h in msg.headers.headers)
             ex.response_headers(status, served)
             x_cache = ex.x_cache
-            if x_cache is not None:
+            conv = ex.route.converter if isinstance(ex, ExternalExchange) else None
+            if conv is not None and conv.active:  # the picker converts this body: new type, no length
+                answer = response_headers_answer(x_cache, conv.content_type)
+            elif x_cache is not None:
                 answer = response_headers_answer(x_cache)
             sampling = self.sampling
             if sampling is not None:
@@ -327,6 +354,8 @@ class RequestStream:
 
     def _response_body(self, msg: pb.HttpBody) -> Sequence[pb.ProcessingResponse]:
         ex = self.exchange
+        if isinstance(ex, ExternalExchange) and ex.route.converter is not None and ex.route.converter.active:
+            return self._converted_body(ex, msg)
         if ex is not None and ex.wants_body:
             ex.response_body(msg.body, msg.end_of_stream)
         if self.sampled:  # keep the last bytes only: the usage is at the end of the body
@@ -340,6 +369,19 @@ class RequestStream:
         if self.resp_mode == FULL_DUPLEX:
             return streamed_chunks(msg.body, msg.end_of_stream, request=False)
         return (_RESPONSE_BODY_OK,)
+
+    def _converted_body(self, ex: ExternalExchange, msg: pb.HttpBody) -> Sequence[pb.ProcessingResponse]:
+        """A gemini backend's native answer, converted to the OpenAI shape before the observers and the client see
+        it (full duplex: streamed mutations; STREAMED: each chunk replaced, maybe by nothing until the end)."""
+        eos = msg.end_of_stream
+        body = ex.convert(msg.body, eos)
+        if ex.wants_body:
+            ex.response_body(body, eos)
+        if eos:
+            self._end_response()
+        if self.resp_mode == FULL_DUPLEX:
+            return streamed_chunks(body, eos, request=False)
+        return (streamed_response_body(body),)
 
     def _end_response(self) -> None:
         if self.exchange is not None:

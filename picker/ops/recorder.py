@@ -148,6 +148,13 @@ class DecisionRecorder:
         p[PREDICTION_OUTCOMES.index(outcome)] += 1
         return outcome
 
+    def external(self, backend: str) -> None:
+        """One request routed to an external backend (``type: gemini``): counted as routed, strategy
+        ``external``."""
+        self.outcomes["routed"] = self.outcomes.get("routed", 0) + 1
+        k = ("external", backend)
+        self.decisions[k] = self.decisions.get(k, 0) + 1
+
     def refused(self, outcome: str) -> None:
         """A request answered by the picker itself: bad_request, no_backend, error, draining, overloaded."""
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from picker.cache.state import CacheState
-from picker.config import Settings
+from picker.config import GeminiBackendConfig, Settings
 from picker.facts import (
     Answer,
     BadRequest,
@@ -26,6 +26,8 @@ from picker.facts import (
 from picker.flow.controller import DROP_DETAILS as FLOW_DROP_DETAILS
 from picker.flow.controller import HEADERS as FLOW_HEADERS
 from picker.flow.controller import FlowController, FlowListener
+from picker.gemini.names import external_cluster_name
+from picker.gemini.route import GeminiRouter
 from picker.kv.placements import RecentPlacements
 from picker.kv.stage import KvLookup, KvStage
 from picker.ops.recorder import DecisionRecorder
@@ -33,6 +35,7 @@ from picker.pool.pool import Pool
 from picker.request.admission import Admission, overloaded_body
 from picker.request.anthropic import inject_cache_control, is_native_anthropic
 from picker.request.exchange import Exchange, ResponseObserver
+from picker.request.external import ExternalExchange
 from picker.request.health import HealthObserver, count_health_transitions
 from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key
@@ -104,8 +107,10 @@ class RequestPath:
         cache: ResponseCache | None = None,
         observers: tuple[ResponseObserver, ...] = (),
         flow_listener: FlowListener | None = None,
+        external: GeminiRouter | None = None,
     ) -> None:
         self.pool = pool
+        self.external = external  # the gemini backends' router (None: none configured)
         self.router = router
         self.recorder = recorder
         self.holds = holds
@@ -143,6 +148,8 @@ class RequestPath:
             settings.flow_control, engine_signals=settings.pool.engine_metrics.enabled,
             retry_after_s=settings.admission.retry_after_seconds,
         )  # fmt: skip
+        if self.external is not None:
+            self.external.configure(settings)
         self.tier4 = self.holds is not None and self.router.tier4_active()
         self.max_prefix_tokens = settings.kv_cache_index.tokenizer.max_prefix_tokens
         # the semantic cache's caller identity (hashed into RequestFacts.identity), read only while it is on
@@ -264,6 +271,9 @@ class RequestPath:
                 self.recorder.cache_hit()
                 return looked
             cached = looked
+        external = self.external.backend_for(facts.model) if self.external is not None else None
+        if external is not None:  # a type: gemini backend: Google's API, not the pool
+            return self.route_external(facts, external, req, data, cached)
         flow = self.flow
         if not flow.enabled:
             why = self.admission.saturation(self.pool.view(req.subset), self.pool.view())
@@ -284,6 +294,29 @@ class RequestPath:
             self.recorder.refused("overloaded")
         assert isinstance(result, (Exchange, Answer))
         return result
+
+    def route_external(
+        self,
+        facts: RequestFacts,
+        backend: GeminiBackendConfig,
+        req: Inbound,
+        data: dict[str, Any] | None,
+        cached: CacheState | None,
+    ) -> Exchange | Answer:
+        """A request for a ``type: gemini`` backend's model: the route to its cluster (docs/gemini.md)."""
+        assert self.external is not None
+        if self.external.keys.key(backend) is None:
+            self.recorder.refused("no_backend")
+            why = f"gemini backend {backend.name}: its API key could not be read ({backend.api_key_file})"
+            return Answer(503, error_body(why, "no_api_key", "service_unavailable"), "kv_epp_no_backend")
+        route = self.external.route(facts, backend, req.path, data, external_cluster_name(backend.name))
+        observers: tuple[ResponseObserver, ...] = ()
+        if self.cache is not None and cached is not None and cached.key is not None:
+            observers = (self.cache,)  # an eligible miss: the response cache stores the converted answer
+        ex = ExternalExchange(facts, route, observers, self.external.cache)
+        ex.cache = cached
+        self.recorder.external(backend.name)
+        return ex
 
     def dispatch(
         self, facts: RequestFacts, prepared: Prepared, req: Inbound, cached: CacheState | None, cpu: float

@@ -17,7 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from picker.config import ConfigError, Settings
-from picker.runtime.admin_routes import kv_index_routes, response_cache_routes
+from picker.runtime.admin_routes import gemini_context_cache_routes, kv_index_routes, response_cache_routes
 from picker.runtime.app import PickerApp
 from picker.runtime.envoy_needs import response_cache_detail
 from picker.runtime.errors import StartupError
@@ -251,6 +251,7 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
         ]
     )
     web_app.add_routes(kv_index_routes(app))
+    web_app.add_routes(gemini_context_cache_routes(app))
     web_app.add_routes(response_cache_routes(app))
     for provider in extra or []:
         web_app.add_routes(provider.admin_routes())

@@ -17,6 +17,7 @@ from picker.cache import CacheStoreError
 from picker.cache.semantic import ENTRY_PREFIX
 from picker.cache.store import MemoryCacheStore, RedisCacheStore
 from picker.config import RedisConfig
+from picker.gemini.context_cache import DISABLED_RESPONSE, GeminiContextCache, disabled_stats
 from picker.kv.admin import kv_index_backends, kv_index_clear, kv_index_stats
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
@@ -304,4 +305,27 @@ def response_cache_routes(app: PickerApp) -> list[web.RouteDef]:
         web.get("/admin/response-cache/stats", stats),
         web.post("/admin/response-cache/invalidate", invalidate),
         web.post("/admin/response-cache/clear", clear),
+    ]
+
+
+def gemini_context_cache_routes(app: PickerApp) -> list[web.RouteDef]:
+    """The seed's Gemini context cache endpoints (docs/gemini.md), registered whether or not it is enabled."""
+
+    def cache() -> GeminiContextCache | None:
+        external = app.path.external
+        return external.cache if external is not None else None
+
+    async def stats(_: web.Request) -> web.Response:
+        c = cache()
+        return web.json_response(c.stats() if c is not None else disabled_stats(app.settings.gemini_context_cache))
+
+    async def clear(_: web.Request) -> web.Response:
+        c = cache()
+        if c is None:
+            return web.json_response(DISABLED_RESPONSE, status=400)
+        return web.json_response(c.clear_response())
+
+    return [
+        web.get("/admin/gemini-context-cache/stats", stats),
+        web.post("/admin/gemini-context-cache/clear", clear),
     ]

@@ -19,6 +19,8 @@ from picker.cache.vectors import SemanticIndex
 from picker.config import PoolConfig, ResponseCacheConfig, Settings
 from picker.extproc.sampling import ResponseSampling
 from picker.flow.metrics import FlowMetrics
+from picker.gemini.context_cache import build_context_cache
+from picker.gemini.route import GeminiRouter
 from picker.kv.tier4 import Tier4
 from picker.ops.metrics import PickerMetrics
 from picker.ops.recorder import DecisionRecorder
@@ -98,9 +100,12 @@ def build_app(
     tier4 = Tier4(kv, pool, metrics, settings.response_cache.redis) if kv.enabled else None
     response_cache = build_response_cache(settings.response_cache, metrics)
     observers: tuple[ResponseObserver, ...] = (*((tier4.watch,) if tier4 is not None else ()), response_cache)
+    # type: gemini backends (routed by model; the pool is hot-reloadable) and the seed's Gemini context cache
+    # (restart-required; disabled: None, nothing allocated)
+    external = GeminiRouter(settings, build_context_cache(settings.gemini_context_cache, registry=metrics.registry))
     path = RequestPath(
         settings, pool, router, recorder, holds=tier4, cache=response_cache, observers=observers,
-        flow_listener=FlowMetrics(metrics.registry),
+        flow_listener=FlowMetrics(metrics.registry), external=external,
     )  # fmt: skip
     if tier4 is not None:  # the feeds settle the placement guesses
         tier4.index.watcher = path.placements
@@ -140,6 +145,12 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     # active health: probes the endpoints the request path and the scraper suspect of hanging (pool.health.probe)
     prober = HealthProber(app.pool, app.metrics)
     server.on_stop.append(prober.close)
+    external = app.path.external
+    if external is not None:
+        if settings.pool.gemini:  # a rotated Secret's key, read off the loop (a reload reads them too)
+            server.background.append(external.refresh_keys_forever)
+        if external.cache is not None:
+            server.on_stop.append(external.cache.close)  # its background creates and deletes, its HTTP session
     embeddings = app.response_cache.embeddings
     if embeddings is not None:
         server.on_stop.append(embeddings.close)  # the semantic cache's HTTP session, when it opened one

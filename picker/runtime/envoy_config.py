@@ -14,8 +14,10 @@ from picker.runtime.envoy_options import (
     LB_NAMESPACE,
     RESPONSE_MODES,
     SERVED_KEY,
+    UPSTREAM_HEADER,
     BodyMode,
     EnvoyOptions,
+    ExternalUpstream,
     ResponseMode,
     is_ip,
     socket_address,
@@ -99,6 +101,10 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                 "load_assignment": load_assignment,
             }
         )
+    external_routes = []
+    for u in o.external_upstreams if o.picker_address is not None else ():
+        clusters.append(external_cluster(u, o.external_ca_file))
+        external_routes.append(external_route(u, o.route_timeout_s))
     route: dict[str, Any] = {"cluster": "inference_pool", "timeout": f"{o.route_timeout_s}s"}
     if o.picker_address is not None:
         route["retry_policy"] = retry_policy(o)
@@ -121,10 +127,11 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                     "name": "inference",
                     "domains": ["*"],
                     "routes": [
+                        *external_routes,
                         {
                             "match": {"prefix": "/"},
                             "route": route,
-                        }
+                        },
                     ],
                 }
             ],
@@ -213,3 +220,44 @@ __all__ = [
     "DEST_HEADER", "LB_NAMESPACE", "RESPONSE_MODES", "SERVED_KEY", "BodyMode", "EnvoyOptions", "ResponseMode",
     "bootstrap", "bootstrap_yaml", "processing_mode", "sampled_override",
 ]  # fmt: skip
+
+
+def external_route(u: ExternalUpstream, timeout_s: int) -> dict[str, Any]:
+    """The route to an external backend: taken when the picker set ``UPSTREAM_HEADER`` to its cluster (the
+    picker's answer clears the route cache, so the route is chosen again with the picker's headers). The header
+    does not travel upstream; the Host is the external host's."""
+    return {
+        "match": {"prefix": "/", "headers": [{"name": UPSTREAM_HEADER, "string_match": {"exact": u.cluster}}]},
+        "route": {"cluster": u.cluster, "timeout": f"{timeout_s}s", "host_rewrite_literal": u.host},
+        "request_headers_to_remove": [UPSTREAM_HEADER],
+    }
+
+
+def external_cluster(u: ExternalUpstream, ca_file: str) -> dict[str, Any]:
+    """An external backend's cluster: LOGICAL_DNS for its host alone (the pool's cluster resolves nothing), TLS
+    with SNI and the certificate verified against ``ca_file`` for the host's name."""
+    c: dict[str, Any] = {
+        "name": u.cluster,
+        "type": "LOGICAL_DNS",
+        "dns_lookup_family": "V4_PREFERRED",
+        "connect_timeout": "5s",
+        "load_assignment": {
+            "cluster_name": u.cluster,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address(f"{u.host}:{u.port}")}}]}],
+        },
+    }
+    if u.tls:
+        c["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "sni": u.host,
+                "common_tls_context": {
+                    "validation_context": {
+                        "trusted_ca": {"filename": ca_file},
+                        "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": u.host}}],
+                    }
+                },
+            },
+        }
+    return c

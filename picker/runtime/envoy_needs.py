@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from picker.runtime.envoy_config import BodyMode, EnvoyOptions, ResponseMode
+from picker.runtime.envoy_options import ExternalUpstream, external_cluster_name
 
 if TYPE_CHECKING:
     from picker.config import Settings
@@ -98,6 +99,7 @@ def derive(s: Settings | None, g: Given, source: str = "--picker-config") -> Der
         _picker_tls(s, g, out, source)
         _message_timeout(s, g, out, source)
         _retries(s, g, out, source)
+        _external(s, out, source)
     if response == "sampled":
         if body == FULL_DUPLEX:
             raise Refused(
@@ -126,7 +128,37 @@ def derive(s: Settings | None, g: Given, source: str = "--picker-config") -> Der
     return out
 
 
+def _external(s: Settings, out: Derived, source: str) -> None:
+    """A cluster and a route per ``type: gemini`` backend (its host alone resolved by DNS, TLS unless the backend
+    allows http for a local fake)."""
+    ups = tuple(ExternalUpstream(external_cluster_name(b.name), b.host, b.port, b.tls) for b in s.pool.gemini)
+    if ups:
+        out.options["external_upstreams"] = ups
+        out.notes.append(
+            f"external upstreams {', '.join(f'{u.cluster} ({u.host}:{u.port})' for u in ups)}: the type: gemini "
+            f"backends of {source}"
+        )
+
+
+def native_conversion(s: Settings) -> bool:
+    """Responses of a gemini backend are converted to the OpenAI shape by the picker (the native API is used)."""
+    return bool(s.pool.gemini) and s.gemini_context_cache.prefer_native_api
+
+
 def _response_mode(s: Settings, g: Given, out: Derived, source: str) -> ResponseMode | None:
+    if native_conversion(s):
+        if g.response_mode not in (None, "full"):
+            raise Refused(
+                f"--response-mode {g.response_mode}: gemini_context_cache.prefer_native_api is true in {source} with "
+                "type: gemini backends, and the picker converts their native responses to the OpenAI shape, so every "
+                "response body must pass through it: leave --response-mode out or give full"
+            )
+        if g.response_mode is None:
+            out.notes.append(
+                f"response mode full: {source} sends chat completions to gemini backends' native API and the "
+                f"picker converts the responses; cost: {FULL_MODE_COST}"
+            )
+            return "full"
     cache = s.response_cache.enabled
     sampling = sampling_configured(s)
     rm = g.response_mode

@@ -10,6 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from picker.gemini.names import UPSTREAM_HEADER as UPSTREAM_HEADER  # re-exported for the bootstrap's builders
+from picker.gemini.names import external_cluster_name as external_cluster_name
+
 BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
 # What of each response reaches the picker (docs/operations.md, "Response modes and what they cost"):
 # - none: the response headers (status, time to first byte); no body message. Response trailers are SEND
@@ -24,6 +27,20 @@ BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
 # - full: every response chunk goes through the picker (FULL_DUPLEX_STREAMED echo, or STREAMED answers).
 ResponseMode = Literal["none", "sampled", "full"]
 RESPONSE_MODES: tuple[ResponseMode, ...] = ("none", "sampled", "full")
+
+
+SYSTEM_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"  # Debian/Ubuntu (and Envoy's image): the public CAs
+
+
+@dataclass(slots=True, frozen=True)
+class ExternalUpstream:
+    """An external host the picker may route to (a ``type: gemini`` backend): its own cluster, resolved by DNS
+    (this host alone), TLS with SNI and the host's name verified unless ``tls`` is False (a local fake)."""
+
+    cluster: str
+    host: str
+    port: int
+    tls: bool = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,6 +97,10 @@ class EnvoyOptions:
     # the admin interface (which stays on ``admin_address``): for kubelet probes and Prometheus, never the
     # admin's mutating endpoints. None: no such listener.
     stats_port: int | None = None
+    # external backends (``type: gemini``): a cluster and a route each; the CA bundle their certificates are
+    # verified against
+    external_upstreams: Sequence[ExternalUpstream] = field(default_factory=tuple)
+    external_ca_file: str = SYSTEM_CA_FILE
 
 
 def socket_address(host_port: str) -> dict[str, Any]:

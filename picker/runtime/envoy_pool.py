@@ -13,6 +13,7 @@ from picker.runtime.envoy_options import (
     LB_NAMESPACE,
     RETRY_ON,
     SERVED_KEY,
+    UPSTREAM_HEADER,
     EnvoyOptions,
     is_ip,
     socket_address,
@@ -137,13 +138,17 @@ def retry_policy(o: EnvoyOptions) -> dict[str, Any]:
 
 
 def strip_destination_headers() -> list[dict[str, Any]]:
-    """Before any filter and before routing: a client's x-gateway-destination-endpoint* headers go."""
-    mutation = {"remove_on_match": {"key_matcher": {"prefix": DEST_HEADER}}}
+    """Before any filter and before routing: a client's x-gateway-destination-endpoint* headers go, and its
+    x-kv-epp-upstream (only the picker chooses an external upstream)."""
+    mutation = [
+        {"remove_on_match": {"key_matcher": {"prefix": DEST_HEADER}}},
+        {"remove_on_match": {"key_matcher": {"exact": UPSTREAM_HEADER}}},
+    ]
     return [
         typed_extension(
             "envoy.http.early_header_mutation.header_mutation",
             "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-            mutations=[mutation],
+            mutations=mutation,
         )
     ]
 

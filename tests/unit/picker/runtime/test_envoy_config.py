@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from picker.runtime.envoy_config import EnvoyOptions, bootstrap, bootstrap_yaml
+from picker.runtime.envoy_options import ExternalUpstream
 
 BACKENDS = ("10.0.0.1:8000", "10.0.0.2:8000")
 
@@ -48,8 +49,33 @@ def test_client_destination_headers_are_removed_before_any_filter() -> None:
     h = hcm(bootstrap(EnvoyOptions(backends=BACKENDS)))
     (ext,) = h["early_header_mutation_extensions"]
     assert ext["typed_config"]["mutations"] == [
-        {"remove_on_match": {"key_matcher": {"prefix": "x-gateway-destination-endpoint"}}}
+        {"remove_on_match": {"key_matcher": {"prefix": "x-gateway-destination-endpoint"}}},
+        {"remove_on_match": {"key_matcher": {"exact": "x-kv-epp-upstream"}}},  # only the picker picks an external
     ]
+
+
+def test_an_external_upstream_gets_its_tls_dns_cluster_and_a_route_before_the_pools() -> None:
+    ups = (
+        ExternalUpstream("external_gemini", "generativelanguage.googleapis.com", 443, True),
+        ExternalUpstream("external_fake", "127.0.0.1", 8080, False),
+    )
+    b = bootstrap(EnvoyOptions(backends=BACKENDS, external_upstreams=ups))
+    clusters = {c["name"]: c for c in b["static_resources"]["clusters"]}
+    g = clusters["external_gemini"]
+    assert g["type"] == "LOGICAL_DNS"
+    tls = g["transport_socket"]["typed_config"]
+    assert tls["sni"] == "generativelanguage.googleapis.com"
+    assert tls["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"] == [
+        {"san_type": "DNS", "matcher": {"exact": "generativelanguage.googleapis.com"}}
+    ]
+    assert "transport_socket" not in clusters["external_fake"]  # allow_insecure: a local fake
+    assert clusters["inference_pool"].get("type") != "LOGICAL_DNS"  # the pool resolves nothing
+    routes = hcm(b)["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["route"]["cluster"] for r in routes] == ["external_gemini", "external_fake", "inference_pool"]
+    first = routes[0]
+    assert first["match"]["headers"] == [{"name": "x-kv-epp-upstream", "string_match": {"exact": "external_gemini"}}]
+    assert first["route"]["host_rewrite_literal"] == "generativelanguage.googleapis.com"
+    assert first["request_headers_to_remove"] == ["x-kv-epp-upstream"]
 
 
 def test_ext_proc_receives_and_forwards_envoy_lb() -> None:
