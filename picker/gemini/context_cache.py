@@ -27,6 +27,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from picker.config import GeminiBackendConfig, GeminiContextCacheConfig
+from picker.gemini.keys import read_key_file
 
 log = logging.getLogger("kv_epp.gemini_context_cache")
 
@@ -34,7 +35,6 @@ EXPIRY_MARGIN_S = 5.0  # an entry stops answering this long before its TTL ends:
 EXTEND_AT_FRACTION = 0.2  # extend_on_hit: a hit with at most this fraction of the TTL left extends it (the seed)
 OP_TIMEOUT_S = 10.0  # an extend (PATCH) or delete; create_timeout_ms bounds a create
 MAX_RESPONSE_BYTES = 1 << 20  # a cachedContents answer is a few hundred bytes; more is refused, never read whole
-KEY_FILE_MAX_BYTES = 4096  # an API key is ~40 characters: a larger file is refused, never read whole
 MAX_KEY_FILES = 64  # cached API keys (one per backend's api_key_file); cleared when exceeded
 DELETE_WORKERS = 4  # concurrent best-effort DELETEs; the queue itself holds at most max_entries names
 # creates in flight hold their system prompts: past this many characters a miss starts no create (counted)
@@ -182,20 +182,9 @@ class _KeyFiles:
         if cached is not None and cached[0] == stamp:
             return cached[1]
         try:
-            with open(path, "rb") as f:
-                raw = f.read(KEY_FILE_MAX_BYTES + 1)
-        except OSError as exc:
-            raise ApiError(f"{where}: cannot read it ({exc.strerror or type(exc).__name__})") from None
-        if len(raw) > KEY_FILE_MAX_BYTES:
-            raise ApiError(f"{where}: larger than {KEY_FILE_MAX_BYTES} bytes, not an API key")
-        try:
-            key = raw.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise ApiError(f"{where}: not UTF-8 text") from None
-        if not key:
-            raise ApiError(f"{where}: empty (the API key is the file's content)")
-        if _CONTROL.search(key) or not key.isascii():  # the key itself is never echoed
-            raise ApiError(f"{where}: the key holds a control or non-ASCII character (one line expected)")
+            key = read_key_file(path)
+        except ValueError as exc:
+            raise ApiError(f"{where}: {exc}") from None
         if len(self._keys) >= MAX_KEY_FILES:
             self._keys.clear()
         self._keys[path] = (stamp, key)

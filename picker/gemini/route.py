@@ -39,12 +39,12 @@ from picker.gemini.convert import (
     system_text,
     to_native_request,
 )
+from picker.gemini.keys import read_key_file
 
 log = logging.getLogger("kv_epp.gemini")
 
 COMPAT_PREFIX = "/v1beta/openai"  # Google's OpenAI-compatible API
 API_KEY_HEADER = "x-goog-api-key"
-KEY_FILE_MAX_BYTES = 4096  # an API key is ~40 characters: a larger file is refused, never read whole
 KEY_REFRESH_SECONDS = 60.0  # a rotated key file (a Secret's new content) is used within this
 MAX_JSON_RESPONSE_BYTES = 16 << 20  # a non-streamed native answer held for its conversion; more passes as an error
 
@@ -65,9 +65,9 @@ class ApiKeys:
             if path in keys or path in errors:
                 continue
             try:
-                keys[path] = read_api_key(path)
+                keys[path] = read_key_file(path)
             except ValueError as exc:
-                errors[path] = str(exc)
+                errors[path] = f"{path}: {exc}"
                 log.warning("event=gemini_api_key_unreadable backend=%s error=%r", b.name, str(exc))
         self._keys, self._errors = keys, errors
 
@@ -76,24 +76,6 @@ class ApiKeys:
 
     def error(self, backend: GeminiBackendConfig) -> str | None:
         return self._errors.get(backend.api_key_file)
-
-
-def read_api_key(path: str) -> str:
-    """The key in ``path`` (surrounding whitespace removed); ValueError naming the path, never the key."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(KEY_FILE_MAX_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"{path}: {exc.strerror or exc}") from None
-    if len(raw) > KEY_FILE_MAX_BYTES:
-        raise ValueError(f"{path}: larger than {KEY_FILE_MAX_BYTES} bytes")
-    try:
-        key = raw.decode("ascii").strip()
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: the key must be ASCII") from None
-    if not key or any(not 0x21 <= ord(c) <= 0x7E for c in key):
-        raise ValueError(f"{path}: empty, or not printable ASCII without spaces")
-    return key
 
 
 class ResponseConverter:
