@@ -270,24 +270,44 @@ SLOW_METRICS = [False]  # vLLM on these CPUs answers /metrics late under load (d
 QUEUE_FAMILY = "llm_d_epp_flow_control_request_queue_duration_seconds"
 
 
-async def picker_queue_waits(admin_url: str) -> dict[str, dict[str, float | None]]:
-    """The picker's own queue wait of the requests it dispatched, per priority, from its histogram
-    (``QUEUE_FAMILY``): p50 and p99 as the upper bound of the bucket that holds them. The client's clock adds
-    Envoy, the engine and, on a starved machine, everyone's CPU wait; this is the picker's part alone."""
+LAG_FAMILY = "continuum_picker_event_loop_lag_seconds"
+
+
+async def picker_histograms(admin_url: str) -> dict[str, Any]:
+    """From the picker's /metrics: its own queue wait of the requests it dispatched, per priority
+    (``QUEUE_FAMILY``: p50 and p99 as the upper bound of the bucket that holds them; the client's clock adds
+    Envoy, the engine and, on a starved machine, everyone's CPU wait), and its event loop's lag (``LAG_FAMILY``:
+    how late its timers ran, the wait of everything on the loop)."""
     async with aiohttp.ClientSession() as http, http.get(admin_url + "/metrics") as resp:
         text = await resp.text()
     buckets: dict[str, dict[float, float]] = {}
+    lag: dict[float, float] = {}
     for fam in text_string_to_metric_families(text):
-        if fam.name != QUEUE_FAMILY:
-            continue
-        for sm in fam.samples:
-            if sm.name.endswith("_bucket") and sm.labels.get("outcome") == "dispatched":
+        for sm in fam.samples if fam.name in (QUEUE_FAMILY, LAG_FAMILY) else ():
+            if not sm.name.endswith("_bucket"):
+                continue
+            le = float(sm.labels["le"])
+            if fam.name == LAG_FAMILY:
+                lag[le] = sm.value
+            elif sm.labels.get("outcome") == "dispatched":
                 per = buckets.setdefault(sm.labels["priority"], {})
-                le = float(sm.labels["le"])
                 per[le] = per.get(le, 0.0) + sm.value  # summed over fairness ids
+    n = max(lag.values(), default=0.0)
     return {
-        prio: {"dispatched": max(cum.values()), "p50_le_s": bucket_bound(cum, 0.5), "p99_le_s": bucket_bound(cum, 0.99)}
-        for prio, cum in buckets.items()
+        "queue_wait": {
+            prio: {
+                "dispatched": max(cum.values()),
+                "p50_le_s": bucket_bound(cum, 0.5),
+                "p99_le_s": bucket_bound(cum, 0.99),
+            }
+            for prio, cum in buckets.items()
+        },
+        "loop_lag": {
+            "samples": n,
+            "p99_le_s": bucket_bound(lag, 0.99),
+            "over_0_5_s": n - lag.get(0.5, n),
+            "max_le_s": bucket_bound(lag, 1.0),
+        },
     }
 
 
@@ -409,7 +429,7 @@ async def run_arm(
         wall = time.perf_counter() - started
         stop.set()
         await poll
-        waits = await picker_queue_waits(stack.picker.admin_url) if flow is not None else {}
+        hist = await picker_histograms(stack.picker.admin_url)
     finally:
         stack.stop()
     ttl_of = {c: (SHEDDABLE_TTL_S if CLASSES[c][1] == "sheddable" else TTL_S) for c in CLASSES}
@@ -425,7 +445,8 @@ async def run_arm(
         "peak_queue_bytes": sampler.peak_queue_bytes,
         "peak_queue_requests": sampler.peak_queue_requests,
         "picker_outcomes": sampler.outcomes,
-        "picker_queue_wait_dispatched": waits,  # per priority, from the picker's histogram (bucket bounds)
+        "picker_queue_wait_dispatched": hist["queue_wait"],  # per priority, from its histogram (bucket bounds)
+        "picker_loop_lag": hist["loop_lag"],
         "picker_latest_ttl_drop_ms": sampler.latest_ttl_drop_ms,  # the dispatcher's own lateness on a drop
     }
 
@@ -504,7 +525,12 @@ def render(result: dict[str, Any]) -> str:
             f"priority {p}: p50 <= {fmt(w['p50_le_s'])}, p99 <= {fmt(w['p99_le_s'])} (n={w['dispatched']:.0f})"
             for p, w in sorted(arm["picker_queue_wait_dispatched"].items(), key=lambda kv: -int(kv[0]))
         )
-        lines.append(f"- {arm['arm']}: {waits or '-'}; latest TTL drop {arm['picker_latest_ttl_drop_ms']} ms late")
+        lag = arm["picker_loop_lag"]
+        lines.append(
+            f"- {arm['arm']}: {waits or '-'}; latest TTL drop {arm['picker_latest_ttl_drop_ms']} ms late; event-loop "
+            f"lag p99 <= {fmt(lag['p99_le_s'])}, max <= {fmt(lag['max_le_s'])}, {lag['over_0_5_s']:.0f} of "
+            f"{lag['samples']:.0f} samples over 500 ms"
+        )
     lines += ["", "Checks:"]
     for name, ok, detail in result["checks"]:
         lines.append(f"- [{'x' if ok else ' '}] {name}: {detail}")

@@ -6,6 +6,7 @@ leaves the pool loses its series, ``forget_backends``), so cardinality is bounde
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -81,6 +82,25 @@ class RouteSecondsCollector(Collector):
         yield family
 
 
+LOOP_LAG_INTERVAL_S = 0.1
+LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class LoopLag:
+    """A background task: sleep ``LOOP_LAG_INTERVAL_S``, observe how much later than asked the loop woke."""
+
+    def __init__(self, metrics: PickerMetrics, interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
+        self.metrics = metrics
+        self.interval_s = interval_s
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self.metrics.event_loop_lag.observe(max(0.0, loop.time() - t0 - self.interval_s))
+
+
 class PickerMetrics:
     """Every metric the picker exports, created against one registry."""
 
@@ -150,6 +170,13 @@ class PickerMetrics:
             "continuum_kv_index_routing_decisions",
             "Selections where the KV overlap scorer ran, by decision (kv_aware, fallback) and tier",
             ["decision", "tier"],
+            registry=r,
+        )
+        self.event_loop_lag = Histogram(
+            "continuum_picker_event_loop_lag_seconds",
+            "How late the event loop ran a timer (every LOOP_LAG_INTERVAL_S): the time anything on the loop, the "
+            "request path included, waits behind work that holds it",
+            buckets=LOOP_LAG_BUCKETS,
             registry=r,
         )
         self.kv_index_overlap_score = Histogram(

@@ -22,7 +22,7 @@ from picker.flow.metrics import FlowMetrics
 from picker.gemini.context_cache import build_context_cache
 from picker.gemini.route import GeminiRouter
 from picker.kv.tier4 import Tier4
-from picker.ops.metrics import PickerMetrics
+from picker.ops.metrics import LoopLag, PickerMetrics
 from picker.ops.recorder import DecisionRecorder
 from picker.pool.calibration import TtftCalibrator
 from picker.pool.engine_signals import EngineSignalScraper
@@ -139,6 +139,7 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
         server.background.append(app.objective_watch.run)
     # engine signals: always supervised; it reads pool.engine_metrics (hot-reloadable) each round and idles
     # while that says enabled: false
+    server.background.append(LoopLag(app.metrics).run)  # continuum_picker_event_loop_lag_seconds
     scraper = EngineSignalScraper(app.pool, app.metrics)
     server.background.append(scraper.run)
     server.on_stop.append(scraper.close)  # its HTTP session

@@ -134,7 +134,10 @@ async def test_the_server_closes_redis_writers_first_and_the_shared_pool_last() 
 async def test_a_server_without_redis_never_closes_the_shared_pool_and_runs_no_tier4() -> None:
     server = build_server(settings())
     assert close_shared_redis not in server.on_stop
-    assert [getattr(task, "__qualname__", "") for task in server.background] == ["EngineSignalScraper.run"]
+    assert [getattr(task, "__qualname__", "") for task in server.background] == [
+        "LoopLag.run",
+        "EngineSignalScraper.run",
+    ]
 
 
 async def test_a_discovered_pool_gets_its_discovery_and_an_error_counter_from_the_start() -> None:
