@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from picker.config import GeminiBackendConfig, GeminiContextCacheConfig
 from picker.gemini.keys import read_key_file
+from picker.pool.engine_signals import read_capped
 
 log = logging.getLogger("kv_epp.gemini_context_cache")
 
@@ -191,20 +192,6 @@ class _KeyFiles:
         return key
 
 
-async def _read_capped(content: aiohttp.StreamReader, limit: int) -> bytes | None:
-    """The body, or None once it exceeds ``limit`` bytes (the rest is never read)."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        chunk = await content.read(min(1 << 16, limit + 1 - size))
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-
-
 @dataclass(slots=True, frozen=True)
 class _Answer:
     status: int
@@ -310,7 +297,7 @@ class GeminiApi:
                     status = resp.status
                     raw: bytes | None = None
                     if resp.content_length is None or resp.content_length <= self.max_response_bytes:
-                        raw = await _read_capped(resp.content, self.max_response_bytes)
+                        raw = await read_capped(resp.content, self.max_response_bytes)
         except TimeoutError:
             raise ApiTimeout(f"{op} on backend {backend.name}: no answer within {timeout_s:g}s") from None
         except Exception as exc:  # whatever it says, it is said without the key (cancellation still propagates)

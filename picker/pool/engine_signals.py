@@ -64,7 +64,7 @@ class _Target:
     expiry: asyncio.TimerHandle | None = None
 
 
-async def _read_capped(content: aiohttp.StreamReader, limit: int) -> bytes | None:
+async def read_capped(content: aiohttp.StreamReader, limit: int) -> bytes | None:
     """The body, or None once it exceeds ``limit`` bytes (the rest is never read)."""
     chunks: list[bytes] = []
     size = 0
@@ -188,7 +188,7 @@ class EngineSignalScraper:
                 return ScrapeResult(
                     "too_large", detail=f"Content-Length {resp.content_length} > {max_bytes}", answered=True
                 )
-            body = await _read_capped(resp.content, max_bytes)
+            body = await read_capped(resp.content, max_bytes)
             if body is None:
                 return ScrapeResult("too_large", detail=f"body over {max_bytes} bytes", answered=True)
             return body
