@@ -251,7 +251,8 @@ class RequestStream:
         self, body: bytes | None, *, at_headers: bool, body_eos: bool = True
     ) -> Sequence[pb.ProcessingResponse]:
         try:
-            result = await self.stages.route(Inbound(self.path, self.headers, body, self.subset))
+            readable = self.resp_mode in (FULL_DUPLEX, STREAMED)
+            result = await self.stages.route(Inbound(self.path, self.headers, body, self.subset, readable))
         finally:
             self._release_body()  # the body is out of the stream's buffer (echoed or refused)
         if isinstance(result, Answer):

@@ -400,8 +400,8 @@ class _BackendMetrics:
 
 # -- the cache ---------------------------------------------------------------------------------------------------
 _COUNTERS = (
-    "hits", "misses", "ineligible", "negative", "creates", "create_failures", "create_refused", "creates_skipped",
-    "evictions", "extends", "extend_failures", "deletes", "delete_failures", "cached_tokens",
+    "hit", "miss", "ineligible", "negative", "creates", "create_failures", "create_refused", "creates_skipped",
+    "evictions", "extends", "extend_failures", "deletes", "delete_failures", "cached_tokens", "forgotten",
 )  # fmt: skip
 
 
@@ -510,7 +510,7 @@ class GeminiContextCache:
                 entry.used_at = now
                 if self.cfg.extend_on_hit:
                     self._maybe_extend(key, entry, now)
-                return self._answer(st, "hits", Lookup("hit", entry.name))
+                return self._answer(st, "hit", Lookup("hit", entry.name))
             self._remove_entry(key)  # (nearly) expired server-side too: nothing to delete
         neg = self._negative.get(key)
         if neg is not None:
@@ -518,7 +518,18 @@ class GeminiContextCache:
                 return self._answer(st, "negative", _NEGATIVE)
             self._remove_negative(key)
         self._start_create(key, backend, st, model, system)
-        return self._answer(st, "misses", _MISS)
+        return self._answer(st, "miss", _MISS)
+
+    def forget(self, backend_name: str, name: str) -> bool:
+        """A request that referenced ``name`` was refused (the resource is gone on Google's side: deleted
+        elsewhere, or the key now belongs to another project): the entry goes, without a DELETE, so the next
+        request is a miss instead of another refusal. A scan of the entries: a failure path only."""
+        for key, entry in self._entries.items():
+            if key[0] == backend_name and entry.name == name:
+                self._remove_entry(key)
+                self._count(entry.stats, "forgotten")
+                return True
+        return False
 
     def record_usage(self, backend_name: str, cached_tokens: int) -> None:
         """A response of ``backend_name`` reported ``cached_tokens`` cached input tokens (explicit or implicit

@@ -163,8 +163,19 @@ class GeminiRouter:
         self.configure(settings)
 
     def configure(self, settings: Settings) -> None:
-        self.backends = settings.pool.gemini
-        self.by_model = {m: b for b in self.backends for m in b.models}
+        """Apply the config. The gemini backends themselves are restart-required: Envoy's clusters and routes for
+        them are fixed when its config is generated, and a request for a backend Envoy has no route for would
+        take the pool's route, the API key with it. A reload that changes them is logged and not applied."""
+        backends = settings.pool.gemini
+        if not hasattr(self, "backends"):
+            self.backends = backends
+            self.by_model = {m: b for b in backends for m in b.models}
+        elif backends != self.backends:
+            log.warning(
+                "event=config_restart_required keys=%r reason=%r", "pool.backends (type: gemini)",
+                "Envoy's routes to gemini backends come from its generated config: restart with the new "
+                "envoy-config to add, remove or change them",
+            )  # fmt: skip
         self.prefer_native = settings.gemini_context_cache.prefer_native_api
         self.keys.load(self.backends)
 
@@ -183,8 +194,17 @@ class GeminiRouter:
         return self.by_model.get(model) if model else None
 
     def route(
-        self, facts: RequestFacts, backend: GeminiBackendConfig, path: str, data: dict[str, Any] | None, cluster: str
+        self,
+        facts: RequestFacts,
+        backend: GeminiBackendConfig,
+        path: str,
+        data: dict[str, Any] | None,
+        cluster: str,
+        *,
+        responses_readable: bool = True,
     ) -> ExternalRoute:
+        """``responses_readable``: the answer's body reaches the picker (Envoy's response mode ``full``); without
+        it the native API is not used, since its answer could not be converted."""
         key = self.keys.key(backend)
         headers: list[tuple[str, str]] = [] if key is None else [(API_KEY_HEADER, key)]
         remove = ["authorization", "x-api-key"]  # the client's own credentials never travel to Google
@@ -194,10 +214,15 @@ class GeminiRouter:
                 "passthrough",
             )  # fmt: skip
         model = facts.model or ""
-        system = system_text(data)
-        lookup = self.cache.lookup(backend, model, system) if self.cache is not None else DISABLED
+        try:
+            system = system_text(data)
+        except ConversionError:  # a system message with non-text parts: sent as it came, not cached
+            system = None
+        lookup = DISABLED
+        if self.cache is not None and not _uses_tools(data):  # Google refuses a cachedContent beside tools
+            lookup = self.cache.lookup(backend, model, system)
         ref = lookup.cached_content if lookup.result == "hit" else None
-        if self.prefer_native:
+        if self.prefer_native and responses_readable:
             try:
                 native = to_native_request(data, cached_content=ref)
                 npath = native_path(model, facts.stream)
@@ -207,6 +232,7 @@ class GeminiRouter:
                 include_usage = bool((data.get("stream_options") or {}).get("include_usage")) if facts.stream else False
                 conv = ResponseConverter(model, facts.stream, include_usage)
                 headers.append(("content-type", "application/json"))
+                remove.append("accept-encoding")  # the converter reads the answer: uncompressed
                 return ExternalRoute(
                     backend, cluster, npath, tuple(headers), tuple(remove), orjson.dumps(native), conv, lookup,
                     "native",
@@ -220,10 +246,17 @@ class GeminiRouter:
         )
 
 
+def _uses_tools(data: dict[str, Any]) -> bool:
+    return any(data.get(k) for k in ("tools", "functions", "tool_choice", "function_call"))
+
+
 def compat_path(path: str) -> str:
     """The client's OpenAI path on Google's OpenAI-compatible API: ``/v1/x`` → ``/v1beta/openai/x`` (the query
-    string kept)."""
+    string kept, less a ``key`` parameter: only the picker's key goes to Google)."""
     p, sep, query = path.partition("?")
+    if query:
+        query = "&".join(kv for kv in query.split("&") if kv.split("=", 1)[0] != "key")
+        sep = "?" if query else ""
     if p.startswith("/v1/"):
         p = p[3:]
     elif p == "/v1":

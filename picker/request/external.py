@@ -13,6 +13,9 @@ from picker.gemini.route import ExternalRoute
 from picker.request.exchange import Exchange, ResponseObserver, _observer_failed
 
 _mono = time.monotonic
+# what Google answers a request whose cachedContent is gone or not the key's project's (400, 403 "CachedContent not
+# found (or permission denied)", 404)
+REFUSED_REFERENCE = frozenset({400, 403, 404})
 
 
 class ExternalExchange(Exchange):
@@ -48,6 +51,9 @@ class ExternalExchange(Exchange):
         conv = self.route.converter
         if conv is not None:
             conv.start(status)
+        ref = self.route.cache.cached_content
+        if status in REFUSED_REFERENCE and ref is not None and self.context_cache is not None:
+            self.context_cache.forget(self.route.backend.name, ref)  # gone on Google's side: the next one misses
         for o in self._observers:
             try:
                 o.on_headers(self, status)

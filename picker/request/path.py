@@ -55,6 +55,7 @@ class Inbound:
     headers: Mapping[str, str]
     body: bytes | None
     subset: Sequence[str] | None = None
+    responses_readable: bool = True  # the response body reaches the picker (Envoy's response mode full)
 
 
 class ResponseCache(ResponseObserver, Protocol):
@@ -307,9 +308,16 @@ class RequestPath:
         assert self.external is not None
         if self.external.keys.key(backend) is None:
             self.recorder.refused("no_backend")
-            why = f"gemini backend {backend.name}: its API key could not be read ({backend.api_key_file})"
+            why = f"gemini backend {backend.name}: its API key could not be read (the picker's log says why)"
             return Answer(503, error_body(why, "no_api_key", "service_unavailable"), "kv_epp_no_backend")
-        route = self.external.route(facts, backend, req.path, data, external_cluster_name(backend.name))
+        route = self.external.route(
+            facts,
+            backend,
+            req.path,
+            data,
+            external_cluster_name(backend.name),
+            responses_readable=req.responses_readable,
+        )
         observers: tuple[ResponseObserver, ...] = ()
         if self.cache is not None and cached is not None and cached.key is not None:
             observers = (self.cache,)  # an eligible miss: the response cache stores the converted answer

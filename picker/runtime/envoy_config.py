@@ -105,6 +105,8 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
     for u in o.external_upstreams if o.picker_address is not None else ():
         clusters.append(external_cluster(u, o.external_ca_file))
         external_routes.append(external_route(u, o.route_timeout_s))
+    if o.picker_address is not None:
+        external_routes.append(unknown_external_route())
     route: dict[str, Any] = {"cluster": "inference_pool", "timeout": f"{o.route_timeout_s}s"}
     if o.picker_address is not None:
         route["retry_policy"] = retry_policy(o)
@@ -230,6 +232,24 @@ def external_route(u: ExternalUpstream, timeout_s: int) -> dict[str, Any]:
         "match": {"prefix": "/", "headers": [{"name": UPSTREAM_HEADER, "string_match": {"exact": u.cluster}}]},
         "route": {"cluster": u.cluster, "timeout": f"{timeout_s}s", "host_rewrite_literal": u.host},
         "request_headers_to_remove": [UPSTREAM_HEADER],
+    }
+
+
+UNKNOWN_EXTERNAL_BODY = (
+    '{"error": {"message": "kv-epp: this Envoy has no route to the external backend the picker chose (regenerate '
+    'its config with kv-epp envoy-config --picker-config)", "type": "service_unavailable", "code": '
+    '"no_external_route"}}'
+)
+
+
+def unknown_external_route() -> dict[str, Any]:
+    """After the external routes, before the pool's: the picker chose an external backend this Envoy has no
+    route for (its config generated before the backend was added). Answered 503 here: on the pool's route the
+    request, and the API key the picker put on it, would reach an engine."""
+    return {
+        "match": {"prefix": "/", "headers": [{"name": UPSTREAM_HEADER, "present_match": True}]},
+        "direct_response": {"status": 503, "body": {"inline_string": UNKNOWN_EXTERNAL_BODY}},
+        "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
     }
 
 

@@ -96,7 +96,7 @@ def fake(workdir: Path, key_file: Path) -> Iterator[Fake]:
 
 def stack_of(
     workdir: Path, fake: Fake, key_file: Path, body_mode: str, cache: dict[str, Any], name: str,
-    ca_file: str | None = None,
+    ca_file: str | None = None, envoy_over: dict[str, Any] | None = None,
 ) -> Iterator[Stack]:  # fmt: skip
     backends = start_backends(1, workdir)
     picker = envoy = None
@@ -110,7 +110,7 @@ def stack_of(
             **derived.options, **picker.envoy_picker_options(),
             "listen_port": free_port(), "listen_address": "127.0.0.1", "admin_port": free_port(),
             "backends": tuple(b["address"] for b in backends.pool()),
-            **({"external_ca_file": ca_file} if ca_file else {}),
+            **({"external_ca_file": ca_file} if ca_file else {}), **(envoy_over or {}),
         })  # fmt: skip
         envoy = start_envoy(opts, workdir)
         yield Stack(backends, picker, envoy, fake)
@@ -189,7 +189,30 @@ def test_a_long_system_prompt_is_cached_once_and_then_referenced_without_its_tex
     assert events[0]["object"] == "chat.completion.chunk" and streamed.body.endswith(b"data: [DONE]\n\n")
     assert events[-1]["choices"] == [] and events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 4000
     stats = native.cache_stats()
-    assert stats["hits"] >= 2 and stats["cached_tokens"] > 8000
+    assert stats["hit"] >= 2 and stats["cached_tokens"] > 8000
+
+
+def test_the_first_request_does_not_wait_for_the_create(native: Stack) -> None:
+    system = f"{uuid.uuid4()} {SYSTEM_20K}"
+    native.fake.control(hold_creates=True)
+    try:
+        a = native.chat(chat_body(system, "first"))
+        assert a.status == 200  # answered while its create is still held in the fake
+        assert native.cache_stats()["in_flight"] == 1
+    finally:
+        native.fake.control(hold_creates=False)
+    assert until(lambda: native.cache_stats()["in_flight"] == 0)
+
+
+def test_a_request_with_tools_never_references_a_cached_prompt(native: Stack) -> None:
+    system = f"{uuid.uuid4()} {SYSTEM_20K}"
+    native.chat(chat_body(system, "warm"))
+    assert until(lambda: native.cache_stats()["entries"] >= 1)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    a = native.chat(chat_body(system, "with tools", tools=tools))
+    assert a.status == 200, a.body[:300]  # Google refuses a cachedContent beside tools: none is sent
+    sent = native.fake.stats()["requests"][-1]
+    assert sent["path"] == "/v1beta/openai/chat/completions" and "extra_body" not in sent["body"]
 
 
 def test_a_prompt_under_the_threshold_creates_nothing(native: Stack) -> None:
@@ -218,7 +241,7 @@ def test_the_admin_stats_and_clear_answer_the_seeds_json(native: Stack) -> None:
     native.chat(chat_body(system, "warm"))
     assert until(lambda: native.cache_stats()["entries"] >= 1)
     stats = native.cache_stats()
-    for key in ("enabled", "entries", "negative_entries", "in_flight", "backends", "hits", "misses", "ineligible",
+    for key in ("enabled", "entries", "negative_entries", "in_flight", "backends", "hit", "miss", "ineligible",
                 "negative", "creates", "create_failures", "evictions", "cached_tokens"):  # fmt: skip
         assert key in stats, key
     entries = stats["entries"]
@@ -277,3 +300,27 @@ def test_envoy_reaches_an_https_host_by_name_with_sni_and_a_verified_certificate
             assert stack.chat(chat_body("be brief", "over tls")).status == 503  # a certificate it cannot verify
     finally:
         fake.process.stop()
+
+
+def test_without_response_bodies_the_native_api_is_not_used_and_answers_stay_openai(
+    workdir: Path, fake: Fake, key_file: Path
+) -> None:
+    """Envoy's response mode none (the picker could not convert a native answer): the compatible endpoint."""
+    over = {"response_mode": "none"}
+    for stack in stack_of(workdir, fake, key_file, "FULL_DUPLEX_STREAMED", NATIVE, "gemini-none", envoy_over=over):
+        a = stack.chat(chat_body("be brief", "no bodies"))
+        assert a.status == 200 and a.json()["object"] == "chat.completion"
+        assert fake.stats()["requests"][-1]["path"] == "/v1beta/openai/chat/completions"
+
+
+def test_an_envoy_without_the_external_route_answers_503_and_never_the_pool(
+    workdir: Path, fake: Fake, key_file: Path
+) -> None:
+    """An Envoy generated before the gemini backend was added: the picker's choice finds no route; the request
+    (with the API key on it) must not take the pool's route to an engine."""
+    over = {"external_upstreams": ()}
+    for stack in stack_of(workdir, fake, key_file, "FULL_DUPLEX_STREAMED", {}, "gemini-noroute", envoy_over=over):
+        before = stack.backends.stats(0)
+        a = stack.chat(chat_body("be brief", "no route"))
+        assert a.status == 503 and a.json()["error"]["code"] == "no_external_route"
+        assert stack.backends.stats(0) == before  # the engine saw nothing

@@ -202,7 +202,7 @@ async def test_ten_concurrent_misses_start_one_create_then_hit(
     hit = cache.lookup(b, "gemini-2.5-flash", prompt())
     assert (hit.result, hit.cached_content) == ("hit", "cachedContents/c1")
     s = cache.stats()
-    assert (s["hits"], s["misses"], s["creates"], s["entries"], s["in_flight"]) == (1, 11, 1, 1, 0)
+    assert (s["hit"], s["miss"], s["creates"], s["entries"], s["in_flight"]) == (1, 11, 1, 1, 0)
     assert sample(registry, "continuum_gemini_context_cache_requests_total", backend="gem", result="hit") == 1
     assert sample(registry, "continuum_gemini_context_cache_requests_total", backend="gem", result="miss") == 11
     assert op_count(registry, "create", "ok") == 1
@@ -536,7 +536,7 @@ async def test_stats_have_the_seeds_fields(api: FakeApi, clock: Clock) -> None:
     s = cache.stats()
     for key in (
         "enabled", "config", "entries", "negative_entries", "in_flight", "backends",
-        "hits", "misses", "ineligible", "negative", "creates", "create_failures", "evictions", "cached_tokens",
+        "hit", "miss", "ineligible", "negative", "creates", "create_failures", "evictions", "cached_tokens",
     ):  # fmt: skip
         assert key in s, key
     assert s["enabled"] is True
@@ -544,9 +544,9 @@ async def test_stats_have_the_seeds_fields(api: FakeApi, clock: Clock) -> None:
         "min_prefix_bytes": MIN, "ttl": "10m", "ttl_seconds": TTL, "extend_on_hit": True, "max_entries": 10,
         "create_timeout_ms": 5000, "negative_ttl_seconds": int(NEG_TTL), "prefer_native_api": False,
     }  # fmt: skip
-    assert (s["hits"], s["misses"], s["ineligible"], s["creates"], s["cached_tokens"]) == (1, 1, 1, 1, 1500)
+    assert (s["hit"], s["miss"], s["ineligible"], s["creates"], s["cached_tokens"]) == (1, 1, 1, 1, 1500)
     per = s["backends"]["gem"]
-    assert (per["entries"], per["hits"], per["misses"], per["ineligible"], per["cached_tokens"]) == (1, 1, 1, 1, 1500)
+    assert (per["entries"], per["hit"], per["miss"], per["ineligible"], per["cached_tokens"]) == (1, 1, 1, 1, 1500)
     await cache.close()
 
 

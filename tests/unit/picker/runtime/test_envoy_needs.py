@@ -232,7 +232,7 @@ def test_retries_cover_the_pickers_fallbacks(capsys: pytest.CaptureFixture[str],
     rc, boot, err = envoy_config(capsys, tmp_path, {"pool": {**POOL, "fallbacks": 4}})
     assert rc == 0 and boot is not None and "note: retries 4" in err
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    assert hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["retry_policy"]["num_retries"] == 4
+    assert hcm["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]["retry_policy"]["num_retries"] == 4
     rc, _, err = envoy_config(capsys, tmp_path, {"pool": {**POOL, "fallbacks": 4}}, "--retries", "1")
     assert rc == 0 and "warning: --retries 1 is below pool.fallbacks (4)" in err
     assert derive(settings(pool={**POOL, "fallbacks": 0}), Given()).options["retries"] == 2  # never fewer
