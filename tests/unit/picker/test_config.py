@@ -68,7 +68,7 @@ def test_defaults_follow_the_seed() -> None:
                 }
             },
             "pool.backends[0]",
-        ),  # fmt: skip
+        ),
         ({"pool": {"backends": [{"name": "a", "type": "tpu", "address": "1.2.3.4:5"}]}}, "pool.backends[0].type"),
         (
             {
@@ -79,7 +79,7 @@ def test_defaults_follow_the_seed() -> None:
                 }
             },
             "pool",
-        ),  # fmt: skip
+        ),
         ({"gemini_context_cache": {"ttl": "30s"}}, "gemini_context_cache.ttl"),
         ({"gemini_context_cache": {"min_prefix_bytes": 100}}, "gemini_context_cache.min_prefix_bytes"),
     ],

@@ -211,6 +211,22 @@ async def test_ten_concurrent_misses_start_one_create_then_hit(
     await cache.close()
 
 
+async def test_a_forgotten_resource_makes_the_next_request_a_miss_without_a_delete(api: FakeApi, clock: Clock) -> None:
+    cache = make(api, clock)
+    b = backend()
+    cache.lookup(b, "gemini-2.5-flash", prompt())
+    await cache.wait_idle()
+    hit = cache.lookup(b, "gemini-2.5-flash", prompt())
+    assert hit.result == "hit" and hit.cached_content is not None
+    assert not cache.forget("another-backend", hit.cached_content)
+    assert cache.forget(b.name, hit.cached_content)
+    assert cache.stats()["entries"] == 0 and cache.stats()["forgotten"] == 1
+    assert cache.lookup(b, "gemini-2.5-flash", prompt()).result == "miss"
+    await cache.wait_idle()
+    assert api.deletes == []  # gone on Google's side already
+    await cache.close()
+
+
 async def test_same_prompt_on_another_model_or_backend_is_another_entry(api: FakeApi, clock: Clock) -> None:
     cache = make(api, clock)
     await fill(cache, backend("a"), range(1))

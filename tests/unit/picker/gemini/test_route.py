@@ -187,3 +187,35 @@ def test_a_json_answer_too_large_to_hold_passes_unconverted(monkeypatch: pytest.
     assert c.feed(b"0123456789", False) == b""
     assert c.feed(b"abcdefghij", False) == b"0123456789abcdefghij"  # what was held, and then as it comes
     assert c.feed(b"tail", True) == b"tail"
+
+
+def test_a_request_with_tools_does_not_consult_the_cache(tmp_path: Path) -> None:
+    r = router(tmp_path, native=False, answer=Lookup("hit", "cachedContents/abc"))
+    facts, data, _ = chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    route = go(r, facts, data)
+    assert route.body is None and route.cache.result == "disabled" and r.cache.seen == []  # type: ignore[union-attr]
+
+
+def test_without_readable_answers_the_native_api_is_not_used(tmp_path: Path) -> None:
+    facts, data, _ = chat()
+    r = router(tmp_path, native=True)
+    backend = r.backend_for(MODEL)
+    assert backend is not None
+    route = r.route(facts, backend, CHAT, data, "external_g", responses_readable=False)
+    assert route.api == "openai" and route.converter is None
+    native = go(r, facts, data)
+    assert native.api == "native" and "accept-encoding" in native.remove_headers  # the converter reads it plain
+
+
+def test_a_system_message_with_non_text_parts_passes_unchanged(tmp_path: Path) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    facts, data, _ = chat(messages=[{"role": "system", "content": [image]}, {"role": "user", "content": "hi"}])
+    r = router(tmp_path, native=True, answer=Lookup("miss"))
+    route = go(r, facts, data)
+    assert route.api == "openai" and route.body is None
+    assert r.cache.seen == [("g", MODEL, None)]  # type: ignore[union-attr]
+
+
+def test_the_clients_key_parameter_never_reaches_google() -> None:
+    assert compat_path("/v1/models?key=CLIENT&page=2") == "/v1beta/openai/models?page=2"
+    assert compat_path("/v1/models?key=CLIENT") == "/v1beta/openai/models"

@@ -74,3 +74,26 @@ def test_a_passthrough_exchange_hands_the_body_on_as_it_came() -> None:
     assert ex.convert(b"abc", False) == b"abc"
     ex.end(completed=False)
     assert seen.events[-1] == ("end", False) and sink.got == []
+
+
+class ForgettingSink(UsageSink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.forgot: list[tuple[str, str]] = []
+
+    def forget(self, backend_name: str, name: str) -> bool:
+        self.forgot.append((backend_name, name))
+        return True
+
+
+def test_a_refused_reference_is_forgotten_and_a_served_one_is_not() -> None:
+    from picker.gemini.context_cache import Lookup
+
+    for status, forgotten in ((403, [("g", "cachedContents/x")]), (200, [])):
+        sink = ForgettingSink()
+        route = ExternalRoute(
+            BACKEND, "external_g", "/p", (), (), None, None, Lookup("hit", "cachedContents/x"), "openai"
+        )
+        ex = ExternalExchange(RequestFacts(api="chat", model="m"), route, (), sink)  # type: ignore[arg-type]
+        ex.response_headers(status)
+        assert sink.forgot == forgotten
