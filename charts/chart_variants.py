@@ -33,6 +33,19 @@ FLOW_CONTROL = {
     "picker": {"config": {"flow_control": {"enabled": True, "max_requests": 1000}}},
     "envoy": {"messageTimeoutMs": 61000},
 }
+# Google's Generative Language API as backends of type: gemini (README, "Gemini backends"): the Secrets are the
+# user's (never rendered by the chart).
+GEMINI_BACKEND = {
+    "name": "gemini",
+    "models": ["gemini-2.5-flash", "gemini-2.5-pro"],
+    "apiKeySecret": {"name": "gemini-api-key"},
+}
+GEMINI_PROXY = {
+    "name": "gemini-proxy",
+    "baseUrl": "https://gemini-proxy.example.com:8443",
+    "models": ["gemini-2.0-flash"],
+    "apiKeySecret": {"name": "gemini-proxy", "key": "GEMINI_API_KEY"},
+}
 NETWORK_POLICY = {
     "networkPolicy": {
         "enabled": True,
@@ -63,6 +76,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "buffered-sampled": {"envoy": {"bodyMode": "BUFFERED", "responseMode": "sampled", "failOpen": True}},
     "ipv6": {**KV_AWARE, "bindAddress": "::"},
     "flow-control": {**FLOW_CONTROL, **MONITORING},
+    "gemini": {
+        "gemini": {"backends": [GEMINI_BACKEND]},
+        "picker": {"config": {"gemini_context_cache": {"enabled": True, "prefer_native_api": True}}},
+    },
+    "gemini-standalone": {
+        **KV_AWARE,
+        "gemini": {"backends": [GEMINI_BACKEND, GEMINI_PROXY]},
+        "envoy": {"mode": "standalone", "bodyMode": "BUFFERED"},
+        "networkPolicy": {**NETWORK_POLICY["networkPolicy"], "geminiEgress": True},
+    },
     "everything": {
         **KV_AWARE,
         **FLOW_CONTROL,

@@ -6,8 +6,10 @@
 - ``kv-epp/templates/_envoy_bootstrap.tpl``: the Envoy bootstrap, made by ``picker.runtime.envoy_config`` for
   every structural variant the chart offers (see ``DIMENSIONS``), merged into one Helm template: where the
   variants differ the template branches on the values, and the values that are plain settings (ports, timeouts,
-  names) are Helm placeholders. ``envoy_options`` is the one mapping from chart values to ``EnvoyOptions``; the
-  unit tests render the chart and compare the result with ``bootstrap(envoy_options(values))``.
+  names) are Helm placeholders. The external cluster and route of a ``type: gemini`` backend (``gemini.backends``)
+  are made once, for a sentinel backend, and repeat in the template for each backend (``Repeat``).
+  ``envoy_options`` is the one mapping from chart values to ``EnvoyOptions``; the unit tests render the chart and
+  compare the result with ``bootstrap(envoy_options(values))``.
 - ``kv-epp/values.schema.json``: the chart's own values (``chart_values_schema``) plus the picker's settings
   schema (``picker.config.settings_json_schema``, i.e. ``kv-epp config schema``) under ``picker.config`` and
   the listener's under ``listener.config``.
@@ -34,8 +36,18 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from charts.dashboards import DASHBOARDS  # noqa: E402
 from listener.config import ListenerConfig  # noqa: E402
-from picker.config import settings_json_schema  # noqa: E402
-from picker.runtime.envoy_config import EnvoyOptions, bootstrap  # noqa: E402
+from picker.config import (  # noqa: E402
+    GEMINI_DEFAULT_BASE_URL,
+    GeminiBackendConfig,
+    GeminiContextCacheConfig,
+    PoolConfig,
+    Settings,
+    settings_json_schema,
+)
+from picker.runtime.envoy_config import EnvoyOptions, ResponseMode, bootstrap  # noqa: E402
+from picker.runtime.envoy_needs import native_conversion  # noqa: E402
+from picker.runtime.envoy_options import ExternalUpstream, external_cluster_name  # noqa: E402
+from picker.shared.config_files import BACKEND_NAME_RE  # noqa: E402
 
 CHART = HERE / "kv-epp"
 ENVOY_TEMPLATE = CHART / "templates" / "_envoy_bootstrap.tpl"
@@ -48,6 +60,12 @@ VALUES_END = "<!-- values:end -->"
 # Where the chart mounts things (also used by the templates).
 TLS_DIR = "/etc/kv-epp/tls"
 PICKER_CA = f"{TLS_DIR}/ca.crt"
+# Where the picker container mounts a gemini backend's API-key Secret (its key as the file "api-key"): the
+# backend's api_key_file. Also in templates/_helpers.tpl (kv-epp.geminiKeyDir).
+GEMINI_KEY_DIR = "/etc/kv-epp/gemini"
+# A gemini backend's baseUrl in the chart: https only (the key must not travel in clear text; the picker's
+# allow_insecure is for a local fake in tests), a DNS name, an optional port, no path.
+GEMINI_BASE_URL_PATTERN = r"^https://[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?(:[0-9]{1,5})?/?$"
 # The chart's bindAddress values, and the loopback address of the same family (Envoy's admin, the sidecar picker):
 # an IPv6-only pod network still has ::1 on lo.
 LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
@@ -96,7 +114,7 @@ def envoy_options(
         stats_port=int(v["statsPort"]),
         picker_address=picker_address,
         body_mode=v["bodyMode"],
-        response_mode=v["responseMode"],
+        response_mode=response_mode(values),
         fail_open=bool(v["failOpen"]),
         message_timeout_ms=int(v["messageTimeoutMs"]),
         route_timeout_s=int(v["routeTimeoutSeconds"]),
@@ -109,7 +127,45 @@ def envoy_options(
         picker_ca=PICKER_CA if tls == "verified" else None,
         picker_sni=f"{fullname}-epp.{namespace}.svc" if tls == "verified" else None,
         picker_token=token,
+        external_upstreams=tuple(
+            ExternalUpstream(external_cluster_name(b.name), b.host, b.port, b.tls) for b in gemini_backends(values)
+        ),
     )
+
+
+def gemini_key_file(name: str) -> str:
+    """The picker's ``api_key_file`` of the gemini backend ``name`` (its mounted Secret)."""
+    return f"{GEMINI_KEY_DIR}/{name}/api-key"
+
+
+def gemini_backends(values: Mapping[str, Any]) -> tuple[GeminiBackendConfig, ...]:
+    """The ``type: gemini`` backends the chart lists in the picker's ``pool.backends`` for ``gemini.backends``
+    (validated by the picker's own model)."""
+    return tuple(
+        GeminiBackendConfig(
+            name=b["name"],
+            type="gemini",
+            base_url=b.get("baseUrl") or GEMINI_DEFAULT_BASE_URL,
+            api_key_file=gemini_key_file(b["name"]),
+            models=tuple(b["models"]),
+        )
+        for b in values.get("gemini", {}).get("backends") or ()
+    )
+
+
+def response_mode(values: Mapping[str, Any]) -> ResponseMode:
+    """``envoy.responseMode``, or ``full`` when the picker converts the gemini backends' native answers
+    (``picker.runtime.envoy_needs.native_conversion``: backends and ``gemini_context_cache.prefer_native_api``), as
+    ``kv-epp envoy-config`` derives it. ``sampled`` is refused then, as the chart refuses it at render."""
+    config = values["picker"].get("config") or {}
+    cache = GeminiContextCacheConfig(**(config.get("gemini_context_cache") or {}))
+    settings = Settings.model_construct(pool=PoolConfig(backends=gemini_backends(values)), gemini_context_cache=cache)
+    given: ResponseMode = values["envoy"]["responseMode"]
+    if not native_conversion(settings):
+        return given
+    if given == "sampled":
+        raise ValueError("gemini_context_cache.prefer_native_api with gemini backends needs envoy.responseMode full")
+    return "full"
 
 
 # -- the Envoy bootstrap as one Helm template --------------------------------------------------------------
@@ -128,7 +184,7 @@ DIMENSION_SOURCES = {
     "$dMode": "toString $v.mode",
     "$dTls": 'include "kv-epp.pickerTls" $root',
     "$dBody": "toString $v.bodyMode",
-    "$dResp": "toString $v.responseMode",
+    "$dResp": 'include "kv-epp.responseMode" $root',
     "$dFailOpen": "toString $v.failOpen",
     "$dBind": "toString $root.Values.bindAddress",
     "$dAuth": "toString $root.Values.extprocAuth.mode",
@@ -141,6 +197,7 @@ NUMBER_SENTINELS: dict[int, str] = {
     61003: "{{ int $v.statsPort }}",
     61004: "{{ int $root.Values.picker.ports.extproc }}",
     61005: "{{ int $v.retries }}",
+    61011: "{{ int $g.port }}",  # a gemini backend's port
 }
 POOL_PORT_SENTINEL = 61010
 TOKEN_SENTINEL = "qqtokenqq"  # the ext_proc token: the template takes it from the release's Secret (or makes it)
@@ -154,7 +211,19 @@ STRING_SENTINELS: dict[str, str] = {
     "4321.500s": '{{ printf "%.3f" (float64 $v.firstByteTimeoutSeconds) }}s',
     "61.009s": '{{ printf "%.3f" (divf $v.poolDnsRefreshMs 1000) }}s',
     TOKEN_SENTINEL: '{{ include "kv-epp.extprocToken" $root }}',
+    "qqgnameqq": "{{ $g.name }}",  # a gemini backend's name
+    "qqghostqq": "{{ $g.host }}",  # and its host
 }
+# The one gemini backend of the sentinel values: its cluster and route repeat for each of $gemini (the backends'
+# name, host and port: kv-epp.geminiUpstreams).
+GEMINI_SENTINEL_NAME = "qqgnameqq"
+GEMINI_SENTINEL = {
+    "name": GEMINI_SENTINEL_NAME,
+    "baseUrl": "https://qqghostqq:61011",
+    "models": ["qqmodelqq"],
+    "apiKeySecret": {"name": "qqsecretqq"},
+}
+GEMINI_SENTINEL_CLUSTER = external_cluster_name(GEMINI_SENTINEL_NAME)
 
 
 def sentinel_values(dims: Mapping[str, str]) -> dict[str, Any]:
@@ -163,7 +232,8 @@ def sentinel_values(dims: Mapping[str, str]) -> dict[str, Any]:
         "bindAddress": dims["$dBind"],
         "clusterDomain": "qqdomainqq",
         "inferencePool": {"namespace": "qqpoolnsqq", "targetPorts": [{"number": POOL_PORT_SENTINEL}]},
-        "picker": {"ports": {"extproc": 61004}},
+        "picker": {"ports": {"extproc": 61004}, "config": {}},
+        "gemini": {"backends": [GEMINI_SENTINEL]},
         "extprocAuth": {"mode": dims["$dAuth"]},
         "tls": {
             "mode": {"off": "plaintext", "unverified": "selfSigned", "verified": "existingSecret"}[dims["$dTls"]],
@@ -193,15 +263,53 @@ class Raw:
     text: str
 
 
+@dataclass(frozen=True, slots=True)
+class Repeat:
+    """A list item emitted once per gemini backend (``range $g := $gemini``): the sentinel backend's cluster or
+    route."""
+
+    node: Any
+
+
+def join(parts: Sequence[tuple[str, bool]]) -> str:
+    """The items of a JSON list, (text, repeated): a repeated item brings its own comma, before it when a fixed
+    item precedes it, else after it (a fixed item follows). Without gemini backends the list is then, byte for
+    byte, the list without the repeated items."""
+    fixed = [i for i, (_, repeated) in enumerate(parts) if not repeated]
+    if parts and not fixed:
+        raise AssertionError("a list of repeated items only: no fixed item to hang the commas on")
+    out = ""
+    for i, (text, repeated) in enumerate(parts):
+        if not repeated:
+            out += (", " if fixed[0] < i else "") + text
+        elif fixed[0] < i:
+            out += "{{ range $g := $gemini }}, " + text + "{{ end }}"
+        else:
+            out += "{{ range $g := $gemini }}" + text + ", {{ end }}"
+    return out
+
+
 def dump(node: Any) -> str:
     """JSON text of ``node``, ``Raw`` parts verbatim."""
     if isinstance(node, Raw):
         return node.text
+    if isinstance(node, Repeat):
+        return dump(node.node)
     if isinstance(node, dict):
         return "{" + ", ".join(f"{json.dumps(k)}: {dump(v)}" for k, v in node.items()) + "}"
     if isinstance(node, list):
-        return "[" + ", ".join(dump(v) for v in node) + "]"
+        return "[" + join([(dump(v), isinstance(v, Repeat)) for v in node]) + "]"
     return json.dumps(node)
+
+
+def _is_sentinel_backend_item(node: Any) -> bool:
+    """``node`` is the sentinel gemini backend's cluster or route."""
+    if not isinstance(node, dict):
+        return False
+    route = node.get("route")
+    return node.get("name") == GEMINI_SENTINEL_CLUSTER or (
+        isinstance(route, dict) and route.get("cluster") == GEMINI_SENTINEL_CLUSTER
+    )
 
 
 def substitute(node: Any) -> Any:
@@ -215,7 +323,7 @@ def substitute(node: Any) -> Any:
             item = json.loads(json.dumps(node[0]).replace(str(POOL_PORT_SENTINEL), '"qqportqq"'))
             body = dump(substitute(item)).replace('"qqportqq"', "{{ int $p.number }}")
             return Raw("[{{ range $i, $p := $ports }}{{ if $i }}, {{ end }}" + body + "{{ end }}]")
-        return [substitute(v) for v in node]
+        return [Repeat(substitute(v)) if _is_sentinel_backend_item(v) else substitute(v) for v in node]
     if isinstance(node, bool):
         return node
     if isinstance(node, int) and node in NUMBER_SENTINELS:
@@ -230,7 +338,7 @@ def substitute(node: Any) -> Any:
 
 def _leftover_sentinels(text: str) -> list[str]:
     found = [str(n) for n in (*NUMBER_SENTINELS, POOL_PORT_SENTINEL) if str(n) in text]
-    return found + [s for s in (*STRING_SENTINELS, "qqportqq") if s in text]
+    return found + [s for s in (*STRING_SENTINELS, "qqportqq", "qqmodelqq", "qqsecretqq") if s in text]
 
 
 Variant = dict[str, str]
@@ -289,7 +397,16 @@ def emit(items: Sequence[tuple[Variant, Any]]) -> str:
                     parts.append("{{ if " + _condition(labelled, True) + " }}, " + entry + "{{ end }}")
             return "{" + "".join(parts) + "}"
     if all(isinstance(n, list) for _, n in items) and len({len(n) for _, n in items}) == 1:
-        return "[" + ", ".join(emit([(v, n[i]) for v, n in items]) for i in range(len(first))) + "]"
+        elements: list[tuple[str, bool]] = []
+        for i in range(len(first)):
+            repeated = {isinstance(n[i], Repeat) for _, n in items}
+            if repeated == {True}:
+                elements.append((emit([(v, n[i].node) for v, n in items]), True))
+            elif repeated == {False}:
+                elements.append((emit([(v, n[i]) for v, n in items]), False))
+            else:
+                raise AssertionError("a gemini backend's item in some variants only")
+        return "[" + join(elements) + "]"
     return _branch(items)
 
 
@@ -311,6 +428,8 @@ def envoy_template() -> str:
         opts = envoy_options(_merge(DEFAULT_SHAPE, sentinel_values(dims)), "qqfullqq", "qqnsqq", TOKEN_SENTINEL)
         items.append((dims, substitute(bootstrap(opts))))
     body = emit(items)
+    if GEMINI_SENTINEL_CLUSTER in body.replace("external_{{ $g.name }}", "") or "$gemini" not in body:
+        raise AssertionError("the gemini backend's cluster and route are not both repeated per backend")
     leftover = _leftover_sentinels(body.replace("{{ int $p.number }}", ""))
     if leftover:
         raise AssertionError(f"sentinels left in the template (a value the generator formats differently?): {leftover}")
@@ -323,9 +442,19 @@ def envoy_template() -> str:
         '{{- $fullname := include "kv-epp.fullname" . -}}',
         '{{- $poolNs := include "kv-epp.poolNamespace" . -}}',
         "{{- $ports := .Values.inferencePool.targetPorts -}}",
+        '{{- $gemini := index (include "kv-epp.geminiUpstreams" $root | fromJson) "upstreams" -}}',
         *[f"{{{{- {d} := {DIMENSION_SOURCES[d]} -}}}}" for d, _ in DIMENSIONS],
     ]
-    return "\n".join([*header, body, "{{- end -}}", ""])
+    footer = [
+        "",
+        "{{- /* The picker's default base_url of a gemini backend (picker.config.GEMINI_DEFAULT_BASE_URL): a",
+        "gemini.backends entry without baseUrl. */ -}}",
+        '{{- define "kv-epp.geminiDefaultBaseUrl" -}}',
+        GEMINI_DEFAULT_BASE_URL,
+        "{{- end -}}",
+        "",
+    ]
+    return "\n".join([*header, body, "{{- end -}}", *footer])
 
 
 # The value keys envoy_options reads, with placeholder defaults (sentinel_values overrides them all).
@@ -333,7 +462,8 @@ DEFAULT_SHAPE: dict[str, Any] = {
     "bindAddress": "0.0.0.0",
     "clusterDomain": "cluster.local",
     "inferencePool": {"namespace": "", "targetPorts": [{"number": 8000}]},
-    "picker": {"ports": {"extproc": 9002}},
+    "picker": {"ports": {"extproc": 9002}, "config": {}},
+    "gemini": {"backends": []},
     "tls": {"mode": "selfSigned", "verify": False},
     "extprocAuth": {"mode": "token"},
     "envoy": {},
@@ -426,6 +556,48 @@ def _port(description: str) -> dict[str, Any]:
     return _s("integer", description, minimum=1, maximum=65535)
 
 
+def _gemini_backends_schema() -> dict[str, Any]:
+    """gemini.backends: the picker's GeminiBackendConfig (its name and models schemas), the URL https only and the
+    API key as a Secret reference, never a value."""
+    picker = GeminiBackendConfig.model_json_schema()["properties"]
+    models = {k: v for k, v in picker["models"].items() if k != "title"}
+    return {
+        "type": "array",
+        "description": "Backends of type: gemini: [{name, baseUrl, models, apiKeySecret: {name, key}}]. name: "
+        "the backend (Envoy cluster external_<name>, metric label); baseUrl: https://HOST[:PORT] (default "
+        f"{GEMINI_DEFAULT_BASE_URL}); models: the model names routed to it (each on one backend); apiKeySecret: "
+        "the Secret holding the API key (key default api-key), mounted read-only in the picker container as the "
+        f"backend's api_key_file ({GEMINI_KEY_DIR}/<name>/api-key). Needs envoy.mode sidecar or standalone.",
+        "items": _obj(
+            "One gemini backend.",
+            {
+                "name": _s(
+                    "string", "The backend's name (1-63 characters).", pattern=BACKEND_NAME_RE.pattern, maxLength=63
+                ),
+                "baseUrl": _s(
+                    "string",
+                    f"https://HOST[:PORT] (default {GEMINI_DEFAULT_BASE_URL}).",
+                    pattern=GEMINI_BASE_URL_PATTERN,
+                ),
+                "models": {**models, "description": "The model names this backend serves (a request's model)."},
+                "apiKeySecret": _obj(
+                    "The Secret (in the release's namespace) holding the API key; never a value in the chart.",
+                    {
+                        "name": _s(
+                            "string",
+                            "The Secret's name.",
+                            pattern="^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+                        ),
+                        "key": _s("string", "Its key (default api-key).", pattern="^[-._a-zA-Z0-9]{1,253}$"),
+                    },
+                    required=["name"],
+                ),
+            },
+            required=["name", "models", "apiKeySecret"],
+        ),
+    }
+
+
 def chart_values_schema() -> dict[str, Any]:
     """The chart's own values (the picker and listener config parts are filled in by ``values_schema``)."""
     duration = "^[0-9]+(ms|s|m|h)$"
@@ -494,6 +666,11 @@ def chart_values_schema() -> dict[str, Any]:
                         "it and the objects). Leave false where llm-d or another release installs it.",
                     ),
                 },
+            ),
+            "gemini": _obj(
+                "Google's Generative Language API as backends of type: gemini (README, 'Gemini backends'; "
+                "docs/gemini.md). The context cache and prefer_native_api are picker.config.gemini_context_cache.",
+                {"backends": _gemini_backends_schema()},
             ),
             "picker": _obj(
                 "The picker (kv-epp serve).",
@@ -767,6 +944,13 @@ def chart_values_schema() -> dict[str, Any]:
                         "(a GIE gateway); empty: none."
                     ),
                     "gatewayFrom": _list("NetworkPolicyPeers allowed to reach Envoy's client port; empty: anyone."),
+                    "geminiEgress": _s(
+                        "boolean",
+                        "With gemini.backends: a NetworkPolicy (egress) letting Envoy and the picker reach the "
+                        "backends' ports (443) at any address, and DNS. Only for namespaces that deny egress by "
+                        "default: elsewhere it isolates these pods' egress and cuts the API server, engines and "
+                        "listener off (README, 'Gemini backends').",
+                    ),
                 },
             ),
         },

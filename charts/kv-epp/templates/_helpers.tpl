@@ -118,6 +118,55 @@ render which only made a new token (helm template: no lookup) is told from a cha
 {{- $bootstrap | sha256sum -}}
 {{- end -}}
 
+{{/* Where the picker container mounts a gemini backend's API-key Secret, one directory per backend holding the
+file "api-key" (its api_key_file; charts/generate.py GEMINI_KEY_DIR). */}}
+{{- define "kv-epp.geminiKeyDir" -}}
+/etc/kv-epp/gemini
+{{- end -}}
+
+{{/* The gemini backends as Envoy's external upstreams, JSON {"upstreams": [{"name", "host", "port"}]}: the host
+(lower case) and port (443 unless given) of each baseUrl (default: kv-epp.geminiDefaultBaseUrl; the schema allows
+https://HOST[:PORT] only), as the picker's GeminiBackendConfig reads them. The generated bootstrap makes a cluster
+and a route of each. */}}
+{{- define "kv-epp.geminiUpstreams" -}}
+{{- $out := list -}}
+{{- range .Values.gemini.backends -}}
+{{- $url := default (include "kv-epp.geminiDefaultBaseUrl" $) .baseUrl -}}
+{{- $host := regexReplaceAll "^https://([^:/]+).*$" $url "${1}" | lower -}}
+{{- $port := regexReplaceAll "^https://[^:/]+(:([0-9]+))?/?$" $url "${2}" | default "443" | int -}}
+{{- if or (lt $port 1) (gt $port 65535) -}}
+{{- fail (printf "gemini.backends %s: baseUrl %s: the port must be 1 to 65535" .name $url) -}}
+{{- end -}}
+{{- $out = append $out (dict "name" .name "host" $host "port" $port) -}}
+{{- end -}}
+{{- toJson (dict "upstreams" $out) -}}
+{{- end -}}
+
+{{/* "true" when the picker converts the gemini backends' native answers to the OpenAI shape (gemini.backends and
+picker.config.gemini_context_cache.prefer_native_api; picker.runtime.envoy_needs.native_conversion): then every
+response body must reach the picker. */}}
+{{- define "kv-epp.geminiNative" -}}
+{{- if and .Values.gemini.backends (dig "gemini_context_cache" "prefer_native_api" false .Values.picker.config) -}}true{{- end -}}
+{{- end -}}
+
+{{/* Envoy's response mode: envoy.responseMode, or full when the picker converts gemini answers (as kv-epp
+envoy-config derives it; charts/generate.py response_mode). */}}
+{{- define "kv-epp.responseMode" -}}
+{{- if include "kv-epp.geminiNative" . -}}full{{- else -}}{{ .Values.envoy.responseMode }}{{- end -}}
+{{- end -}}
+
+{{/* The picker's pool.backends for gemini.backends: type gemini, the Secret's mounted file as api_key_file. */}}
+{{- define "kv-epp.geminiBackends" -}}
+{{- $out := list -}}
+{{- range .Values.gemini.backends -}}
+{{- $b := dict "name" .name "type" "gemini" "base_url" (default (include "kv-epp.geminiDefaultBaseUrl" $) .baseUrl) -}}
+{{- $_ := set $b "api_key_file" (printf "%s/%s/api-key" (include "kv-epp.geminiKeyDir" $) .name) -}}
+{{- $_ := set $b "models" .models -}}
+{{- $out = append $out $b -}}
+{{- end -}}
+{{- toJson (dict "backends" $out) -}}
+{{- end -}}
+
 {{/* How Envoy reaches the picker: off | unverified | verified (charts/generate.py picker_tls). */}}
 {{- define "kv-epp.pickerTls" -}}
 {{- if eq .Values.tls.mode "plaintext" -}}off
@@ -138,6 +187,13 @@ render which only made a new token (helm template: no lookup) is told from a cha
 {{- if le (int64 .Values.envoy.messageTimeoutMs) $wait -}}
 {{- fail (printf "picker.config.flow_control: a request may wait %d ms in flow control, so envoy.messageTimeoutMs (%d) must be longer (e.g. %d), or Envoy times the queued request out first" $wait (int64 .Values.envoy.messageTimeoutMs) (add $wait 1000)) -}}
 {{- end -}}
+{{- end -}}
+{{- if .Values.gemini.backends -}}
+{{- include "kv-epp.validateGemini" . -}}
+{{- end -}}
+{{- $poolBackends := dig "pool" "backends" (list) (default (dict) .Values.picker.config) -}}
+{{- if $poolBackends -}}
+{{- fail "picker.config.pool.backends is refused: the chart's pool is the InferencePool (pool.inference_pool). List Google's Generative Language API under gemini.backends (the chart mounts each API-key Secret and gives Envoy its cluster)" -}}
 {{- end -}}
 {{- if and (eq .Values.envoy.responseMode "sampled") (ne .Values.envoy.bodyMode "BUFFERED") -}}
 {{- fail "envoy.responseMode sampled needs envoy.bodyMode BUFFERED (Envoy ignores a mode override in full-duplex mode)" -}}
@@ -187,6 +243,33 @@ render which only made a new token (helm template: no lookup) is told from a cha
 {{- if lt (float64 .Values.picker.terminationGracePeriodSeconds) $needed -}}
 {{- fail (printf "picker.terminationGracePeriodSeconds %v is too short: the picker's drain takes extproc.drain_propagation_seconds %v (rendered) + extproc.drain_seconds %v, and up to 5 s more to stop its tasks; set it to at least %v" .Values.picker.terminationGracePeriodSeconds $drain.propagation $drain.drain (ceil $needed)) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* gemini.backends the schema cannot check: the chart's Envoy routes them, names and models are unique, and the
+picker's answers conversion is not sampled. */}}
+{{- define "kv-epp.validateGemini" -}}
+{{- if eq .Values.envoy.mode "none" -}}
+{{- fail "gemini.backends needs the chart's Envoy (envoy.mode sidecar or standalone): the picker routes a gemini model's request to Envoy's external cluster for its backend, which a gateway does not have (kv-epp envoy-config --picker-config prints them)" -}}
+{{- end -}}
+{{- $names := dict -}}
+{{- $models := dict -}}
+{{- range .Values.gemini.backends -}}
+{{- if hasKey $names .name -}}
+{{- fail (printf "gemini.backends: the name %s is given twice (each backend has its own Envoy cluster and Secret mount)" .name) -}}
+{{- end -}}
+{{- $_ := set $names .name true -}}
+{{- $backend := .name -}}
+{{- range .models -}}
+{{- if hasKey $models . -}}
+{{- fail (printf "gemini.backends: the model %s is listed by %s and %s (a model goes to one gemini backend)" . (get $models .) $backend) -}}
+{{- end -}}
+{{- $_ := set $models . $backend -}}
+{{- end -}}
+{{- end -}}
+{{- if and (include "kv-epp.geminiNative" .) (eq .Values.envoy.responseMode "sampled") -}}
+{{- fail "envoy.responseMode sampled: picker.config.gemini_context_cache.prefer_native_api is true with gemini.backends, and the picker converts their native answers to the OpenAI shape, so every response body must pass through it: leave envoy.responseMode none (the chart renders full) or set full" -}}
+{{- end -}}
+{{- $_ := include "kv-epp.geminiUpstreams" . -}}
 {{- end -}}
 
 {{/* Fails when two ports of one pod are equal: dict "pod" "<what>" "ports" (list (list "<value path>" port) ...) */}}
@@ -243,6 +326,9 @@ every one of them needs the picker to admit its stream (README, "Shutting down w
 {{- $tls = dict "mode" "tls" "cert_file" "/etc/kv-epp/tls/tls.crt" "key_file" "/etc/kv-epp/tls/tls.key" -}}
 {{- end -}}
 {{- $pool := dict "inference_pool" (dict "name" (include "kv-epp.poolName" .) "namespace" (include "kv-epp.poolNamespace" .)) -}}
+{{- if .Values.gemini.backends -}}
+{{- $_ := set $pool "backends" (index (include "kv-epp.geminiBackends" . | fromJson) "backends") -}}
+{{- end -}}
 {{- if ne .Values.envoy.mode "none" -}}
 {{- $_ := set $pool "fallbacks" (int .Values.envoy.retries) -}}
 {{- end -}}

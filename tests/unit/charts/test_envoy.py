@@ -143,6 +143,19 @@ BOOTSTRAP_CASES = {
     "scalars-standalone-no-token": cv.merge(
         cv.REQUIRED, cv.merge(SCALARS, {"envoy": {"mode": "standalone"}, "extprocAuth": {"mode": "none"}})
     ),
+    # gemini backends (README, "Gemini backends") with every placeholder moved; prefer_native_api: response mode full
+    "scalars-gemini-ipv6-verified": cv.merge(
+        cv.REQUIRED,
+        cv.merge(
+            SCALARS,
+            {
+                **cv.TLS_VERIFIED,
+                "bindAddress": "::",
+                "gemini": {"backends": [cv.GEMINI_BACKEND, cv.GEMINI_PROXY]},
+                "picker": {"config": {"gemini_context_cache": {"enabled": True, "prefer_native_api": True}}},
+            },
+        ),
+    ),
 }
 
 
@@ -255,7 +268,7 @@ def test_envoy_refuses_a_broken_bootstrap(tmp_path: Path) -> None:
     cfg = rendered_bootstrap(cv.values_of("default"))
     cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"][
         "virtual_hosts"
-    ][0]["routes"][0]["route"]["cluster"] = "no_such_cluster"
+    ][0]["routes"][-1]["route"]["cluster"] = "no_such_cluster"  # the pool's route (the last)
     path = tmp_path / "envoy.json"
     path.write_text(json.dumps(cfg))
     out = subprocess.run(
