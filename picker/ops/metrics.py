@@ -7,6 +7,8 @@ leaves the pool loses its series, ``forget_backends``), so cardinality is bounde
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -82,6 +84,7 @@ class RouteSecondsCollector(Collector):
         yield family
 
 
+log = logging.getLogger("kv_epp.loop")
 LOOP_LAG_INTERVAL_S = 0.1
 LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -93,12 +96,23 @@ class LoopLag:
         self.metrics = metrics
         self.interval_s = interval_s
 
+    LOG_OVER_S = 0.25  # a lag above this is logged (at most once per LOG_EVERY_S), with the process's CPU time
+    LOG_EVERY_S = 10.0
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        logged = -self.LOG_EVERY_S
         while True:
-            t0 = loop.time()
+            t0, cpu0 = loop.time(), time.process_time()
             await asyncio.sleep(self.interval_s)
-            self.metrics.event_loop_lag.observe(max(0.0, loop.time() - t0 - self.interval_s))
+            t1 = loop.time()
+            lag = max(0.0, t1 - t0 - self.interval_s)
+            self.metrics.event_loop_lag.observe(lag)
+            if lag > self.LOG_OVER_S and t1 - logged >= self.LOG_EVERY_S:
+                logged = t1
+                # cpu close to the lag: the picker's own work held the loop; far below it: the process waited for
+                # a CPU (starved by its neighbours)
+                log.warning("event=event_loop_lag lag_s=%.3f cpu_s=%.3f", lag, time.process_time() - cpu0)
 
 
 class PickerMetrics:
