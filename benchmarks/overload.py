@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import random
 import sys
 import time
@@ -554,6 +555,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         if a not in ARMS:
             raise SystemExit(f"unknown arm {a!r}: one of {', '.join(ARMS)}")
     sims: Sequence[Engine]
+    if args.engine_cpus:  # everything this process starts from now on runs on the other CPUs
+        others = set(os.sched_getaffinity(0)) - set(args.engine_cpus)
+        if not others:
+            raise SystemExit("--engine-cpus leaves no CPU for the picker, Envoy and the clients")
+        os.sched_setaffinity(0, others)
     if args.engines == "vllm":  # real vLLM (CPU build): the same batch slots, its own /metrics
         MODEL_IN_USE[0] = VLLM_MODEL
         SCALE[0] = VLLM_SCALE
@@ -565,6 +571,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_batched_tokens=BATCHED_TOKENS,
                 num_gpu_blocks=None,
                 nice=args.engine_nice,
+                cpus=tuple(args.engine_cpus),
             )
             for i in range(2)
         ]
@@ -637,6 +644,11 @@ def main(argv: list[str] | None = None) -> int:
         "--engine-nice", type=int, default=0,
         help="vLLM runs at this niceness (e.g. 10: the picker, Envoy and the clients get the 2 cores first, as on "
         "their own nodes; 0: equal shares)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--engine-cpus", type=lambda v: [int(c) for c in v.split(",") if c], default=[],
+        help="pin vLLM to these CPUs (e.g. 1) and this benchmark with everything it starts (the picker, Envoy, "
+        "the listener, the clients) to the others: the picker then has a core of its own, as on its own node",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)

@@ -88,6 +88,9 @@ class VllmConfig:
     # run at this niceness (0: as the caller): a benchmark that shares the cores with the picker, Envoy and the
     # load generator gives them the CPU first, as their own nodes would (vLLM's own processes inherit it)
     nice: int = 0
+    # pin the engine (and its processes) to these CPUs (empty: wherever the scheduler puts it): a benchmark can
+    # give the engines some cores and the picker, Envoy and the clients the others, as separate nodes would
+    cpus: tuple[int, ...] = ()
 
 
 def engine_env(cfg: VllmConfig) -> dict[str, str]:
@@ -149,6 +152,8 @@ class VllmProcess:
         if c.enforce_eager:
             cmd.append("--enforce-eager")
         prefix = ["nice", "-n", str(c.nice)] if c.nice else []
+        if c.cpus:
+            prefix += ["taskset", "-c", ",".join(map(str, c.cpus))]
         return [*prefix, *cmd, *c.extra_args]
 
     @property
