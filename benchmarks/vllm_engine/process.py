@@ -16,6 +16,7 @@ takes tens of seconds on two cores.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -39,6 +40,14 @@ ENGINES_VENV = Path(os.environ.get("KV_EPP_ENGINES_VENV", ROOT / ".venv-engines"
 MODEL_NAME = "kv-epp-tiny-llama"  # the served model name
 START_TIMEOUT_S = 300.0  # a cold start compiles the model: 40-120 s on two busy cores
 LOG_TAIL_BYTES = 4000
+# vLLM binds its internal ZMQ sockets on ports it picks itself (bind to port 0, close, bind again later): two
+# engines starting at once could each pick a port the other, or the KV-event ports picked here, takes first
+# ("Address already in use" at engine start, seen in CI). Each engine gets its own VLLM_PORT base instead, below
+# the kernel's ephemeral range (32768+) that free_port() draws from; vLLM scans upward from it for a free port.
+INTERNAL_PORT_BASE = 20000
+INTERNAL_PORTS_PER_ENGINE = 100
+INTERNAL_PORT_SLOTS = 120  # bases 20000..31900, then they repeat (an old engine is long gone by then)
+_internal_slots = itertools.count()
 
 
 class EngineUnavailable(RuntimeError):
@@ -122,6 +131,8 @@ class VllmProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
         self.starts = 0
+        slot = next(_internal_slots) % INTERNAL_PORT_SLOTS
+        self.internal_port_base = INTERNAL_PORT_BASE + slot * INTERNAL_PORTS_PER_ENGINE  # VLLM_PORT
 
     def command(self) -> list[str]:
         c = self.config
@@ -174,7 +185,7 @@ class VllmProcess:
         self._proc = subprocess.Popen(
             self.command(),
             cwd=ROOT,
-            env=engine_env(self.config),
+            env={**engine_env(self.config), "VLLM_PORT": str(self.internal_port_base)},
             stdin=subprocess.DEVNULL,
             stdout=self._log_file or subprocess.DEVNULL,
             stderr=subprocess.STDOUT if self._log_file else subprocess.DEVNULL,
