@@ -50,7 +50,7 @@ unit: $(STAMP)
 
 # Everything: lint, types, then every test (unit, integration with the real Envoy, e2e).
 test: lint typecheck $(TOOLS_STAMP)
-	KV_EPP_CHECKOV=$(TOOLS_VENV)/bin/checkov $(VENV)/bin/pytest -q --durations=30 --ignore=tests/engines tests
+	KV_EPP_CHECKOV=$(TOOLS_VENV)/bin/checkov $(VENV)/bin/pytest -q -n 2 --durations=30 --ignore=tests/engines tests
 
 # The real-engine tier: the tests of tests/engines against real vLLM processes (the CPU build, a tiny model
 # built offline and cached under ~/.cache/kv-epp), after `make test` in CI. See docs/real-engines.md.
