@@ -44,9 +44,10 @@ from picker.config import (  # noqa: E402
     Settings,
     settings_json_schema,
 )
+from picker.gemini.names import external_cluster_name  # noqa: E402
 from picker.runtime.envoy_config import EnvoyOptions, ResponseMode, bootstrap  # noqa: E402
 from picker.runtime.envoy_needs import native_conversion  # noqa: E402
-from picker.runtime.envoy_options import ExternalUpstream, external_cluster_name  # noqa: E402
+from picker.runtime.envoy_options import ExternalUpstream  # noqa: E402
 from picker.shared.config_files import BACKEND_NAME_RE  # noqa: E402
 
 CHART = HERE / "kv-epp"
@@ -127,9 +128,7 @@ def envoy_options(
         picker_ca=PICKER_CA if tls == "verified" else None,
         picker_sni=f"{fullname}-epp.{namespace}.svc" if tls == "verified" else None,
         picker_token=token,
-        external_upstreams=tuple(
-            ExternalUpstream(external_cluster_name(b.name), b.host, b.port, b.tls) for b in gemini_backends(values)
-        ),
+        external_upstreams=tuple(ExternalUpstream.of(b) for b in gemini_backends(values)),
     )
 
 

@@ -738,18 +738,6 @@ class FlowControlConfig(_Section):
     saturation: FlowSaturationConfig = FlowSaturationConfig()
 
 
-_GEMINI_TTL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_GEMINI_TTL_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-def duration_seconds(v: str) -> float:
-    """``10m``, ``90s``, ``1h``, ``500ms`` or bare seconds, in seconds; ValueError otherwise."""
-    m = _GEMINI_TTL.match(v)
-    if m is None:
-        raise ValueError(f"{v!r} is not a duration (e.g. 10m, 90s, 1h)")
-    return float(m.group(1)) * _GEMINI_TTL_UNIT[m.group(2)]
-
-
 def _gemini_ttl(v: str) -> str:
     if duration_seconds(v) < 60.0:
         raise ValueError("ttl must be at least 60s")
@@ -839,14 +827,18 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
+def duration_seconds(v: str) -> float:
+    """A duration in seconds: ``"5m"``, ``"30s"``, ``"1h"``, ``"500ms"`` or bare seconds; ValueError otherwise (the
+    seed's config durations, ``gemini_context_cache.ttl``, flow control's ``x-llm-d-inference-ttl`` header)."""
+    m = _DURATION.match(v)
+    if m is None:
+        raise ValueError(f"{v!r} is not a duration (a number of seconds, or e.g. '500ms', '30s', '5m', '1h')")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+
+
 def _seconds(v: object) -> object:
     """The seed's durations: ``"5m"``, ``"30s"``, ``"1h"``, ``"500ms"``, or a number of seconds."""
-    if isinstance(v, str):
-        m = _DURATION.match(v)
-        if m is None:
-            raise ValueError(f"{v!r} is not a duration (a number of seconds, or e.g. '500ms', '30s', '5m', '1h')")
-        return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-    return v
+    return duration_seconds(v) if isinstance(v, str) else v
 
 
 Duration = Annotated[float, BeforeValidator(_seconds), Field(gt=0, le=30 * 86_400)]

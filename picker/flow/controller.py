@@ -9,13 +9,12 @@ import asyncio
 import heapq
 import logging
 import math
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from picker.config import FlowControlConfig
+from picker.config import FlowControlConfig, duration_seconds
 from picker.facts import Answer, error_body
 from picker.flow.queues import DEFAULT_FLOW, Band, Flow, Item
 from picker.flow.saturation import FULL, pool_saturation
@@ -47,8 +46,6 @@ _ANSWERS = {  # outcome -> (status, message)
     SHUTTING_DOWN: (503, "the picker is shutting down"),
     CANCELLED: (503, "the client went away while the request was queued"),
 }
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
 def parse_ttl(value: str | None) -> float | None:
@@ -56,10 +53,10 @@ def parse_ttl(value: str | None) -> float | None:
     None when absent, malformed or not positive (the configured TTLs then apply)."""
     if not value:
         return None
-    m = _DURATION.match(value)
-    if m is None:
+    try:
+        s = duration_seconds(value)
+    except ValueError:
         return None
-    s = float(m.group(1)) * _UNIT_S[m.group(2)]
     return s if 0 < s < 1e9 else None
 
 

@@ -40,11 +40,13 @@ from picker.gemini.convert import (
     to_native_request,
 )
 from picker.gemini.keys import read_key_file
+from picker.gemini.names import external_cluster_name
 
 log = logging.getLogger("kv_epp.gemini")
 
 COMPAT_PREFIX = "/v1beta/openai"  # Google's OpenAI-compatible API
 API_KEY_HEADER = "x-goog-api-key"
+CLIENT_CREDENTIALS = ("authorization", "x-api-key")  # the client's own never travel to Google
 KEY_REFRESH_SECONDS = 60.0  # a rotated key file (a Secret's new content) is used within this
 MAX_JSON_RESPONSE_BYTES = 16 << 20  # a non-streamed native answer held for its conversion; more passes as an error
 
@@ -160,17 +162,15 @@ class GeminiRouter:
     def __init__(self, settings: Settings, cache: GeminiContextCache | None, keys: ApiKeys | None = None) -> None:
         self.cache = cache
         self.keys = keys or ApiKeys()
+        # restart-required: Envoy's clusters and routes for them are fixed when its config is generated, and a
+        # request for a backend Envoy has no route for would take the pool's route, the API key with it
+        self.backends = settings.pool.gemini
+        self.by_model = {m: b for b in self.backends for m in b.models}
         self.configure(settings)
 
     def configure(self, settings: Settings) -> None:
-        """Apply the config. The gemini backends themselves are restart-required: Envoy's clusters and routes for
-        them are fixed when its config is generated, and a request for a backend Envoy has no route for would
-        take the pool's route, the API key with it. A reload that changes them is logged and not applied."""
-        backends = settings.pool.gemini
-        if not hasattr(self, "backends"):
-            self.backends = backends
-            self.by_model = {m: b for b in backends for m in b.models}
-        elif backends != self.backends:
+        """Apply the config; a reload that changes the gemini backends is logged and not applied."""
+        if settings.pool.gemini != self.backends:
             log.warning(
                 "event=config_restart_required keys=%r reason=%r", "pool.backends (type: gemini)",
                 "Envoy's routes to gemini backends come from its generated config: restart with the new "
@@ -199,15 +199,18 @@ class GeminiRouter:
         backend: GeminiBackendConfig,
         path: str,
         data: dict[str, Any] | None,
-        cluster: str,
         *,
         responses_readable: bool = True,
-    ) -> ExternalRoute:
-        """``responses_readable``: the answer's body reaches the picker (Envoy's response mode ``full``); without
-        it the native API is not used, since its answer could not be converted."""
+    ) -> ExternalRoute | None:
+        """The route, or None when the backend's API key could not be read. ``responses_readable``: the answer's
+        body reaches the picker (Envoy's response mode ``full``); without it the native API is not used, since
+        its answer could not be converted."""
         key = self.keys.key(backend)
-        headers: list[tuple[str, str]] = [] if key is None else [(API_KEY_HEADER, key)]
-        remove = ["authorization", "x-api-key"]  # the client's own credentials never travel to Google
+        if key is None:
+            return None
+        cluster = external_cluster_name(backend.name)
+        headers = [(API_KEY_HEADER, key)]
+        remove = list(CLIENT_CREDENTIALS)
         if facts.api != "chat" or data is None:
             return ExternalRoute(
                 backend, cluster, compat_path(path), tuple(headers), tuple(remove), None, None, DISABLED,
@@ -238,9 +241,8 @@ class GeminiRouter:
                     "native",
                 )  # fmt: skip
         body = orjson.dumps(openai_compat_with_cache(data, ref)) if ref is not None else None
-        if key is not None:
-            headers.append(("authorization", f"Bearer {key}"))  # the OpenAI-compatible API's own scheme
-            remove.remove("authorization")
+        headers.append(("authorization", f"Bearer {key}"))  # the OpenAI-compatible API's own scheme (replaces the
+        remove.remove("authorization")  # client's, so it is set rather than removed)
         return ExternalRoute(
             backend, cluster, compat_path(path), tuple(headers), tuple(remove), body, None, lookup, "openai"
         )

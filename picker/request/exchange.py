@@ -53,9 +53,15 @@ class Exchange:
         observers: tuple[ResponseObserver, ...],
         body_observers: tuple[ResponseObserver, ...],
     ) -> None:
-        self.facts = facts
         self.decision = decision
         self.lease = lease
+        self._init_state(facts, observers, body_observers)
+
+    def _init_state(
+        self, facts: RequestFacts, observers: tuple[ResponseObserver, ...], body_observers: tuple[ResponseObserver, ...]
+    ) -> None:
+        """The state every exchange has, pool-routed or external (``picker.request.external``)."""
+        self.facts = facts
         self.decided_at = _mono()
         self.status: int | None = None
         self.served: str | None = None  # ip:port the proxy reports it used (after retries), when it does
@@ -87,16 +93,24 @@ class Exchange:
         self.status = status
         self.served = served
         self.first_byte_at = _mono()
-        ok = status is not None and status < 500 and (served is None or served == self.lease.endpoint.address)
-        self.lease.first_byte(ok)
-        kv = self.kv
-        if kv is not None and kv.placed is not None and (not ok or status is None or status >= 400):
-            kv.unplace()  # not cached there after all
+        self._first_byte(status, served)
         for o in self._observers:
             try:
                 o.on_headers(self, status)
             except Exception:
                 _observer_failed(o, "on_headers")
+
+    def _first_byte(self, status: int | None, served: str | None) -> None:
+        """The lease learns the first byte (latency, health); Tier 4's placement is undone on a failure."""
+        ok = status is not None and status < 500 and (served is None or served == self.lease.endpoint.address)
+        self.lease.first_byte(ok)
+        kv = self.kv
+        if kv is not None and kv.placed is not None and (not ok or status is None or status >= 400):
+            kv.unplace()  # not cached there after all
+
+    def _release(self) -> None:
+        """At the end, once: the in-flight slot goes back."""
+        self.lease.release()
 
     def response_body(self, chunk: bytes, end: bool) -> None:
         for o in self._body_observers:
@@ -112,7 +126,7 @@ class Exchange:
         if self._ended:
             return
         self._ended = True
-        self.lease.release()
+        self._release()
         for o in self._observers:
             try:
                 o.on_end(self, completed)

@@ -26,7 +26,6 @@ from picker.facts import (
 from picker.flow.controller import DROP_DETAILS as FLOW_DROP_DETAILS
 from picker.flow.controller import HEADERS as FLOW_HEADERS
 from picker.flow.controller import FlowController, FlowListener
-from picker.gemini.names import external_cluster_name
 from picker.gemini.route import GeminiRouter
 from picker.kv.placements import RecentPlacements
 from picker.kv.stage import KvLookup, KvStage
@@ -306,18 +305,11 @@ class RequestPath:
     ) -> Exchange | Answer:
         """A request for a ``type: gemini`` backend's model: the route to its cluster (docs/gemini.md)."""
         assert self.external is not None
-        if self.external.keys.key(backend) is None:
+        route = self.external.route(facts, backend, req.path, data, responses_readable=req.responses_readable)
+        if route is None:
             self.recorder.refused("no_backend")
             why = f"gemini backend {backend.name}: its API key could not be read (the picker's log says why)"
             return Answer(503, error_body(why, "no_api_key", "service_unavailable"), "kv_epp_no_backend")
-        route = self.external.route(
-            facts,
-            backend,
-            req.path,
-            data,
-            external_cluster_name(backend.name),
-            responses_readable=req.responses_readable,
-        )
         observers: tuple[ResponseObserver, ...] = ()
         if self.cache is not None and cached is not None and cached.key is not None:
             observers = (self.cache,)  # an eligible miss: the response cache stores the converted answer

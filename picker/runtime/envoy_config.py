@@ -9,12 +9,12 @@ from typing import Any
 
 import yaml
 
+from picker.gemini.names import UPSTREAM_HEADER
 from picker.runtime.envoy_options import (
     DEST_HEADER,
     LB_NAMESPACE,
     RESPONSE_MODES,
     SERVED_KEY,
-    UPSTREAM_HEADER,
     BodyMode,
     EnvoyOptions,
     ExternalUpstream,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from picker.runtime.envoy_config import BodyMode, EnvoyOptions, ResponseMode
-from picker.runtime.envoy_options import ExternalUpstream, external_cluster_name
+from picker.runtime.envoy_options import ExternalUpstream
 
 if TYPE_CHECKING:
     from picker.config import Settings
@@ -131,7 +131,7 @@ def derive(s: Settings | None, g: Given, source: str = "--picker-config") -> Der
 def _external(s: Settings, out: Derived, source: str) -> None:
     """A cluster and a route per ``type: gemini`` backend (its host alone resolved by DNS, TLS unless the backend
     allows http for a local fake)."""
-    ups = tuple(ExternalUpstream(external_cluster_name(b.name), b.host, b.port, b.tls) for b in s.pool.gemini)
+    ups = tuple(ExternalUpstream.of(b) for b in s.pool.gemini)
     if ups:
         out.options["external_upstreams"] = ups
         out.notes.append(

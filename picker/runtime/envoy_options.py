@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from picker.gemini.names import UPSTREAM_HEADER as UPSTREAM_HEADER  # re-exported for the bootstrap's builders
-from picker.gemini.names import external_cluster_name as external_cluster_name
+from picker.config import GeminiBackendConfig
+from picker.gemini.names import external_cluster_name
 
 BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
 # What of each response reaches the picker (docs/operations.md, "Response modes and what they cost"):
@@ -41,6 +41,11 @@ class ExternalUpstream:
     host: str
     port: int
     tls: bool = True
+
+    @classmethod
+    def of(cls, backend: GeminiBackendConfig) -> ExternalUpstream:
+        """The upstream of a ``type: gemini`` backend: its cluster name, host, port and scheme."""
+        return cls(external_cluster_name(backend.name), backend.host, backend.port, backend.tls)
 
 
 @dataclass(slots=True, frozen=True)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from picker.gemini.names import UPSTREAM_HEADER
 from picker.runtime.envoy_options import (
     DEST_HEADER,
     LB_NAMESPACE,
     RETRY_ON,
     SERVED_KEY,
-    UPSTREAM_HEADER,
     EnvoyOptions,
     is_ip,
     socket_address,

@@ -21,9 +21,10 @@ import yaml
 from charts import chart_variants as cv
 from charts import generate
 from picker.config import GEMINI_DEFAULT_BASE_URL, Settings, parse_settings
+from picker.gemini.names import UPSTREAM_HEADER
 from picker.runtime.envoy_config import EnvoyOptions, bootstrap, external_cluster, external_route
 from picker.runtime.envoy_needs import Given, derive
-from picker.runtime.envoy_options import SYSTEM_CA_FILE, UPSTREAM_HEADER, ExternalUpstream, external_cluster_name
+from picker.runtime.envoy_options import SYSTEM_CA_FILE, ExternalUpstream
 from picker.runtime.envoy_picker import processing_mode
 from tests.unit.charts.test_envoy import rendered_bootstrap, rendered_token
 
@@ -90,7 +91,7 @@ def external_clusters(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 def upstream(b: Any) -> ExternalUpstream:
     """The upstream ``kv-epp envoy-config`` makes of a picker's gemini backend (envoy_needs._external)."""
-    return ExternalUpstream(external_cluster_name(b.name), b.host, b.port, b.tls)
+    return ExternalUpstream.of(b)
 
 
 def normal(node: Any) -> Any:

@@ -58,7 +58,9 @@ def go(
 ) -> rt.ExternalRoute:
     backend = r.backend_for(facts.model)
     assert backend is not None
-    return r.route(facts, backend, path, data, "external_g")
+    route = r.route(facts, backend, path, data)
+    assert route is not None
+    return route
 
 
 def test_a_gemini_model_finds_its_backend_and_others_do_not(tmp_path: Path) -> None:
@@ -201,8 +203,8 @@ def test_without_readable_answers_the_native_api_is_not_used(tmp_path: Path) -> 
     r = router(tmp_path, native=True)
     backend = r.backend_for(MODEL)
     assert backend is not None
-    route = r.route(facts, backend, CHAT, data, "external_g", responses_readable=False)
-    assert route.api == "openai" and route.converter is None
+    route = r.route(facts, backend, CHAT, data, responses_readable=False)
+    assert route is not None and route.api == "openai" and route.converter is None
     native = go(r, facts, data)
     assert native.api == "native" and "accept-encoding" in native.remove_headers  # the converter reads it plain
 
