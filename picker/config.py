@@ -60,8 +60,11 @@ StrategyName = Literal[
     "PrefixMemory",
 ]
 HOT_RELOADABLE = frozenset(
-    {"prefix_routing", "selection_strategy", "pool", "session_affinity", "admission", "response_cache", "flow_control"}
-)
+    {
+        "prefix_routing", "selection_strategy", "pool", "session_affinity", "admission", "response_cache",
+        "flow_control", "experiments",
+    }
+)  # fmt: skip
 # keys of hot-reloadable sections that are not: where the pool comes from (the discovery task is started once),
 # the response cache's store and its Redis connection (the pool is built once)
 RESTART_REQUIRED_KEYS = (
@@ -766,6 +769,120 @@ class GeminiContextCacheConfig(_Section):
         return duration_seconds(self.ttl)
 
 
+ARM_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+MAX_ARMS = 8  # bounds every per-arm series and table
+# the keys an arm may overlay, and below them the keys that apply per request (the rest of their sections are
+# built once per process: a Tier 4 the picker did not start cannot be turned on for one arm)
+ARM_OVERLAY_KEYS: dict[str, frozenset[str] | None] = {
+    "selection_strategy": None,
+    "prefix_routing": None,  # any of its keys
+    "kv_cache_index": frozenset({"enabled", "scoring"}),
+    "session_affinity": frozenset({"enabled"}),
+    "pool": frozenset({"fallbacks"}),
+}
+# the headers that name a session for the assignment, after ``session_affinity.header``: llm-d's stateless
+# affinity token and the agent identity headers (docs/experiments.md)
+DEFAULT_SESSION_HEADERS = (
+    "x-session-token", "x-claude-code-session-id", "x-session-affinity", "session-id", "session_id",
+)  # fmt: skip
+
+
+def _arm_name(v: str) -> str:
+    if not ARM_NAME_RE.fullmatch(v):
+        raise ValueError("an arm name is 1-32 of a-z, 0-9, '_' and '-', starting with a letter or digit")
+    return v
+
+
+class ExperimentArmConfig(BaseModel):
+    """One arm: its ``weight`` (its share of the sessions is weight / the sum of weights) and the config keys its
+    requests route with instead of the picker's (``ARM_OVERLAY_KEYS``; validated against the picker's config by
+    ``arm_settings``)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    weight: float = Field(1.0, gt=0.0, le=1_000_000.0)
+
+    @property
+    def overlay(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class ExperimentsConfig(_Section):
+    """Session-level experiments (hot-reloadable; off by default): each session is assigned to an arm by a stable
+    hash of its key and ``salt``, and its requests route with that arm's config. ``decision_log``: ``stdout`` or
+    a file (rotated at ``decision_log_max_bytes``, ``decision_log_backups`` kept), one JSON line per request, no
+    prompt text; None writes none. See docs/experiments.md."""
+
+    enabled: bool = False
+    salt: str = Field("kv-epp", min_length=1, max_length=128)  # a new salt re-draws every session's arm
+    arms: dict[Annotated[str, AfterValidator(_arm_name)], ExperimentArmConfig] = Field(
+        default_factory=dict, max_length=MAX_ARMS
+    )
+    session_headers: tuple[Annotated[str, AfterValidator(_header_name)], ...] = Field(
+        DEFAULT_SESSION_HEADERS, max_length=16
+    )
+    decision_log: str | None = Field(None, min_length=1, max_length=4096)
+    decision_log_max_bytes: int = Field(64 << 20, ge=4096, le=1 << 40)
+    decision_log_backups: int = Field(3, ge=0, le=100)
+    decision_log_queue: int = Field(10_000, ge=1, le=1_000_000)  # records waiting for the writer; more: dropped
+    max_sessions: int = Field(100_000, ge=1, le=10_000_000)  # the turn and gap table, LRU
+    preemption_window_seconds: float = Field(30.0, ge=1.0, le=3600.0)
+
+    @model_validator(mode="after")
+    def _arms_when_enabled(self) -> ExperimentsConfig:
+        if self.enabled and not self.arms:
+            raise ValueError("experiments.enabled needs at least one arm in experiments.arms")
+        return self
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def arm_settings(base: Settings, name: str, arm: ExperimentArmConfig) -> Settings:
+    """The picker's config with ``arm``'s overlay applied; ConfigError naming ``experiments.arms.<name>.<key>``
+    for a key an arm cannot overlay or a value its section refuses."""
+    at = f"experiments.arms.{name}"
+    problems: list[tuple[str, str]] = []
+    update: dict[str, Any] = {}
+    for key, value in arm.overlay.items():
+        if key not in ARM_OVERLAY_KEYS:
+            allowed = ", ".join(["weight", *ARM_OVERLAY_KEYS])
+            problems.append((f"{at}.{key}", f"an arm cannot overlay this key per request (an arm takes {allowed})"))
+            continue
+        subkeys = ARM_OVERLAY_KEYS[key]
+        if key == "selection_strategy":
+            if value not in STRATEGIES:
+                problems.append((f"{at}.{key}", f"must be one of {', '.join(STRATEGIES)}"))
+            else:
+                update[key] = value
+            continue
+        if not isinstance(value, dict):
+            problems.append((f"{at}.{key}", "must be a mapping of that section's keys"))
+            continue
+        bad = [k for k in value if subkeys is not None and k not in subkeys]
+        for k in bad:
+            problems.append((f"{at}.{key}.{k}", f"not per request: an arm may set {', '.join(sorted(subkeys or ()))}"))
+        if bad:
+            continue
+        section = getattr(base, key)
+        try:
+            update[key] = type(section).model_validate(_merged(section.model_dump(), value))
+        except ValidationError as exc:
+            problems.extend((f"{at}.{key}.{p}", m) for p, m in validation_problems(exc))
+    kv = update.get("kv_cache_index")
+    if kv is not None and kv.enabled and not base.kv_cache_index.enabled:
+        problems.append(
+            (f"{at}.kv_cache_index.enabled", "Tier 4 is off in the picker's config: an arm can turn it off, not on")
+        )
+    if problems:
+        raise ConfigError(problems)
+    return base.model_copy(update=update)
+
+
 ADMIN_TOKEN_FILE_MAX_BYTES = 4096  # a bearer token is short: a larger file is refused, never read whole
 
 
@@ -987,6 +1104,7 @@ class Settings(BaseSettings):
     admin: AdminConfig = AdminConfig()
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
     gemini_context_cache: GeminiContextCacheConfig = GeminiContextCacheConfig()
+    experiments: ExperimentsConfig = ExperimentsConfig()
 
     @classmethod
     def settings_customise_sources(
@@ -1051,6 +1169,11 @@ def _cross_section_problems(s: Settings) -> list[tuple[str, str]]:
     exposed = unauthenticated_exposure(s.extproc, loopback_host(s.extproc.host))  # a name: checked at start
     if exposed is not None:
         out.append(exposed)
+    for name, arm in s.experiments.arms.items():
+        try:
+            arm_settings(s, name, arm)
+        except ConfigError as exc:
+            out.extend(exc.problems)
     return out + _pool_source_problems(s)
 
 

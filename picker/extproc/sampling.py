@@ -6,34 +6,20 @@ See docs/picker.md, "Response sampling".
 from __future__ import annotations
 
 import random
-import re
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from picker.config import ExtProcConfig
 from picker.ops.recorder import DecisionRecorder
+from picker.ops.usage import usage_in
 from picker.request.exchange import Exchange
-
-TAIL_BYTES = 4096  # the usage object of an OpenAI response (last SSE event or end of the JSON) fits in it
-_USAGE = re.compile(rb'"usage"\s*:\s*\{')
-_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
 def read_usage(tail: bytes) -> tuple[int, int | None] | None:
     """``(prompt_tokens, cached_tokens)`` of the last usage object in ``tail``; cached None when the server
     did not report it (unknown, not zero); None when there is no usage object."""
-    last = None
-    for last in _USAGE.finditer(tail):  # noqa: B007 - the last match is the one wanted
-        pass
-    if last is None:
-        return None
-    rest = tail[last.end() :]
-    prompt = _PROMPT.search(rest)
-    if prompt is None:
-        return None
-    cached = _CACHED.search(rest)
-    return int(prompt.group(1)), int(cached.group(1)) if cached is not None else None
+    u = usage_in(tail)
+    return (u.prompt_tokens, u.cached_tokens) if u is not None else None
 
 
 class ResponseSampling:

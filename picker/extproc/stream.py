@@ -32,9 +32,10 @@ from picker.extproc.messages import (
     streamed_response_body,
     subset_hint,
 )
-from picker.extproc.sampling import TAIL_BYTES, ResponseSampling
+from picker.extproc.sampling import ResponseSampling
 from picker.facts import Answer, BadRequest, error_body
 from picker.ops.metrics import STATUS_OUTCOMES, RouteSeconds
+from picker.ops.usage import keep_tail
 from picker.request.exchange import Exchange
 from picker.request.external import ExternalExchange
 from picker.request.path import Inbound, RequestPath, ResponseCache
@@ -360,9 +361,7 @@ class RequestStream:
         if ex is not None and ex.wants_body:
             ex.response_body(msg.body, msg.end_of_stream)
         if self.sampled:  # keep the last bytes only: the usage is at the end of the body
-            body = msg.body  # a long chunk is cut first: only its last TAIL_BYTES are copied
-            tail = self.tail + (body[-TAIL_BYTES:] if len(body) > TAIL_BYTES else body)
-            self.tail = tail[-TAIL_BYTES:] if len(tail) > TAIL_BYTES else tail
+            self.tail = keep_tail(self.tail, msg.body)
             if msg.end_of_stream and self.sampling is not None:
                 self.sampling.usage(self.tail, self.exchange)
         if msg.end_of_stream:

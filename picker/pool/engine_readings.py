@@ -30,7 +30,11 @@ VLLM_PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
 VLLM_PREFILL_TOKENS = "vllm:request_prefill_kv_computed_tokens_sum"
 VLLM_PREFILL_TOKENS_COUNT = "vllm:request_prefill_kv_computed_tokens_count"
 PREFILL_FAMILIES = (VLLM_PREFILL_COUNT, VLLM_PREFILL_SECONDS, VLLM_PREFILL_TOKENS, VLLM_PREFILL_TOKENS_COUNT)
-WANTED_FAMILIES = frozenset((*(n for w, r, kv in ENGINE_FAMILIES for n in (w, r, *kv)), *PREFILL_FAMILIES))
+# the engine's preemptions so far (a counter): the experiments' preemption windows (``picker.pool.preemptions``)
+VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
+WANTED_FAMILIES = frozenset(
+    (*(n for w, r, kv in ENGINE_FAMILIES for n in (w, r, *kv)), *PREFILL_FAMILIES, VLLM_PREEMPTIONS)
+)
 # Labels that tell apart reports of ONE scheduler (docs/picker.md, "Engine signals"): series differing only in these
 # are the same queue seen twice; the largest is taken.
 MIRROR_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "pid"})
@@ -108,6 +112,14 @@ def prefill_totals(expo: Exposition) -> PrefillTotals | None:
         values.append(math.fsum(_per_queue(samples)))
     requests, seconds, tokens, token_requests = values
     return PrefillTotals(requests, seconds, tokens) if requests == token_requests else None
+
+
+def preemption_total(expo: Exposition) -> float | None:
+    """vLLM's preemptions so far, summed over its engines (mirror series once); None when absent or not a count."""
+    samples = expo.family(VLLM_PREEMPTIONS)
+    if not samples or any(not (0.0 <= s.value < 1e15) for s in samples):
+        return None
+    return math.fsum(_per_queue(samples))
 
 
 def read_signals(text: str) -> tuple[EngineSignals | None, Exposition]:

@@ -16,7 +16,7 @@ import aiohttp
 
 from picker.config import EngineMetricsConfig
 from picker.ops.metrics import PickerMetrics
-from picker.pool.engine_readings import PrefillTotals, prefill_totals, read_signals
+from picker.pool.engine_readings import PrefillTotals, preemption_total, prefill_totals, read_signals
 from picker.pool.pool import Pool
 from picker.routing.endpoints import Endpoint, EngineSignals
 
@@ -42,6 +42,7 @@ class ScrapeResult:
     at: float = 0.0  # when the body was read (clock of the scraper)
     prefill: PrefillTotals | None = None  # vLLM's cumulative prefill records, when it reports them
     answered: bool = False  # an HTTP answer came (an error status, a body too large): the replica is alive
+    preemptions: float | None = None  # vllm:num_preemptions_total, when the engine reports it
 
     @property
     def unanswered(self) -> bool:
@@ -178,7 +179,9 @@ class EngineSignalScraper:
                 return ScrapeResult(
                     "unparsed", skipped=expo.skipped, detail=f"no valid waiting/running ({len(body)} bytes)", at=at
                 )
-            return ScrapeResult("ok", signals, expo.skipped, at=at, prefill=prefill_totals(expo))
+            return ScrapeResult(
+                "ok", signals, expo.skipped, at=at, prefill=prefill_totals(expo), preemptions=preemption_total(expo)
+            )
 
     async def _fetch(self, url: str, max_bytes: int) -> bytes | ScrapeResult:
         async with self._get_session().get(url, headers=REQUEST_HEADERS, allow_redirects=False) as resp:
@@ -205,6 +208,7 @@ class EngineSignalScraper:
 
     def _drop(self, name: str) -> None:
         target = self._targets.pop(name)
+        self.pool.preemptions.forget(name)
         if target.expiry is not None:
             target.expiry.cancel()
         if target.published:
@@ -232,6 +236,7 @@ class EngineSignalScraper:
         if result.outcome == "ok":
             target.signals, target.ok_at = result.signals, result.at
             self._prefill(target, result.prefill)
+            self.pool.preemptions.note(name, result.at, result.preemptions)
             if target.failing is not None:
                 log.info("event=engine_scrape_recovered backend=%s after=%s", name, target.failing)
             target.failing = None

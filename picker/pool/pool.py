@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from picker.config import PoolConfig
 from picker.pool.calibration import TtftCalibrator, TtftSample
+from picker.pool.preemptions import PreemptionWindows
 from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, PoolView, endpoint_load
 
 log = logging.getLogger("kv_epp.pool")
@@ -118,6 +119,9 @@ class Pool:
     ) -> None:
         self._clock = clock
         self.calibrator = calibrator or TtftCalibrator()
+        # each endpoint's engine preemption counter, as the engine signals scraper reads it (the experiments'
+        # preemption windows); bound: one short series per scraped endpoint
+        self.preemptions = PreemptionWindows()
         self._stats: dict[str, _EndpointStats] = {}
         self._standby: dict[str, _EndpointStats] = {}  # not routed to (docs/picker.md, "The pool")
         self._by_address: dict[str, str] = {}

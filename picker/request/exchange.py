@@ -83,6 +83,13 @@ class Exchange:
         """The X-Cache value of the answer (None: no response cache)."""
         return self.cache.x_cache if self.cache is not None else None
 
+    def add_observer(self, o: ResponseObserver, body: bool) -> None:
+        """``o`` is also told about this exchange's response (its headers, end and, with ``body``, its chunks):
+        an experiment's trial."""
+        self._observers = (*self._observers, o)
+        if body:
+            self._body_observers = (*self._body_observers, o)
+
     def add_body_observer(self, o: ResponseObserver) -> None:
         """``o`` also sees this exchange's body chunks (the response cache, for an eligible miss)."""
         self._body_observers = (*self._body_observers, o)

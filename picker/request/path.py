@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from picker.cache.state import CacheState
 from picker.config import GeminiBackendConfig, Settings
+from picker.experiments.runtime import Arm, Experiments, Trial
 from picker.facts import (
     Answer,
     BadRequest,
@@ -126,6 +127,8 @@ class RequestPath:
         )  # fmt: skip
         pool.change_listener = self.flow.wake
         self.kv = KvStage(settings.kv_cache_index)  # kv_cache_index is restart-required: built once
+        # session-level experiments (docs/experiments.md): built always, empty while disabled
+        self.experiments = Experiments(pool.preemptions, recorder.metrics.registry)
         self._cache_warned = False
         self.configure(settings)
 
@@ -151,6 +154,7 @@ class RequestPath:
         if self.external is not None:
             self.external.configure(settings)
         self.tier4 = self.holds is not None and self.router.tier4_active()
+        self.experiments.configure(settings, tier4_available=self.holds is not None)
         self.max_prefix_tokens = settings.kv_cache_index.tokenizer.max_prefix_tokens
         # the semantic cache's caller identity (hashed into RequestFacts.identity), read only while it is on
         sem = settings.response_cache.semantic
@@ -164,6 +168,7 @@ class RequestPath:
             {":path", ":method", "content-length", self.session_header, self.tenant_header, "x-request-id", *ident}
             | {"anthropic-beta", "anthropic-version"}  # output-shaping: part of the response cache's key
             | FLOW_HEADERS  # flow control's fairness id, objective, TTL and TTFT SLO
+            | self.experiments.wanted_headers  # the session headers of the experiments' assignment
         )
 
     # -- the stages -------------------------------------------------------------------------------
@@ -190,24 +195,30 @@ class RequestPath:
             identity=identity,
         )  # fmt: skip
 
-    async def prepare(self, facts: RequestFacts) -> Prepared:
-        """Stage 3: the prefix key, (Tier 4) the KV holds and the session's endpoint."""
-        key = self.router.key_for(facts)
+    async def prepare(self, facts: RequestFacts, arm: Arm | None = None) -> Prepared:
+        """Stage 3: the prefix key, (Tier 4) the KV holds and the session's endpoint; with an experiment's
+        ``arm``, as that arm's config says."""
+        router, tier4, affinity = (arm.router, arm.tier4, arm.affinity) if arm is not None else (
+            self.router, self.tier4, self.affinity
+        )  # fmt: skip
+        key = router.key_for(facts)
         holds = self.holds
         kv = None
-        if key is not None and self.tier4 and holds is not None:
+        if key is not None and tier4 and holds is not None:
             kv = self.kv.settle(await holds.lookup(facts))  # with this picker's recent placements
         session = sticky = None
-        if self.affinity and facts.session_id:
+        if affinity and facts.session_id:
             session = session_key(facts.session_id)
             sticky = self.sessions.get(session, _mono())
         if kv is None:
             return Prepared(key, None, session, sticky)
         return Prepared(key, kv.holds, session, sticky, kv.prompt_tokens, kv.evicting, kv.prefix_rate, kv.block_keys)
 
-    def decide(self, facts: RequestFacts, prepared: Prepared, subset: Sequence[str] | None) -> Decision | None:
-        """Stage 4: the pure decision over the pool's snapshot."""
-        return self.router.decide(facts, self.pool.view(subset), prepared)
+    def decide(
+        self, facts: RequestFacts, prepared: Prepared, subset: Sequence[str] | None, router: Router | None = None
+    ) -> Decision | None:
+        """Stage 4: the pure decision over the pool's snapshot (by an experiment arm's ``router``, when given)."""
+        return (router or self.router).decide(facts, self.pool.view(subset), prepared)
 
     def commit(self, facts: RequestFacts, decision: Decision, prepared: Prepared) -> Exchange:
         """Stage 5: take the in-flight slot, remember the session, count the decision."""
@@ -274,21 +285,34 @@ class RequestPath:
         external = self.external.backend_for(facts.model) if self.external is not None else None
         if external is not None:  # a type: gemini backend: Google's API, not the pool
             return self.route_external(facts, external, req, data, cached)
+        trial = self.experiments.start(req.headers, facts) if self.experiments.enabled else None
+        if trial is None:
+            return await self.route_pool(facts, req, cached, cpu, None)
+        result = await self.route_pool(facts, req, cached, cpu, trial)
+        if isinstance(result, Answer):
+            trial.answered(result.status)
+        return result
+
+    async def route_pool(
+        self, facts: RequestFacts, req: Inbound, cached: CacheState | None, cpu: float, trial: Trial | None
+    ) -> Exchange | Answer:
+        """Admission or flow control, then prepare, decide, commit: the pool's endpoints (with an experiment's
+        ``trial``, by its arm's config; the trial observes the exchange)."""
         flow = self.flow
         if not flow.enabled:
             why = self.admission.saturation(self.pool.view(req.subset), self.pool.view())
             if why is not None:  # shed before prepare: a saturated pool gets no tokenizer call either
                 return self.overloaded(why)
-        prepared = await self.prepare(facts)
+        prepared = await self.prepare(facts, trial.arm if trial is not None else None)
         if not flow.enabled:
-            return self.dispatch(facts, prepared, req, cached, cpu)
+            return self.dispatch(facts, prepared, req, cached, cpu, trial)
         # flow control: the request waits while the pool is saturated; dispatch runs decide and commit at once
         nbytes = len(req.body) if req.body is not None else _declared_length(req.headers)
         tokens = prepared.prompt_tokens or facts.body_bytes // 4
         out = facts.max_tokens if facts.max_tokens is not None else self.settings.flow_control.expected_output_tokens
         cost = tokens + out
         result = await flow.admit(
-            req.headers, nbytes, cost, lambda: self.dispatch(facts, prepared, req, cached, cpu), release=_release
+            req.headers, nbytes, cost, lambda: self.dispatch(facts, prepared, req, cached, cpu, trial), release=_release
         )
         if isinstance(result, Answer) and result.details.startswith(FLOW_DROP_DETAILS):
             self.recorder.refused("overloaded")
@@ -319,16 +343,25 @@ class RequestPath:
         return ex
 
     def dispatch(
-        self, facts: RequestFacts, prepared: Prepared, req: Inbound, cached: CacheState | None, cpu: float
+        self,
+        facts: RequestFacts,
+        prepared: Prepared,
+        req: Inbound,
+        cached: CacheState | None,
+        cpu: float,
+        trial: Trial | None = None,
     ) -> Exchange | Answer:
         """Stages 4 and 5, synchronous: decide, then commit (or the 503 when no endpoint is eligible)."""
         t1 = _perf()
-        decision = self.decide(facts, prepared, req.subset)
+        decision = self.decide(facts, prepared, req.subset, trial.arm.router if trial is not None else None)
         if decision is None:
             self.recorder.refused("no_backend")
             why = "no endpoint in the subset hint is eligible" if req.subset is not None else "no healthy backend"
             return Answer(503, error_body(why, "no_healthy_backend", "service_unavailable"), "kv_epp_no_backend")
         ex = self.commit(facts, decision, prepared)
+        if trial is not None:
+            trial.readable = req.responses_readable
+            ex.add_observer(trial, body=True)  # the body's chunks reach it only where they reach the picker
         cache = self.cache
         ex.cache = cached
         if cache is not None and cached is not None and cached.key is not None:

@@ -225,6 +225,10 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
         }
         return web.json_response(body)
 
+    async def experiments(_: web.Request) -> web.Response:
+        """The experiment's arms, their counts and the decision log's (docs/experiments.md)."""
+        return web.json_response(app.path.experiments.stats())
+
     async def flow_control(_: web.Request) -> web.Response:
         body = app.path.flow.stats()
         if app.objective_watch is not None:  # where watched_objectives come from, and how that goes
@@ -247,6 +251,7 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
             web.get("/admin/prefix-routing/stats", prefix_stats),
             web.get("/admin/pool", pool),
             web.get("/admin/flow-control", flow_control),
+            web.get("/admin/experiments", experiments),
             web.post("/admin/config/reload", reload),
         ]
     )

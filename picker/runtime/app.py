@@ -166,6 +166,7 @@ class PickerApp:
         if forget:
             self.path.placements.forget_many(forget)
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now (once), not on a request
+        self.path.experiments.set_pool_names(self.pool.names())  # and every experiment arm's
         self.metrics.pool_backends.set(len(after_routed))
         return len(added), len(gone), len(readdressed)
 
@@ -299,6 +300,7 @@ class PickerApp:
             self._set_members(hot.pool, None)
         self.router.reconfigure(hot)
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now, not on a request
+        self.path.experiments.set_pool_names(self.pool.names())
         self.path.configure(hot)
         self.response_cache.configure(hot.response_cache)
         self.cache_store.configure(hot.response_cache)  # memory: its capacity (a smaller LRU evicts at the next set)

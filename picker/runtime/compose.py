@@ -109,6 +109,7 @@ def build_app(
     )  # fmt: skip
     if tier4 is not None:  # the feeds settle the placement guesses
         tier4.index.watcher = path.placements
+    path.experiments.set_pool_names(pool.names())  # the arms' rings, built here, not on a request
     # which responses stream their body through the picker (extproc is restart-required: built once)
     sampling = ResponseSampling(settings.extproc, metrics.registry, recorder, kv.tokenizer.block_size)
     return PickerApp(
@@ -170,6 +171,11 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
             log.warning("event=response_cache_flush_timeout seconds=%s", RESPONSE_CACHE_FLUSH_SECONDS)
 
     server.on_stop.append(flush_response_cache)
+
+    async def close_decision_log() -> None:  # its queued records are written (bounded), off the event loop
+        await asyncio.to_thread(app.path.experiments.close)
+
+    server.on_stop.append(close_decision_log)
     server.on_stop.append(app.cache_store.aclose)  # the Redis store's health monitor (nothing for memory)
     if uses_redis(settings):
         server.on_stop.append(close_shared_redis)

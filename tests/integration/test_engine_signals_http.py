@@ -270,3 +270,23 @@ async def test_stop_cancels_a_round_in_flight_and_closes_the_session() -> None:
         await asyncio.gather(task, return_exceptions=True)
         await scraper.close()
         assert scraper._session is None and scraper.status()["e0"]["published"] is False
+
+
+async def test_the_preemption_counter_reaches_the_pools_windows() -> None:
+    async with engines(1) as [(engine, address)]:
+        pool = Pool(pool_config({"e0": address}))
+        now = [100.0]
+        scraper = EngineSignalScraper(pool, PickerMetrics(), clock=lambda: now[0])
+        try:
+            engine.body = vllm_registry_body(1, [1], [0], [0.1]) + "vllm:num_preemptions_total 4\n"
+            await scraper.scrape_round()
+            now[0] = 101.0
+            engine.body = vllm_registry_body(1, [1], [0], [0.1]) + "vllm:num_preemptions_total 6\n"
+            await scraper.scrape_round()
+            assert pool.preemptions.exposure("e0", 100.0, 101.0) == 1
+            assert pool.preemptions.exposure("e0", 101.0, 102.0) == 0
+            pool.update(pool.cfg, [])  # the endpoint leaves the pool: its series goes with the next round
+            await scraper.scrape_round()
+            assert pool.preemptions.exposure("e0", 100.0, 101.0) is None
+        finally:
+            await scraper.close()

@@ -12,11 +12,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.json_format import MessageToDict
 
 from picker.extproc.messages import sampled_mode
-from picker.extproc.sampling import TAIL_BYTES, read_usage
+from picker.extproc.sampling import read_usage
 from picker.extproc.stream import RequestStream
 from picker.facts import RequestFacts
 from picker.kv.stage import KvLookup
 from picker.ops.recorder import prediction_outcome
+from picker.ops.usage import TAIL_BYTES
 from picker.routing.endpoints import BackendHold, StorageTier
 from picker.runtime.app import PickerApp
 from picker.runtime.envoy_config import EnvoyOptions, bootstrap, processing_mode, sampled_override
