@@ -188,6 +188,7 @@ async def run_trace(
             async with semaphore:
                 results[i].start_s = time.perf_counter() - start
                 extra = dict(headers or {})
+                extra.update(record.headers)  # a record's own headers (an experiment's session unit)
                 if session_header and record.session is not None:
                     extra[session_header] = record.session
                 await send_request(http, base_url, record, results[i], force_stream, extra)

@@ -40,6 +40,7 @@ class TraceRecord:
     session: str | None = None
     turn: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # sent with the request (not part of the trace file)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of one trace line."""

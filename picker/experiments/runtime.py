@@ -33,6 +33,7 @@ _wall = time.time
 # the seed's cached-ratio buckets (engine-observed cached / prompt tokens of one request), and unknown
 RATIO_BUCKETS = ("0", "(0,0.5]", "(0.5,0.9]", "(0.9,1]", "unknown")
 RESULTS = ("complete", "incomplete", "error", "unknown")
+SSE_DONE = b"data: [DONE]"  # the OpenAI stream's terminal event
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -300,7 +301,10 @@ class Trial:
         error = status is None or status >= 400
         # complete: the response's body ended normally; known only where the body reaches the picker (the
         # picker's own answers are never complete)
-        complete: bool | None = False if ex is None else completed if seen else None
+        # (an SSE stream is complete once its terminal event passed: a client may close the connection at
+        # ``data: [DONE]``, before the body's end reaches the picker)
+        done = completed or self.tail.rstrip().endswith(SSE_DONE)
+        complete: bool | None = False if ex is None else done if seen else None
         result = "error" if error else "unknown" if complete is None else "complete" if complete else "incomplete"
         prompt = usage.prompt_tokens if usage is not None else None
         cached = usage.cached_tokens if usage is not None else None

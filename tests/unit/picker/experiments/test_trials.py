@@ -149,6 +149,13 @@ async def test_a_response_that_does_not_end_is_incomplete_and_an_error_is_an_err
     assert exps.counts[err["arm"]].results["error"] == 1
 
 
+async def test_an_sse_stream_that_passed_its_terminal_event_is_complete(tmp_path: Path) -> None:
+    app = app_of(config(tmp_path))
+    await send(app, "done", body=sse_usage(10, 5), end=False)  # the client closed at [DONE], before the body's end
+    (r,) = records(app, tmp_path)
+    assert r["complete"] is True and r["usage"]["prompt_tokens"] == 10
+
+
 async def test_the_pickers_own_answer_is_recorded_as_an_error(tmp_path: Path) -> None:
     app = app_of(config(tmp_path))
     app.pool.update(app.settings.pool, [])  # no member left: 503 no_healthy_backend
