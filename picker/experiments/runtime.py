@@ -269,8 +269,8 @@ class Trial:
         self.status: int | None = None
         self.tail = b""
 
-    # -- the picker answered the request itself (429, 503) ---------------------------------------------
-    def answered(self, status: int) -> None:
+    # -- the picker answered the request itself (429, 503), or it ended unrouted (None) ----------------
+    def answered(self, status: int | None) -> None:
         self.status = status
         self._finish(None, completed=False)
 

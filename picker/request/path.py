@@ -6,6 +6,7 @@ See docs/picker.md, "The request path".
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -288,7 +289,11 @@ class RequestPath:
         trial = self.experiments.start(req.headers, facts) if self.experiments.enabled else None
         if trial is None:
             return await self.route_pool(facts, req, cached, cpu, None)
-        result = await self.route_pool(facts, req, cached, cpu, trial)
+        try:
+            result = await self.route_pool(facts, req, cached, cpu, trial)
+        except asyncio.CancelledError:  # the client went away while the request waited (flow control)
+            trial.answered(None)
+            raise
         if isinstance(result, Answer):
             trial.answered(result.status)
         return result

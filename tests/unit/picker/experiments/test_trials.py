@@ -3,6 +3,7 @@ arm, and each request becomes one decision-log record whose unknowns stay unknow
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from prometheus_client import generate_latest
 from picker.config import ConfigError, parse_settings
 from picker.experiments.runtime import ratio_bucket
 from picker.extproc.stream import RequestStream
+from picker.request.path import Inbound
 from picker.runtime.app import PickerApp
 from tests.support.builders import app_of, static_pool
 
@@ -227,3 +229,24 @@ def test_an_arm_that_cannot_apply_per_request_is_refused_with_its_path(arm: dict
 def test_enabled_needs_an_arm() -> None:
     with pytest.raises(ConfigError, match="at least one arm"):
         parse_settings({"experiments": {"enabled": True}})
+
+
+async def test_a_client_that_leaves_while_queued_is_recorded_unrouted(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    cfg["pool"] = static_pool(1)
+    cfg["flow_control"] = {"enabled": True, "saturation": {"in_flight_threshold": 1, "queue_depth_threshold": 0}}
+    app = app_of(cfg)
+    held = app.pool.acquire(app.pool.view().states[0].endpoint)  # saturated: the next request waits
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "wait"}]}).encode()
+    inbound = Inbound("/v1/chat/completions", {":method": "POST", "x-session-id": "w"}, body)
+    task = asyncio.create_task(app.path.route(inbound))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    held.release()
+    (r,) = records(app, tmp_path)
+    assert r["status"] is None and r["endpoint"] is None and r["complete"] is False
+    assert app.path.experiments.counts[r["arm"]].results["error"] == 1
