@@ -1,4 +1,4 @@
-"""The ``kv-epp`` command: serve, config validate, envoy-config."""
+"""The ``kv-epp`` command: serve, config validate, envoy-config, experiment report."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from picker.config import ConfigError, Settings, config_warnings, load_settings, settings_json_schema
+from picker.experiments.report import ReportError, run_report
+from picker.experiments.report import add_arguments as add_report_arguments
 from picker.runtime.envoy_config import RESPONSE_MODES, EnvoyOptions, bootstrap_yaml
 from picker.runtime.envoy_needs import DEFAULT_PICKER, Given, Refused, derive, read_token
 from picker.shared.cli import LOG_FORMAT, log_level_flag
@@ -85,6 +87,18 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _schema(_: argparse.Namespace) -> int:
     sys.stdout.write(json.dumps(settings_json_schema(), indent=2) + "\n")
+    return 0
+
+
+def _experiment_report(args: argparse.Namespace) -> int:
+    """``experiment report LOG...``: the A/B report of decision logs (``picker.experiments.report``), printed;
+    exit 0 whatever the verdicts, 2 with one ``error:`` line on a bad option or input."""
+    try:
+        output = run_report(args)
+    except ReportError as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    sys.stdout.write(output)
     return 0
 
 
@@ -236,6 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
         "schema", help="print the JSON Schema of the config file (draft-07, for values.schema.json)", parents=[common]
     )
     sc.set_defaults(func=_schema)
+
+    x = sub.add_parser("experiment", help="A/B experiment tools", parents=[common])
+    xsub = x.add_subparsers(dest="experiment_command", required=True)
+    r = xsub.add_parser(
+        "report", help="the A/B report of decision logs: metrics, intervals, non-inferiority verdicts", parents=[common]
+    )
+    add_report_arguments(r)
+    r.set_defaults(func=_experiment_report)
 
     e = sub.add_parser("envoy-config", help="print an Envoy bootstrap for kv-epp", parents=[common])
     e.add_argument("--mode", choices=["sidecar", "standalone", "no-picker"], default="sidecar")
