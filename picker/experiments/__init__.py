@@ -1,1 +1,2 @@
-"""A/B experiments on the picker: the offline report of its decision log (docs/experiments.md)."""
+"""Session-level experiments: arms, the stable assignment of sessions to them, the decision log, the per-arm
+counts, and the offline report of the log (docs/experiments.md)."""
