@@ -1169,12 +1169,18 @@ def _cross_section_problems(s: Settings) -> list[tuple[str, str]]:
     exposed = unauthenticated_exposure(s.extproc, loopback_host(s.extproc.host))  # a name: checked at start
     if exposed is not None:
         out.append(exposed)
+    return out + arm_problems(s) + _pool_source_problems(s)
+
+
+def arm_problems(s: Settings) -> list[tuple[str, str]]:
+    """Every experiment arm's overlay checked against ``s`` (``arm_settings``): the problems, with their paths."""
+    out: list[tuple[str, str]] = []
     for name, arm in s.experiments.arms.items():
         try:
             arm_settings(s, name, arm)
         except ConfigError as exc:
             out.extend(exc.problems)
-    return out + _pool_source_problems(s)
+    return out
 
 
 def _pool_source_problems(s: Settings) -> list[tuple[str, str]]:

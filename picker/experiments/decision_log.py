@@ -29,7 +29,15 @@ FLUSH_SECONDS = 1.0  # the writer wakes at least this often (a record waits at m
 class DecisionLog:
     """A bounded queue of JSON lines and the thread that writes them (see the module docstring)."""
 
-    def __init__(self, target: str, max_bytes: int, backups: int, queue_max: int, start: bool = True) -> None:
+    def __init__(
+        self,
+        target: str,
+        max_bytes: int,
+        backups: int,
+        queue_max: int,
+        start: bool = True,
+        after: DecisionLog | None = None,
+    ) -> None:
         self.target = target
         self.max_bytes = max_bytes
         self.backups = backups
@@ -45,6 +53,7 @@ class DecisionLog:
         self._file: BinaryIO | None = None
         self._size = 0
         self._failing = False
+        self._after = after  # a closed writer (a reload): this one writes once that one has finished
         self._thread = threading.Thread(target=self._run, name="kv-epp-decision-log", daemon=True)
         if start:
             self._thread.start()
@@ -69,15 +78,24 @@ class DecisionLog:
         if len(self._queue) == 1:
             self._wake.set()
 
-    def close(self, timeout: float = 3.0) -> None:
-        """Write what is queued (within ``timeout``), then stop the thread and close the file."""
+    def close(self, timeout: float = 3.0, wait: bool = True) -> bool:
+        """Take no more records; the thread writes what is queued, closes the file and ends. With ``wait``, wait
+        for it (at most ``timeout``): True when it has ended."""
         self._closing = True
         self._wake.set()
+        if wait and self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     # -- the writer thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        after, self._after = self._after, None
+        if after is not None:
+            after.join()  # the previous writer (same file, maybe) finishes its queue first
         try:
             while True:
                 self._wake.wait(FLUSH_SECONDS)

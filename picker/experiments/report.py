@@ -80,10 +80,10 @@ METRICS: dict[str, Metric] = {
     for m in (
         Metric("hit_ratio", True, "absolute", "sum(cached_tokens) / sum(prompt_tokens), both known"),
         Metric("cached_ratio_mean", True, "absolute", "mean of cached/prompt per request, prompt > 0"),
-        Metric("ttft_p50", False, "relative", "median of ttft_s, known"),
-        Metric("ttft_p99", False, "relative", "99th percentile of ttft_s, known"),
-        Metric("first_byte_p50", False, "relative", "median of first_byte_s, known"),
-        Metric("first_byte_p99", False, "relative", "99th percentile of first_byte_s, known"),
+        Metric("ttft_p50", False, "relative", "median of ttft_s, known, of responses without error"),
+        Metric("ttft_p99", False, "relative", "99th percentile of ttft_s, known, without error"),
+        Metric("first_byte_p50", False, "relative", "median of first_byte_s, known, without error"),
+        Metric("first_byte_p99", False, "relative", "99th percentile of first_byte_s, known, without error"),
         Metric("error_rate", False, "absolute", "share of requests with status null or >= 400"),
         Metric("incomplete_rate", False, "absolute", "complete false among status < 400 with complete known"),
     )
@@ -325,9 +325,9 @@ def _arm(name: str, records: Sequence[Record]) -> _Arm:
         if not r.error and r.complete is not None:
             sums["ok_known"][i] += 1
             sums["incomplete"][i] += not r.complete
-        if r.ttft_s is not None:
+        if r.ttft_s is not None and not r.error:  # an error's latency is not a first token's (a fast 500)
             ttft.append((r.ttft_s, i))
-        if r.first_byte_s is not None:
+        if r.first_byte_s is not None and not r.error:
             first_byte.append((r.first_byte_s, i))
     # A resample draws n sessions, so no field's total exceeds n times its largest session's value.
     widths = [(n * max(sums[k])).bit_length() + 1 for k in SUMS]
@@ -542,7 +542,7 @@ def _table(
                     "requests": n,
                     "share": _share(n, len(records)),
                     "sessions": len({r.session for r in group}),
-                    "ttft_p50": _quantile(sorted(r.ttft_s for r in group if r.ttft_s is not None), 0.5),
+                    "ttft_p50": _quantile(sorted(r.ttft_s for r in group if r.ttft_s is not None and not r.error), 0.5),
                     "incomplete_rate": _share(sum(r.complete is False for r in ok_known), len(ok_known)),
                     "error_rate": _share(sum(r.error for r in group), n),
                     "missing_rate": _share(sum(r.ttft_s is None for r in group), n),

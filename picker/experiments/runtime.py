@@ -8,6 +8,7 @@ See docs/experiments.md.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,12 +28,14 @@ from picker.pool.preemptions import PreemptionWindows
 from picker.routing.core import Router
 
 log = logging.getLogger("kv_epp.experiments")
+_RANK = re.compile(r"\.rank\d+$")  # a pod's N-th target port (``picker.shared.discovery.model.backend_name``)
 _mono = time.monotonic
 _wall = time.time
 
 # the seed's cached-ratio buckets (engine-observed cached / prompt tokens of one request), and unknown
 RATIO_BUCKETS = ("0", "(0,0.5]", "(0.5,0.9]", "(0.9,1]", "unknown")
 RESULTS = ("complete", "incomplete", "error", "unknown")
+MAX_MODEL_CHARS = 256  # a client's model name, as recorded (a record's size stays bounded)
 SSE_DONE = b"data: [DONE]"  # the OpenAI stream's terminal event
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -90,6 +93,7 @@ class Experiments:
         self.sources: dict[str, int] = dict.fromkeys((SOURCE_HEADER, SOURCE_FIRST_TURN, SOURCE_NONE), 0)
         self.log: DecisionLog | None = None
         self._pool_names: tuple[str, ...] = ()
+        self._salt = ""
         if registry is not None:
             registry.register(ExperimentsCollector(self))
 
@@ -99,16 +103,30 @@ class Experiments:
         self.cfg = cfg
         self.enabled = cfg.enabled
         if not cfg.enabled:
-            self.arms, self.counts, self.assigner = {}, {}, None
+            self.arms, self.counts, self.assigner, self._salt = {}, {}, None, ""
             self.turns = SessionTurns(1)
             self._close_log()
             return
+        old_weights = {n: a.weight for n, a in self.arms.items()}
         arms: dict[str, Arm] = {}
         for name, arm_cfg in cfg.arms.items():
-            s = arm_settings(settings, name, arm_cfg)  # validated with the config: a ConfigError here is a bug
-            router = Router(s)
+            s = arm_settings(settings, name, arm_cfg)  # checked against these settings first (check_arms)
+            kept = self.arms.get(name)
+            if kept is not None:  # the arm's router keeps its state (its strategy's, its ring)
+                router = kept.router
+                router.reconfigure(s)
+            else:
+                router = Router(s)
             router.set_pool_names(self._pool_names)
             arms[name] = Arm(name, arm_cfg.weight, s, router, tier4_available and router.tier4_active())
+        weights = {n: a.weight for n, a in arms.items()}
+        if old_weights and (weights != old_weights or cfg.salt != self._salt):
+            log.warning(
+                "event=experiment_reassigned arms=%s salt_changed=%s (the arms, their weights or the salt changed: "
+                "some sessions now land in another arm; analyse the logs before and after apart)",
+                ",".join(sorted(weights)), cfg.salt != self._salt,
+            )  # fmt: skip
+        self._salt = cfg.salt
         self.arms = arms
         self.counts = {name: self.counts.get(name) or ArmCounts() for name in arms}
         self.assigner = Assigner(cfg.salt, {n: a.weight for n, a in arms.items()})
@@ -131,18 +149,24 @@ class Experiments:
             target, cfg.decision_log_max_bytes, cfg.decision_log_backups, cfg.decision_log_queue
         ):
             return
-        self._close_log()
-        self.log = DecisionLog(target, cfg.decision_log_max_bytes, cfg.decision_log_backups, cfg.decision_log_queue)
+        old = self._close_log()  # not waited for here (the event loop): the new writer waits for it
+        self.log = DecisionLog(
+            target, cfg.decision_log_max_bytes, cfg.decision_log_backups, cfg.decision_log_queue, after=old
+        )
         log.info("event=decision_log_opened target=%s", target)
 
-    def _close_log(self) -> None:
+    def _close_log(self) -> DecisionLog | None:
+        """Stop taking records; the writer finishes its queue by itself (never joined on the event loop)."""
         old, self.log = self.log, None
         if old is not None:
-            old.close()
+            old.close(wait=False)
+        return old
 
-    def close(self) -> None:
-        """At stop: the decision log's queued records are written (bounded wait)."""
-        self._close_log()
+    def close(self) -> bool:
+        """At stop (off the event loop): the decision log's queued records are written, within a bounded wait.
+        True when they all were."""
+        old, self.log = self.log, None
+        return old.close() if old is not None else True
 
     def set_pool_names(self, names: tuple[str, ...]) -> None:
         """The pool's names: every arm's ring follows (called where the picker's own router's ring is rebuilt)."""
@@ -155,15 +179,18 @@ class Experiments:
         return frozenset(self.header_names) if self.enabled else frozenset()
 
     # -- the request path -----------------------------------------------------------------------------
-    def start(self, headers: Mapping[str, str], facts: RequestFacts) -> Trial | None:
-        """The request's arm and its trial (None while disabled)."""
+    def start(self, headers: Mapping[str, str], facts: RequestFacts, arrived: float | None = None) -> Trial | None:
+        """The request's arm and its trial (None while disabled). ``arrived``: when its headers reached the picker
+        (monotonic), the start of its latencies; now when not given."""
         assigner = self.assigner
         if not self.enabled or assigner is None:
             return None
         key = _session_of(headers, facts, self.header_names)
         name = assigner.arm(key.digest)
-        now = _mono()
-        turn, start_gap, idle_gap = self.turns.begin(key.digest, now)
+        now = arrived if arrived is not None else _mono()
+        # a request with nothing to key its session on is a session of its own: not tracked (it would only push
+        # real sessions out of the table)
+        turn, start_gap, idle_gap = (1, None, None) if key.source == SOURCE_NONE else self.turns.begin(key.digest, now)
         counts = self.counts[name]
         counts.requests += 1
         if turn == 1:
@@ -178,11 +205,13 @@ class Experiments:
         if counts is not None:  # None: a reload removed the arm while the request ran
             counts.results[result] += 1
             counts.buckets[bucket] += 1
-            if ttft is not None:
+            if ttft is not None and result != "error":  # an error's latency is not a first token's
                 counts.ttft.observe(ttft)
-        self.turns.end(trial.session.digest, trial.ended_at, completed and result != "error")
-        if self.log is not None:
-            self.log.write(record)
+        if trial.session.source != SOURCE_NONE:
+            self.turns.end(trial.session.digest, trial.ended_at, completed and result != "error")
+        dl = self.log  # read once: a stop may clear it from another thread
+        if dl is not None:
+            dl.write(record)
 
     def stats(self) -> dict[str, Any]:
         """``GET /admin/experiments``."""
@@ -223,6 +252,7 @@ class Trial:
         "ended_at",
         "exps",
         "facts",
+        "finished",
         "first_body_at",
         "first_byte_at",
         "idle_gap",
@@ -257,7 +287,8 @@ class Trial:
         self.facts = facts
         self.request_id = request_id[:128] if request_id else None
         self.started_at = now
-        self.started_wall = _wall()
+        self.started_wall = _wall() - (_mono() - now)
+        self.finished = False
         self.turn = turn
         self.start_gap = start_gap
         self.idle_gap = idle_gap
@@ -290,6 +321,9 @@ class Trial:
         self._finish(ex, completed)
 
     def _finish(self, ex: Any, completed: bool) -> None:
+        if self.finished:  # once: a request dispatched just as its client left ends its exchange, then raises
+            return
+        self.finished = True
         now = self.ended_at = _mono()
         t0 = self.started_at
         decision = ex.decision if ex is not None else None
@@ -324,7 +358,7 @@ class Trial:
             "turn": self.turn,
             "start_gap_s": _r(self.start_gap),
             "idle_gap_s": _r(self.idle_gap),
-            "model": self.facts.model,
+            "model": self.facts.model[:MAX_MODEL_CHARS] if self.facts.model is not None else None,
             "stream": self.facts.stream,
             "endpoint": endpoint,
             "pod": pod,
@@ -345,7 +379,7 @@ class Trial:
             },
             "preempt_window": window,
         }
-        self.exps.finish(self, record, completed, result, ttft, ratio_bucket(prompt, cached))
+        self.exps.finish(self, record, done if seen else completed, result, ttft, ratio_bucket(prompt, cached))
 
 
 def _r(v: float | None) -> float | None:
@@ -358,8 +392,7 @@ def _pod_of(endpoint: str | None, settings: Settings) -> tuple[str | None, str |
     ref = settings.pool.inference_pool
     if endpoint is None or ref is None:
         return None, None
-    pod = endpoint.rsplit(".rank", 1)[0] if ".rank" in endpoint else endpoint
-    return pod, ref.namespace
+    return _RANK.sub("", endpoint), ref.namespace
 
 
 class ExperimentsCollector(Collector):

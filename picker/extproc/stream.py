@@ -253,7 +253,8 @@ class RequestStream:
     ) -> Sequence[pb.ProcessingResponse]:
         try:
             readable = self.resp_mode in (FULL_DUPLEX, STREAMED)
-            result = await self.stages.route(Inbound(self.path, self.headers, body, self.subset, readable))
+            arrived = self.headers_at or None
+            result = await self.stages.route(Inbound(self.path, self.headers, body, self.subset, readable, arrived))
         finally:
             self._release_body()  # the body is out of the stream's buffer (echoed or refused)
         if isinstance(result, Answer):

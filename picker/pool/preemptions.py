@@ -41,12 +41,11 @@ class PreemptionWindows:
         if not series:
             return None
         first = last = None
-        for at, total in series:  # oldest first; at most MAX_SAMPLES
+        for at, total in reversed(series):  # newest first: a window ends near now, a few samples back
+            if last is None and at <= end:
+                last = total
             if at <= start:
                 first = total
-            if at <= end:
-                last = total
-            else:
                 break
         if first is None or last is None:
             return None

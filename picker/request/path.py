@@ -6,7 +6,6 @@ See docs/picker.md, "The request path".
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,6 +56,7 @@ class Inbound:
     body: bytes | None
     subset: Sequence[str] | None = None
     responses_readable: bool = True  # the response body reaches the picker (Envoy's response mode full)
+    arrived: float | None = None  # when its headers reached the picker (monotonic), where the protocol says
 
 
 class ResponseCache(ResponseObserver, Protocol):
@@ -286,12 +286,12 @@ class RequestPath:
         external = self.external.backend_for(facts.model) if self.external is not None else None
         if external is not None:  # a type: gemini backend: Google's API, not the pool
             return self.route_external(facts, external, req, data, cached)
-        trial = self.experiments.start(req.headers, facts) if self.experiments.enabled else None
+        trial = self.experiments.start(req.headers, facts, req.arrived) if self.experiments.enabled else None
         if trial is None:
             return await self.route_pool(facts, req, cached, cpu, None)
         try:
             result = await self.route_pool(facts, req, cached, cpu, trial)
-        except asyncio.CancelledError:  # the client went away while the request waited (flow control)
+        except BaseException:  # the client went away while it waited (flow control), or a bug: recorded, once
             trial.answered(None)
             raise
         if isinstance(result, Answer):

@@ -18,8 +18,10 @@ from picker.cache.response_cache import ResponseCache
 from picker.cache.vectors import SemanticIndex
 from picker.config import (
     ConfigError,
+    ExperimentsConfig,
     PoolConfig,
     Settings,
+    arm_problems,
     config_warnings,
     load_settings,
     restart_required_changes,
@@ -292,6 +294,17 @@ class PickerApp:
             kept["pool"].update({k: getattr(old.pool, k) for k in ("backends", "inference_pool", "backends_file")})
         for section, keep in kept.items():
             hot = hot.model_copy(update={section: getattr(hot, section).model_copy(update=keep)})
+        # the arms overlay the settings that run (restart-required values kept above): one that cannot apply to
+        # them keeps the running experiment, else none runs; said, never half-applied
+        problems = arm_problems(hot)
+        if problems:
+            running = hot.model_copy(update={"experiments": old.experiments})
+            ok = not arm_problems(running)
+            hot = running if ok else hot.model_copy(update={"experiments": ExperimentsConfig()})
+            outcome = "kept the running one" if ok else "experiments disabled"
+            for where, msg in problems:
+                messages.append(f"{where}: {msg} (against the settings that run; {outcome})")
+                log.error("event=experiments_not_applied path=%s message=%r outcome=%r", where, msg, outcome)
         for path, msg in config_warnings(hot):
             log.warning("event=config_warning path=%s message=%r", path, msg)
         if hot.pool.discovered:  # the members (and standby) stay the discovered ones; the pool's other keys apply

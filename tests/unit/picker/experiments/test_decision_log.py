@@ -17,7 +17,7 @@ def test_records_are_written_as_json_lines_and_flushed_at_close(tmp_path: Path) 
     log = DecisionLog(str(path), 1 << 20, 2, 100)
     for i in range(10):
         log.write({"session": f"s{i}", "arm": "a", "usage": {"cached_tokens": None}})
-    log.close()
+    assert log.close()
     got = lines(path)
     assert [r["session"] for r in got] == [f"s{i}" for i in range(10)]
     assert got[0]["usage"] == {"cached_tokens": None}  # unknown stays null
@@ -31,7 +31,7 @@ def test_a_full_queue_drops_and_counts(tmp_path: Path) -> None:
         log.write({"i": i})
     assert log.queued == 3 and log.dropped == 2
     log.start()
-    log.close()
+    assert log.close()
     assert [r["i"] for r in lines(path)] == [0, 1, 2]
 
 
@@ -54,13 +54,13 @@ def test_a_write_error_loses_the_batch_counted_and_never_raises(tmp_path: Path) 
     log.write({"a": 1})
     log.write({"a": 2})
     log.start()
-    log.close()
+    assert log.close()
     s = log.stats()
     assert s["written"] == 0 and s["dropped"] == 2 and s["errors"] == 1
 
 
 def test_nothing_is_queued_after_close(tmp_path: Path) -> None:
     log = DecisionLog(str(tmp_path / "d.jsonl"), 4096, 1, 10)
-    log.close()
+    assert log.close()
     log.write({"late": True})
     assert log.dropped == 1 and log.queued == 0

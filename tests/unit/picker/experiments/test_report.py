@@ -275,7 +275,8 @@ def test_the_tables_count_per_arm_and_bucket() -> None:
     assert len(rows) == 10  # every bucket of every arm, empty ones too
     assert rows["a", "0"]["requests"] == 1 and rows["a", "0"]["share"] == 1 / 3
     half = rows["a", "(0,0.5]"]
-    assert (half["requests"], half["sessions"], half["ttft_p50"], half["error_rate"]) == (2, 2, 0.2, 0.5)
+    # the 500's TTFT (0.3) is not a first token's: the p50 is the other request's alone
+    assert (half["requests"], half["sessions"], half["ttft_p50"], half["error_rate"]) == (2, 2, 0.1, 0.5)
     assert rows["b", "(0.9,1]"]["missing_rate"] == 1.0 and rows["b", "(0.9,1]"]["ttft_p50"] is None
     assert rows["a", "unknown"]["requests"] == 0 and rows["a", "unknown"]["error_rate"] is None
     pre = {(r["arm"], r["bucket"]): r["requests"] for r in tables["preempt_window"]}

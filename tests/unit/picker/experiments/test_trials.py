@@ -14,8 +14,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import generate_latest
 
 from picker.config import ConfigError, parse_settings
+from picker.experiments.assign import session_of
 from picker.experiments.runtime import ratio_bucket
 from picker.extproc.stream import RequestStream
+from picker.facts import RequestFacts
 from picker.request.path import Inbound
 from picker.runtime.app import PickerApp
 from tests.support.builders import app_of, static_pool
@@ -34,7 +36,7 @@ def config(tmp_path: Path, **experiments: Any) -> dict[str, Any]:
 
 
 def records(app: PickerApp, tmp_path: Path) -> list[dict[str, Any]]:
-    app.path.experiments.close()
+    assert app.path.experiments.close()  # every queued record written (the writer thread ended)
     return [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
 
 
@@ -250,3 +252,71 @@ async def test_a_client_that_leaves_while_queued_is_recorded_unrouted(tmp_path: 
     (r,) = records(app, tmp_path)
     assert r["status"] is None and r["endpoint"] is None and r["complete"] is False
     assert app.path.experiments.counts[r["arm"]].results["error"] == 1
+
+
+async def test_a_trial_is_recorded_once_however_its_request_ends(tmp_path: Path) -> None:
+    app = app_of(config(tmp_path))
+    stream = await send(app, "twice", body=sse_usage(10, 5))
+    ex = stream.exchange
+    assert ex is not None
+    (trial,) = [o for o in ex._observers if type(o).__name__ == "Trial"]
+    trial.on_end(ex, False)  # e.g. dispatched as the client left: the exchange ended, then the wait raised
+    trial.answered(None)
+    (r,) = records(app, tmp_path)
+    assert r["complete"] is True
+    assert sum(app.path.experiments.counts[r["arm"]].results.values()) == 1
+
+
+async def test_the_next_turn_after_a_stream_closed_at_done_has_an_idle_gap(tmp_path: Path) -> None:
+    app = app_of(config(tmp_path))
+    await send(app, "s", body=sse_usage(10, 5), end=False)  # the client closed at [DONE]
+    await send(app, "s", body=sse_usage(10, 5))
+    first, second = records(app, tmp_path)
+    assert first["complete"] is True and second["idle_gap_s"] is not None
+
+
+async def test_requests_without_a_session_key_are_not_tracked(tmp_path: Path) -> None:
+    app = app_of(config(tmp_path))
+    stream = RequestStream(app.path, app.metrics.route_seconds, app.sampling)
+    req = pb.ProcessingRequest()
+    for k, v in ((":path", "/v1/models"), (":method", "GET")):
+        req.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+    req.request_headers.end_of_stream = True
+    await stream.handle(req)
+    stream.close()
+    (r,) = records(app, tmp_path)
+    assert r["session_source"] == "none" and r["turn"] == 1
+    assert len(app.path.experiments.turns) == 0
+
+
+async def test_a_reload_keeps_the_arms_routers_and_a_log_moved_to_the_same_file_loses_nothing(tmp_path: Path) -> None:
+    cfg = config(tmp_path, decision_log_queue=50)
+    app = app_of(cfg)
+    routers = {n: a.router for n, a in app.path.experiments.arms.items()}
+    for i in range(30):
+        await send(app, f"s{i}", body=sse_usage(10, 5))
+    again = config(tmp_path, decision_log_queue=60)  # the same file, a new writer: it waits for the old one
+    app.apply(parse_settings(again))
+    assert {n: a.router for n, a in app.path.experiments.arms.items()} == routers
+    for i in range(30):
+        await send(app, f"t{i}", body=sse_usage(10, 5))
+    got = records(app, tmp_path)
+    names = ("x-session-id",)
+    first = [session_of({"x-session-id": f"s{i}"}, RequestFacts(api="chat"), names).id for i in range(30)]
+    second = [session_of({"x-session-id": f"t{i}"}, RequestFacts(api="chat"), names).id for i in range(30)]
+    assert [r["session"] for r in got] == first + second  # the old writer's records, then the new one's
+
+
+async def test_a_reload_whose_arm_cannot_apply_to_the_running_settings_keeps_the_running_experiment(
+    tmp_path: Path,
+) -> None:
+    app = app_of(config(tmp_path))
+    new = config(tmp_path)
+    new["kv_cache_index"] = {"enabled": True, "event_sources": []}  # restart-required: not applied
+    new["experiments"]["arms"]["b"] = {"kv_cache_index": {"enabled": True}}  # valid in the file, not against it
+    messages = app.apply(parse_settings(new))
+    assert any("experiments.arms.b.kv_cache_index.enabled" in m and "kept the running one" in m for m in messages)
+    assert app.settings.experiments == parse_settings(config(tmp_path)).experiments
+    assert app.path.experiments.arms["b"].settings.selection_strategy == "ConsistentHash"
+    await send(app, "still", body=sse_usage(10, 5))
+    assert len(records(app, tmp_path)) == 1
