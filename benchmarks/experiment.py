@@ -7,11 +7,11 @@
 ``ab``: ``round_robin`` (the picker's RoundRobin, Tier 4 off) against ``kv_cost`` (the cost model), 50/50 by
 session, in one run over the same engines. On the simulator the traffic is S1 (seed 003's prefix repetition:
 160 documents asked about 3 times each; a document's requests are one session, sent with ``x-session-id``).
-Then the two policies run separately in the routing harness (``round_robin``: Envoy's own round robin;
-``kv_cost``), ``--separate-seeds`` times each, and the experiment's per-arm estimates are set beside their
-spread. With ``--engines vllm``: real vLLM (the CPU build, the real-engine tier's tiny model), the ``pressured``
-regime's multi-turn chat (sessions sent with ``x-session-id``), the A/B run and each policy once, interleaved
-on the same two engines with their caches reset in between.
+Then each policy runs alone, ``--separate-seeds`` times, through the same plumbing (the picker, Envoy's response
+mode ``full``, the decision log: an experiment of one arm), and the A/B's per-arm estimates are set beside the
+alone runs' spread (``agreement``). With ``--engines vllm``: real vLLM (the CPU build, the real-engine tier's
+tiny model), the ``pressured`` regime's multi-turn chat (sessions sent with ``x-session-id``), the A/B run and
+each policy alone once, on the same two engines with their caches reset in between.
 
 ``aa``: two arms with the same policy (``kv_cost``) on S1, ``--seeds`` seeds (a different trace and salt each);
 counts the seeds in which the report claims a difference at the 95% level (``differs``), per metric.
@@ -108,18 +108,41 @@ def run_ab_sim(seed: int, separate_seeds: int, out: Path, time_scale: float, sce
     work = make_workdir("kv-epp-experiment-ab-")
     log = out / f"decisions-ab-seed{seed}.jsonl"
     policy = experiment_policy(POLICIES["kv_cost"], AB_ARMS, log, salt=f"ab-{seed}")
-    print(f"[ab] S1 seed {seed}: round_robin vs kv_cost, 50/50 by document session ...", flush=True)
+    print(f"[ab] {scenario_name} seed {seed}: round_robin vs kv_cost, 50/50 by document session ...", flush=True)
     pr = asyncio.run(run_policy(scenario, policy, work))
     ab_client = separate_figures(pr.results, pr.before, pr.after, pr.url_names, pr.wall_duration_s, scenario)
     rep = report([log], out / f"report-ab-seed{seed}.json", baseline="round_robin")
-    separate: dict[str, list[dict[str, Any]]] = {"round_robin": [], "kv_cost": []}
+    separate: dict[str, list[dict[str, Any]]] = {name: [] for name in AB_ARMS}
     for s in range(separate_seeds):
-        sc = SCENARIOS[scenario_name](time_scale, seed + s)
-        for name in separate:
-            print(f"[ab] separately: {name}, S1 seed {seed + s} ...", flush=True)
-            r = asyncio.run(run_policy(sc, POLICIES[name], work))
-            separate[name].append(separate_figures(r.results, r.before, r.after, r.url_names, r.wall_duration_s, sc))
-    return {"seed": seed, "report": rep, "experiment_client_side": ab_client, "separate": separate}
+        sc = with_document_sessions(SCENARIOS[scenario_name](time_scale, seed + s))
+        for name, arm in AB_ARMS.items():
+            # the same plumbing as the A/B (the picker, Envoy's response mode full, the decision log), one arm
+            one = out / f"decisions-{name}-alone-seed{seed + s}.jsonl"
+            alone = experiment_policy(POLICIES["kv_cost"], {name: arm}, one, salt=f"alone-{seed + s}")
+            print(f"[ab] separately: {name} alone, {scenario_name} seed {seed + s} ...", flush=True)
+            r = asyncio.run(run_policy(sc, alone, work))
+            figures = separate_figures(r.results, r.before, r.after, r.url_names, r.wall_duration_s, sc)
+            figures["report"] = report([one], out / f"report-{name}-alone-seed{seed + s}.json", baseline=name)
+            separate[name].append(figures)
+    return {"seed": seed, "report": rep, "experiment_client_side": ab_client, "separate": separate,
+            "agreement": agreement(rep, separate)}  # fmt: skip
+
+
+AGREEMENT_METRICS = ("hit_ratio", "ttft_p50", "ttft_p99")
+
+
+def agreement(rep: dict[str, Any], separate: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per arm and metric: the A/B's estimate beside the separate runs' [min, median, max], and whether it lies
+    within that spread."""
+    out: dict[str, Any] = {}
+    for arm, runs in separate.items():
+        for metric in AGREEMENT_METRICS:
+            est = (rep.get("arms", {}).get(arm) or {}).get(metric)
+            alone = [((r.get("report") or {}).get("arms", {}).get(arm) or {}).get(metric) for r in runs]
+            sp = spread(alone)
+            within = est is not None and sp is not None and sp[0] <= est <= sp[2]
+            out[f"{arm}.{metric}"] = {"experiment": est, "alone_min_median_max": sp, "within": within}
+    return out
 
 
 def run_aa_sim(seeds: int, out: Path, time_scale: float, scenario_name: str) -> dict[str, Any]:
@@ -150,10 +173,18 @@ def run_ab_vllm(seed: int, out: Path, sessions: int) -> dict[str, Any]:
     work = make_workdir("kv-epp-experiment-vllm-")
     log = out / f"decisions-ab-vllm-seed{seed}.jsonl"
     policy = experiment_policy(POLICIES["kv_cost"], AB_ARMS, log, salt=f"vllm-{seed}")
+    alone = {
+        name: dataclasses.replace(
+            experiment_policy(POLICIES["kv_cost"], {name: arm}, out / f"decisions-{name}-alone-vllm-seed{seed}.jsonl",
+                              salt=f"alone-vllm-{seed}"),
+            name=f"{name}_alone",
+        )
+        for name, arm in AB_ARMS.items()
+    }  # fmt: skip
     engines = start_real(regime, work)
     runs: dict[str, Any] = {}
     try:
-        for p in (policy, POLICIES["round_robin"], POLICIES["kv_cost"]):
+        for p in (policy, *alone.values()):  # the same plumbing each time: the picker, response mode full
             reset_caches(engines)
             print(f"[vllm] {p.name}: {len(trace)} requests of {sessions} sessions ...", flush=True)
             runs[p.name] = asyncio.run(run_once(p, engines, trace, work / p.name))
@@ -164,7 +195,13 @@ def run_ab_vllm(seed: int, out: Path, sessions: int) -> dict[str, Any]:
             with contextlib.suppress(Exception):
                 e.stop()
     rep = report([log], out / f"report-ab-vllm-seed{seed}.json", baseline="round_robin")
-    return {"seed": seed, "regime": dataclasses.asdict(regime), "report": rep, "runs": runs}
+    separate = {
+        name: [{"report": report([out / f"decisions-{name}-alone-vllm-seed{seed}.jsonl"],
+                                 out / f"report-{name}-alone-vllm-seed{seed}.json", baseline=name)}]
+        for name in AB_ARMS
+    }  # fmt: skip
+    return {"seed": seed, "regime": dataclasses.asdict(regime), "report": rep, "runs": runs,
+            "separate": separate, "agreement": agreement(rep, separate)}  # fmt: skip
 
 
 # -- summaries ---------------------------------------------------------------------------------------
@@ -189,7 +226,21 @@ def markdown(doc: dict[str, Any]) -> str:
         ab = doc.get(key)
         if ab is None:
             continue
-        lines += [f"## {key}", "", "```", json.dumps(ab["report"].get("comparisons"), indent=1)[:6000], "```", ""]
+        lines += [
+            f"## {key}",
+            "",
+            "| arm | metric | diff | 95% CI | differs | verdict |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for c in ab["report"].get("comparisons", []):
+            ci = c.get("ci") or [None, None]
+            lines.append(
+                f"| {c['arm']} | {c['metric']} | {c.get('diff')} | {ci} | {c.get('differs')} | {c.get('verdict')} |"
+            )
+        lines += ["", "| arm.metric | experiment | alone [min, median, max] | within |", "| --- | --- | --- | --- |"]
+        for k, a in ab.get("agreement", {}).items():
+            lines.append(f"| {k} | {a['experiment']} | {a['alone_min_median_max']} | {a['within']} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
