@@ -37,7 +37,7 @@ from typing import Any
 from benchmarks.policies import POLICIES, PolicySpec
 from benchmarks.report import policy_figures
 from benchmarks.routing import machine_description, run_policy
-from benchmarks.scenarios import DEFAULT_TIME_SCALE, SCENARIOS, Scenario
+from benchmarks.scenarios import DEFAULT_TIME_SCALE, SCENARIOS, Scenario, seed003
 from benchmarks.stack import make_workdir
 from benchmarks.trace import TraceRecord
 
@@ -103,8 +103,19 @@ def separate_figures(
 
 
 # -- the simulator -----------------------------------------------------------------------------------
-def run_ab_sim(seed: int, separate_seeds: int, out: Path, time_scale: float, scenario_name: str) -> dict[str, Any]:
-    scenario = with_document_sessions(SCENARIOS[scenario_name](time_scale, seed))
+def sim_scenario(name: str, time_scale: float, seed: int, rate: float | None) -> Scenario:
+    """The simulator's traffic: ``name``'s scenario, S1 at ``rate`` requests/s when given."""
+    if rate is not None:
+        if name != "seed003":
+            raise SystemExit("--rate applies to the seed003 scenario")
+        return with_document_sessions(seed003(time_scale, seed, rate=rate))
+    return with_document_sessions(SCENARIOS[name](time_scale, seed))
+
+
+def run_ab_sim(
+    seed: int, separate_seeds: int, out: Path, time_scale: float, scenario_name: str, rate: float | None = None
+) -> dict[str, Any]:
+    scenario = sim_scenario(scenario_name, time_scale, seed, rate)
     work = make_workdir("kv-epp-experiment-ab-")
     log = out / f"decisions-ab-seed{seed}.jsonl"
     policy = experiment_policy(POLICIES["kv_cost"], AB_ARMS, log, salt=f"ab-{seed}")
@@ -114,7 +125,7 @@ def run_ab_sim(seed: int, separate_seeds: int, out: Path, time_scale: float, sce
     rep = report([log], out / f"report-ab-seed{seed}.json", baseline="round_robin")
     separate: dict[str, list[dict[str, Any]]] = {name: [] for name in AB_ARMS}
     for s in range(separate_seeds):
-        sc = with_document_sessions(SCENARIOS[scenario_name](time_scale, seed + s))
+        sc = sim_scenario(scenario_name, time_scale, seed + s, rate)
         for name, arm in AB_ARMS.items():
             # the same plumbing as the A/B (the picker, Envoy's response mode full, the decision log), one arm
             one = out / f"decisions-{name}-alone-seed{seed + s}.jsonl"
@@ -254,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--separate-seeds", type=int, default=3, help="ab on the simulator: separate runs per policy")
     ap.add_argument("--sessions", type=int, default=64, help="ab on vLLM: sessions of the pressured regime")
     ap.add_argument("--scenario", choices=("seed003", "tiny"), default="seed003", help="simulator: the traffic")
+    ap.add_argument("--rate", type=float, default=None, help="ab: S1 at this arrival rate (req/s) instead of 10")
     ap.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -263,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "aa":
         doc["aa"] = run_aa_sim(args.seeds, out, args.time_scale, args.scenario)
     elif args.engines == "sim":
-        doc["ab"] = run_ab_sim(args.seed, args.separate_seeds, out, args.time_scale, args.scenario)
+        doc["ab"] = run_ab_sim(args.seed, args.separate_seeds, out, args.time_scale, args.scenario, args.rate)
     else:
         doc["ab_vllm"] = run_ab_vllm(args.seed, out, args.sessions)
     (out / "results.json").write_text(json.dumps(doc, indent=1))

@@ -102,20 +102,21 @@ S1_CALIBRATION = (
 )
 
 
-def seed003(time_scale: float = DEFAULT_TIME_SCALE, seed: int = 0) -> Scenario:
-    """S1: seed 003's measurement (2 replicas, prefix_repetition 3072/64/128, 160 x 3, 10 req/s, c=32)."""
+def seed003(time_scale: float = DEFAULT_TIME_SCALE, seed: int = 0, rate: float = 10.0) -> Scenario:
+    """S1: seed 003's measurement (2 replicas, prefix_repetition 3072/64/128, 160 x 3, 10 req/s, c=32); ``rate``
+    another arrival rate (a diagnostic: the experiments' A/B below saturation)."""
     params = {
         "prefix_len": 3072, "suffix_len": 64, "output_len": 128, "num_prefixes": 160,
-        "prompts_per_prefix": 3, "rate": 10.0, "max_concurrency": 32, "temperature": 0,
+        "prompts_per_prefix": 3, "rate": rate, "max_concurrency": 32, "temperature": 0,
     }  # fmt: skip
-    records = prefix_repetition(3072, 64, 128, 160, 3, rate=10.0, seed=seed)
+    records = prefix_repetition(3072, 64, 128, 160, 3, rate=rate, seed=seed)
     return Scenario(
         "seed003",
-        "S1: reproduces seed 003 (prefix_repetition, 2 replicas, 10 req/s, concurrency 32)",
+        f"S1: reproduces seed 003 (prefix_repetition, 2 replicas, {rate:g} req/s, concurrency 32)",
         2,
         dataclasses.replace(S1_SIM, time_scale=time_scale),
         records,
-        10.0,
+        rate,
         32,
         time_scale,
         seed,
