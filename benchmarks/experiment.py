@@ -40,6 +40,7 @@ from benchmarks.routing import machine_description, run_policy
 from benchmarks.scenarios import DEFAULT_TIME_SCALE, SCENARIOS, Scenario, seed003
 from benchmarks.stack import make_workdir
 from benchmarks.trace import TraceRecord
+from benchmarks.workloads import prefix_repetition
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUND_ROBIN_ARM = {"selection_strategy": "RoundRobin", "kv_cache_index": {"enabled": False}}
@@ -112,13 +113,45 @@ def sim_scenario(name: str, time_scale: float, seed: int, rate: float | None) ->
     return with_document_sessions(SCENARIOS[name](time_scale, seed))
 
 
+def doubled(scenario: Scenario, seed: int) -> Scenario:
+    """S1 twice over: twice the documents at twice the rate on twice the replicas, so that each of two arms on
+    half of the replicas gets what one policy alone gets in S1."""
+    p = scenario.params
+    records = prefix_repetition(
+        p["prefix_len"], p["suffix_len"], p["output_len"], 2 * p["num_prefixes"], p["prompts_per_prefix"],
+        rate=2 * p["rate"], seed=seed,
+    )  # fmt: skip
+    return with_document_sessions(
+        dataclasses.replace(
+            scenario, name=f"{scenario.name}-doubled", replicas=2 * scenario.replicas, records=records,
+            rate=2 * p["rate"], max_concurrency=2 * scenario.max_concurrency,
+            params={**p, "num_prefixes": 2 * p["num_prefixes"], "rate": 2 * p["rate"]},
+        )
+    )  # fmt: skip
+
+
 def run_ab_sim(
-    seed: int, separate_seeds: int, out: Path, time_scale: float, scenario_name: str, rate: float | None = None
+    seed: int,
+    separate_seeds: int,
+    out: Path,
+    time_scale: float,
+    scenario_name: str,
+    rate: float | None = None,
+    separate_pools: bool = False,
 ) -> dict[str, Any]:
     scenario = sim_scenario(scenario_name, time_scale, seed, rate)
     work = make_workdir("kv-epp-experiment-ab-")
     log = out / f"decisions-ab-seed{seed}.jsonl"
-    policy = experiment_policy(POLICIES["kv_cost"], AB_ARMS, log, salt=f"ab-{seed}")
+    arms: dict[str, Any] = AB_ARMS
+    if separate_pools:  # each arm on replicas of its own: no shared queue, no shared cache
+        scenario = doubled(scenario, seed)
+        half = scenario.replicas // 2
+        names = [f"sim-{i}" for i in range(scenario.replicas)]
+        arms = {
+            "round_robin": {**ROUND_ROBIN_ARM, "endpoints": names[:half]},
+            "kv_cost": {"endpoints": names[half:]},
+        }
+    policy = experiment_policy(POLICIES["kv_cost"], arms, log, salt=f"ab-{seed}")
     print(f"[ab] {scenario_name} seed {seed}: round_robin vs kv_cost, 50/50 by document session ...", flush=True)
     pr = asyncio.run(run_policy(scenario, policy, work))
     ab_client = separate_figures(pr.results, pr.before, pr.after, pr.url_names, pr.wall_duration_s, scenario)
@@ -135,8 +168,10 @@ def run_ab_sim(
             figures = separate_figures(r.results, r.before, r.after, r.url_names, r.wall_duration_s, sc)
             figures["report"] = report([one], out / f"report-{name}-alone-seed{seed + s}.json", baseline=name)
             separate[name].append(figures)
-    return {"seed": seed, "report": rep, "experiment_client_side": ab_client, "separate": separate,
-            "agreement": agreement(rep, separate)}  # fmt: skip
+    return {
+        "seed": seed, "separate_pools": separate_pools, "arms": arms, "report": rep,
+        "experiment_client_side": ab_client, "separate": separate, "agreement": agreement(rep, separate),
+    }  # fmt: skip
 
 
 AGREEMENT_METRICS = ("hit_ratio", "ttft_p50", "ttft_p99")
@@ -266,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=64, help="ab on vLLM: sessions of the pressured regime")
     ap.add_argument("--scenario", choices=("seed003", "tiny"), default="seed003", help="simulator: the traffic")
     ap.add_argument("--rate", type=float, default=None, help="ab: S1 at this arrival rate (req/s) instead of 10")
+    ap.add_argument(
+        "--separate-pools", action="store_true",
+        help="ab on S1: each arm on replicas of its own (S1 doubled: twice the documents, rate and replicas)",
+    )  # fmt: skip
     ap.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -275,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "aa":
         doc["aa"] = run_aa_sim(args.seeds, out, args.time_scale, args.scenario)
     elif args.engines == "sim":
-        doc["ab"] = run_ab_sim(args.seed, args.separate_seeds, out, args.time_scale, args.scenario, args.rate)
+        doc["ab"] = run_ab_sim(
+            args.seed, args.separate_seeds, out, args.time_scale, args.scenario, args.rate, args.separate_pools
+        )
     else:
         doc["ab_vllm"] = run_ab_vllm(args.seed, out, args.sessions)
     (out / "results.json").write_text(json.dumps(doc, indent=1))

@@ -801,6 +801,9 @@ class ExperimentArmConfig(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     weight: float = Field(1.0, gt=0.0, le=1_000_000.0)
+    # the pool's endpoints this arm routes to (a pool of its own: arms that share no engine share no queue and
+    # no cache); empty: every endpoint of the pool
+    endpoints: tuple[BackendName, ...] = Field((), max_length=10_000)
 
     @property
     def overlay(self) -> dict[str, Any]:
@@ -850,7 +853,7 @@ def arm_settings(base: Settings, name: str, arm: ExperimentArmConfig) -> Setting
     update: dict[str, Any] = {}
     for key, value in arm.overlay.items():
         if key not in ARM_OVERLAY_KEYS:
-            allowed = ", ".join(["weight", *ARM_OVERLAY_KEYS])
+            allowed = ", ".join(["weight", "endpoints", *ARM_OVERLAY_KEYS])
             problems.append((f"{at}.{key}", f"an arm cannot overlay this key per request (an arm takes {allowed})"))
             continue
         subkeys = ARM_OVERLAY_KEYS[key]
@@ -873,6 +876,11 @@ def arm_settings(base: Settings, name: str, arm: ExperimentArmConfig) -> Setting
             update[key] = type(section).model_validate(_merged(section.model_dump(), value))
         except ValidationError as exc:
             problems.extend((f"{at}.{key}.{p}", m) for p, m in validation_problems(exc))
+    if arm.endpoints and not base.pool.discovered:
+        known = {b.name for b in base.pool.engines}
+        for i, e in enumerate(arm.endpoints):
+            if e not in known:
+                problems.append((f"{at}.endpoints[{i}]", f"{e!r} is not a backend of pool.backends"))
     kv = update.get("kv_cache_index")
     if kv is not None and kv.enabled and not base.kv_cache_index.enabled:
         problems.append(

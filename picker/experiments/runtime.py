@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,13 +68,32 @@ class ArmCounts:
 class Arm:
     """One arm: its name, weight, the config its requests route with, and its router."""
 
-    def __init__(self, name: str, weight: float, settings: Settings, router: Router, tier4: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        weight: float,
+        settings: Settings,
+        router: Router,
+        tier4: bool,
+        endpoints: tuple[str, ...] = (),
+    ) -> None:
         self.name = name
         self.weight = weight
+        self.endpoints = endpoints  # the arm's own part of the pool (empty: all of it)
         self.settings = settings
         self.router = router
         self.tier4 = tier4  # Tier 4 consulted for this arm's requests
         self.affinity = settings.session_affinity.enabled
+
+    def subset(self, hint: Sequence[str] | None, address_of: Callable[[str], str | None]) -> Sequence[str] | None:
+        """The addresses this arm's request may go to: the proxy's subset hint (addresses; None: none) within the
+        arm's own endpoints (``address_of``: an endpoint's address in the pool now, None when it is not in it)."""
+        if not self.endpoints:
+            return hint
+        own = [a for n in self.endpoints if (a := address_of(n)) is not None]
+        if hint is None:
+            return own
+        return [a for a in hint if a in own]
 
 
 class Experiments:
@@ -118,7 +137,8 @@ class Experiments:
             else:
                 router = Router(s)
             router.set_pool_names(self._pool_names)
-            arms[name] = Arm(name, arm_cfg.weight, s, router, tier4_available and router.tier4_active())
+            tier4 = tier4_available and router.tier4_active()
+            arms[name] = Arm(name, arm_cfg.weight, s, router, tier4, arm_cfg.endpoints)
         weights = {n: a.weight for n, a in arms.items()}
         if old_weights and (weights != old_weights or cfg.salt != self._salt):
             log.warning(
@@ -229,6 +249,7 @@ class Experiments:
                     "share": arm.weight / total,
                     "overlay": self.cfg.arms[name].overlay if name in self.cfg.arms else {},
                     "strategy": arm.settings.selection_strategy,
+                    "endpoints": list(arm.endpoints),
                     "tier4": arm.tier4,
                     "scoring_mode": arm.settings.kv_cache_index.scoring.mode,
                     "requests": self.counts[name].requests,

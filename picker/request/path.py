@@ -347,6 +347,10 @@ class RequestPath:
         self.recorder.external(backend.name)
         return ex
 
+    def _address_of(self, name: str) -> str | None:
+        ep = self.pool.endpoint(name)
+        return ep.address if ep is not None else None
+
     def dispatch(
         self,
         facts: RequestFacts,
@@ -358,7 +362,11 @@ class RequestPath:
     ) -> Exchange | Answer:
         """Stages 4 and 5, synchronous: decide, then commit (or the 503 when no endpoint is eligible)."""
         t1 = _perf()
-        decision = self.decide(facts, prepared, req.subset, trial.arm.router if trial is not None else None)
+        if trial is None:
+            decision = self.decide(facts, prepared, req.subset)
+        else:  # the arm's router, on the arm's part of the pool
+            subset = trial.arm.subset(req.subset, self._address_of)
+            decision = self.decide(facts, prepared, subset, trial.arm.router)
         if decision is None:
             self.recorder.refused("no_backend")
             why = "no endpoint in the subset hint is eligible" if req.subset is not None else "no healthy backend"

@@ -320,3 +320,21 @@ async def test_a_reload_whose_arm_cannot_apply_to_the_running_settings_keeps_the
     assert app.path.experiments.arms["b"].settings.selection_strategy == "ConsistentHash"
     await send(app, "still", body=sse_usage(10, 5))
     assert len(records(app, tmp_path)) == 1
+
+
+async def test_an_arm_with_endpoints_of_its_own_routes_only_to_them(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    cfg["experiments"]["arms"] = {"a": {"endpoints": ["a"]}, "b": {"endpoints": ["b", "c"]}}
+    app = app_of(cfg)
+    for i in range(30):
+        await send(app, f"s{i}", body=sse_usage(10, 5))
+    got = records(app, tmp_path)
+    assert {r["endpoint"] for r in got if r["arm"] == "a"} == {"a"}
+    assert {r["endpoint"] for r in got if r["arm"] == "b"} == {"b", "c"}
+    assert app.path.experiments.stats()["arms"]["b"]["endpoints"] == ["b", "c"]
+
+
+def test_an_arms_endpoints_must_be_in_a_static_pool() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_settings({"pool": static_pool(2), "experiments": {"enabled": True, "arms": {"x": {"endpoints": ["zz"]}}}})
+    assert "experiments.arms.x.endpoints[0]" in [p for p, _ in err.value.problems]
