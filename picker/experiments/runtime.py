@@ -129,7 +129,7 @@ class Experiments:
         old_weights = {n: a.weight for n, a in self.arms.items()}
         arms: dict[str, Arm] = {}
         for name, arm_cfg in cfg.arms.items():
-            s = arm_settings(settings, name, arm_cfg)  # checked against these settings first (check_arms)
+            s = arm_settings(settings, name, arm_cfg)  # checked against these settings first (app: arm_problems)
             kept = self.arms.get(name)
             if kept is not None:  # the arm's router keeps its state (its strategy's, its ring)
                 router = kept.router
@@ -150,15 +150,10 @@ class Experiments:
         self.arms = arms
         self.counts = {name: self.counts.get(name) or ArmCounts() for name in arms}
         self.assigner = Assigner(cfg.salt, {n: a.weight for n, a in arms.items()})
-        self.header_names = tuple(dict.fromkeys((settings.session_affinity.header.lower(), *cfg.session_headers)))
-        self.header_names = tuple(h.lower() for h in self.header_names)
-        if self.turns.max_sessions != cfg.max_sessions:
-            self.turns = SessionTurns(cfg.max_sessions) if len(self.turns) == 0 else self._resized(cfg.max_sessions)
+        names = (settings.session_affinity.header, *cfg.session_headers)
+        self.header_names = tuple(dict.fromkeys(h.lower() for h in names))
+        self.turns.max_sessions = cfg.max_sessions  # a smaller bound evicts at the next new session
         self._open_log(cfg)
-
-    def _resized(self, n: int) -> SessionTurns:
-        self.turns.max_sessions = n
-        return self.turns
 
     def _open_log(self, cfg: ExperimentsConfig) -> None:
         target = cfg.decision_log
