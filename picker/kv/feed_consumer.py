@@ -226,6 +226,12 @@ class KvFeedConsumer:
                 self._set_connected(False)
                 self._staged = None
                 self._current, self._interrupted = None, False
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # stop() cancelled this task while it awaited the connection, and the connection ended some other
+                # way at the same moment (an RPC error, a wait_for that returned its result): the cancellation
+                # was consumed on the way; honour it, or stop() waits for a loop that never ends
+                raise asyncio.CancelledError
             if reason not in self.stats.closes and len(self.stats.closes) >= MAX_CLOSE_REASONS:
                 reason = "other"  # reasons come from the listener: keep the map bounded
             self.stats.last_close_reason = reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from picker.config import EventSourceConfig
@@ -69,3 +70,26 @@ def test_a_put_carries_the_engines_page_size_in_both_encodings() -> None:
         assert consumer.index.lookup([5, 6])["e1"].blocks == 2
     sse.apply_record(PUT, orjson.dumps({"keys": ["7"], "tier": "gpu_hot", "page": "x"}).decode(), "2")
     assert sse.stats.page_tokens == 64  # a page that is not a number is ignored, the keys applied
+
+
+class _SwallowsCancel(GrpcFeedConsumer):
+    """A connection that, cancelled, ends with an RPC-like error instead (as a gRPC read may, or a wait_for whose
+    result came at the same moment): the cancellation is consumed before the consumer's loop sees it."""
+
+    entered = 0
+
+    async def consume_once(self) -> None:
+        self.entered += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise ValueError("the connection ended") from None
+
+
+async def test_stop_ends_the_consumer_even_when_the_connection_swallows_the_cancellation() -> None:
+    src = EventSourceConfig(backend_name="e1", endpoint="grpc://127.0.0.1:1", reconnect_interval_ms=10)
+    c = _SwallowsCancel(src, InMemoryKvIndex(), max_backoff_s=0.02)
+    c.start()
+    await async_wait_until(lambda: c.entered >= 1)
+    await asyncio.wait_for(c.stop(), 10)  # before the fix: stop() waited for a loop that reconnected forever
+    assert c.entered == 1
