@@ -44,13 +44,15 @@ from operator import itemgetter, mod, mul
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
+from picker.ops.usage import RATIO_BUCKETS, ratio_bucket
+
 LOG_VERSION = 1
 MAX_PROBLEMS = 20  # malformed lines kept with their message; the rest are only counted
 MAX_EXAMPLES = 20  # contaminated sessions listed by id
 DEFAULT_MARGIN = 0.02
 DEFAULT_CONFIDENCE = 0.95
 DEFAULT_RESAMPLES = 2000
-CACHED_BUCKETS = ("0", "(0,0.5]", "(0.5,0.9]", "(0.9,1]", "unknown")
+CACHED_BUCKETS = RATIO_BUCKETS
 PREEMPT_BUCKETS = ("0", "1", "unknown")
 VERDICTS = ("non_inferior", "inconclusive", "regression", "insufficient_data")
 VERDICT_COLORS = {
@@ -117,12 +119,7 @@ class Record:
     def cached_bucket(self) -> str:
         """The cached-ratio bucket: ``0`` (cached == 0), ``(0,0.5]``, ``(0.5,0.9]``, ``(0.9,1]``, or ``unknown``
         (a usage value unknown, or an empty prompt: no ratio; as the picker's own bucket label)."""
-        if self.prompt_tokens is None or self.cached_tokens is None or self.prompt_tokens == 0:
-            return "unknown"
-        if self.cached_tokens == 0:
-            return "0"
-        c, p = self.cached_tokens, self.prompt_tokens  # 0 < c <= p (checked at parse time): exact integer bounds
-        return "(0,0.5]" if 2 * c <= p else "(0.5,0.9]" if 10 * c <= 9 * p else "(0.9,1]"
+        return ratio_bucket(self.prompt_tokens, self.cached_tokens)
 
     @property
     def preempt_bucket(self) -> str:

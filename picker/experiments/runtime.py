@@ -23,7 +23,7 @@ from picker.experiments.assign import session_of as _session_of
 from picker.experiments.decision_log import DecisionLog
 from picker.facts import RequestFacts
 from picker.ops.recorder import _Histogram
-from picker.ops.usage import Usage, keep_tail, usage_in
+from picker.ops.usage import RATIO_BUCKETS, Usage, keep_tail, ratio_bucket, usage_in
 from picker.pool.preemptions import PreemptionWindows
 from picker.routing.core import Router
 
@@ -32,26 +32,10 @@ _RANK = re.compile(r"\.rank\d+$")  # a pod's N-th target port (``picker.shared.d
 _mono = time.monotonic
 _wall = time.time
 
-# the seed's cached-ratio buckets (engine-observed cached / prompt tokens of one request), and unknown
-RATIO_BUCKETS = ("0", "(0,0.5]", "(0.5,0.9]", "(0.9,1]", "unknown")
 RESULTS = ("complete", "incomplete", "error", "unknown")
 MAX_MODEL_CHARS = 256  # a client's model name, as recorded (a record's size stays bounded)
 SSE_DONE = b"data: [DONE]"  # the OpenAI stream's terminal event
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-def ratio_bucket(prompt: int | None, cached: int | None) -> str:
-    """The seed's bucket of ``cached / prompt``; ``unknown`` when either is unknown or the prompt is empty."""
-    if prompt is None or cached is None or prompt <= 0:
-        return "unknown"
-    r = cached / prompt
-    if r <= 0.0:
-        return "0"
-    if r <= 0.5:
-        return "(0,0.5]"
-    if r <= 0.9:
-        return "(0.5,0.9]"
-    return "(0.9,1]"
 
 
 @dataclass(slots=True)
