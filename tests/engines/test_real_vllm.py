@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from benchmarks.loadgen import parse_prometheus_text
-from picker.pool.engine_readings import prefill_totals
+from picker.pool.engine_readings import preemption_total, prefill_totals, read_signals
 from picker.pool.exposition import parse_exposition
 from tests.engines.real_stack import RealStack
 from tests.integration.conftest import http
@@ -200,3 +200,12 @@ def test_an_engine_restart_clears_its_old_incarnation(stack: RealStack) -> None:
     assert usage.cached_tokens == 0, "a restarted engine holds nothing of the old incarnation"
     assert after[("all", "captured")] == before[("all", "captured")], "and the picker predicted nothing there"
     wait_until(stack.index_is_truth, timeout=60.0, what=f"the index to equal the truth ({stack.last_seen})")
+
+
+def test_the_engines_preemption_counter_is_read(stack: RealStack) -> None:
+    """The experiments' preemption windows read ``vllm:num_preemptions_total`` from the engine's own /metrics,
+    through the same parse as the picker's engine signals: it exists on the real engine and is a count."""
+    for e in stack.engines:
+        _, expo = read_signals(http("GET", e.base_url + "/metrics").body.decode())
+        total = preemption_total(expo)
+        assert total is not None and total >= 0.0, (e.config.name, total)
