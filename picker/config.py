@@ -536,11 +536,25 @@ class PoolConfig(_Section):
         return self.inference_pool is not None or self.backends_file is not None
 
 
+# llm-d's agent identity headers: a session's id when ``session_affinity.header`` is absent (the session table,
+# ConsistentHash), and flow control's fairness id when its own header is absent (docs/llm-d-compat.md)
+AGENT_IDENTITY_HEADERS = ("x-claude-code-session-id", "x-session-affinity", "session-id", "session_id")
+SESSION_TOKEN_HEADER = "x-session-token"  # llm-d's stateless affinity token
+
+
 class SessionAffinityConfig(_Section):
-    """Sticky sessions by header; bounded map, LRU + TTL."""
+    """Sticky sessions by header; bounded map, LRU + TTL. ``identity_headers``: further headers that name a
+    session when ``header`` is absent (llm-d's agent identity headers; also flow control's fairness id).
+    ``token``: llm-d's stateless affinity (``x-session-token``, the base64 of ``namespace/name`` of the endpoint
+    that served the conversation, echoed on every routed response and honoured while that endpoint is eligible;
+    no table), independent of ``enabled``. See docs/llm-d-compat.md."""
 
     enabled: bool = False
     header: Annotated[str, AfterValidator(_header_name)] = "x-session-id"
+    identity_headers: tuple[Annotated[str, AfterValidator(_header_name)], ...] = Field(
+        AGENT_IDENTITY_HEADERS, max_length=16
+    )
+    token: bool = True
     ttl_seconds: float = Field(1800.0, gt=0.0)
     max_sessions: int = Field(100_000, ge=1, le=10_000_000)
 
@@ -616,6 +630,9 @@ class ExtProcConfig(_Section):
     # the whole admission budget when several Envoys share the picker (a sidecar's lone Envoy is then capped
     # too). Behind a proxy that terminates connections every client is one peer.
     max_streams_per_peer: int = Field(4096, ge=0, le=1_000_000)
+    # llm-d's --emit-endpoint-scores: each candidate's score in the pick's ``envoy.lb`` dynamic metadata, under
+    # ``x-gateway-destination-endpoint-scores`` (docs/llm-d-compat.md)
+    emit_endpoint_scores: bool = False
     tls: ExtProcTlsConfig = ExtProcTlsConfig()
     auth: ExtProcAuthConfig = ExtProcAuthConfig()
 
@@ -782,9 +799,7 @@ ARM_OVERLAY_KEYS: dict[str, frozenset[str] | None] = {
 }
 # the headers that name a session for the assignment, after ``session_affinity.header``: llm-d's stateless
 # affinity token and the agent identity headers (docs/experiments.md)
-DEFAULT_SESSION_HEADERS = (
-    "x-session-token", "x-claude-code-session-id", "x-session-affinity", "session-id", "session_id",
-)  # fmt: skip
+DEFAULT_SESSION_HEADERS = (SESSION_TOKEN_HEADER, *AGENT_IDENTITY_HEADERS)
 
 
 def _arm_name(v: str) -> str:

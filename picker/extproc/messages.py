@@ -10,12 +10,14 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
+from picker.config import SESSION_TOKEN_HEADER
 from picker.gemini.names import UPSTREAM_HEADER
 
 DEST_HEADER = "x-gateway-destination-endpoint"
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # envoy.lb: the endpoint Envoy actually used
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SCORES_KEY = "x-gateway-destination-endpoint-scores"  # envoy.lb: each candidate's score (llm-d, behind a flag)
 LB_NAMESPACE = "envoy.lb"
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 MAX_STREAMED_CHUNK = 62_000  # Envoy's limit for one streamed body mutation in full-duplex mode
@@ -86,19 +88,27 @@ def served_endpoint(req: pb.ProcessingRequest) -> str | None:
     return value.string_value.strip() or None
 
 
-def pick_response(dest: str, content_length: int | None, *, on_body: bool) -> pb.ProcessingResponse:
+def pick_response(
+    dest: str, content_length: int | None, *, on_body: bool, scores: dict[str, float] | None = None
+) -> pb.ProcessingResponse:
     """The pick: the destination header (overwriting any client value), ``clear_route_cache``, the
     ``envoy.lb`` metadata (``dest`` is the ranked list ``ip:port[,ip:port...]``, the pick first; Envoy's
     override_host policy routes on the metadata and retries on the next entry), and ``content-length``
     when the body is re-sent (full duplex). Answers the request-headers phase, or the request-body phase
-    (``on_body``, BUFFERED mode)."""
+    (``on_body``, BUFFERED mode). ``scores`` (llm-d's ``--emit-endpoint-scores``): ``ip:port`` → score, a struct
+    under ``x-gateway-destination-endpoint-scores`` in the same metadata."""
     r = pb.ProcessingResponse()
     common = r.request_body.response if on_body else r.request_headers.response
     set_header(common.header_mutation, DEST_HEADER, dest)
     if content_length is not None:
         set_header(common.header_mutation, "content-length", str(content_length))
     common.clear_route_cache = True
-    r.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DEST_HEADER].string_value = dest
+    lb = r.dynamic_metadata.fields[LB_NAMESPACE].struct_value
+    lb.fields[DEST_HEADER].string_value = dest
+    if scores is not None:
+        fields = lb.fields[SCORES_KEY].struct_value.fields
+        for addr, score in scores.items():
+            fields[addr].number_value = score
     return r
 
 
@@ -139,23 +149,29 @@ def sampled_mode(request_body_mode: int) -> processing_mode_pb2.ProcessingMode:
     return m
 
 
-def sampled_headers_answer(request_body_mode: int, x_cache: str | None = None) -> pb.ProcessingResponse:
+def sampled_headers_answer(
+    request_body_mode: int, x_cache: str | None = None, session_token: str | None = None
+) -> pb.ProcessingResponse:
     """The answer to a sampled request's response headers: continue, and stream this response's body
-    (with the ``x-cache`` header when given)."""
-    r = response_headers_answer(x_cache)
+    (with the ``x-cache`` and ``x-session-token`` headers when given)."""
+    r = response_headers_answer(x_cache, session_token=session_token)
     r.mode_override.CopyFrom(sampled_mode(request_body_mode))
     return r
 
 
-def response_headers_answer(x_cache: str | None, content_type: str | None = None) -> pb.ProcessingResponse:
+def response_headers_answer(
+    x_cache: str | None, content_type: str | None = None, session_token: str | None = None
+) -> pb.ProcessingResponse:
     """The answer to the response headers: continue, adding ``x-cache: <x_cache>`` (overwriting an upstream's)
-    when the response cache is on. ``content_type``: the picker converts the body (a gemini backend's native
-    answer), so its ``content-length`` goes and its type is this."""
+    when the response cache is on, and ``x-session-token`` when given. ``content_type``: the picker converts the
+    body (a gemini backend's native answer), so its ``content-length`` goes and its type is this."""
     r = pb.ProcessingResponse()
     r.response_headers.SetInParent()
     mutation = r.response_headers.response.header_mutation
     if x_cache is not None:
         set_header(mutation, "x-cache", x_cache)
+    if session_token is not None:
+        set_header(mutation, SESSION_TOKEN_HEADER, session_token)
     if content_type is not None:
         set_header(mutation, "content-type", content_type)
         mutation.remove_headers.append("content-length")

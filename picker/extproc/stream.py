@@ -266,8 +266,8 @@ class RequestStream:
             return self._pick_external(result, body or b"", at_headers, body_eos)
         dest = result.decision.destinations()
         if result.body_out is not None and not at_headers:  # the request path rewrote the body (Anthropic)
-            return self._pick(dest, result.body_out, at_headers, body_eos, mutated=True)
-        return self._pick(dest, body or b"", at_headers, body_eos)
+            return self._pick(dest, result.body_out, at_headers, body_eos, mutated=True, scores=result.scores)
+        return self._pick(dest, body or b"", at_headers, body_eos, scores=result.scores)
 
     def _answer_itself(self, a: Answer) -> pb.ProcessingResponse:
         self._release_body()
@@ -276,21 +276,28 @@ class RequestStream:
         return immediate(a.status, a.body, a.details, with_bypass(self.stages.cache, a.headers))
 
     def _pick(
-        self, dest: str, body: bytes, at_headers: bool, body_eos: bool, mutated: bool = False
+        self,
+        dest: str,
+        body: bytes,
+        at_headers: bool,
+        body_eos: bool,
+        mutated: bool = False,
+        scores: dict[str, float] | None = None,
     ) -> Sequence[pb.ProcessingResponse]:
         """The pick's answer. ``mutated``: ``body`` replaces the client's (full duplex: the echoed body is this
         one and ``content-length`` its length; BUFFERED: a body mutation with a matching ``content-length``, which
         Envoy requires when the headers are SEND, else it refuses the mutation with a local reply)."""
         if at_headers:
-            return (pick_response(dest, None, on_body=False),)
+            return (pick_response(dest, None, on_body=False, scores=scores),)
         if self.mode != FULL_DUPLEX:  # BUFFERED: the pick rides on the body answer
             if not mutated:
-                return (pick_response(dest, None, on_body=True),)
-            r = pick_response(dest, len(body), on_body=True)
+                return (pick_response(dest, None, on_body=True, scores=scores),)
+            r = pick_response(dest, len(body), on_body=True, scores=scores)
             r.request_body.response.body_mutation.body = body
             return (r,)
         # full duplex: the deferred headers answer, then the whole body back as streamed mutations
-        return [pick_response(dest, len(body), on_body=False), *streamed_chunks(body, body_eos, request=True)]
+        first = pick_response(dest, len(body), on_body=False, scores=scores)
+        return [first, *streamed_chunks(body, body_eos, request=True)]
 
     def _pick_external(
         self, ex: ExternalExchange, body: bytes, at_headers: bool, body_eos: bool
@@ -331,11 +338,14 @@ class RequestStream:
                 cache.headers = tuple((h.key, header_value(h)) for h in msg.headers.headers)
             ex.response_headers(status, served)
             x_cache = ex.x_cache
+            token = ex.session_token
+            if token is not None and served is not None and served != ex.decision.endpoint.address:
+                token = self.stages.token_for(served)  # a retry: the endpoint that answered holds the session
             conv = ex.route.converter if isinstance(ex, ExternalExchange) else None
             if conv is not None and conv.active:  # the picker converts this body: new type, no length
-                answer = response_headers_answer(x_cache, conv.content_type)
-            elif x_cache is not None:
-                answer = response_headers_answer(x_cache)
+                answer = response_headers_answer(x_cache, conv.content_type, token)
+            elif x_cache is not None or token is not None:
+                answer = response_headers_answer(x_cache, session_token=token)
             sampling = self.sampling
             if sampling is not None:
                 # a sample only where Envoy can switch the body on (body NONE, no full-duplex body mode); an
@@ -347,7 +357,7 @@ class RequestStream:
                 elif self.mode != FULL_DUPLEX and sampling.choose(self.opted_in or store):
                     self.sampled = True
                     self.resp_mode = STREAMED
-                    answer = sampled_headers_answer(self.mode, x_cache)
+                    answer = sampled_headers_answer(self.mode, x_cache, token)
                 sampling.headers_seen(self.sampled)
             if store and self.resp_mode == RESPONSE_NONE and not msg.end_of_stream:
                 self.stages.cache_cannot_store()

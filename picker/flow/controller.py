@@ -125,6 +125,9 @@ class FlowController:
     ) -> None:
         self.pool = pool
         self.listener = listener or FlowListener()
+        # the fairness id when FAIRNESS_HEADER is absent: the first of these present (llm-d's agent identity
+        # headers, set by the request path from session_affinity.identity_headers)
+        self.identity_headers: tuple[str, ...] = ()
         self._clock = clock
         self.bands: dict[int, Band] = {}  # priority -> band with queued requests
         self.counts: dict[int, BandCounts] = {}
@@ -160,6 +163,13 @@ class FlowController:
     @property
     def enabled(self) -> bool:
         return self.cfg.enabled and not self._closing
+
+    def _identity(self, headers: Mapping[str, str]) -> str | None:
+        for name in self.identity_headers:
+            v = headers.get(name)
+            if v:
+                return v
+        return None
 
     def limits(self, priority: int) -> BandLimits:
         c = self.cfg
@@ -200,7 +210,7 @@ class FlowController:
         client went away): the request leaves the queue, counted, and is never dispatched."""
         now = self._clock()
         priority = self.priority_of(headers.get(OBJECTIVE_HEADER))
-        fid = (headers.get(FAIRNESS_HEADER) or DEFAULT_FLOW)[:MAX_ID_CHARS]
+        fid = (headers.get(FAIRNESS_HEADER) or self._identity(headers) or DEFAULT_FLOW)[:MAX_ID_CHARS]
         lim = self.limits(priority)
         if not self._waiting_at_or_above(priority):
             level = self.level()

@@ -26,8 +26,13 @@ ROUTE_BUCKETS = (
 # picker's own (a status outside STATUS_OUTCOMES; none today). "draining" is a gRPC error before any answer.
 # "cache_hit": a response-cache hit answered by the picker (Tier 2); the picker's only 200 of its own (the cache
 # stores 200 responses only), so the status names it as it names the picker's refusals.
-ROUTE_OUTCOMES = ("routed", "cache_hit", "bad_request", "overloaded", "no_backend", "error", "answered")
-STATUS_OUTCOMES = {200: "cache_hit", 400: "bad_request", 429: "overloaded", 503: "no_backend", 500: "error"}
+# "not_cached": a 412 to ``Prefer: if-available`` (no eligible endpoint holds the prompt; docs/llm-d-compat.md).
+ROUTE_OUTCOMES = (
+    "routed", "cache_hit", "bad_request", "overloaded", "no_backend", "not_cached", "error", "answered",
+)  # fmt: skip
+STATUS_OUTCOMES = {
+    200: "cache_hit", 400: "bad_request", 412: "not_cached", 429: "overloaded", 503: "no_backend", 500: "error",
+}  # fmt: skip
 _ROUTE_BUCKET_LABELS = (*map(str, ROUTE_BUCKETS), "+Inf")
 
 

@@ -25,7 +25,9 @@ DECISION_BUCKETS = (
 CACHED_KINDS = ("prompt", "available", "captured")  # booked per decision (scope "all") and per observed response
 PREDICTION_OUTCOMES = ("hit", "stale", "unpredicted", "miss")
 # cache_hit: answered by the picker from the response cache (Tier 2), no engine touched
-REQUEST_OUTCOMES = ("routed", "cache_hit", "bad_request", "no_backend", "error", "draining", "overloaded")
+REQUEST_OUTCOMES = (
+    "routed", "cache_hit", "bad_request", "no_backend", "not_cached", "error", "draining", "overloaded",
+)  # fmt: skip
 
 
 def prediction_outcome(prompt: int, captured: int, delivered: int, block_size: int) -> str:
@@ -156,7 +158,8 @@ class DecisionRecorder:
         self.decisions[k] = self.decisions.get(k, 0) + 1
 
     def refused(self, outcome: str) -> None:
-        """A request answered by the picker itself: bad_request, no_backend, error, draining, overloaded."""
+        """A request answered by the picker itself: bad_request, no_backend, not_cached, error, draining,
+        overloaded."""
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
     def cache_hit(self) -> None:

@@ -42,7 +42,7 @@ class Exchange:
 
     __slots__ = (
         "_body_observers", "_ended", "_observers", "body_out", "cache", "decided_at", "decision", "facts",
-        "first_byte_at", "kv", "lease", "served", "status",
+        "first_byte_at", "kv", "lease", "scores", "served", "session_token", "status",
     )  # fmt: skip
 
     def __init__(
@@ -70,6 +70,10 @@ class Exchange:
         self.cache: CacheState | None = None  # the response cache's part, when it is on
         # the request body to send upstream instead of the client's (Anthropic cache_control injection), or None
         self.body_out: bytes | None = None
+        # llm-d's wire extras (docs/llm-d-compat.md): the x-session-token the response carries (None: not echoed)
+        # and each candidate's score for the pick's envoy.lb metadata (None: not emitted)
+        self.session_token: str | None = None
+        self.scores: dict[str, float] | None = None
         self._observers = observers
         self._body_observers = body_observers
         self._ended = False

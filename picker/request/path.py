@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from picker.cache.state import CacheState
-from picker.config import GeminiBackendConfig, Settings
+from picker.config import SESSION_TOKEN_HEADER, GeminiBackendConfig, Settings
 from picker.experiments.runtime import Arm, Experiments, Trial
 from picker.facts import (
     Answer,
@@ -37,9 +37,10 @@ from picker.request.anthropic import inject_cache_control, is_native_anthropic
 from picker.request.exchange import Exchange, ResponseObserver
 from picker.request.external import ExternalExchange
 from picker.request.health import HealthObserver, count_health_transitions
+from picker.request.session_token import SessionTokens
 from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key
-from picker.routing.endpoints import Decision
+from picker.routing.endpoints import Decision, PoolView
 
 log = logging.getLogger("kv_epp.request")
 _perf = time.perf_counter
@@ -94,6 +95,11 @@ class HoldsSource(Protocol):
 
 
 NO_BODY_REQUIRED = "request body is empty: a JSON body is required"
+# llm-d's headers the path reads (docs/llm-d-compat.md): the model named by a gateway's payload processor (used
+# when the body is not read before the pick), and RFC 7240's Prefer (``if-available``: cached endpoints only)
+MODEL_NAME_HEADER = "x-gateway-model-name"
+PREFER_HEADER = "prefer"
+NOT_CACHED = "no eligible endpoint holds this prompt in its cache (Prefer: if-available)"
 
 
 class RequestPath:
@@ -121,6 +127,7 @@ class RequestPath:
         count_health_transitions(pool, recorder)
         self.body_observers = tuple(o for o in self.observers if o.wants_body)
         self.sessions = SessionTable(settings.session_affinity.max_sessions, settings.session_affinity.ttl_seconds)
+        self.tokens = SessionTokens()  # x-session-token; the namespace is the discovered pool's (set_namespace)
         self.admission = Admission(settings.admission)
         self.flow = FlowController(
             settings.flow_control, pool, engine_signals=settings.pool.engine_metrics.enabled,
@@ -144,7 +151,12 @@ class RequestPath:
         sa = settings.session_affinity
         self.sessions.max_sessions, self.sessions.ttl = sa.max_sessions, sa.ttl_seconds
         self.session_header = sa.header.lower()  # read even without affinity: ConsistentHash hashes it
+        # the session's id: the first of these present (the configured header, then llm-d's agent identity ones)
+        self.session_headers = tuple(dict.fromkeys((self.session_header, *(h.lower() for h in sa.identity_headers))))
+        self.flow.identity_headers = self.session_headers[1:]  # flow control's fairness id when its own is absent
         self.affinity = sa.enabled
+        self.token = sa.token
+        self.emit_scores = settings.extproc.emit_endpoint_scores
         self.tenant_header = settings.extproc.tenant_header.lower()
         self.max_body_bytes = settings.extproc.max_body_bytes
         self.admission.configure(settings.admission)
@@ -166,7 +178,8 @@ class RequestPath:
             ident.add("x-api-key")
         # request headers the stages read: the protocol layer decodes only these
         self.wanted_headers = frozenset(
-            {":path", ":method", "content-length", self.session_header, self.tenant_header, "x-request-id", *ident}
+            {":path", ":method", "content-length", self.tenant_header, "x-request-id", *ident, *self.session_headers}
+            | {SESSION_TOKEN_HEADER, PREFER_HEADER, MODEL_NAME_HEADER}  # llm-d's (docs/llm-d-compat.md)
             | {"anthropic-beta", "anthropic-version"}  # output-shaping: part of the response cache's key
             | FLOW_HEADERS  # flow control's fairness id, objective, TTL and TTFT SLO
             | self.experiments.wanted_headers  # the session headers of the experiments' assignment
@@ -180,14 +193,21 @@ class RequestPath:
     def parse_body(self, req: Inbound) -> tuple[RequestFacts, dict[str, Any] | None]:
         """``parse``, and the body's JSON object (``parse_request_body``; None without one), for the cache stage."""
         h = req.headers
-        session = h.get(self.session_header)
+        session = None
+        for name in self.session_headers:
+            session = h.get(name)
+            if session:
+                break
         tenant = h.get(self.tenant_header)
         method = h.get(":method", "POST")
         identity = caller_identity(h, self.identity_header) if self.identity_header else None
         # the body is not available before the pick, or the method carries no inference request (a CORS
         # preflight OPTIONS, a GET): route on the path alone, without judging a body
-        if req.body is None or method != "POST":
-            facts = RequestFacts(api=api_for_path(req.path), session_id=session, tenant_id=tenant, identity=identity)
+        if req.body is None or method != "POST":  # the model, if a gateway named it in a header
+            facts = RequestFacts(
+                api=api_for_path(req.path), model=h.get(MODEL_NAME_HEADER) or None, session_id=session,
+                tenant_id=tenant, identity=identity,
+            )  # fmt: skip
             return facts, None
         if not req.body and api_for_path(req.path) != "other":
             raise BadRequest(NO_BODY_REQUIRED, "empty_body")
@@ -196,9 +216,13 @@ class RequestPath:
             identity=identity,
         )  # fmt: skip
 
-    async def prepare(self, facts: RequestFacts, arm: Arm | None = None) -> Prepared:
-        """Stage 3: the prefix key, (Tier 4) the KV holds and the session's endpoint; with an experiment's
-        ``arm``, as that arm's config says."""
+    def set_namespace(self, namespace: str | None) -> None:
+        """The discovered pool's namespace: its endpoints' ``x-session-token`` names ``namespace/name``."""
+        self.tokens.namespace = namespace or None
+
+    async def prepare(self, facts: RequestFacts, arm: Arm | None = None, token: str | None = None) -> Prepared:
+        """Stage 3: the prefix key, (Tier 4) the KV holds and the session's endpoint (the one an ``x-session-token``
+        names, else the session table's); with an experiment's ``arm``, as that arm's config says."""
         router, tier4, affinity = (arm.router, arm.tier4, arm.affinity) if arm is not None else (
             self.router, self.tier4, self.affinity
         )  # fmt: skip
@@ -207,19 +231,29 @@ class RequestPath:
         kv = None
         if key is not None and tier4 and holds is not None:
             kv = self.kv.settle(await holds.lookup(facts))  # with this picker's recent placements
-        session = sticky = None
+        session = None
+        sticky = self.tokens.endpoint(token) if token is not None and self.token else None
         if affinity and facts.session_id:
             session = session_key(facts.session_id)
-            sticky = self.sessions.get(session, _mono())
+            sticky = sticky or self.sessions.get(session, _mono())
         if kv is None:
             return Prepared(key, None, session, sticky)
         return Prepared(key, kv.holds, session, sticky, kv.prompt_tokens, kv.evicting, kv.prefix_rate, kv.block_keys)
 
     def decide(
-        self, facts: RequestFacts, prepared: Prepared, subset: Sequence[str] | None, router: Router | None = None
+        self,
+        facts: RequestFacts,
+        prepared: Prepared,
+        subset: Sequence[str] | None,
+        router: Router | None = None,
+        cached_only: bool = False,
     ) -> Decision | None:
-        """Stage 4: the pure decision over the pool's snapshot (by an experiment arm's ``router``, when given)."""
-        return (router or self.router).decide(facts, self.pool.view(subset), prepared)
+        """Stage 4: the pure decision over the pool's snapshot (by an experiment arm's ``router``, when given);
+        ``cached_only`` (``Prefer: if-available``): among the endpoints whose cache covers the prompt."""
+        view = self.pool.view(subset)
+        if cached_only:
+            view = covering(view, prepared)
+        return (router or self.router).decide(facts, view, prepared)
 
     def commit(self, facts: RequestFacts, decision: Decision, prepared: Prepared) -> Exchange:
         """Stage 5: take the in-flight slot, remember the session, count the decision."""
@@ -308,7 +342,8 @@ class RequestPath:
             why = self.admission.saturation(self.pool.view(req.subset), self.pool.view())
             if why is not None:  # shed before prepare: a saturated pool gets no tokenizer call either
                 return self.overloaded(why)
-        prepared = await self.prepare(facts, trial.arm if trial is not None else None)
+        arm = trial.arm if trial is not None else None
+        prepared = await self.prepare(facts, arm, req.headers.get(SESSION_TOKEN_HEADER))
         if not flow.enabled:
             return self.dispatch(facts, prepared, req, cached, cpu, trial)
         # flow control: the request waits while the pool is saturated; dispatch runs decide and commit at once
@@ -362,16 +397,28 @@ class RequestPath:
     ) -> Exchange | Answer:
         """Stages 4 and 5, synchronous: decide, then commit (or the 503 when no endpoint is eligible)."""
         t1 = _perf()
+        cached_only = prefers_if_available(req.headers.get(PREFER_HEADER))
         if trial is None:
-            decision = self.decide(facts, prepared, req.subset)
+            decision = self.decide(facts, prepared, req.subset, cached_only=cached_only)
         else:  # the arm's router, on the arm's part of the pool
             subset = trial.arm.subset(req.subset, self._address_of)
-            decision = self.decide(facts, prepared, subset, trial.arm.router)
+            decision = self.decide(facts, prepared, subset, trial.arm.router, cached_only)
+        if decision is None and cached_only:
+            self.recorder.refused("not_cached")
+            why = NOT_CACHED if prepared.holds is not None else (
+                "the picker cannot tell what the engines hold for this request (Tier 4 is off, or the prompt was "
+                "not tokenized) and Prefer: if-available asks for a cached endpoint"
+            )  # fmt: skip
+            return Answer(412, error_body(why, "not_cached", "precondition_failed"), "kv_epp_not_cached")
         if decision is None:
             self.recorder.refused("no_backend")
             why = "no endpoint in the subset hint is eligible" if req.subset is not None else "no healthy backend"
             return Answer(503, error_body(why, "no_healthy_backend", "service_unavailable"), "kv_epp_no_backend")
         ex = self.commit(facts, decision, prepared)
+        if self.token:
+            ex.session_token = self.tokens.mint(decision.endpoint.name)
+        if self.emit_scores:
+            ex.scores = self._scores_by_address(decision)
         if trial is not None:
             trial.readable = req.responses_readable
             ex.add_observer(trial, body=True)  # the body's chunks reach it only where they reach the picker
@@ -384,6 +431,42 @@ class RequestPath:
             ex.body_out = inject_cache_control(req.body, max_body_bytes=self.max_body_bytes)  # None: unchanged
         self.recorder.decision_cpu(cpu + _perf() - t1)
         return ex
+
+    def _scores_by_address(self, decision: Decision) -> dict[str, float]:
+        """``x-gateway-destination-endpoint-scores``: each scored candidate's score by ``ip:port`` (the pick alone
+        at 1.0 when the decision scored nothing: a strategy's or a session's pick)."""
+        if decision.scores is None:
+            return {decision.endpoint.address: 1.0}
+        out: dict[str, float] = {}
+        for name, score in decision.scores.items():
+            addr = self._address_of(name)
+            if addr is not None:
+                out[addr] = round(float(score), 6)
+        return out
+
+    def token_for(self, address: str) -> str | None:
+        """The ``x-session-token`` of the pool endpoint at ``address`` (the one that served, after a retry)."""
+        name = self.pool.name_for_address(address)
+        return self.tokens.mint(name) if name is not None else None
+
+
+def prefers_if_available(prefer: str | None) -> bool:
+    """RFC 7240's ``Prefer`` holds the ``if-available`` preference (case-insensitive; other preferences and
+    parameters ignored)."""
+    if not prefer:
+        return False
+    return any(p.split(";", 1)[0].split("=", 1)[0].strip().lower() == "if-available" for p in prefer.split(","))
+
+
+def covering(view: PoolView, prepared: Prepared) -> PoolView:
+    """The endpoints of ``view`` whose cache holds every block Tier 4 keyed of the prompt (none when Tier 4 did
+    not key it: the picker cannot promise a cached endpoint)."""
+    need = len(prepared.block_keys)
+    holds = prepared.holds
+    if holds is None or need == 0:
+        return PoolView((), view.costs)
+    states = tuple(s for s in view.states if (h := holds.get(s.endpoint.name)) is not None and h.blocks >= need)
+    return PoolView(states, view.costs)
 
 
 def _declared_length(headers: Mapping[str, str]) -> int:

@@ -117,13 +117,13 @@ class Router:
             if c is None:
                 return None
             share = c.cached_tokens / prepared.prompt_tokens
-            d = Decision(c.best, "KvCost", "kv_cost", c.tier, share)
-            scores = {name: -ms for name, ms in c.predicted_ms.items()}
+            scores = _relative(c.predicted_ms)
+            d = Decision(c.best, "KvCost", "kv_cost", c.tier, share, scores=scores)
         elif prepared.holds is not None:
             r = self.scorer.score(prepared.holds, view)
             if r.best is not None and r.score > SCORER_THRESHOLD and r.best.name in view.by_name():
-                d = Decision(r.best, "KvOverlap", "kv_aware", r.tier, r.score)
                 scores = r.scores
+                d = Decision(r.best, "KvOverlap", "kv_aware", r.tier, r.score, scores=scores)
             else:
                 fallback_score = r.score
                 d = self._without_kv(facts, view, prepared, fallback_score)
@@ -132,8 +132,7 @@ class Router:
         n = self.settings.pool.fallbacks
         if d is None or n <= 0 or len(view.states) < 2:
             return d
-        fallbacks = self.fallbacks(d, facts, view, prepared, n, scores)
-        return Decision(d.endpoint, d.strategy, d.reason, d.tier, d.score, d.kv_fallback_score, fallbacks)
+        return replace(d, fallbacks=self.fallbacks(d, facts, view, prepared, n, scores))
 
     def _without_kv(
         self, facts: RequestFacts, view: PoolView, prepared: Prepared, fallback_score: float | None
@@ -173,3 +172,10 @@ class Router:
             return tuple([eligible[name].endpoint for name in names])
         ranked = sorted((s for s in view.states if s.endpoint.name != chosen), key=lambda s: s.in_flight)
         return tuple(s.endpoint for s in ranked[:n])
+
+
+def _relative(predicted_ms: Mapping[str, float]) -> dict[str, float]:
+    """The cost model's predicted TTFTs as scores in 0..1, higher is better: (best + 1 ms) / (its own + 1 ms), so
+    the pick scores 1 and the order is strictly the predictions' order, a 0 ms prediction included."""
+    best = min(predicted_ms.values(), default=0.0)
+    return {name: (best + 1.0) / (ms + 1.0) for name, ms in predicted_ms.items()}

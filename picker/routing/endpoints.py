@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from picker.shared.tiers import StorageTier
@@ -155,6 +156,9 @@ class Decision:
     score: float | None = None
     kv_fallback_score: float | None = None
     fallbacks: tuple[Endpoint, ...] = ()
+    # each scored candidate's score, by name, higher is better (Tier 4's overlap, or the cost model's best
+    # predicted TTFT over the endpoint's, both in 0..1); None when the pick was not scored (a strategy, a session)
+    scores: Mapping[str, float] | None = None
 
     def destinations(self) -> str:
         """The ranked list as the wire carries it: ``ip:port`` of the pick, then of each fallback, comma-separated."""

@@ -179,6 +179,9 @@ class PickerApp:
         members = [Endpoint(b.name, b.address, 1) for b in snapshot.backends if b.ready]
         standby = [Endpoint(b.name, b.address, 1) for b in snapshot.backends if not b.ready]
         added, gone, moved = self._set_members(self.settings.pool, members, standby)
+        namespace = next((b.namespace for b in snapshot.backends if b.namespace), None)
+        if namespace is not None:  # an InferencePool's pods share its namespace: x-session-token names ns/pod
+            self.path.set_namespace(namespace)
         first = not self.pool_synced
         self.pool_synced = True
         self.pool_version = snapshot.version
