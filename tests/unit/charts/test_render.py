@@ -84,6 +84,7 @@ def test_required_values_and_impossible_combinations_are_refused_with_a_message(
         (cv.merge(cv.REQUIRED, {"tls": {"mode": "existingSecret"}}), "needs tls.existingSecret"),
         (cv.merge(cv.REQUIRED, {"tls": {"verify": True}}), "tls.verify needs tls.mode existingSecret"),
         (cv.merge(cv.REQUIRED, {"listener": {"enabled": True}}), "needs listener.sourceTemplate.model"),
+        (cv.merge(cv.REQUIRED, {"envoy": {"mode": "none"}}), "envoy.mode none needs extprocAuth.mode none"),
     ]
     for values, message in cases:
         with pytest.raises(helm.HelmError, match=re.escape(message)):
@@ -418,6 +419,31 @@ def test_standalone_envoy_is_its_own_deployment_reaching_every_ready_picker(
     gateway = cv.find(objs, "Service", "kv-epp-gateway")
     assert gateway["spec"]["selector"] == envoy["spec"]["selector"]["matchLabels"]
     assert of(objs, "PodDisruptionBudget") and len(of(objs, "PodDisruptionBudget")) == 2
+
+
+@pytest.mark.parametrize("variant", ["no-envoy", "extproc-unauthenticated"])
+def test_without_envoy_the_chart_is_an_endpoint_picker_behind_a_gie_gateway(
+    variant: str, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    """envoy.mode none renders the pickers, (with Tier 4) the listener and the InferencePool whose endpointPickerRef
+    names the pickers' Service on the ext_proc port: nothing of Envoy, no gateway Service, no token Secret."""
+    objs = rendered[variant]
+    names = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    assert not [n for n in names if "envoy" in n[1] or "gateway" in n[1]], names
+    assert ("Secret", "kv-epp-extproc-token") not in names
+    picker = cv.find(objs, "Deployment", "kv-epp-picker")
+    assert [c["name"] for c in picker["spec"]["template"]["spec"]["containers"]] == ["picker"]
+    assert {d["metadata"]["name"] for d in of(objs, "Deployment")} <= {"kv-epp-picker", "kv-epp-listener"}
+    (pool,) = of(objs, "InferencePool")
+    ref = pool["spec"]["endpointPickerRef"]
+    assert (ref["group"], ref["kind"]) == ("", "Service")
+    svc = cv.find(objs, "Service", ref["name"])
+    assert svc["spec"]["selector"].items() <= picker["spec"]["template"]["metadata"]["labels"].items()
+    (port,) = [p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    (container,) = picker["spec"]["template"]["spec"]["containers"]
+    assert port["targetPort"] in {p["name"] for p in container["ports"]}
+    config = config_of(objs, "kv-epp-picker", "picker.yaml")
+    assert config["extproc"]["auth"]["allow_unauthenticated"] is True
 
 
 def test_the_pool_headless_service_selects_the_pools_ready_pods(rendered: dict[str, list[dict[str, Any]]]) -> None:
