@@ -797,9 +797,10 @@ ARM_OVERLAY_KEYS: dict[str, frozenset[str] | None] = {
     "session_affinity": frozenset({"enabled"}),
     "pool": frozenset({"fallbacks"}),
 }
-# the headers that name a session for the assignment, after ``session_affinity.header``: llm-d's stateless
-# affinity token and the agent identity headers (docs/experiments.md)
-DEFAULT_SESSION_HEADERS = (SESSION_TOKEN_HEADER, *AGENT_IDENTITY_HEADERS)
+# the headers that name a session for the assignment, after ``session_affinity.header``: the agent identity
+# headers (docs/experiments.md). Not llm-d's x-session-token: it names an endpoint, not a conversation (every
+# conversation on one endpoint carries the same token, and an arm's own pick would choose the arm)
+DEFAULT_SESSION_HEADERS = AGENT_IDENTITY_HEADERS
 
 
 def _arm_name(v: str) -> str:

@@ -15,7 +15,7 @@ from picker.experiments.assign import (
 )
 from picker.facts import RequestFacts
 
-HEADERS = ("x-session-id", "x-session-token", "session_id")
+HEADERS = ("x-session-id", "x-claude-code-session-id", "session_id")
 
 
 def facts(system: str | None = None, first: str | None = None) -> RequestFacts:
