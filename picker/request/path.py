@@ -169,6 +169,7 @@ class RequestPath:
         self.tier4 = self.holds is not None and self.router.tier4_active()
         self.experiments.configure(settings, tier4_available=self.holds is not None)
         self.max_prefix_tokens = settings.kv_cache_index.tokenizer.max_prefix_tokens
+        self.block_size = settings.kv_cache_index.tokenizer.block_size  # tokens per key block
         # the semantic cache's caller identity (hashed into RequestFacts.identity), read only while it is on
         sem = settings.response_cache.semantic
         on = settings.response_cache.enabled and sem.enabled
@@ -252,7 +253,8 @@ class RequestPath:
         ``cached_only`` (``Prefer: if-available``): among the endpoints whose cache covers the prompt."""
         view = self.pool.view(subset)
         if cached_only:
-            view = covering(view, prepared)
+            page_of = self.holds.page_tokens if self.holds is not None else None
+            view = covering(view, prepared, self.block_size, page_of)
         return (router or self.router).decide(facts, view, prepared)
 
     def commit(self, facts: RequestFacts, decision: Decision, prepared: Prepared) -> Exchange:
@@ -458,15 +460,27 @@ def prefers_if_available(prefer: str | None) -> bool:
     return any(p.split(";", 1)[0].split("=", 1)[0].strip().lower() == "if-available" for p in prefer.split(","))
 
 
-def covering(view: PoolView, prepared: Prepared) -> PoolView:
-    """The endpoints of ``view`` whose cache holds every block Tier 4 keyed of the prompt (none when Tier 4 did
-    not key it: the picker cannot promise a cached endpoint)."""
-    need = len(prepared.block_keys)
+def covering(
+    view: PoolView, prepared: Prepared, block_size: int, page_of: Callable[[str], int | None] | None = None
+) -> PoolView:
+    """The endpoints of ``view`` whose cache holds the prompt: every block Tier 4 keyed of it that lies in the
+    engine's full pages (``page_of``: an engine's page size in tokens, None while unknown: every keyed block).
+    An engine stores full pages only: with pages of 32 tokens and key blocks of 16, a prompt whose last key
+    block starts a page is held up to the page before (vLLM never stores the partial page). None when Tier 4
+    did not key the prompt, or keyed less than a page of it: the picker cannot promise a cached endpoint."""
+    keyed = len(prepared.block_keys)
     holds = prepared.holds
-    if holds is None or need == 0:
+    if holds is None or keyed == 0:
         return PoolView((), view.costs)
-    states = tuple(s for s in view.states if (h := holds.get(s.endpoint.name)) is not None and h.blocks >= need)
-    return PoolView(states, view.costs)
+    states = []
+    for s in view.states:
+        name = s.endpoint.name
+        page = page_of(name) if page_of is not None else None
+        need = keyed if not page or page <= block_size else keyed * block_size // page * page // block_size
+        h = holds.get(name)
+        if need > 0 and h is not None and h.blocks >= need:
+            states.append(s)
+    return PoolView(tuple(states), view.costs)
 
 
 def _declared_length(headers: Mapping[str, str]) -> int:

@@ -242,13 +242,23 @@ async def test_if_available_is_a_412_with_a_json_body_when_no_eligible_endpoint_
     assert isinstance(off, Answer) and off.status == 412 and b"Tier 4 is off" in off.body
 
 
-def test_covering_needs_every_keyed_block() -> None:
+def names(view) -> list[str]:
+    return [s.endpoint.name for s in view.states]
+
+
+def test_covering_needs_every_keyed_block_of_the_engines_full_pages() -> None:
     view = make_app().pool.view()
     held = {"a": BackendHold(3, StorageTier.GPU_HOT), "b": BackendHold(2, StorageTier.STORAGE_WARM)}
-    assert [s.endpoint.name for s in covering(view, Prepared(holds=held, block_keys=(1, 2, 3))).states] == ["a"]
-    assert [s.endpoint.name for s in covering(view, Prepared(holds=held, block_keys=(1, 2))).states] == ["a", "b"]
-    assert covering(view, Prepared(holds=held, block_keys=())).states == ()  # nothing keyed: nothing promised
-    assert covering(view, Prepared(holds=None, block_keys=(1,))).states == ()
+    assert names(covering(view, Prepared(holds=held, block_keys=(1, 2, 3)), 16)) == ["a"]
+    assert names(covering(view, Prepared(holds=held, block_keys=(1, 2)), 16)) == ["a", "b"]
+    # pages of 32 tokens (2 key blocks): 3 keyed blocks are 1 full page, which b holds; the third block is in a
+    # partial page the engine never stores
+    pages = {"a": 32, "b": 32}
+    assert names(covering(view, Prepared(holds=held, block_keys=(1, 2, 3)), 16, pages.get)) == ["a", "b"]
+    assert names(covering(view, Prepared(holds=held, block_keys=(1, 2, 3, 4, 5)), 16, pages.get)) == []
+    assert names(covering(view, Prepared(holds=held, block_keys=(1,)), 16, pages.get)) == []  # under a page
+    assert covering(view, Prepared(holds=held, block_keys=()), 16).states == ()  # nothing keyed: nothing promised
+    assert covering(view, Prepared(holds=None, block_keys=(1,)), 16).states == ()
 
 
 # -- endpoint scores ---------------------------------------------------------------------------------------
