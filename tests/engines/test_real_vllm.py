@@ -7,6 +7,7 @@ prefix caches rather than restart them, except the restart test, which runs last
 
 from __future__ import annotations
 
+import base64
 import random
 from typing import Any
 
@@ -209,3 +210,32 @@ def test_the_engines_preemption_counter_is_read(stack: RealStack) -> None:
         _, expo = read_signals(http("GET", e.base_url + "/metrics").body.decode())
         total = preemption_total(expo)
         assert total is not None and total >= 0.0, (e.config.name, total)
+
+
+def if_available(stack: RealStack, messages: list[dict[str, str]]) -> Any:
+    """A non-streamed chat through Envoy with ``Prefer: if-available`` (its answer's status, headers and usage)."""
+    body = {"model": stack.engines[0].config.model, "messages": messages, "max_tokens": 2, "temperature": 0}
+    return http("POST", stack.envoy.url + "/v1/chat/completions", body, {"prefer": "if-available"}, timeout=300)
+
+
+def test_prefer_if_available_goes_to_the_engine_holding_the_prompt_and_the_token_names_it(stack: RealStack) -> None:
+    """llm-d's ``Prefer: if-available`` on real engines: after one engine served a long prompt (and its KV events
+    reached the index), the same prompt goes to that engine and is served from its cache, and its answer's
+    ``x-session-token`` names it; a prompt no engine holds is a 412. Pages of 32 and 64 tokens hold a prompt only
+    up to their last full page, which the picker's 16-token key blocks must allow for."""
+    reset_engines(stack)
+    for engine, tag in ((P32, "held-32"), (P64, "held-64")):
+        messages = [{"role": "system", "content": text(tag, 40)}, {"role": "user", "content": "what is index 5?"}]
+        stack.chat(messages, pin=engine)
+        wait_until(lambda e=engine: stack.entries()[e] > 0, timeout=30.0, what=f"{engine}'s KV events in the index")
+        r = if_available(stack, messages)
+        assert r.status == 200, r.body
+        assert base64.b64decode(r.headers["x-session-token"]).decode() == engine  # a static pool: the name
+        usage = r.json()["usage"]
+        page = stack.engine(engine).config.block_size
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= usage["prompt_tokens"] - page, (engine, usage)  # every full page, from the engine's cache
+    novel = [{"role": "system", "content": text("never-sent", 40)}, {"role": "user", "content": "what is index 5?"}]
+    r = if_available(stack, novel)
+    assert r.status == 412, r.body
+    assert r.json()["error"]["code"] == "not_cached"
