@@ -174,7 +174,8 @@ async def learn_pool(ctx: Context, notes: list[str], mode: int) -> str:
             seen[parse_endpoint(e) or e] = None
     ctx.pool = list(seen)
     notes.append("pool learned from the answers: membership is not checked (give --endpoints to check it)")
-    return f"{len(ctx.pool)} endpoints named in {LEARN_REQUESTS} answers: {', '.join(ctx.pool)}"
+    n = len(ctx.pool)
+    return f"{n} endpoint{'s' if n != 1 else ''} named in {LEARN_REQUESTS} answers: {', '.join(ctx.pool)}"
 
 
 async def health(ctx: Context, notes: list[str]) -> str:

@@ -5,6 +5,7 @@ ImmediateResponse, the echoed body). See docs/conformance.md.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -159,7 +160,19 @@ class Stream:
         self.call = stub.Process(metadata=tuple(metadata), timeout=timeout)
 
     async def send(self, msg: pb.ProcessingRequest) -> None:
-        await self.call.write(msg)
+        """Write one message; ProtocolError when the picker ended the stream first. A write that loses the race with
+        the picker's status (e.g. an UNAUTHENTICATED refusal at the stream's start) fails in gRPC's core, which
+        then reports INTERNAL instead of the picker's status: the message says so."""
+        try:
+            await self.call.write(msg)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            code, details = await self.call.code(), await self.call.details()
+            if code == grpc.StatusCode.INTERNAL:
+                raise ProtocolError(
+                    "the picker closed the stream before taking the kit's message (gRPC then hides its status:"
+                    " refused? a token or client certificate it wants?)"
+                ) from None
+            raise ProtocolError(f"stream ended while sending: {code.name} {details!r}") from None
 
     async def recv(self, waiting_for: str) -> pb.ProcessingResponse:
         """The next answer; ProtocolError when the stream ends instead (the gateway would fail the request)."""

@@ -131,6 +131,16 @@ async def test_a_picker_that_follows_the_protocol_passes_every_case() -> None:
 ROUTED = {"destination", "body", "fallbacks", "subset", "header_only", "served", "malformed", "aborted"}
 
 
+async def test_without_endpoints_the_pool_is_learned_from_the_answers() -> None:
+    async with serving("none") as target:
+        results = await kit.run(kit.options(kit.parse(["--target", target, "--body-mode", "buffered"])), emit=False)
+    by_name = {r.name: r for r in results}
+    assert {r.status for r in results} == {"PASS"}, results
+    assert by_name["pool"].detail.startswith(f"1 endpoint named in 8 answers: {POOL[0]}")  # the fake picks the first
+    assert "membership is not checked" in by_name["pool"].detail
+    assert "well formed" in by_name["buffered/destination"].detail
+
+
 @pytest.mark.parametrize(
     ("flaw", "failing", "says"),
     [
