@@ -1,4 +1,4 @@
-"""The ``kv-epp`` command: serve, config validate, envoy-config, experiment report."""
+"""The ``kv-epp`` command: serve, config validate, envoy-config, experiment report, conformance."""
 
 from __future__ import annotations
 
@@ -223,6 +223,15 @@ def _envoy_backends(args: argparse.Namespace, settings: Settings | None) -> tupl
     return tuple(found)
 
 
+def _conformance(args: argparse.Namespace) -> int:
+    """``conformance --target HOST:PORT``: the EPP conformance kit against any endpoint picker (docs/conformance.md);
+    exit 0 when no case failed, 1 when one did, 2 on a usage error."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # a refused connection is the connect case's line, not a log
+    from picker.conformance.kit import main as conformance_main  # imported late: it pulls in grpc
+
+    return conformance_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``kv-epp``'s parser. The global flags (``--log-level``) are accepted before the subcommand and after
     it: every subcommand's parser takes them too, with no default of its own, so one given before is kept."""
@@ -341,6 +350,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the token in FILE as 'authorization: Bearer' (extproc.auth.token_file); the output then holds it",
     )
     e.set_defaults(func=_envoy_config)
+
+    k = sub.add_parser(
+        "conformance",
+        help="drive any endpoint picker over raw ext_proc and check GIE's endpoint-picker protocol: one"
+        " 'PASS|FAIL|SKIP name — detail' line per case, exit 1 on a FAIL",
+        parents=[common],
+    )
+    from picker.conformance.options import add_arguments as add_conformance_arguments
+
+    add_conformance_arguments(k)
+    k.set_defaults(func=_conformance)
     return p
 
 
