@@ -760,6 +760,9 @@ class RewriteTargetConfig(_Section):
     """One weighted target of a rule: the model the request is rewritten to (the CRD's ``targets[]``). Weights are
     set on every target of a rule or on none (an even split); a target's share is its weight / their sum."""
 
+    # the CRD's spelling in the file and in a dump (a dumped config parses again)
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)
+
     model_rewrite: str = Field(alias="modelRewrite", min_length=1, max_length=MODEL_NAME_MAX)
     weight: int | None = Field(None, ge=1, le=MAX_REWRITE_WEIGHT)
 
@@ -1438,6 +1441,7 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
         out.append(("kv_cache_index.tokenizer.source", "source none: requests have no block keys"))
     if not s.pool.engines and not s.pool.discovered and not s.pool.gemini:
         out.append(("pool.backends", "no backends: every request is answered 503"))
+    out.extend(_shadowed_rewrite_rules(s))
     out.extend(not_implemented_warnings(s))
     if s.response_cache.enabled:
         out.append(
@@ -1478,6 +1482,24 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
                 "can open streams and steer routing",
             )
         )
+    return out
+
+
+def _shadowed_rewrite_rules(s: Settings) -> list[tuple[str, str]]:
+    """Config rewrite rules that never apply: a model an earlier rule matches exactly, a second generic rule."""
+    out: list[tuple[str, str]] = []
+    first: dict[str | None, str] = {}  # a matched model (None: the generic rule) → the rule that claims it
+    for i, rw in enumerate(s.model_rewrites):
+        for j, rule in enumerate(rw.rules):
+            at = f"model_rewrites[{i}].rules[{j}]"
+            for k, model in enumerate([m.model.value for m in rule.matches] or [None]):
+                claimed = first.setdefault(model, at)
+                if claimed == at:
+                    continue
+                if model is None:
+                    out.append((at, f"never applies: {claimed} is an earlier generic rule (the first one wins)"))
+                else:
+                    out.append((f"{at}.matches[{k}]", f"never applies: {claimed} matches {model!r} first"))
     return out
 
 

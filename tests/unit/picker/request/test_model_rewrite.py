@@ -14,7 +14,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from picker.config import parse_settings
+from picker.config import config_warnings, parse_settings
 from picker.facts import Answer, RequestFacts
 from picker.kv.stage import KvLookup
 from picker.kv.tier4 import Tier4
@@ -310,3 +310,20 @@ def test_no_rewrites_no_cost() -> None:
 async def test_answers_are_unaffected_by_a_bad_request() -> None:
     out = await canary_app().path.route(Inbound(CHAT, {":method": "POST"}, b'{"model": "adapter"}'))
     assert isinstance(out, Answer) and out.status == 400  # no messages: refused at parse, before any rewrite
+
+
+def test_config_rules_that_never_apply_are_warned_and_a_dumped_config_parses_again() -> None:
+    rewrites = [
+        configured("a", exact("x", ("y", None))),
+        configured("b", exact("x", ("z", None)), {"targets": [{"modelRewrite": "g"}]}),
+        configured("c", {"targets": [{"modelRewrite": "h"}]}),
+    ]
+    s = parse_settings({"model_rewrites": rewrites})
+    assert [w for w in config_warnings(s) if w[0].startswith("model_rewrites")] == [
+        ("model_rewrites[1].rules[0].matches[0]", "never applies: model_rewrites[0].rules[0] matches 'x' first"),
+        ("model_rewrites[2].rules[0]", "never applies: model_rewrites[1].rules[1] is an earlier generic rule (the "
+         "first one wins)"),
+    ]  # fmt: skip
+    dumped = s.model_dump()
+    assert dumped["model_rewrites"][0]["rules"][0]["targets"][0]["modelRewrite"] == "y"  # the CRD's spelling
+    assert parse_settings(dumped).model_rewrites == s.model_rewrites
