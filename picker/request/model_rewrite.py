@@ -30,6 +30,7 @@ from picker.shared.discovery.kube_objects import ModelRewrite, RewriteRule, Rewr
 log = logging.getLogger("kv_epp.request")
 
 MAX_MODEL_LABELS = 1000  # distinct request models as the model_name label (llm-d's cap); then "other"
+MAX_MODEL_LABEL_CHARS = 256  # a longer request model is labelled "other" (the series' memory stays bounded)
 OTHER = "other"
 # the top-level "model" key and its string value, as clients write it (the value's span is replaced in place)
 _MODEL_MEMBER = re.compile(rb'"model"\s*:\s*("(?:[^"\\]|\\.)*")')
@@ -224,10 +225,11 @@ class ModelRewrites:
         }
 
     def _bounded(self, model: str) -> str:
-        """A generic rule's request model as a label: its own for the first MAX_MODEL_LABELS, then ``other``."""
+        """A generic rule's request model as a label: its own for the first MAX_MODEL_LABELS (of at most
+        MAX_MODEL_LABEL_CHARS characters), then ``other``."""
         if model in self._models:
             return model
-        if len(self._models) >= MAX_MODEL_LABELS:
+        if len(self._models) >= MAX_MODEL_LABELS or len(model) > MAX_MODEL_LABEL_CHARS:
             return OTHER
         self._models.add(model)
         return model
