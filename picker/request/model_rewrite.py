@@ -172,7 +172,10 @@ class ModelRewrites:
 
     def _rebuild(self) -> None:
         table = RewriteTable.build(self._configured, self._watched.values())
-        self.table = table if table.exact or table.generic is not None else EMPTY
+        table = table if table.exact or table.generic is not None else EMPTY
+        if table == self.table:  # a reload that left the rules as they were: nothing to say
+            return
+        self.table = table
         log.info(
             "event=model_rewrites_changed configured=%d watched=%d exact_models=%d generic=%s",
             len(self._configured), len(self._watched), len(table.exact),
