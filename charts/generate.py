@@ -850,8 +850,8 @@ def chart_values_schema() -> dict[str, Any]:
                 {
                     "create": _s(
                         "boolean",
-                        "Role + RoleBinding: get/list/watch pods, inferencepools and inferenceobjectives in the pool's "
-                        "namespace.",
+                        "Role + RoleBinding: get/list/watch pods, inferencepools, inferenceobjectives and "
+                        "inferencemodelrewrites in the pool's namespace.",
                     )
                 },
             ),

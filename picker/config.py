@@ -38,6 +38,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from picker.shared.config_files import BackendName, ConfigError, read_yaml_mapping, validation_problems
 from picker.shared.discovery.config import BackendsFileRef, InferencePoolRef
+from picker.shared.discovery.kube_objects import MAX_REWRITE_RULES, MAX_REWRITE_WEIGHT, MAX_RULE_ITEMS, MODEL_NAME_MAX
 
 STRATEGIES = (
     "RoundRobin",
@@ -62,7 +63,7 @@ StrategyName = Literal[
 HOT_RELOADABLE = frozenset(
     {
         "prefix_routing", "selection_strategy", "pool", "session_affinity", "admission", "response_cache",
-        "flow_control", "experiments",
+        "flow_control", "experiments", "model_rewrites",
     }
 )  # fmt: skip
 # keys of hot-reloadable sections that are not: where the pool comes from (the discovery task is started once),
@@ -74,6 +75,7 @@ RESTART_REQUIRED_KEYS = (
     ("response_cache", "redis"),
     ("flow_control", "watch_objectives"),  # the InferenceObjective watch is started (or not) at start
 )
+MAX_MODEL_REWRITES = 1000  # the config's model_rewrites (as many as the watch keeps)
 ENV_PREFIX = "KV_EPP_"
 ENV_NESTED_DELIMITER = "__"
 NOT_IMPLEMENTED = "accepted, not implemented yet"
@@ -758,6 +760,69 @@ class FlowControlConfig(_Section):
     saturation: FlowSaturationConfig = FlowSaturationConfig()
 
 
+class RewriteModelMatchConfig(_Section):
+    """The request's ``model`` a rule matches: exactly (the only match type of the CRD)."""
+
+    type: Literal["Exact"] = "Exact"
+    value: str = Field(min_length=1, max_length=MODEL_NAME_MAX)
+
+
+class RewriteMatchConfig(_Section):
+    """One match of a rule (the CRD's ``matches[]``)."""
+
+    model: RewriteModelMatchConfig
+
+
+class RewriteTargetConfig(_Section):
+    """One weighted target of a rule: the model the request is rewritten to (the CRD's ``targets[]``). Weights are
+    set on every target of a rule or on none (an even split); a target's share is its weight / their sum."""
+
+    # the CRD's spelling in the file and in a dump (a dumped config parses again)
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)
+
+    model_rewrite: str = Field(alias="modelRewrite", min_length=1, max_length=MODEL_NAME_MAX)
+    weight: int | None = Field(None, ge=1, le=MAX_REWRITE_WEIGHT)
+
+
+class RewriteRuleConfig(_Section):
+    """A rule: a request whose ``model`` equals one of ``matches`` is rewritten to one of ``targets``, drawn by
+    weight; no ``matches``: a generic rule, for every model no exact rule matches."""
+
+    matches: tuple[RewriteMatchConfig, ...] = Field((), max_length=MAX_RULE_ITEMS)
+    targets: tuple[RewriteTargetConfig, ...] = Field(max_length=MAX_RULE_ITEMS)
+
+    @field_validator("targets")
+    @classmethod
+    def _weights_all_or_none(cls, v: tuple[RewriteTargetConfig, ...]) -> tuple[RewriteTargetConfig, ...]:
+        # here, not min_length: pydantic counts a tuple's length after dropping its invalid items
+        if not v:
+            raise ValueError("a rule needs at least one target")
+        weighted = [t.weight is not None for t in v]
+        if any(weighted) and not all(weighted):
+            first = weighted.index(False)
+            raise ValueError(
+                f"targets[{first}] has no weight while another target has one: set a weight on every target or on "
+                "none (an even split)"
+            )
+        return v
+
+
+class ModelRewriteConfig(_Section):
+    """An InferenceModelRewrite given in the config (its ``metadata.name`` and ``spec.rules``, in the CRD's own
+    spelling, so a rule can be copied from an object). Config rewrites rank before every watched object (as if
+    older); docs/llm-d-compat.md, "InferenceModelRewrite"."""
+
+    name: str = Field(min_length=1, max_length=253)
+    rules: tuple[RewriteRuleConfig, ...] = Field(max_length=MAX_REWRITE_RULES)
+
+    @field_validator("rules")
+    @classmethod
+    def _some_rules(cls, v: tuple[RewriteRuleConfig, ...]) -> tuple[RewriteRuleConfig, ...]:
+        if not v:
+            raise ValueError("a rewrite needs at least one rule")
+        return v
+
+
 def _gemini_ttl(v: str) -> str:
     if duration_seconds(v) < 60.0:
         raise ValueError("ttl must be at least 60s")
@@ -1129,6 +1194,20 @@ class Settings(BaseSettings):
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
     gemini_context_cache: GeminiContextCacheConfig = GeminiContextCacheConfig()
     experiments: ExperimentsConfig = ExperimentsConfig()
+    # InferenceModelRewrites of the config (hot-reloadable), applied with the watched ones
+    model_rewrites: tuple[ModelRewriteConfig, ...] = Field((), max_length=MAX_MODEL_REWRITES)
+    # with pool.inference_pool: watch InferenceModelRewrite objects whose poolRef is ours (restart-required)
+    watch_model_rewrites: bool = True
+
+    @field_validator("model_rewrites")
+    @classmethod
+    def _unique_rewrite_names(cls, v: tuple[ModelRewriteConfig, ...]) -> tuple[ModelRewriteConfig, ...]:
+        seen: dict[str, int] = {}
+        for i, rw in enumerate(v):
+            if rw.name in seen:
+                raise ValueError(f"[{i}].name {rw.name!r} is the name of [{seen[rw.name]}] too: names are unique")
+            seen[rw.name] = i
+        return v
 
     @classmethod
     def settings_customise_sources(
@@ -1378,6 +1457,7 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
         out.append(("kv_cache_index.tokenizer.source", "source none: requests have no block keys"))
     if not s.pool.engines and not s.pool.discovered and not s.pool.gemini:
         out.append(("pool.backends", "no backends: every request is answered 503"))
+    out.extend(_shadowed_rewrite_rules(s))
     out.extend(not_implemented_warnings(s))
     if s.response_cache.enabled:
         out.append(
@@ -1418,6 +1498,24 @@ def config_warnings(s: Settings) -> list[tuple[str, str]]:
                 "can open streams and steer routing",
             )
         )
+    return out
+
+
+def _shadowed_rewrite_rules(s: Settings) -> list[tuple[str, str]]:
+    """Config rewrite rules that never apply: a model an earlier rule matches exactly, a second generic rule."""
+    out: list[tuple[str, str]] = []
+    first: dict[str | None, str] = {}  # a matched model (None: the generic rule) → the rule that claims it
+    for i, rw in enumerate(s.model_rewrites):
+        for j, rule in enumerate(rw.rules):
+            at = f"model_rewrites[{i}].rules[{j}]"
+            for k, model in enumerate([m.model.value for m in rule.matches] or [None]):
+                claimed = first.setdefault(model, at)
+                if claimed == at:
+                    continue
+                if model is None:
+                    out.append((at, f"never applies: {claimed} is an earlier generic rule (the first one wins)"))
+                else:
+                    out.append((f"{at}.matches[{k}]", f"never applies: {claimed} matches {model!r} first"))
     return out
 
 

@@ -124,7 +124,7 @@ class PickerMetrics:
     """Every metric the picker exports, created against one registry."""
 
     MAX_CHILDREN = 10_000  # cached labelled children; cleared when exceeded (label values are bounded anyway)
-    MAX_DISCOVERY_EVENTS = 32  # distinct discovery event names counted; more count as "other"
+    MAX_DISCOVERY_EVENTS = 64  # distinct discovery event names counted; more count as "other"
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, cached: the request path skips prometheus_client's label lookup."""

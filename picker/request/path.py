@@ -37,6 +37,7 @@ from picker.request.anthropic import inject_cache_control, is_native_anthropic
 from picker.request.exchange import Exchange, ResponseObserver
 from picker.request.external import ExternalExchange
 from picker.request.health import HealthObserver, count_health_transitions
+from picker.request.model_rewrite import ModelRewrites
 from picker.request.session_token import SessionTokens
 from picker.request.sessions import SessionTable
 from picker.routing.core import Prepared, Router, session_key
@@ -58,6 +59,7 @@ class Inbound:
     subset: Sequence[str] | None = None
     responses_readable: bool = True  # the response body reaches the picker (Envoy's response mode full)
     arrived: float | None = None  # when its headers reached the picker (monotonic), where the protocol says
+    rewritten: bool = False  # ``body`` is a model rewrite's, to be sent upstream instead of the client's
 
 
 class ResponseCache(ResponseObserver, Protocol):
@@ -137,6 +139,8 @@ class RequestPath:
         self.kv = KvStage(settings.kv_cache_index)  # kv_cache_index is restart-required: built once
         # session-level experiments (docs/experiments.md): built always, empty while disabled
         self.experiments = Experiments(pool.preemptions, recorder.metrics.registry)
+        # InferenceModelRewrites: the config's (configure) and the watched ones (runtime.compose sets ``watched``)
+        self.rewrites = ModelRewrites(recorder.metrics.registry)
         self._cache_warned = False
         self.configure(settings)
 
@@ -168,6 +172,7 @@ class RequestPath:
             self.external.configure(settings)
         self.tier4 = self.holds is not None and self.router.tier4_active()
         self.experiments.configure(settings, tier4_available=self.holds is not None)
+        self.rewrites.configure(settings.model_rewrites)
         self.max_prefix_tokens = settings.kv_cache_index.tokenizer.max_prefix_tokens
         self.block_size = settings.kv_cache_index.tokenizer.block_size  # tokens per key block
         # the semantic cache's caller identity (hashed into RequestFacts.identity), read only while it is on
@@ -308,6 +313,14 @@ class RequestPath:
         except BadRequest as exc:
             self.recorder.refused("bad_request")
             return Answer(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}")
+        # -- model rewrite (docs/llm-d-compat.md, "InferenceModelRewrite"): before the response cache's key and
+        # Tier 4's block keys, so both see the served model; the new body goes upstream (``dispatch``) --
+        if self.rewrites.active:
+            rewritten = self.rewrites.apply(facts, data, req.body)
+            if rewritten is not None:
+                facts, data, req.body = rewritten
+                req.rewritten = True
+        # -- end of model rewrite --
         cpu = _perf() - t0
         cache = self.cache
         cached: CacheState | None = None
@@ -428,9 +441,13 @@ class RequestPath:
         ex.cache = cached
         if cache is not None and cached is not None and cached.key is not None:
             ex.add_body_observer(cache)  # an eligible miss: the cache reads this response's body (and only this one's)
+        if req.rewritten:  # a model rewrite's body (the injection below marks that one)
+            ex.body_out = req.body
         inject = self.settings.prefix_routing.anthropic_cache_control_injection  # hot-reloadable: read per request
         if inject and req.body and is_native_anthropic(req.path):
-            ex.body_out = inject_cache_control(req.body, max_body_bytes=self.max_body_bytes)  # None: unchanged
+            injected = inject_cache_control(req.body, max_body_bytes=self.max_body_bytes)  # None: unchanged
+            if injected is not None:
+                ex.body_out = injected
         self.recorder.decision_cpu(cpu + _perf() - t1)
         return ex
 

@@ -235,6 +235,13 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
             body["objective_watch"] = app.objective_watch.status()
         return web.json_response(body)
 
+    async def model_rewrites(_: web.Request) -> web.Response:
+        """The model rewrites in force (config and watched) and the watch's state (docs/llm-d-compat.md)."""
+        body = app.path.rewrites.stats()
+        if app.rewrite_watch is not None:
+            body["rewrite_watch"] = app.rewrite_watch.status()
+        return web.json_response(body)
+
     async def reload(_: web.Request) -> web.Response:
         applied, messages = app.reload()
         problem = token.refresh()  # the token file is re-read with the reload, not at the next request only
@@ -252,6 +259,7 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
             web.get("/admin/pool", pool),
             web.get("/admin/flow-control", flow_control),
             web.get("/admin/experiments", experiments),
+            web.get("/admin/model-rewrites", model_rewrites),
             web.post("/admin/config/reload", reload),
         ]
     )

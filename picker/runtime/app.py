@@ -38,6 +38,7 @@ from picker.shared.discovery import Discovery, PoolSnapshot
 
 if TYPE_CHECKING:
     from picker.shared.discovery.kube_objectives import KubernetesObjectiveWatch
+    from picker.shared.discovery.kube_rewrites import KubernetesModelRewriteWatch
 
 log = logging.getLogger("kv_epp.app")
 
@@ -99,6 +100,8 @@ class PickerApp:
         self.discovery = discovery
         # the InferenceObjective watch behind flow control's watched priorities (set by the composition root)
         self.objective_watch: KubernetesObjectiveWatch | None = None
+        # the InferenceModelRewrite watch behind the request path's watched rewrites (set by the composition root)
+        self.rewrite_watch: KubernetesModelRewriteWatch | None = None
         self.pool_source = settings.pool.source
         self.pool_synced = not settings.pool.discovered
         self.pool_version = ""

@@ -38,6 +38,8 @@ from picker.shared.discovery import Count, Discovery, make_discovery
 
 if TYPE_CHECKING:
     from picker.shared.discovery.kube_objectives import KubernetesObjectiveWatch
+    from picker.shared.discovery.kube_objects import ModelRewrite
+    from picker.shared.discovery.kube_rewrites import KubernetesModelRewriteWatch
 
 log = logging.getLogger("kv_epp.wiring")  # the name its log lines have always had
 
@@ -63,6 +65,21 @@ def objective_watch(settings: Settings, app: PickerApp) -> KubernetesObjectiveWa
         app.path.flow.watched = watched
 
     return KubernetesObjectiveWatch(ref, publish, app.metrics.discovery_event)
+
+
+def rewrite_watch(settings: Settings, app: PickerApp) -> KubernetesModelRewriteWatch | None:
+    """The watch of the pool's InferenceModelRewrites the request path applies (``app.path.rewrites.watched``,
+    replaced at each change), beside the config's ``model_rewrites``: with ``pool.inference_pool`` and
+    ``watch_model_rewrites``, else None. Like the objectives' watch it has its own client, beside the discovery."""
+    ref = settings.pool.inference_pool
+    if ref is None or not settings.watch_model_rewrites:
+        return None
+    from picker.shared.discovery.kube_rewrites import KubernetesModelRewriteWatch
+
+    def publish(watched: dict[str, ModelRewrite]) -> None:
+        app.path.rewrites.watched = watched
+
+    return KubernetesModelRewriteWatch(ref, publish, app.metrics.discovery_event)
 
 
 def build_response_cache(rc: ResponseCacheConfig, metrics: PickerMetrics) -> ResponseCache:
@@ -138,6 +155,10 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     if app.objective_watch is not None:  # flow control's priorities from InferenceObjective objects
         metrics.child(metrics.discovery_events, "objectives_error").inc(0)
         server.background.append(app.objective_watch.run)
+    app.rewrite_watch = rewrite_watch(settings, app)
+    if app.rewrite_watch is not None:  # InferenceModelRewrite objects, applied beside the config's model_rewrites
+        metrics.child(metrics.discovery_events, "rewrites_error").inc(0)
+        server.background.append(app.rewrite_watch.run)
     # engine signals: always supervised; it reads pool.engine_metrics (hot-reloadable) each round and idles
     # while that says enabled: false
     server.background.append(LoopLag(app.metrics).run)  # continuum_picker_event_loop_lag_seconds
@@ -182,4 +203,6 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     return server
 
 
-__all__ = ["build_app", "build_response_cache", "build_server", "objective_watch", "pool_discovery"]
+__all__ = [
+    "build_app", "build_response_cache", "build_server", "objective_watch", "pool_discovery", "rewrite_watch",
+]  # fmt: skip

@@ -3,7 +3,8 @@ uses, served over real HTTP by aiohttp on 127.0.0.1 (port 0).
 
 It is not Kubernetes. It implements, for ``/api/v1/namespaces/{ns}/pods``,
 ``/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools[/{name}]`` and the namespaced custom
-resources of ``CUSTOM_RESOURCES`` (``/apis/{group}/{version}/namespaces/{ns}/{plural}``: InferenceObjectives), each
+resources of ``CUSTOM_RESOURCES`` (``/apis/{group}/{version}/namespaces/{ns}/{plural}``: InferenceObjectives and
+InferenceModelRewrites), each
 of which can be uninstalled (404, as when its CRD is not installed) and installed again:
 
 - GET list (``labelSelector`` with ``=``/``==``/``!=`` terms, ``fieldSelector`` on ``metadata.name`` /
@@ -49,8 +50,12 @@ POOL_VERSION = "v1"
 PODS = "pods"
 POOLS = "inferencepools"
 OBJECTIVES = "inferenceobjectives"
+MODEL_REWRITES = "inferencemodelrewrites"
 # namespaced custom resources served generically: plural -> (group, version, kind)
-CUSTOM_RESOURCES = {OBJECTIVES: ("llm-d.ai", "v1alpha2", "InferenceObjective")}
+CUSTOM_RESOURCES = {
+    OBJECTIVES: ("llm-d.ai", "v1alpha2", "InferenceObjective"),
+    MODEL_REWRITES: ("llm-d.ai", "v1alpha2", "InferenceModelRewrite"),
+}
 _KIND = {
     PODS: ("Pod", "v1"),
     POOLS: ("InferencePool", f"{POOL_GROUP}/{POOL_VERSION}"),
@@ -329,13 +334,16 @@ class FakeKubeApiServer:
 
     def put_object(self, resource: str, namespace: str, obj: dict[str, Any]) -> None:
         """Create or update an object of a custom resource (``CUSTOM_RESOURCES``) from its manifest: its
-        ``metadata.name``, ``metadata.labels`` and ``spec`` are kept (kind, apiVersion and the rest of the metadata are
-        the server's)."""
+        ``metadata.name``, ``metadata.labels`` and ``spec`` are kept, and at creation its ``creationTimestamp`` when
+        given (objects of different ages; kind, apiVersion and the rest of the metadata are the server's)."""
         if resource not in CUSTOM_RESOURCES:
             raise ValueError(f"{resource!r} is not a custom resource of the fake ({', '.join(CUSTOM_RESOURCES)})")
         name = obj["metadata"]["name"]
         prev = self._objects[resource].get((namespace, name))
         meta = self._meta(name, namespace, prev, obj["metadata"].get("labels") or {}, {})
+        created = obj["metadata"].get("creationTimestamp")
+        if prev is None and created is not None:
+            meta["creationTimestamp"] = created
         self._write(resource, namespace, name, {"metadata": meta, "spec": json.loads(json.dumps(obj["spec"]))}, prev)
 
     def delete_object(self, resource: str, namespace: str, name: str) -> None:

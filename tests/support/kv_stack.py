@@ -15,12 +15,21 @@ MODEL = "sim-model"
 PIN_HEADER = "x-test-subset"  # Envoy's subset hint: the test pins a request to one engine's address
 
 
-def start_sims(workdir: Path, n: int, capacity_blocks: int, **events: Any) -> list[SimulatorProcess]:
-    """``n`` engines ``sim-0..`` (vLLM map encoding, replay on), started; the caller stops them."""
+def start_sims(
+    workdir: Path, n: int, capacity_blocks: int, lora_adapters: str = "", **events: Any
+) -> list[SimulatorProcess]:
+    """``n`` engines ``sim-0..`` (vLLM map encoding, replay on; serving ``lora_adapters``, comma-separated, besides
+    the model), started; the caller stops them."""
     sims: list[SimulatorProcess] = []
     for i in range(n):
         sim = SimulatorProcess(
-            SimConfig(name=f"sim-{i}", model=MODEL, capacity_blocks=capacity_blocks, time_scale=0.02),
+            SimConfig(
+                name=f"sim-{i}",
+                model=MODEL,
+                capacity_blocks=capacity_blocks,
+                time_scale=0.02,
+                lora_adapters=lora_adapters,
+            ),
             KvEventsSettings(
                 endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", encoding="map", **events
             ),

@@ -1,7 +1,8 @@
 """What the InferencePool watcher reads of the API's objects: an InferencePool's spec (its pods' label selector
-and target ports), a pod (its IP, whether it is being deleted, its Ready condition, its annotations) and an
-InferenceObjective (its name, its pool and its priority). See docs/picker.md, "Pool discovery", and
-docs/flow-control.md, "Flows, priorities and bands".
+and target ports), a pod (its IP, whether it is being deleted, its Ready condition, its annotations), an
+InferenceObjective (its name, its pool and its priority) and an InferenceModelRewrite (its name, age, pool and
+rules). See docs/picker.md, "Pool discovery", docs/flow-control.md, "Flows, priorities and bands", and
+docs/llm-d-compat.md, "InferenceModelRewrite".
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from picker.shared.config_files import BACKEND_NAME_RE
@@ -111,13 +113,46 @@ OBJECTIVE_NAME_MAX = 253  # a Kubernetes object name
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1  # spec.priority is an int32
 
 
-class BadObjective(ValueError):
-    """An InferenceObjective that cannot be read (the CRD's validation should make this unreachable); ``name`` is
-    its metadata.name when that much could be read."""
+class BadPoolObject(ValueError):
+    """An object of the pool (an InferenceObjective, an InferenceModelRewrite) that cannot be read (the CRD's
+    validation should make this unreachable); ``name`` is its metadata.name when that much could be read."""
 
     def __init__(self, message: str, name: str | None = None) -> None:
         super().__init__(message)
         self.name = name
+
+
+class BadObjective(BadPoolObject):
+    """An InferenceObjective that cannot be read."""
+
+
+class BadModelRewrite(BadPoolObject):
+    """An InferenceModelRewrite that cannot be read."""
+
+
+def _pool_object_head(obj: Mapping[str, Any], pool: str, what: str, bad: type[BadPoolObject]) -> tuple[str, Any]:
+    """(name, spec) of a namespaced object that names its InferencePool in ``spec.poolRef``; spec None when the
+    object is not for ``pool`` (another pool, or a group or kind other than the InferencePool's) or is being
+    deleted. ``bad`` naming the field when the head is malformed."""
+    if not isinstance(obj, Mapping):
+        raise bad(f"{what}: not an object but {type(obj).__name__}")
+    meta = obj.get("metadata")
+    meta = meta if isinstance(meta, dict) else {}
+    name = meta.get("name")
+    if not isinstance(name, str) or not 0 < len(name) <= OBJECTIVE_NAME_MAX:
+        raise bad(f"{what}: metadata.name {name!r} is not an object name")
+    if meta.get("deletionTimestamp"):
+        return name, None
+    spec = obj.get("spec")
+    ref = spec.get("poolRef") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict) or not isinstance(ref, dict):
+        raise bad(f"{what} {name}: spec.poolRef is missing or not an object", name)
+    ref_name, group, kind = ref.get("name"), ref.get("group", POOL_GROUP), ref.get("kind", POOL_KIND)
+    if not isinstance(ref_name, str) or not ref_name or not isinstance(group, str) or not isinstance(kind, str):
+        raise bad(f"{what} {name}: spec.poolRef name, group or kind is not a string", name)
+    if (ref_name, group, kind) != (pool, POOL_GROUP, POOL_KIND):
+        return name, None
+    return name, spec
 
 
 def parse_objective(obj: Mapping[str, Any], pool: str) -> tuple[str, int | None]:
@@ -125,23 +160,8 @@ def parse_objective(obj: Mapping[str, Any], pool: str) -> tuple[str, int | None]
     namespace: the priority is ``spec.priority``, 0 when unset (as llm-d reads it), None when the object is not
     for this pool (``spec.poolRef`` names another pool, or a group or kind other than the InferencePool's) or is
     being deleted. BadObjective naming the field when it is malformed."""
-    if not isinstance(obj, Mapping):
-        raise BadObjective(f"inferenceobjective: not an object but {type(obj).__name__}")
-    meta = obj.get("metadata")
-    meta = meta if isinstance(meta, dict) else {}
-    name = meta.get("name")
-    if not isinstance(name, str) or not 0 < len(name) <= OBJECTIVE_NAME_MAX:
-        raise BadObjective(f"inferenceobjective: metadata.name {name!r} is not an object name")
-    if meta.get("deletionTimestamp"):
-        return name, None
-    spec = obj.get("spec")
-    ref = spec.get("poolRef") if isinstance(spec, dict) else None
-    if not isinstance(spec, dict) or not isinstance(ref, dict):
-        raise BadObjective(f"inferenceobjective {name}: spec.poolRef is missing or not an object", name)
-    ref_name, group, kind = ref.get("name"), ref.get("group", POOL_GROUP), ref.get("kind", POOL_KIND)
-    if not isinstance(ref_name, str) or not ref_name or not isinstance(group, str) or not isinstance(kind, str):
-        raise BadObjective(f"inferenceobjective {name}: spec.poolRef name, group or kind is not a string", name)
-    if (ref_name, group, kind) != (pool, POOL_GROUP, POOL_KIND):
+    name, spec = _pool_object_head(obj, pool, "inferenceobjective", BadObjective)
+    if spec is None:
         return name, None
     priority = spec.get("priority")
     if priority is None:
@@ -149,6 +169,106 @@ def parse_objective(obj: Mapping[str, Any], pool: str) -> tuple[str, int | None]
     if not isinstance(priority, int) or isinstance(priority, bool) or not INT32_MIN <= priority <= INT32_MAX:
         raise BadObjective(f"inferenceobjective {name}: spec.priority {priority!r} is not an int32", name)
     return name, priority
+
+
+MODEL_NAME_MAX = 1024  # a model name in a rewrite (a match's value, a target); Hugging Face ids are far shorter
+MAX_REWRITE_RULES = 256  # rules of one InferenceModelRewrite; more is refused as malformed
+MAX_RULE_ITEMS = 256  # matches, and targets, of one rule; more is refused as malformed
+MAX_REWRITE_WEIGHT = 1_000_000  # the CRD's bound of a target's weight
+
+
+@dataclass(frozen=True, slots=True)
+class RewriteTarget:
+    """One weighted target of a rule: the model a request is rewritten to. ``weight`` None: unset (every target
+    of a rule unweighted: an even split; some weighted: an unweighted one is never chosen, as llm-d does)."""
+
+    model: str
+    weight: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RewriteRule:
+    """A rule: the exact model names it matches (empty: a generic rule, for any model no exact rule matches) and
+    its weighted targets (at least one)."""
+
+    models: tuple[str, ...]
+    targets: tuple[RewriteTarget, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRewrite:
+    """An InferenceModelRewrite (watched, or from the config's ``model_rewrites``): its name, its age (``created``:
+    metadata.creationTimestamp as a POSIX time, None for a config entry, which counts as older than any object)
+    and its rules in order."""
+
+    name: str
+    rules: tuple[RewriteRule, ...]
+    created: float | None = None
+
+
+def parse_model_rewrite(obj: Mapping[str, Any], pool: str) -> tuple[str, ModelRewrite | None]:
+    """(name, rewrite) of an ``llm-d.ai/v1alpha2`` InferenceModelRewrite for the InferencePool named ``pool`` in its
+    namespace; rewrite None when it is not for this pool or is being deleted (as ``parse_objective``).
+    BadModelRewrite naming the field when it is malformed: a rule without targets, a match type other than
+    ``Exact``, a weight outside 1..1,000,000, an empty model name, more than MAX_REWRITE_RULES rules or
+    MAX_RULE_ITEMS matches or targets in a rule."""
+    what = "inferencemodelrewrite"
+    name, spec = _pool_object_head(obj, pool, what, BadModelRewrite)
+    if spec is None:
+        return name, None
+
+    def bad(field: str, why: str) -> BadModelRewrite:
+        return BadModelRewrite(f"{what} {name}: {field} {why}", name)
+
+    meta = obj.get("metadata")
+    stamp = meta.get("creationTimestamp") if isinstance(meta, dict) else None
+    created: float | None = float("inf")  # unknown: the youngest (the API server always sets it)
+    if stamp is not None:
+        try:
+            created = datetime.fromisoformat(str(stamp)).timestamp()
+        except ValueError:
+            raise bad("metadata.creationTimestamp", f"{str(stamp)[:64]!r} is not an RFC 3339 time") from None
+    rules = spec.get("rules")
+    if not isinstance(rules, list) or len(rules) > MAX_REWRITE_RULES:
+        raise bad("spec.rules", f"must be a list of at most {MAX_REWRITE_RULES} rules")
+    out: list[RewriteRule] = []
+    for i, rule in enumerate(rules):
+        at = f"spec.rules[{i}]"
+        if not isinstance(rule, dict):
+            raise bad(at, "is not an object")
+        matches = rule.get("matches") or []
+        if not isinstance(matches, list) or len(matches) > MAX_RULE_ITEMS:
+            raise bad(f"{at}.matches", f"must be a list of at most {MAX_RULE_ITEMS} matches")
+        models: list[str] = []
+        for j, m in enumerate(matches):
+            model = m.get("model") if isinstance(m, dict) else None
+            if not isinstance(model, dict):
+                raise bad(f"{at}.matches[{j}].model", "is missing or not an object")
+            if model.get("type", "Exact") != "Exact":
+                raise bad(f"{at}.matches[{j}].model.type", f"{model.get('type')!r} is not supported (only Exact)")
+            models.append(_model_name(model.get("value"), f"{at}.matches[{j}].model.value", bad))
+        targets = rule.get("targets")
+        if not isinstance(targets, list) or not 0 < len(targets) <= MAX_RULE_ITEMS:
+            raise bad(f"{at}.targets", f"must list 1 to {MAX_RULE_ITEMS} targets")
+        parsed: list[RewriteTarget] = []
+        for j, t in enumerate(targets):
+            if not isinstance(t, dict):
+                raise bad(f"{at}.targets[{j}]", "is not an object")
+            weight = t.get("weight")
+            if weight is not None and (
+                not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= MAX_REWRITE_WEIGHT
+            ):
+                raise bad(f"{at}.targets[{j}].weight", f"{weight!r} is not an integer in 1..{MAX_REWRITE_WEIGHT}")
+            target = _model_name(t.get("modelRewrite"), f"{at}.targets[{j}].modelRewrite", bad)
+            parsed.append(RewriteTarget(target, weight))
+        out.append(RewriteRule(tuple(dict.fromkeys(models)), tuple(parsed)))
+    return name, ModelRewrite(name, tuple(out), created)
+
+
+def _model_name(value: Any, field: str, bad: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MODEL_NAME_MAX:
+        raise bad(field, f"must be a model name of 1 to {MODEL_NAME_MAX} characters")
+    return value
 
 
 def _object_or_none(value: Any, field: str) -> Mapping[str, Any]:

@@ -458,7 +458,7 @@ def test_the_pool_headless_service_selects_the_pools_ready_pods(rendered: dict[s
 
 
 @pytest.mark.parametrize("variant", ["default", "existing-pool", "kv-aware"])
-def test_rbac_reads_pods_inferencepools_and_inferenceobjectives_only_in_the_pools_namespace(
+def test_rbac_reads_pods_inferencepools_and_llm_d_objects_only_in_the_pools_namespace(
     variant: str, rendered: dict[str, list[dict[str, Any]]]
 ) -> None:
     objs = rendered[variant]
@@ -468,7 +468,8 @@ def test_rbac_reads_pods_inferencepools_and_inferenceobjectives_only_in_the_pool
     assert sorted((tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r["verbs"])) for r in role["rules"]) == [
         (("",), ("pods",), ("get", "list", "watch")),
         (("inference.networking.k8s.io",), ("inferencepools",), ("get", "list", "watch")),
-        (("llm-d.ai",), ("inferenceobjectives",), ("get", "list", "watch")),  # flow control's priorities
+        # flow control's priorities, the request path's model rewrites
+        (("llm-d.ai",), ("inferenceobjectives", "inferencemodelrewrites"), ("get", "list", "watch")),
     ]
     assert not of(objs, "ClusterRole") and not of(objs, "ClusterRoleBinding")
     (binding,) = of(objs, "RoleBinding")
