@@ -6,8 +6,10 @@ it too. See docs/llm-d-compat.md, "InferenceModelRewrite".
 Precedence (llm-d's, with the config's rewrites counted as older than every watched object): an exact match beats
 a generic rule (no ``matches``); among several exact matches, or several generic rules, the config's rewrites in
 list order come first, then the watched objects from the oldest (``metadata.creationTimestamp``, then name); inside
-one rewrite the first rule in list order wins. A target is drawn per request (weighted random, as llm-d), not per
-session.
+one rewrite the first rule in list order wins. A target is drawn per request, not per session (as llm-d), but not
+at random: each rule walks a golden-ratio sequence from a random start (``RewriteChoice.draw``), so its targets'
+shares are their weights to within a few requests at any count, where llm-d's random draw strays by its standard
+deviation (about 1% of 1,000 requests at 90/10).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import random
 import re
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -35,6 +37,7 @@ OTHER = "other"
 # the top-level "model" key and its string value, as clients write it (the value's span is replaced in place)
 _MODEL_MEMBER = re.compile(rb'"model"\s*:\s*("(?:[^"\\]|\\.)*")')
 _WS = b" \t\r\n"
+_GOLDEN = (5**0.5 - 1) / 2  # the golden ratio's fraction: the step of the draw's low-discrepancy sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,9 @@ class RewriteChoice:
     source: str  # "config" or "watched"
     models: tuple[str, ...]
     cumulative: tuple[int, ...]
+    # the rule's point in [0, 1) on its golden-ratio sequence (mutable state, not part of the rule's identity);
+    # negative until the first draw places it at random
+    _point: list[float] = field(default_factory=lambda: [-1.0], compare=False, repr=False)
 
     @classmethod
     def of(cls, rewrite: str, source: str, targets: Sequence[RewriteTarget]) -> RewriteChoice:
@@ -57,8 +63,13 @@ class RewriteChoice:
         return cls(rewrite, source, tuple(t.model for t in targets), tuple(cumulative))
 
     def draw(self, rng: random.Random) -> str:
-        """A target, with probability weight / total (one random number, a binary search)."""
-        return self.models[bisect_right(self.cumulative, rng.randrange(self.cumulative[-1]))]
+        """The next target: the rule's point advances by the golden ratio's fraction (mod 1) and falls in a target's
+        share of [0, 1) (weight / total); any n consecutive draws give each target its share to within a few
+        draws (a low-discrepancy sequence), in an order that does not repeat. The start is random (``rng``)."""
+        p = self._point
+        p[0] = rng.random() if p[0] < 0.0 else (p[0] + _GOLDEN) % 1.0
+        total = self.cumulative[-1]
+        return self.models[bisect_right(self.cumulative, min(int(p[0] * total), total - 1))]
 
 
 @dataclass(frozen=True, slots=True)

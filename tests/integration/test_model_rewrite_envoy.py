@@ -1,10 +1,10 @@
 """A 90/10 model rewrite (the config's ``model_rewrites``) through the real Envoy and the picker, full duplex and
 BUFFERED: an upstream that records the bodies it receives shows every request arriving with a target model, its
 body byte-identical to what the client sent but for the model's value (and a ``content-length`` that matches it,
-when one is sent), and the canary receiving 10% ± 3% of 1,000 requests (the draw is per request, unseeded: a run
-outside ±3% has a probability of about 0.2%). A model no rule matches arrives byte-identical; after a hot reload
-that drops the rule, so does the rewritten one. The same on the request path alone, with Tier 4's keys:
-tests/unit/picker/request/test_model_rewrite.py."""
+when one is sent), and the canary receiving 10% ± 3% of 1,000 requests (the draw is per request, from a random
+start on a low-discrepancy sequence: within a few requests of 100 on every run). A model no rule matches arrives
+byte-identical; after a hot reload that drops the rule, so does the rewritten one. The same on the request path
+alone, with Tier 4's keys: tests/unit/picker/request/test_model_rewrite.py."""
 
 from __future__ import annotations
 

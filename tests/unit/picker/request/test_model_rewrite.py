@@ -104,6 +104,22 @@ def test_weights_draw_in_proportion_unweighted_split_evenly_and_mixed_leave_the_
     assert mixed == {"always": n}  # llm-d: a target without a weight in a weighted rule is never selected
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_every_run_of_draws_gives_each_target_its_share_within_a_few_requests(seed: int) -> None:
+    """The golden-ratio draw from any random start: at 90/10 and 1/2/7, every prefix of 2,000 consecutive draws
+    gives each target its weight's share to within 3 requests (a random draw strays by sqrt(n p (1 - p)): about
+    9 of 1,000 at 90/10)."""
+    rng = random.Random(seed)
+    for targets in ((("v1", 90), ("v2", 10)), (("a", 1), ("b", 2), ("c", 7))):
+        choice = RewriteTable.build([], [watched("w", 1.0, rule(("m",), *targets))]).match("m")
+        assert choice is not None
+        total = sum(w for _, w in targets)
+        seen: Counter[str] = Counter()
+        for i in range(1, 2001):
+            seen[choice.draw(rng)] += 1
+            assert all(abs(seen[t] - i * w / total) <= 3 for t, w in targets), (seed, i, seen)
+
+
 # -- the body -----------------------------------------------------------------------------------------------------
 
 
