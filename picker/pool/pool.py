@@ -16,6 +16,7 @@ from picker.config import PoolConfig
 from picker.pool.calibration import TtftCalibrator, TtftSample
 from picker.pool.preemptions import PreemptionWindows
 from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, PoolView, endpoint_load
+from picker.routing.served_models import ServedModels
 
 log = logging.getLogger("kv_epp.pool")
 
@@ -137,6 +138,8 @@ class Pool:
         self.suspicion_listener: Callable[[str, str], None] | None = None
         # an endpoint's load, health or engine reading changed (flow control looks again; set by the request path)
         self.change_listener: Callable[[], None] | None = None
+        # what the engines say they serve (their /v1/models, set by ``picker.pool.engine_models``); None: not known
+        self.served: ServedModels | None = None
         self.update(cfg)
 
     # -- membership -----------------------------------------------------------------------------
@@ -264,6 +267,12 @@ class Pool:
 
     def in_flight(self) -> dict[str, int]:
         return {name: s.in_flight for name, s in self._stats.items()}
+
+    def set_served_models(self, served: ServedModels | None) -> None:
+        """What the engines serve (None: not known); every later snapshot carries it. Off the request path."""
+        if served is not self.served:
+            self.served = served
+            self._full_view = None
 
     def set_engine_signals(self, name: str, signals: EngineSignals | None) -> None:
         """The engine's own load report (None: unknown or stale); off the request path."""
@@ -415,11 +424,11 @@ class Pool:
                     self._snaps[name] = snap
                 (suspected if st.suspected else states).append(snap)
             # a suspected endpoint waits for its probe (milliseconds when it answers) unless it is all there is
-            full = self._full_view = PoolView(tuple(states or suspected), self.calibrator.current)
+            full = self._full_view = PoolView(tuple(states or suspected), self.calibrator.current, self.served)
         if subset is None:
             return full
         allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
-        return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed), full.costs)
+        return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed), full.costs, full.served)
 
     def cost_model(self) -> dict[str, float]:
         """The TTFT model's current coefficients (``/admin/pool``, the ``continuum_picker_ttft_model`` gauge)."""
