@@ -140,6 +140,11 @@ class CostModelConfig(_Section):
     # an endpoint whose engine evicted blocks within this window has a full cache: a new copy of a prefix
     # there also evicts another prefix, so its waste is charged as if the pool's mean queue waited there
     eviction_window_seconds: float = Field(60.0, ge=0.0, le=86_400.0)
+    # LoRA affinity (requests whose model is a LoRA adapter): an endpoint's llm-d score (1 adapter running, 0.8
+    # free slot, 0.6 adapter waiting, 0 none) costs (1 - score) x this many key blocks of prefill there. Below
+    # one block, so holding even one more block of the prompt outweighs it: the cache decides, the adapter's
+    # slots break what it leaves even (docs/llm-d-compat.md, "LoRA"). 0: off.
+    lora_affinity_blocks: float = Field(0.75, ge=0.0, le=10_000.0)
     # a copy of a prefix held elsewhere serves that prefix's requests over about this horizon: its prefill is
     # shared among them (rate × horizon ÷ holders); 0 charges every copy in full to the request that makes it
     copy_horizon_seconds: float = Field(10.0, ge=0.0, le=3600.0)

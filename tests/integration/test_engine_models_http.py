@@ -205,6 +205,7 @@ def test_parse_models_skips_what_is_not_a_model_entry() -> None:
         ({"pool": {"engine_models": {"timeout_ms": 5000, "interval_ms": 1000}}}, "pool.engine_models:"),
         ({"pool": {"engine_models": {"max_models": 0}}}, "pool.engine_models.max_models:"),
         ({"pool": {"engine_models": {"path": "v1/models"}}}, "pool.engine_models.path:"),
+        ({"kv_cache_index": {"scoring": {"cost": {"lora_affinity_blocks": -1}}}}, "cost.lora_affinity_blocks:"),
     ],
 )
 def test_a_bad_config_is_refused_with_the_path_of_its_key(section: dict[str, Any], path: str) -> None:
