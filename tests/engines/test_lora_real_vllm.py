@@ -1,7 +1,8 @@
 """LoRA on real vLLM (the CPU build): one engine started with ``--enable-lora --lora-modules`` and an adapter built
 offline (``benchmarks.vllm_engine.lora``). The picker learns the base model and the adapter (its ``parent``) from
 the engine's own ``/v1/models``, resolves the adapter's requests with them, and reads ``vllm:lora_requests_info``
-while an adapter request is in flight and after it ended. See docs/real-engines.md, "LoRA".
+while an adapter request is in flight and after it ended; Tier 4 finds the adapter's blocks as the engine keyed
+them. See docs/real-engines.md, "LoRA".
 
 Its engine is its own (module scope), not the session's two: the tier's other tests never pay for LoRA.
 """
@@ -18,13 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.stack import make_workdir
+from benchmarks.stack import make_workdir, start_listener
 from benchmarks.vllm_engine.process import MODEL_NAME, VllmConfig, VllmProcess, ensure_adapter
 from picker.config import parse_settings
+from picker.facts import RequestFacts
+from picker.kv.tier4 import Tier4
+from picker.ops.metrics import PickerMetrics
 from picker.pool.engine_models import EngineModelPoller
 from picker.pool.engine_signals import EngineSignalScraper
 from picker.pool.pool import Pool
 from picker.routing.served_models import EndpointModels, LoraLoad, resolve_model
+from tests.integration.conftest import http
+from tests.support.kv_stack import listener_sources
 from tests.support.poll import async_wait_until
 
 ADAPTER = "tiny-lora"
@@ -119,3 +125,68 @@ async def test_the_picker_learns_base_and_adapter_and_reads_the_lora_slots_of_re
         await asyncio.gather(*tasks, return_exceptions=True)
         await poller.close()
         await scraper.close()
+
+
+async def test_tier4_keys_an_adapter_request_as_the_real_engine_keyed_it(lora_engine: VllmProcess) -> None:
+    """The adapter's blocks, as real vLLM announced them (the adapter in their extra keys) and the real listener
+    keyed them, are found by Tier 4 for a request of the adapter, whose base model came from the engine's
+    ``/v1/models``; the same tokens asked for as the base model find nothing."""
+    workdir = make_workdir("kv-epp-lora-tier4-")
+    name = lora_engine.config.name
+    listener = start_listener(
+        {"feed": {"keepalive_seconds": 0.5}, "sources": listener_sources([lora_engine], MODEL_NAME)}, workdir
+    )
+    settings = parse_settings(
+        {
+            "pool": {
+                "backends": [{"name": name, "address": lora_engine.address}],
+                "engine_metrics": {"enabled": False},
+                "engine_models": {"interval_ms": 500, "timeout_ms": 500},
+            },
+            "kv_cache_index": {
+                "enabled": True,
+                "entry_ttl_seconds": 3600,
+                "event_sources": [{"backend_name": name, "endpoint": listener.events_url(name)}],
+                "tokenizer": {"source": "none", "block_size": 16},
+                "checks": {"self_check": False},
+            },
+        }
+    )
+    pool = Pool(settings.pool)
+    poller, t4 = EngineModelPoller(pool), Tier4(settings.kv_cache_index, pool, PickerMetrics())
+    tasks = [asyncio.create_task(poller.run()), asyncio.create_task(t4.run())]
+    try:
+        await async_wait_until(
+            lambda: pool.served is not None and pool.served.knows(ADAPTER), timeout=60, what="the adapter listed"
+        )
+        prompt = "\n".join(f"def lora_{i}(value, index={i}):\n    return value[{i}]" for i in range(12))
+        tokens = await asyncio.to_thread(
+            http, "POST", lora_engine.base_url + "/tokenize", {"model": MODEL_NAME, "prompt": prompt}
+        )
+        ids = tuple(tokens.json()["tokens"])
+        page = lora_engine.config.block_size
+        full_blocks = len(ids) // page * page // 16  # the engine stores full pages only
+        assert full_blocks >= 4, len(ids)
+        r = await asyncio.to_thread(
+            http,
+            "POST",
+            lora_engine.base_url + "/v1/completions",
+            {"model": ADAPTER, "prompt": list(ids), "max_tokens": 1},
+        )
+        assert r.status == 200, r.body
+        adapter = RequestFacts(api="completions", model=ADAPTER, prompt_token_ids=ids)
+
+        async def held_all() -> bool:
+            hold = (await t4.lookup(adapter)).holds.get(name)
+            return hold is not None and hold.blocks == full_blocks
+
+        await async_wait_until(held_all, timeout=60, what=f"{full_blocks} key blocks of the adapter's prompt")  # type: ignore[arg-type]
+        as_base = await t4.lookup(RequestFacts(api="completions", model=MODEL_NAME, prompt_token_ids=ids))
+        assert name not in as_base.holds  # the engine keyed them with the adapter: the base model's keys differ
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await poller.close()
+        await t4.close()
+        listener.stop()
