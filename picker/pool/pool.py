@@ -50,6 +50,34 @@ class _EndpointStats:
         return endpoint_load(self.pending_prefill_tokens, self.in_flight, self.decoding, self.engine, mean_tokens)
 
 
+ADMIN_NAMES = 64  # model and adapter names shown per endpoint in /admin/pool (the rest counted)
+
+
+def _engine_report(e: EngineSignals) -> dict[str, object]:
+    out: dict[str, object] = {"waiting": e.waiting, "running": e.running, "kv_usage": e.kv_usage}
+    if e.lora is not None:  # only engines that report their LoRA slots
+        out["lora"] = {
+            "max_lora": e.lora.max_lora,
+            "running": sorted(e.lora.running)[:ADMIN_NAMES],
+            "waiting": sorted(e.lora.waiting)[:ADMIN_NAMES],
+        }
+    return out
+
+
+def _models_report(served: ServedModels | None, name: str) -> dict[str, object] | None:
+    """What the endpoint's ``/v1/models`` listed (None: no list read)."""
+    m = served.by_endpoint.get(name) if served is not None else None
+    if m is None:
+        return None
+    adapters = sorted(m.adapters.items())
+    return {
+        "bases": sorted(m.bases)[:ADMIN_NAMES],
+        "adapters": dict(adapters[:ADMIN_NAMES]),
+        "adapter_count": len(adapters),
+        "truncated": m.truncated,
+    }
+
+
 class Lease:
     """One request's claim on an endpoint's in-flight slot; ``release`` is idempotent. It holds the
     counter it incremented, so an endpoint removed and re-added by reloads meanwhile is not miscounted.
@@ -459,13 +487,8 @@ class Pool:
                 "in_flight_requests": st.in_flight,
                 "pending_prefill_tokens": st.pending_prefill_tokens,
                 "decoding_requests": st.decoding,
-                "engine": None
-                if st.engine is None
-                else {
-                    "waiting": st.engine.waiting,
-                    "running": st.engine.running,
-                    "kv_usage": st.engine.kv_usage,
-                },
+                "engine": None if st.engine is None else _engine_report(st.engine),
+                "models": _models_report(self.served, name),
                 "success_rate": round(self._rate(st), 4),
                 "latency_ewma_ms": None if st.latency_ewma_ms is None else round(st.latency_ewma_ms, 3),
                 "successes": st.successes,

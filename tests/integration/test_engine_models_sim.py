@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -103,6 +104,15 @@ async def test_the_picker_learns_the_adapters_and_follows_their_slots_on_the_sim
         async with adapter_requests(sims[0], "sql-lora", 3):
             busy = LoraLoad(2, frozenset({"sql-lora"}), frozenset({"sql-lora"}))
             await async_wait_until(lambda: lora("sim-0") == busy, timeout=30, what="sql-lora in flight on sim-0")
+            # what /admin/pool shows of it
+            admin: dict[str, Any] = {b["backend"]: b for b in pool.health_snapshot()}["sim-0"]
+            assert admin["engine"]["lora"] == {"max_lora": 2, "running": ["sql-lora"], "waiting": ["sql-lora"]}
+            assert admin["models"] == {
+                "bases": [MODEL],
+                "adapters": {"chat-lora": MODEL, "sql-lora": MODEL},
+                "adapter_count": 2,
+                "truncated": False,
+            }
             # the cost model's estimates for the next sql-lora request carry the adapter's affinity: none on sim-0
             # (running there: 1.0), 0.2 x 0.75 of a key block's prefill on sim-1 (a free slot: 0.8)
             router = Router(settings)

@@ -40,7 +40,7 @@ FULL = LoraLoad(2, frozenset({"o1", "o2"}), frozenset({"o1", "o2"}))  # both slo
 
 
 def scorer(**cfg: float) -> CostScorer:
-    return CostScorer(CostModelConfig(**cfg), block_size=BLOCK)  # type: ignore[arg-type]
+    return CostScorer(CostModelConfig(**cfg), block_size=BLOCK)
 
 
 @pytest.mark.parametrize(("better", "worse"), [(RUNNING, FREE), (RUNNING, FULL), (FREE, FULL), (None, FULL)])
