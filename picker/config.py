@@ -142,6 +142,11 @@ class CostModelConfig(_Section):
     # an endpoint whose engine evicted blocks within this window has a full cache: a new copy of a prefix
     # there also evicts another prefix, so its waste is charged as if the pool's mean queue waited there
     eviction_window_seconds: float = Field(60.0, ge=0.0, le=86_400.0)
+    # LoRA affinity (requests whose model is a LoRA adapter): an endpoint's llm-d score (1 adapter running, 0.8
+    # free slot, 0.6 adapter waiting, 0 none) costs (1 - score) x this many key blocks of prefill there. Below
+    # one block, so holding even one more block of the prompt outweighs it: the cache decides, the adapter's
+    # slots break what it leaves even (docs/llm-d-compat.md, "LoRA"). 0: off.
+    lora_affinity_blocks: float = Field(0.75, ge=0.0, le=10_000.0)
     # a copy of a prefix held elsewhere serves that prefix's requests over about this horizon: its prefill is
     # shared among them (rate × horizon ÷ holders); 0 charges every copy in full to the request that makes it
     copy_horizon_seconds: float = Field(10.0, ge=0.0, le=3600.0)
@@ -479,6 +484,33 @@ class EngineMetricsConfig(_Section):
         return self
 
 
+class EngineModelsConfig(_Section):
+    """What each engine serves: every ``interval_ms`` each pool endpoint's ``http://<address><path>`` (the OpenAI
+    models list: vLLM lists its base model and every LoRA adapter registered with it, ``parent`` = its base
+    model) is read off the request path (``picker.pool.engine_models``). Where the engines list a request's model,
+    they decide its base model and adapter for Tier 4's keys instead of ``kv_cache_index.lora_adapters``, and an
+    endpoint that does not list an adapter scores 0 for LoRA affinity (docs/llm-d-compat.md, "LoRA").
+
+    Slower than the engine signals on purpose: adapters are registered rarely (at start, or through vLLM's
+    ``/v1/load_lora_adapter``). A failed read keeps the endpoint's last list (an engine restart that changed
+    it is seen at the next good read); an endpoint that leaves the pool loses its list. An endpoint without the
+    route (404) has no list and the static map applies to it."""
+
+    enabled: bool = True
+    path: Annotated[str, AfterValidator(_metrics_path)] = "/v1/models"
+    interval_ms: int = Field(10_000, ge=100, le=3_600_000)
+    timeout_ms: int = Field(2000, ge=10, le=60_000)  # one read: connect, answer and body
+    max_bytes: int = Field(1 << 20, ge=4096, le=64 << 20)  # a larger body is refused, not parsed
+    max_models: int = Field(256, ge=1, le=100_000)  # entries kept per endpoint (base models and adapters); more: cut
+    max_concurrency: int = Field(16, ge=1, le=1024)  # reads in flight at once
+
+    @model_validator(mode="after")
+    def _timing(self) -> EngineModelsConfig:
+        if self.timeout_ms > self.interval_ms:
+            raise ValueError("timeout_ms may not exceed interval_ms (a round must end before the next is due)")
+        return self
+
+
 class PoolConfig(_Section):
     """The pool: a static list (``backends``), or discovered: an InferencePool (``inference_pool``, also
     ``KV_EPP_POOL__INFERENCE_POOL__NAME`` / ``__NAMESPACE``) or a YAML file of backends (``backends_file``).
@@ -492,6 +524,7 @@ class PoolConfig(_Section):
     backends_file: BackendsFileRef | None = None
     health: HealthConfig = HealthConfig()
     engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
+    engine_models: EngineModelsConfig = EngineModelsConfig()
     latency_ewma_alpha: float = Field(0.2, gt=0.0, le=1.0)
     # Ranked fallbacks sent after the pick (comma-separated destination list): where Envoy retries when
     # the pick refuses, resets or times out. Keep the Envoy retry count (`kv-epp envoy-config --retries`)

@@ -41,6 +41,7 @@ class SimConfig:
     default_max_tokens: int = _f(16, "output length when a request sets no max_tokens")
     hash_seed: str = _f("", "seed of the engine block hash (like PYTHONHASHSEED)")
     lora_adapters: str = _f("", "comma-separated LoRA adapter names served besides the model")
+    max_loras: int = _f(4, "LoRA adapter slots (vllm:lora_requests_info's max_lora, with lora_adapters)")
     error_rate: float = _f(0.0, "fraction of requests answered with HTTP 500 (fault)")
     event_drop_rate: float = _f(0.0, "fraction of KV event batches not sent on PUB (fault)")
     seed: int = _f(0, "seed of the fault random generators")

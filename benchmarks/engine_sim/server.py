@@ -5,8 +5,10 @@ not; ``usage.prompt_tokens_details.cached_tokens`` always in non-streaming respo
 ``choices: []`` chunk when ``stream_options.include_usage`` is set), ``POST /v1/responses`` (non-streaming
 only: ``instructions`` + ``input`` as a string or message items; a ``prompt`` template is refused with
 400, as vLLM refuses it), ``POST /v1/embeddings`` (deterministic, similar texts similar: ``embeddings``),
-``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /v1/models``,
-``GET /metrics``, ``POST /reset_prefix_cache``.
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /v1/models`` (the model, then each LoRA adapter of
+``lora_adapters`` with ``parent`` = the model), ``GET /metrics`` (with ``lora_adapters``: ``vllm:lora_requests_info``
+as vLLM writes it, ``max_lora`` = ``max_loras``),
+``POST /reset_prefix_cache``.
 
 ``POST /reset_prefix_cache`` is vLLM's dev-mode route (``VLLM_SERVER_DEV_MODE=1``;
 vllm/entrypoints/serve/dev/cache/api_router.py), always on here. Query parameters
@@ -85,6 +87,7 @@ NAME_HEADER = "x-kv-sim-name"
 # Starlette's CORSMiddleware with vLLM's defaults: "*" methods stand for these; preflights cached 600 s.
 CORS_ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 CORS_MAX_AGE = "600"
+LORA_INFO_SERIES = 64  # label sets of vllm:lora_requests_info kept (vLLM keeps every one it ever set)
 
 
 def error_response(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
@@ -108,6 +111,9 @@ class EngineSimulator:
         self.detokenizer.remember(" ".join(OUTPUT_WORDS))
         self.error_rate = self.config.error_rate
         self.lora_adapters = frozenset(a.strip() for a in self.config.lora_adapters.split(",") if a.strip())
+        # vllm:lora_requests_info as vLLM keeps it: one series per label set ever set, valued by when it was last
+        # set; bounded here (the oldest label set goes first)
+        self._lora_info: dict[tuple[str, str], float] = {}
         self._error_rng = random.Random(self.config.seed)
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
@@ -556,15 +562,21 @@ class EngineSimulator:
         return web.Response(status=200)
 
     async def _models(self, request: web.Request) -> web.Response:
+        """vLLM's shape: the base model (``parent`` null), then each adapter with ``parent`` = the base model."""
         model = {
             "id": self.config.model,
             "object": "model",
             "created": 0,
             "owned_by": "kv-sim",
             "root": self.config.model,
+            "parent": None,
             "max_model_len": self.config.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [model]})
+        adapters = [
+            {"id": a, "object": "model", "created": 0, "owned_by": "kv-sim", "root": a, "parent": self.config.model}
+            for a in sorted(self.lora_adapters)
+        ]
+        return web.json_response({"object": "list", "data": [model, *adapters]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.render_metrics(), content_type="text/plain", charset="utf-8")
@@ -628,7 +640,31 @@ class EngineSimulator:
         lines.append(f'vllm:request_success_total{{{labels},finished_reason="length"}} {float(c.requests_finished)!r}')
         lines.append(f'vllm:request_success_total{{{labels},finished_reason="abort"}} {float(c.requests_aborted)!r}')
         metric("kv_sim_restarts_total", "counter", "Simulated engine restarts.", c.restarts)
+        if self.lora_adapters:
+            lines.extend(self._lora_requests_info(scheduler))
         return "\n".join(lines) + "\n"
+
+    def _lora_requests_info(self, scheduler: BatchScheduler) -> list[str]:
+        """vLLM's ``lora_requests_info``: both adapter labels list every adapter with a request in flight (as vLLM's
+        v1 scheduler stats do), the value is the time the label set was last set, and earlier label sets stay."""
+        in_flight = ",".join(
+            dict.fromkeys(r.lora_name for r in (*scheduler.running, *scheduler.waiting) if r.lora_name is not None)
+        )
+        key = (in_flight, in_flight)
+        self._lora_info.pop(key, None)
+        self._lora_info[key] = time.time()
+        while len(self._lora_info) > LORA_INFO_SERIES:
+            del self._lora_info[next(iter(self._lora_info))]
+        out = [
+            "# HELP vllm:lora_requests_info Running stats on lora requests.",
+            "# TYPE vllm:lora_requests_info gauge",
+        ]
+        for (running, waiting), at in self._lora_info.items():
+            out.append(
+                f'vllm:lora_requests_info{{max_lora="{self.config.max_loras}",running_lora_adapters="{running}",'
+                f'waiting_lora_adapters="{waiting}"}} {at!r}'
+            )
+        return out
 
     async def _faults(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)

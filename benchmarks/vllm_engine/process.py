@@ -77,6 +77,22 @@ def ensure_model(timeout_s: float = 600.0) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+def ensure_adapter(model_dir: Path, name: str = "kv-epp-tiny-lora", timeout_s: float = 300.0) -> Path:
+    """A LoRA adapter for the tiny model (``benchmarks.vllm_engine.lora``), built on first use by the engines'
+    interpreter and cached beside the model."""
+    out = subprocess.run(
+        [str(engines_python()), "-m", "benchmarks.vllm_engine.lora", str(model_dir), "--name", name],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"building the LoRA adapter failed: {out.stderr[-LOG_TAIL_BYTES:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     """One engine's settings; the defaults suit the 2-core machines here."""

@@ -28,6 +28,7 @@ from picker.ops.metrics import PickerMetrics
 from picker.pool.pool import Pool
 from picker.redis_pool import shared_redis
 from picker.routing.endpoints import BackendHold
+from picker.routing.served_models import resolve_model
 from picker.shared.block_keys import chain_block_keys, root_key
 
 log = logging.getLogger("kv_epp.tier4")
@@ -180,10 +181,10 @@ class Tier4:
 
     def resolve_model(self, model: str, lora_name: str | None) -> tuple[str, str | None]:
         """A request's model → (the model the listener keys with, LoRA adapter): an adapter named as the
-        model resolves to its base (``lora_adapters``), then an alias to its model (``model_aliases``)."""
-        base = self.cfg.lora_adapters.get(model) if lora_name is None else None
-        if base is not None:
-            model, lora_name = base, model
+        model resolves to its base (the engines' ``/v1/models`` where they list it, else ``lora_adapters``), then
+        an alias to its model (``model_aliases``)."""
+        if lora_name is None:
+            model, lora_name = resolve_model(model, self.pool.served, self.cfg.lora_adapters)
         return self.cfg.model_aliases.get(model, model), lora_name
 
     def _tokenizer_url(self, model: str) -> str | None:

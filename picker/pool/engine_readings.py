@@ -1,15 +1,17 @@
 """What an engine's ``/metrics`` say of its queue and KV cache (``engine_signals``: vLLM's and SGLang's families,
-mirror labels collapsed, separate queues added, KV usage averaged) and of its measured prefill cost
-(``prefill_totals``, vLLM's prefill histograms). See docs/picker.md, "Engine signals".
+mirror labels collapsed, separate queues added, KV usage averaged), of its measured prefill cost
+(``prefill_totals``, vLLM's prefill histograms) and of its LoRA slots (``lora_load``, vLLM's
+``lora_requests_info``). See docs/picker.md, "Engine signals", and docs/llm-d-compat.md, "LoRA".
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from picker.pool.exposition import Exposition, Sample, parse_exposition
+from picker.pool.exposition import Exposition, Sample, largest_sample, parse_exposition
 from picker.routing.endpoints import EngineSignals
+from picker.routing.served_models import LoraLoad
 
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_RUNNING = "vllm:num_requests_running"
@@ -35,6 +37,12 @@ VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
 WANTED_FAMILIES = frozenset(
     (*(n for w, r, kv in ENGINE_FAMILIES for n in (w, r, *kv)), *PREFILL_FAMILIES, VLLM_PREEMPTIONS)
 )
+# vLLM's LoRA slots: a gauge whose labels are the state (max_lora, running_lora_adapters, waiting_lora_adapters: comma
+# lists) and whose value is the time it was set; every label set ever seen stays in the body, so the current state
+# is the sample with the largest value. Read apart from the wanted families (``largest_sample``, one kept).
+VLLM_LORA_INFO = "vllm:lora_requests_info"
+MAX_LORA_ADAPTERS = 256  # adapter names kept per label (running, waiting); more are ignored
+MAX_LORA_SLOTS = 100_000  # a max_lora beyond this is not a reading
 # Labels that tell apart reports of ONE scheduler (docs/picker.md, "Engine signals"): series differing only in these
 # are the same queue seen twice; the largest is taken.
 MIRROR_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "pid"})
@@ -122,7 +130,33 @@ def preemption_total(expo: Exposition) -> float | None:
     return math.fsum(_per_queue(samples))
 
 
+def _adapters(value: str | None) -> frozenset[str]:
+    if not value:
+        return frozenset()
+    names = (a.strip() for a in value.split(",", MAX_LORA_ADAPTERS)[:MAX_LORA_ADAPTERS])
+    return frozenset(a for a in names if a)
+
+
+def lora_load(text: str) -> LoraLoad | None:
+    """vLLM's LoRA slots from its most recent ``lora_requests_info`` sample; None when the engine does not report
+    them (no LoRA, not vLLM) or ``max_lora`` is not a count."""
+    s = largest_sample(text, VLLM_LORA_INFO)
+    if s is None:
+        return None
+    raw = s.label("max_lora")
+    raw = raw.strip() if raw is not None else ""
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_LORA_SLOTS:
+        return None
+    return LoraLoad(int(raw), _adapters(s.label("running_lora_adapters")), _adapters(s.label("waiting_lora_adapters")))
+
+
 def read_signals(text: str) -> tuple[EngineSignals | None, Exposition]:
-    """Parse a scraped body (only the wanted families) and read the engine's signals from it."""
+    """Parse a scraped body (only the wanted families) and read the engine's signals from it, its LoRA slots
+    included when it reports them."""
     expo = parse_exposition(text, WANTED_FAMILIES)
-    return engine_signals(expo), expo
+    signals = engine_signals(expo)
+    if signals is not None and VLLM_LORA_INFO in text:
+        lora = lora_load(text)
+        if lora is not None:
+            signals = replace(signals, lora=lora)
+    return signals, expo

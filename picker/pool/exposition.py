@@ -5,6 +5,7 @@ See docs/picker.md, "Engine signals" (the parser).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -113,6 +114,22 @@ def _wanted_lines(text: str, families: Iterable[str]) -> Iterator[str]:
             if after < n and text[after] in _NAME_CHARS:
                 continue  # a longer name that starts with this one
             yield text[start:end]
+
+
+def largest_sample(text: str, family: str) -> Sample | None:
+    """The sample of ``family`` with the largest finite value, read in one pass that keeps only the best so far
+    (a family whose series accumulate, as vLLM's ``lora_requests_info``: one series per label set ever seen,
+    its value the time it was last set). Only that family's lines are examined; bad lines are passed over.
+    Never raises; None when no valid sample."""
+    best: Sample | None = None
+    for raw in _wanted_lines(text, (family,)):
+        line = raw[:-1] if raw.endswith("\r") else raw
+        if line.lstrip(" \t").startswith("#"):
+            continue
+        s = parse_sample(line)
+        if s is not None and s.name == family and math.isfinite(s.value) and (best is None or s.value > best.value):
+            best = s
+    return best
 
 
 def _all_lines(text: str) -> Iterator[str]:

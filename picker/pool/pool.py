@@ -16,6 +16,7 @@ from picker.config import PoolConfig
 from picker.pool.calibration import TtftCalibrator, TtftSample
 from picker.pool.preemptions import PreemptionWindows
 from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, PoolView, endpoint_load
+from picker.routing.served_models import ServedModels
 
 log = logging.getLogger("kv_epp.pool")
 
@@ -47,6 +48,34 @@ class _EndpointStats:
 
     def load(self, mean_tokens: float) -> tuple[int, int, int]:
         return endpoint_load(self.pending_prefill_tokens, self.in_flight, self.decoding, self.engine, mean_tokens)
+
+
+ADMIN_NAMES = 64  # model and adapter names shown per endpoint in /admin/pool (the rest counted)
+
+
+def _engine_report(e: EngineSignals) -> dict[str, object]:
+    out: dict[str, object] = {"waiting": e.waiting, "running": e.running, "kv_usage": e.kv_usage}
+    if e.lora is not None:  # only engines that report their LoRA slots
+        out["lora"] = {
+            "max_lora": e.lora.max_lora,
+            "running": sorted(e.lora.running)[:ADMIN_NAMES],
+            "waiting": sorted(e.lora.waiting)[:ADMIN_NAMES],
+        }
+    return out
+
+
+def _models_report(served: ServedModels | None, name: str) -> dict[str, object] | None:
+    """What the endpoint's ``/v1/models`` listed (None: no list read)."""
+    m = served.by_endpoint.get(name) if served is not None else None
+    if m is None:
+        return None
+    adapters = sorted(m.adapters.items())
+    return {
+        "bases": sorted(m.bases)[:ADMIN_NAMES],
+        "adapters": dict(adapters[:ADMIN_NAMES]),
+        "adapter_count": len(adapters),
+        "truncated": m.truncated,
+    }
 
 
 class Lease:
@@ -137,6 +166,8 @@ class Pool:
         self.suspicion_listener: Callable[[str, str], None] | None = None
         # an endpoint's load, health or engine reading changed (flow control looks again; set by the request path)
         self.change_listener: Callable[[], None] | None = None
+        # what the engines say they serve (their /v1/models, set by ``picker.pool.engine_models``); None: not known
+        self.served: ServedModels | None = None
         self.update(cfg)
 
     # -- membership -----------------------------------------------------------------------------
@@ -264,6 +295,12 @@ class Pool:
 
     def in_flight(self) -> dict[str, int]:
         return {name: s.in_flight for name, s in self._stats.items()}
+
+    def set_served_models(self, served: ServedModels | None) -> None:
+        """What the engines serve (None: not known); every later snapshot carries it. Off the request path."""
+        if served is not self.served:
+            self.served = served
+            self._full_view = None
 
     def set_engine_signals(self, name: str, signals: EngineSignals | None) -> None:
         """The engine's own load report (None: unknown or stale); off the request path."""
@@ -415,11 +452,11 @@ class Pool:
                     self._snaps[name] = snap
                 (suspected if st.suspected else states).append(snap)
             # a suspected endpoint waits for its probe (milliseconds when it answers) unless it is all there is
-            full = self._full_view = PoolView(tuple(states or suspected), self.calibrator.current)
+            full = self._full_view = PoolView(tuple(states or suspected), self.calibrator.current, self.served)
         if subset is None:
             return full
         allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
-        return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed), full.costs)
+        return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed), full.costs, full.served)
 
     def cost_model(self) -> dict[str, float]:
         """The TTFT model's current coefficients (``/admin/pool``, the ``continuum_picker_ttft_model`` gauge)."""
@@ -450,13 +487,8 @@ class Pool:
                 "in_flight_requests": st.in_flight,
                 "pending_prefill_tokens": st.pending_prefill_tokens,
                 "decoding_requests": st.decoding,
-                "engine": None
-                if st.engine is None
-                else {
-                    "waiting": st.engine.waiting,
-                    "running": st.engine.running,
-                    "kv_usage": st.engine.kv_usage,
-                },
+                "engine": None if st.engine is None else _engine_report(st.engine),
+                "models": _models_report(self.served, name),
                 "success_rate": round(self._rate(st), 4),
                 "latency_ewma_ms": None if st.latency_ewma_ms is None else round(st.latency_ewma_ms, 3),
                 "successes": st.successes,

@@ -18,6 +18,7 @@ from picker.routing.cost_model import CostScorer
 from picker.routing.endpoints import BackendHold, Decision, Endpoint, PoolView
 from picker.routing.kv_scorer import KvOverlapScorer, KvScoreResult
 from picker.routing.prefix_key import prefix_key
+from picker.routing.served_models import resolve_model
 from picker.routing.strategies import STRATEGY_REGISTRY, RingView, Strategy
 
 SCORER_THRESHOLD = 0.3  # the pool's composite-score threshold; Tier 4 decides only strictly above it
@@ -98,6 +99,13 @@ class Router:
         pr = self.settings.prefix_routing
         return prefix_key(facts, enabled=pr.enabled, max_prefix_length=pr.max_prefix_length)
 
+    def lora_adapter(self, model: str | None, view: PoolView) -> str | None:
+        """The LoRA adapter a request of ``model`` runs with: the engines' ``/v1/models`` where they list it, else
+        ``kv_cache_index.lora_adapters``; None for a base model (the same resolution as Tier 4's keys)."""
+        if model is None:
+            return None
+        return resolve_model(model, view.served, self.settings.kv_cache_index.lora_adapters)[1]
+
     def tier4_active(self) -> bool:
         return self.settings.prefix_routing.enabled and self.settings.kv_cache_index.enabled
 
@@ -112,7 +120,13 @@ class Router:
         d: Decision | None
         if prepared.holds is not None and self.cost_mode and prepared.prompt_tokens:
             c = self.cost.score(
-                prepared.holds, prepared.prompt_tokens, view, prepared.key, prepared.evicting, prepared.prefix_rate
+                prepared.holds,
+                prepared.prompt_tokens,
+                view,
+                prepared.key,
+                prepared.evicting,
+                prepared.prefix_rate,
+                self.lora_adapter(facts.model, view),
             )
             if c is None:
                 return None

@@ -11,6 +11,7 @@ from hashlib import blake2b
 
 from picker.config import CostModelConfig
 from picker.routing.endpoints import BackendHold, CostCoefficients, Endpoint, PoolView, StorageTier
+from picker.routing.served_models import lora_affinity
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,8 +44,10 @@ class CostScorer:
         key: bytes | None,
         evicting: frozenset[str] = frozenset(),
         prefix_rate: float = 0.0,
+        lora: str | None = None,
     ) -> CostResult | None:
-        """The cheapest eligible endpoint, or None when nothing is eligible."""
+        """The cheapest eligible endpoint, or None when nothing is eligible. ``lora``: the LoRA adapter the request
+        runs with (None: a base model), whose affinity (``lora_affinity``) each endpoint's estimate adds."""
         if not view.states:
             return None
         c = view.costs if view.costs is not None and view.costs.samples else self.priors
@@ -62,6 +65,9 @@ class CostScorer:
         holders = sum(1 for v in cached.values() if v)
         loads = [st.load(mean_tokens) for st in view.states]
         mean_queued = sum(q for _, q, _ in loads) / len(loads)
+        # a LoRA adapter's request: (1 - affinity) x lora_affinity_blocks key blocks of prefill, less than a block
+        lora_ms = per_token * self.block_size * self.cfg.lora_affinity_blocks if lora else 0.0
+        served = view.served.by_endpoint if lora_ms and view.served is not None else None
         best_ms = float("inf")
         for st, (ahead, queued, decoding) in zip(view.states, loads, strict=True):
             name = st.endpoint.name
@@ -82,6 +88,15 @@ class CostScorer:
                 (most_cached - held) * others * (max(waiting_here, mean_queued) if name in evicting else waiting_here)
             )
             ms = c.base_ms + per_token * (ahead + own + waste) + per_queued * queued + per_seq * decoding
+            if lora_ms and lora is not None:
+                listed = served.get(name) if served is not None else None
+                engine = st.engine
+                score = lora_affinity(
+                    engine.lora if engine is not None else None,
+                    lora,
+                    listed.serves(lora) if listed is not None else None,
+                )
+                ms += (1.0 - score) * lora_ms
             ms /= max(0.1, min(1.0, st.success_rate))
             predicted[name] = ms
             best_ms = min(best_ms, ms)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from picker.routing.served_models import LoraLoad, ServedModels
 from picker.shared.tiers import StorageTier
 
 __all__ = [
@@ -39,6 +40,7 @@ class EngineSignals:
     running: int  # requests scheduled (prefilling or decoding) (vllm:num_requests_running)
     kv_usage: float | None = None  # 0..1 of the KV cache in use (vllm:kv_cache_usage_perc)
     age_s: float = 0.0
+    lora: LoraLoad | None = None  # its LoRA slots (vllm:lora_requests_info), when it reports them
 
 
 def endpoint_load(
@@ -99,16 +101,23 @@ class CostCoefficients:
 
 
 class PoolView:
-    """Everything a decision may read: the eligible endpoints (healthy, inside the subset hint) and the
-    TTFT model's coefficients (None: no model, the cost scorer uses its configured priors).
+    """Everything a decision may read: the eligible endpoints (healthy, inside the subset hint), the
+    TTFT model's coefficients (None: no model, the cost scorer uses its configured priors) and what the
+    engines say they serve (``served``: their ``/v1/models``; None: not known).
 
     Immutable; the name index and the in-flight map are built once, on first use."""
 
-    __slots__ = ("_by_name", "_loads", "costs", "states")
+    __slots__ = ("_by_name", "_loads", "costs", "served", "states")
 
-    def __init__(self, states: tuple[EndpointState, ...], costs: CostCoefficients | None = None) -> None:
+    def __init__(
+        self,
+        states: tuple[EndpointState, ...],
+        costs: CostCoefficients | None = None,
+        served: ServedModels | None = None,
+    ) -> None:
         self.states = states
         self.costs = costs
+        self.served = served
         self._by_name: dict[str, EndpointState] | None = None
         self._loads: dict[str, int] | None = None
 

@@ -25,6 +25,7 @@ from picker.kv.tier4 import Tier4
 from picker.ops.metrics import LoopLag, PickerMetrics
 from picker.ops.recorder import DecisionRecorder
 from picker.pool.calibration import TtftCalibrator
+from picker.pool.engine_models import EngineModelPoller
 from picker.pool.engine_signals import EngineSignalScraper
 from picker.pool.health_probe import HealthProber
 from picker.pool.pool import Pool
@@ -165,6 +166,10 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     scraper = EngineSignalScraper(app.pool, app.metrics)
     server.background.append(scraper.run)
     server.on_stop.append(scraper.close)  # its HTTP session
+    # what the engines serve (their /v1/models: base models, LoRA adapters and parents), read as the scraper is
+    models = EngineModelPoller(app.pool)
+    server.background.append(models.run)
+    server.on_stop.append(models.close)
     # active health: probes the endpoints the request path and the scraper suspect of hanging (pool.health.probe)
     prober = HealthProber(app.pool, app.metrics)
     server.on_stop.append(prober.close)

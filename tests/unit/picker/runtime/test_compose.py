@@ -137,6 +137,7 @@ async def test_a_server_without_redis_never_closes_the_shared_pool_and_runs_no_t
     assert [getattr(task, "__qualname__", "") for task in server.background] == [
         "LoopLag.run",
         "EngineSignalScraper.run",
+        "EngineModelPoller.run",
     ]
 
 
