@@ -75,6 +75,8 @@ class RequestFacts:
     lora_name: str | None = None
     cache_salt: str | None = None
     body_bytes: int = 0
+    # the base model a gateway named (X-Gateway-Base-Model-Name): Tier 4 keys an adapter no engine lists with it
+    base_model: str | None = None
 
 
 def caller_identity(headers: Mapping[str, str], header: str) -> str | None:

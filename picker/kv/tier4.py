@@ -179,12 +179,19 @@ class Tier4:
         consumer = self.consumers.consumers.get(backend)
         return consumer.stats.page_tokens if consumer is not None else None
 
-    def resolve_model(self, model: str, lora_name: str | None) -> tuple[str, str | None]:
+    def resolve_model(self, model: str, lora_name: str | None, base_hint: str | None = None) -> tuple[str, str | None]:
         """A request's model → (the model the listener keys with, LoRA adapter): an adapter named as the
-        model resolves to its base (the engines' ``/v1/models`` where they list it, else ``lora_adapters``), then
-        an alias to its model (``model_aliases``)."""
+        model resolves to its base (the engines' ``/v1/models`` where they list it, else ``lora_adapters``, else
+        ``base_hint``: the base model a gateway named in X-Gateway-Base-Model-Name), then an alias to its model
+        (``model_aliases``). The hint never overrides what the engines or the map say, and it only shapes this
+        request's own keys (a wrong one finds nothing cached)."""
         if lora_name is None:
-            model, lora_name = resolve_model(model, self.pool.served, self.cfg.lora_adapters)
+            served = self.pool.served
+            resolved, lora_name = resolve_model(model, served, self.cfg.lora_adapters)
+            listed = served is not None and served.knows(model)
+            if lora_name is None and base_hint and base_hint != model and not listed:
+                resolved, lora_name = base_hint, model
+            model = resolved
         return self.cfg.model_aliases.get(model, model), lora_name
 
     def _tokenizer_url(self, model: str) -> str | None:
@@ -211,7 +218,7 @@ class Tier4:
         if ids is None and facts.messages is None and facts.prompt is None:
             return KvLookup()
         try:
-            model, lora = self.resolve_model(facts.model, facts.lora_name)
+            model, lora = self.resolve_model(facts.model, facts.lora_name, facts.base_model)
             if self.known_models and model not in self.known_models:
                 self._unmatched(model)
             root = root_key(model, lora, facts.cache_salt)

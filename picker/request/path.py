@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from picker.cache.state import CacheState
@@ -100,6 +100,7 @@ NO_BODY_REQUIRED = "request body is empty: a JSON body is required"
 # llm-d's headers the path reads (docs/llm-d-compat.md): the model named by a gateway's payload processor (used
 # when the body is not read before the pick), and RFC 7240's Prefer (``if-available``: cached endpoints only)
 MODEL_NAME_HEADER = "x-gateway-model-name"
+BASE_MODEL_HEADER = "x-gateway-base-model-name"  # an adapter's base model, as the gateway's payload processor names it
 PREFER_HEADER = "prefer"
 NOT_CACHED = "no eligible endpoint holds this prompt in its cache (Prefer: if-available)"
 
@@ -185,7 +186,7 @@ class RequestPath:
         # request headers the stages read: the protocol layer decodes only these
         self.wanted_headers = frozenset(
             {":path", ":method", "content-length", self.tenant_header, "x-request-id", *ident, *self.session_headers}
-            | {SESSION_TOKEN_HEADER, PREFER_HEADER, MODEL_NAME_HEADER}  # llm-d's (docs/llm-d-compat.md)
+            | {SESSION_TOKEN_HEADER, PREFER_HEADER, MODEL_NAME_HEADER, BASE_MODEL_HEADER}  # llm-d's (llm-d-compat.md)
             | {"anthropic-beta", "anthropic-version"}  # output-shaping: part of the response cache's key
             | FLOW_HEADERS  # flow control's fairness id, objective, TTL and TTFT SLO
             | self.experiments.wanted_headers  # the session headers of the experiments' assignment
@@ -212,15 +213,17 @@ class RequestPath:
         if req.body is None or method != "POST":  # the model, if a gateway named it in a header
             facts = RequestFacts(
                 api=api_for_path(req.path), model=h.get(MODEL_NAME_HEADER) or None, session_id=session,
-                tenant_id=tenant, identity=identity,
+                tenant_id=tenant, identity=identity, base_model=h.get(BASE_MODEL_HEADER) or None,
             )  # fmt: skip
             return facts, None
         if not req.body and api_for_path(req.path) != "other":
             raise BadRequest(NO_BODY_REQUIRED, "empty_body")
-        return parse_request_body(
+        parsed, data = parse_request_body(
             req.body, req.path, max_body_bytes=self.max_body_bytes, session_id=session, tenant_id=tenant,
             identity=identity,
         )  # fmt: skip
+        base = h.get(BASE_MODEL_HEADER)
+        return (replace(parsed, base_model=base) if base else parsed), data
 
     def set_namespace(self, namespace: str | None) -> None:
         """The discovered pool's namespace: its endpoints' ``x-session-token`` names ``namespace/name``."""

@@ -13,11 +13,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from picker.facts import Answer, RequestFacts
 from picker.flow.controller import FlowController, FlowListener
 from picker.kv.stage import KvLookup
+from picker.kv.tier4 import Tier4
 from picker.request.exchange import Exchange
 from picker.request.path import Inbound, covering, prefers_if_available
 from picker.request.session_token import MAX_TOKEN_CHARS, SessionTokens
 from picker.routing.core import Prepared
 from picker.routing.endpoints import BackendHold, StorageTier
+from picker.routing.served_models import EndpointModels, ServedModels
 from picker.runtime.app import PickerApp
 from tests.support.builders import BACKENDS, CHAT, app_of, stream_of
 
@@ -292,3 +294,21 @@ async def test_endpoint_scores_ride_in_the_pick_metadata_only_when_asked() -> No
     md = await pick_metadata(make_app(extproc={"emit_endpoint_scores": True}))
     scores = {k: v.number_value for k, v in md[key].struct_value.fields.items()}
     assert list(scores.values()) == [1.0] and md["x-gateway-destination-endpoint"].string_value.startswith(*scores)
+
+
+# -- the base-model header ---------------------------------------------------------------------------------
+def test_x_gateway_base_model_name_keys_an_adapter_no_engine_or_map_names() -> None:
+    app = make_app(kv_cache_index={"enabled": True, "lora_adapters": {"mapped": "base-x"}})
+    tier4 = app.path.holds
+    assert isinstance(tier4, Tier4)
+    facts = app.path.parse(Inbound(CHAT, {":method": "POST", "x-gateway-base-model-name": "base-a"}, chat_body()))
+    assert facts.base_model == "base-a"
+    assert tier4.resolve_model("adapter-1", None, "base-a") == ("base-a", "adapter-1")  # keyed as base + adapter
+    assert tier4.resolve_model("adapter-1", None, None) == ("adapter-1", None)
+    assert tier4.resolve_model("base-a", None, "base-a") == ("base-a", None)  # the base model itself
+    assert tier4.resolve_model("mapped", None, "base-a") == ("base-x", "mapped")  # the static map wins
+    # an engine that lists the model as a base model wins over the hint
+    app.pool.set_served_models(ServedModels({"a": EndpointModels(frozenset({"adapter-1"}), {})}))
+    assert tier4.resolve_model("adapter-1", None, "base-a") == ("adapter-1", None)
+    app.pool.set_served_models(ServedModels({"a": EndpointModels(frozenset({"base-b"}), {"adapter-1": "base-b"})}))
+    assert tier4.resolve_model("adapter-1", None, "base-a") == ("base-b", "adapter-1")
