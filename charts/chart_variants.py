@@ -59,7 +59,7 @@ NETWORK_POLICY = {
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "standalone-envoy": {"envoy": {"mode": "standalone"}},
-    "no-envoy": {"envoy": {"mode": "none"}, "extprocAuth": {"mode": "none"}},
+    "no-envoy": {"envoy": {"mode": "none"}},
     "existing-pool": {"inferencePool": {"create": False, "namespace": "models"}},
     "data-parallel": {"inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8001}]}},
     "kv-aware": KV_AWARE,

@@ -195,9 +195,6 @@ envoy-config derives it; charts/generate.py response_mode). */}}
 {{- if $poolBackends -}}
 {{- fail "picker.config.pool.backends is refused: the chart's pool is the InferencePool (pool.inference_pool). List Google's Generative Language API under gemini.backends (the chart mounts each API-key Secret and gives Envoy its cluster)" -}}
 {{- end -}}
-{{- if and (eq .Values.envoy.mode "none") (eq .Values.extprocAuth.mode "token") -}}
-{{- fail "envoy.mode none needs extprocAuth.mode none: a Gateway API Inference Extension gateway calling the InferencePool's endpointPickerRef sends no bearer token, so the picker would refuse its every stream (UNAUTHENTICATED). Set extprocAuth.mode=none and limit ext_proc to the gateway's pods with networkPolicy.enabled and networkPolicy.extprocFrom" -}}
-{{- end -}}
 {{- if and (eq .Values.envoy.responseMode "sampled") (ne .Values.envoy.bodyMode "BUFFERED") -}}
 {{- fail "envoy.responseMode sampled needs envoy.bodyMode BUFFERED (Envoy ignores a mode override in full-duplex mode)" -}}
 {{- end -}}

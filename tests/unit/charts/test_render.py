@@ -84,7 +84,6 @@ def test_required_values_and_impossible_combinations_are_refused_with_a_message(
         (cv.merge(cv.REQUIRED, {"tls": {"mode": "existingSecret"}}), "needs tls.existingSecret"),
         (cv.merge(cv.REQUIRED, {"tls": {"verify": True}}), "tls.verify needs tls.mode existingSecret"),
         (cv.merge(cv.REQUIRED, {"listener": {"enabled": True}}), "needs listener.sourceTemplate.model"),
-        (cv.merge(cv.REQUIRED, {"envoy": {"mode": "none"}}), "envoy.mode none needs extprocAuth.mode none"),
     ]
     for values, message in cases:
         with pytest.raises(helm.HelmError, match=re.escape(message)):
@@ -430,7 +429,6 @@ def test_without_envoy_the_chart_is_an_endpoint_picker_behind_a_gie_gateway(
     objs = rendered[variant]
     names = {(o["kind"], o["metadata"]["name"]) for o in objs}
     assert not [n for n in names if "envoy" in n[1] or "gateway" in n[1]], names
-    assert ("Secret", "kv-epp-extproc-token") not in names
     picker = cv.find(objs, "Deployment", "kv-epp-picker")
     assert [c["name"] for c in picker["spec"]["template"]["spec"]["containers"]] == ["picker"]
     assert {d["metadata"]["name"] for d in of(objs, "Deployment")} <= {"kv-epp-picker", "kv-epp-listener"}
@@ -442,8 +440,11 @@ def test_without_envoy_the_chart_is_an_endpoint_picker_behind_a_gie_gateway(
     (port,) = [p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"]]
     (container,) = picker["spec"]["template"]["spec"]["containers"]
     assert port["targetPort"] in {p["name"] for p in container["ports"]}
-    config = config_of(objs, "kv-epp-picker", "picker.yaml")
-    assert config["extproc"]["auth"]["allow_unauthenticated"] is True
+    auth = config_of(objs, "kv-epp-picker", "picker.yaml")["extproc"]["auth"]
+    if variant == "extproc-unauthenticated":  # a GIE gateway sends no token (docs/llm-d-compat.md)
+        assert auth == {"allow_unauthenticated": True} and ("Secret", "kv-epp-extproc-token") not in names
+    else:  # a gateway configured to send the chart's token
+        assert "token_file" in auth and ("Secret", "kv-epp-extproc-token") in names
 
 
 def test_the_pool_headless_service_selects_the_pools_ready_pods(rendered: dict[str, list[dict[str, Any]]]) -> None:
