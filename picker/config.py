@@ -63,7 +63,7 @@ StrategyName = Literal[
 HOT_RELOADABLE = frozenset(
     {
         "prefix_routing", "selection_strategy", "pool", "session_affinity", "admission", "response_cache",
-        "flow_control", "experiments", "model_rewrites",
+        "flow_control", "experiments", "model_rewrites", "metrics",
     }
 )  # fmt: skip
 # keys of hot-reloadable sections that are not: where the pool comes from (the discovery task is started once),
@@ -575,6 +575,24 @@ class PoolConfig(_Section):
 # ConsistentHash), and flow control's fairness id when its own header is absent (docs/llm-d-compat.md)
 AGENT_IDENTITY_HEADERS = ("x-claude-code-session-id", "x-session-affinity", "session-id", "session_id")
 SESSION_TOKEN_HEADER = "x-session-token"  # llm-d's stateless affinity token
+
+
+MetricsCompat = Literal["llm-d", "continuum", "both"]
+
+
+class MetricsConfig(_Section):
+    """Which metric names ``/metrics`` exports (docs/llm-d-compat.md, "Metrics"). ``both`` (default): ours and
+    llm-d's. ``llm-d``: llm-d's ``llm_d_epp_*`` families with their deprecated aliases (``inference_objective_*``,
+    ``inference_pool_*``, ``inference_extension_*``) and our ``kv_epp_*``, ``kv_listener_*`` families; the
+    ``continuum_*`` families are not exported (the chart's own dashboards and alert rules read them). ``continuum``:
+    only our families, llm-d's request, pool, scheduler and in-flight families are neither recorded nor exported
+    (flow control's ``llm_d_epp_flow_control_*`` stay: they are its only names). Hot-reloadable.
+
+    ``pool_name``: the ``name`` label of the pool families; None: the InferencePool's name
+    (``pool.inference_pool.name``), else ``kv-epp``."""
+
+    compat: MetricsCompat = "both"
+    pool_name: str | None = Field(None, min_length=1, max_length=253)
 
 
 class SessionAffinityConfig(_Section):
@@ -1231,6 +1249,7 @@ class Settings(BaseSettings):
     model_rewrites: tuple[ModelRewriteConfig, ...] = Field((), max_length=MAX_MODEL_REWRITES)
     # with pool.inference_pool: watch InferenceModelRewrite objects whose poolRef is ours (restart-required)
     watch_model_rewrites: bool = True
+    metrics: MetricsConfig = MetricsConfig()
 
     @field_validator("model_rewrites")
     @classmethod

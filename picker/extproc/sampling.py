@@ -80,14 +80,23 @@ class ResponseSampling:
         (self.c_sampled if sampled else self.c_headers).inc()
 
     def usage(self, tail: bytes, ex: Exchange | None = None) -> None:
-        u = read_usage(tail)
-        if u is None or u[1] is None:
+        u = usage_in(tail)
+        if u is None:
+            return
+        if ex is not None and ex.llmd is not None:  # llm-d's token families (picker.ops.llmd)
+            self.recorder.llmd.usage(ex.llmd, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+        if u.cached_tokens is None:
             return
         self.c_usage_seen.inc()
-        self.c_usage_prompt.inc(u[0])
-        self.c_usage_cached.inc(u[1])
+        self.c_usage_prompt.inc(u.prompt_tokens)
+        self.c_usage_cached.inc(u.cached_tokens)
         kv = ex.kv if ex is not None else None
         if ex is not None and kv is not None:
             self.recorder.delivered(
-                ex.decision.reason, kv.prompt_tokens, kv.available_cached, kv.predicted_cached, u[1], self.block_size
+                ex.decision.reason,
+                kv.prompt_tokens,
+                kv.available_cached,
+                kv.predicted_cached,
+                u.cached_tokens,
+                self.block_size,
             )

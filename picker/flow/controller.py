@@ -164,6 +164,11 @@ class FlowController:
     def enabled(self) -> bool:
         return self.cfg.enabled and not self._closing
 
+    def fairness_of(self, headers: Mapping[str, str]) -> str:
+        """The request's fairness id: its fairness header, else an agent identity header, else the default flow
+        (also the ``fairness_id`` label of llm-d's request families, ``picker.request.llmd``)."""
+        return (headers.get(FAIRNESS_HEADER) or self._identity(headers) or DEFAULT_FLOW)[:MAX_ID_CHARS]
+
     def _identity(self, headers: Mapping[str, str]) -> str | None:
         for name in self.identity_headers:
             v = headers.get(name)
@@ -210,7 +215,7 @@ class FlowController:
         client went away): the request leaves the queue, counted, and is never dispatched."""
         now = self._clock()
         priority = self.priority_of(headers.get(OBJECTIVE_HEADER))
-        fid = (headers.get(FAIRNESS_HEADER) or self._identity(headers) or DEFAULT_FLOW)[:MAX_ID_CHARS]
+        fid = self.fairness_of(headers)
         lim = self.limits(priority)
         if not self._waiting_at_or_above(priority):
             level = self.level()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from picker.ops.llmd import LlmdCollector, LlmdMetrics
 from picker.ops.metrics import PickerMetrics
 from picker.routing.endpoints import Decision
 from picker.shared.tiers import StorageTier
@@ -101,6 +102,8 @@ class DecisionRecorder:
         self.cached: dict[str, list[int]] = {}
         self.predictions: dict[str, list[int]] = {}  # reason -> counts in PREDICTION_OUTCOMES order
         metrics.registry.register(RecorderCollector(self))
+        self.llmd = LlmdMetrics()  # llm-d's names: booked by the request path (picker.request.llmd)
+        metrics.registry.register(LlmdCollector(self.llmd))
 
     def decided(self, d: Decision, key: bytes | None) -> None:
         """One routed request."""

@@ -13,6 +13,7 @@ from typing import Protocol
 from picker.cache.state import CacheState
 from picker.facts import RequestFacts
 from picker.kv.stage import KvCommit
+from picker.ops.llmd import RequestRecord
 from picker.pool.pool import Lease
 from picker.routing.endpoints import Decision
 
@@ -38,11 +39,12 @@ class Exchange:
     """One routed request, from the commit to the end of its response (or the stream's abort). The features'
     per-request state is theirs: ``kv`` (Tier 4's ``KvCommit``: the tokens the decision counted on, the placement
     it made) and ``cache`` (the response cache's ``CacheState``: the X-Cache value, an eligible miss's response on
-    its way to the store), None when the feature is off or was not consulted."""
+    its way to the store) and ``llmd`` (llm-d's request families' ``RequestRecord``), None when the feature is off or
+    was not consulted."""
 
     __slots__ = (
         "_body_observers", "_ended", "_observers", "body_out", "cache", "decided_at", "decision", "facts",
-        "first_byte_at", "kv", "lease", "scores", "served", "session_token", "status",
+        "first_byte_at", "kv", "lease", "llmd", "scores", "served", "session_token", "status",
     )  # fmt: skip
 
     def __init__(
@@ -68,6 +70,7 @@ class Exchange:
         self.first_byte_at: float | None = None
         self.kv: KvCommit | None = None  # Tier 4's part, when it tokenized the prompt
         self.cache: CacheState | None = None  # the response cache's part, when it is on
+        self.llmd: RequestRecord | None = None  # llm-d's request families' part, unless metrics.compat is continuum
         # the request body to send upstream instead of the client's (Anthropic cache_control injection), or None
         self.body_out: bytes | None = None
         # llm-d's wire extras (docs/llm-d-compat.md): the x-session-token the response carries (None: not echoed)

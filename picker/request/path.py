@@ -37,6 +37,7 @@ from picker.request.anthropic import inject_cache_control, is_native_anthropic
 from picker.request.exchange import Exchange, ResponseObserver
 from picker.request.external import ExternalExchange
 from picker.request.health import HealthObserver, count_health_transitions
+from picker.request.llmd import LlmdObserver
 from picker.request.model_rewrite import ModelRewrites
 from picker.request.session_token import SessionTokens
 from picker.request.sessions import SessionTable
@@ -137,6 +138,7 @@ class RequestPath:
             retry_after_s=settings.admission.retry_after_seconds, listener=flow_listener,
         )  # fmt: skip
         pool.change_listener = self.flow.wake
+        self.llmd = LlmdObserver(recorder.llmd, self.flow)  # llm-d's request families
         self.kv = KvStage(settings.kv_cache_index)  # kv_cache_index is restart-required: built once
         # session-level experiments (docs/experiments.md): built always, empty while disabled
         self.experiments = Experiments(pool.preemptions, recorder.metrics.registry)
@@ -309,13 +311,17 @@ class RequestPath:
 
     # -- all of them ------------------------------------------------------------------------------
     async def route(self, req: Inbound) -> Exchange | Answer:
-        """Run the stages; an ``Answer`` when the picker answers the request itself."""
+        """Run the stages; an ``Answer`` when the picker answers the request itself. Either is booked in llm-d's
+        request families (``picker.request.llmd``)."""
         t0 = _perf()
         try:
             facts, data = self.parse_body(req)
         except BadRequest as exc:
             self.recorder.refused("bad_request")
-            return Answer(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}")
+            answer = Answer(400, exc.json_body(), f"kv_epp_bad_request:{exc.code}")
+            self.llmd.book(req, None, answer)
+            return answer
+        asked = facts  # llm-d's model_name: the model as the client asked for it (target_model_name: as sent)
         # -- model rewrite (docs/llm-d-compat.md, "InferenceModelRewrite"): before the response cache's key and
         # Tier 4's block keys, so both see the served model; the new body goes upstream (``dispatch``) --
         if self.rewrites.active:
@@ -324,7 +330,14 @@ class RequestPath:
                 facts, data, req.body = rewritten
                 req.rewritten = True
         # -- end of model rewrite --
-        cpu = _perf() - t0
+        result = await self.route_parsed(req, facts, data, _perf() - t0)
+        self.llmd.book(req, asked, result)
+        return result
+
+    async def route_parsed(
+        self, req: Inbound, facts: RequestFacts, data: dict[str, Any] | None, cpu: float
+    ) -> Exchange | Answer:
+        """The stages after the parse and the model rewrite (``cpu``: their time)."""
         cache = self.cache
         cached: CacheState | None = None
         if cache is not None and cache.enabled:
@@ -421,6 +434,7 @@ class RequestPath:
         else:  # the arm's router, on the arm's part of the pool
             subset = trial.arm.subset(req.subset, self._address_of)
             decision = self.decide(facts, prepared, subset, trial.arm.router, cached_only)
+        self.recorder.llmd.scheduled(decision.strategy if decision is not None else None, _perf() - t1)
         if decision is None and cached_only:
             self.recorder.refused("not_cached")
             why = NOT_CACHED if prepared.holds is not None else (

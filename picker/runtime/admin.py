@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from picker.config import ConfigError, Settings
+from picker.ops.llmd import exported
 from picker.runtime.admin_routes import gemini_context_cache_routes, kv_index_routes, response_cache_routes
 from picker.runtime.app import PickerApp
 from picker.runtime.envoy_needs import response_cache_detail
@@ -189,7 +190,7 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
 
     async def metrics(_: web.Request) -> web.Response:
         app.refresh_gauges()
-        body = generate_latest(app.metrics.registry)
+        body = generate_latest(exported(app.metrics.registry, app.settings.metrics.compat))
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_: web.Request) -> web.Response:

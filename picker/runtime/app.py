@@ -321,6 +321,7 @@ class PickerApp:
         self.router.set_pool_names(self.pool.names())  # the ring is rebuilt now, not on a request
         self.path.experiments.set_pool_names(self.pool.names())
         self.path.configure(hot)
+        self.recorder.llmd.configure(hot)
         self.response_cache.configure(hot.response_cache)
         self.cache_store.configure(hot.response_cache)  # memory: its capacity (a smaller LRU evicts at the next set)
         self.settings = hot

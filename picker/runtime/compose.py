@@ -22,6 +22,7 @@ from picker.flow.metrics import FlowMetrics
 from picker.gemini.context_cache import build_context_cache
 from picker.gemini.route import GeminiRouter
 from picker.kv.tier4 import Tier4
+from picker.ops.llmd import pool_rows_from
 from picker.ops.metrics import LoopLag, PickerMetrics
 from picker.ops.recorder import DecisionRecorder
 from picker.pool.calibration import TtftCalibrator
@@ -117,6 +118,8 @@ def build_app(
     kv = settings.kv_cache_index
     tier4 = Tier4(kv, pool, metrics, settings.response_cache.redis) if kv.enabled else None
     response_cache = build_response_cache(settings.response_cache, metrics)
+    recorder.llmd.configure(settings)
+    recorder.llmd.pool_rows = pool_rows_from(pool.health_snapshot)  # llm-d's pool families, read at scrape time
     observers: tuple[ResponseObserver, ...] = (*((tier4.watch,) if tier4 is not None else ()), response_cache)
     # type: gemini backends (routed by model; the pool is hot-reloadable) and the seed's Gemini context cache
     # (restart-required; disabled: None, nothing allocated)

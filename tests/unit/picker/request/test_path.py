@@ -161,8 +161,9 @@ class BodyTap:
 
 async def test_observers_see_status_body_and_end() -> None:
     app = make_app()
-    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body()))
-    assert isinstance(ex, Exchange) and not ex.wants_body  # no body observer: no per-chunk work
+    # response bodies do not reach the picker (Envoy's response mode none): no body observer, no per-chunk work
+    ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, chat_body(), responses_readable=False))
+    assert isinstance(ex, Exchange) and not ex.wants_body
     ex.response_headers(503)
     ex.end(completed=True)
     name = ex.decision.endpoint.name
