@@ -581,9 +581,9 @@ MetricsCompat = Literal["llm-d", "continuum", "both"]
 
 
 class MetricsConfig(_Section):
-    """Which metric names ``/metrics`` exports (docs/llm-d-compat.md, "Metrics"). ``both`` (default): ours and
-    llm-d's. ``llm-d``: llm-d's ``llm_d_epp_*`` families with their deprecated aliases (``inference_objective_*``,
-    ``inference_pool_*``, ``inference_extension_*``) and our ``kv_epp_*``, ``kv_listener_*`` families; the
+    """Which metric names the picker's ``/metrics`` exports (docs/llm-d-compat.md, "Metrics"). ``both``
+    (default): ours and llm-d's. ``llm-d``: llm-d's ``llm_d_epp_*`` families with their deprecated aliases
+    (``inference_objective_*``, ``inference_pool_*``, ``inference_extension_*``) and our ``kv_epp_*`` families; the
     ``continuum_*`` families are not exported (the chart's own dashboards and alert rules read them). ``continuum``:
     only our families, llm-d's request, pool, scheduler and in-flight families are neither recorded nor exported
     (flow control's ``llm_d_epp_flow_control_*`` stay: they are its only names). Hot-reloadable.

@@ -236,9 +236,17 @@ class LlmdMetrics:
         return s, fid
 
     def answered(
-        self, model: str | None, fairness_id: str, priority: str, status: int, nbytes: int, arrived: float | None
+        self,
+        model: str | None,
+        fairness_id: str,
+        priority: str,
+        status: int,
+        nbytes: int,
+        arrived: float | None,
+        unscheduled: bool = False,
     ) -> None:
-        """The picker answered the request itself: a refusal (``request_error_total`` by llm-d's code), or a
+        """The picker answered the request itself: a refusal (``request_error_total`` by llm-d's code; with
+        ``unscheduled`` the decide stage found no eligible endpoint, a failed scheduling attempt), or a
         response-cache hit (200: counted as a request, its size and duration booked)."""
         s, _ = self._series(model, model, fairness_id, priority)
         if status == 200:
@@ -249,7 +257,7 @@ class LlmdMetrics:
             return
         code = ERROR_CODES.get(status, UNKNOWN_ERROR)
         s.errors[code] = s.errors.get(code, 0) + 1
-        if status == 503:  # the pick found no eligible endpoint: a failed scheduling attempt
+        if unscheduled:
             self._attempt("failure", model, "", "")
 
     def external(self, model: str | None, fairness_id: str, priority: str, nbytes: int) -> None:

@@ -15,6 +15,8 @@ from picker.ops.llmd import LlmdMetrics
 from picker.request.exchange import Exchange
 from picker.request.external import ExternalExchange
 
+NO_BACKEND = "kv_epp_no_backend"  # the details of the path's 503 when no endpoint is eligible
+
 if TYPE_CHECKING:
     from picker.request.path import Inbound
 
@@ -46,7 +48,8 @@ class LlmdObserver:
         model = facts.model if facts is not None else None
         nbytes = len(req.body) if req.body is not None else _declared_length(h.get("content-length", ""))
         if isinstance(result, Answer):
-            m.answered(model, fairness, priority, result.status, nbytes, req.arrived)
+            unscheduled = result.details == NO_BACKEND  # the decide stage found no eligible endpoint
+            m.answered(model, fairness, priority, result.status, nbytes, req.arrived, unscheduled)
             return
         if isinstance(result, ExternalExchange):
             m.external(model, fairness, priority, nbytes)
