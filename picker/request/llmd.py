@@ -1,13 +1,14 @@
-"""The request path's side of llm-d's metric names (``picker.ops.llmd``): ``book`` counts each request once it is
-routed or answered, with its labels (the model as parsed, the model served, the fairness id and the priority as
-flow control reads them); ``LlmdObserver`` follows a routed request's response. The usage (tokens) comes from the
-response sampling (``picker.extproc.sampling``), which reads the body's last bytes where the body reaches the
-picker. See docs/llm-d-compat.md, "Metrics".
+"""The request path's side of llm-d's metric names (``picker.ops.llmd``): ``LlmdObserver.book`` counts each
+request once it is routed or answered, with its labels (the model as parsed, the model served, the fairness id and
+the priority as flow control reads them), and the observer follows a routed request's response. The usage (tokens)
+comes from the response sampling (``picker.extproc.sampling``), which reads the body's last bytes where the body
+reaches the picker. See docs/llm-d-compat.md, "Metrics".
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 from picker.facts import Answer, RequestFacts
 from picker.flow.controller import OBJECTIVE_HEADER, FlowController
@@ -17,8 +18,14 @@ from picker.request.external import ExternalExchange
 
 NO_BACKEND = "kv_epp_no_backend"  # the details of the path's 503 when no endpoint is eligible
 
-if TYPE_CHECKING:
-    from picker.request.path import Inbound
+
+class Inbound(Protocol):
+    """What ``book`` reads of a request as the protocol layer received it (``picker.request.path.Inbound``)."""
+
+    headers: Mapping[str, str]
+    body: bytes | None
+    responses_readable: bool
+    arrived: float | None
 
 
 def _declared_length(v: str) -> int:
