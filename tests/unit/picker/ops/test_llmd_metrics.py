@@ -197,7 +197,9 @@ async def test_the_pickers_own_answers_and_upstream_errors_are_llm_d_error_codes
     body.request_body.end_of_stream = True
     await subset.handle(body)  # nothing eligible in the subset: 503
     await full_exchange(app, chat("p"), status=500, response=b'{"error":"boom"}')
+    await full_exchange(app, chat("q"), {"prefer": "if-available"})  # Tier 4 off: nothing known cached, 412
     expo = scrape(app)
+    assert one(expo, "llm_d_epp_request_error_total", error_code="PreconditionFailed", model_name="q").value == 1
     assert one(expo, "llm_d_epp_request_error_total", error_code="BadRequest", model_name="").value == 1
     assert one(expo, "llm_d_epp_request_error_total", error_code="ServiceUnavailable", model_name="n").value == 1
     assert one(expo, "llm_d_epp_request_error_total", error_code="ModelServerError", model_name="p").value == 1
@@ -283,3 +285,42 @@ def test_a_bad_metrics_config_is_refused_with_its_path(metrics: dict[str, Any], 
     with pytest.raises(ConfigError) as err:
         parse_settings({"metrics": metrics})
     assert [p for p, _ in err.value.problems] == [path]
+
+
+async def test_sampled_mode_books_the_sampled_responses_tokens_and_a_non_streamed_ttft() -> None:
+    """Response mode sampled (BUFFERED bodies): the body of an opted-in response reaches the picker, so its usage is
+    booked; a non-streamed response's time to first token is its response headers' (they come with the answer).
+    Response sizes need every body (mode full): none here."""
+    app = make_app(extproc={"response_sample_rate": 0.0})
+    for sample in (True, False):
+        stream = RequestStream(app.path, app.metrics.route_seconds, app.sampling)
+        req = pb.ProcessingRequest()
+        req.protocol_config.request_body_mode = PM.BUFFERED
+        req.protocol_config.response_body_mode = PM.NONE
+        opt_in = (("x-kv-epp-sample", "1"),) if sample else ()
+        for k, v in ((":path", "/v1/chat/completions"), (":method", "POST"), *opt_in):
+            h = req.request_headers.headers.headers.add()
+            h.key, h.raw_value = k, v.encode()
+        await stream.handle(req)
+        body = pb.ProcessingRequest()
+        body.request_body.body = json.dumps(chat(stream=False)).encode()
+        body.request_body.end_of_stream = True
+        await stream.handle(body)
+        r = pb.ProcessingRequest()
+        h = r.response_headers.headers.headers.add()
+        h.key, h.raw_value = ":status", b"200"
+        (answer,) = await stream.handle(r)
+        assert answer.HasField("mode_override") == sample
+        if sample:
+            m = pb.ProcessingRequest()
+            m.response_body.body = json.dumps({"usage": USAGE}).encode()
+            m.response_body.end_of_stream = True
+            await stream.handle(m)
+        stream.close()
+    expo = scrape(app)
+    assert one(expo, "llm_d_epp_request_total", model_name="m").value == 2
+    assert one(expo, "llm_d_epp_request_input_tokens_count", model_name="m").value == 1  # the sampled one
+    assert one(expo, "llm_d_epp_request_ntpot_seconds_count", model_name="m").value == 1
+    assert one(expo, "llm_d_epp_request_ttft_seconds_count", model_name="m", streaming="false").value == 2
+    assert one(expo, "llm_d_epp_request_duration_seconds_count", model_name="m").value == 2
+    assert series(expo, "llm_d_epp_response_size_bytes_count") == {}
