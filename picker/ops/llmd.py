@@ -183,7 +183,8 @@ class PoolRow:
 @dataclass(slots=True)
 class _Scheduler:
     e2e: Hist = field(default_factory=lambda: Hist(SCHEDULER_BUCKETS))
-    # (status, target model, endpoint name, port) -> attempts; bound: pool endpoints x capped models x 2
+    # (status, target model, endpoint name, port) -> attempts; bound: pool endpoints x capped models x 2 (a backend
+    # that leaves the pool loses its series, ``LlmdMetrics.forget_backends``)
     attempts: dict[tuple[str, str, str, str], int] = field(default_factory=dict)
     plugins: dict[str, Hist] = field(default_factory=dict)  # strategy -> decide time; bound: the strategies
 
@@ -301,6 +302,14 @@ class LlmdMetrics:
         k = (status, self.models.bound(target or ""), endpoint, port)
         a = self.scheduler.attempts
         a[k] = a.get(k, 0) + 1
+
+    def forget_backends(self, names: Iterable[str]) -> None:
+        """Drop the scheduling-attempt series of backends that left the pool (a discovered pool's pods come and
+        go: without this the table would grow with every pod ever seen). In-flight entries leave at their end."""
+        gone = set(names)
+        a = self.scheduler.attempts
+        for k in [k for k in a if k[2] in gone]:
+            del a[k]
 
     def scheduled(self, strategy: str | None, seconds: float) -> None:
         """One decide stage (the scheduling: scorers and the strategy over the pool's snapshot), by the strategy

@@ -180,6 +180,7 @@ class DecisionRecorder:
     def forget_backends(self, names: Iterable[str]) -> None:
         """Drop the series of backends a reload removed from the pool."""
         gone = set(names)
+        self.llmd.forget_backends(gone)
         for table in (self.decisions, self.responses):
             at = 1 if table is self.decisions else 0
             for k in [k for k in table if k[at] in gone]:

@@ -324,3 +324,14 @@ async def test_sampled_mode_books_the_sampled_responses_tokens_and_a_non_streame
     assert one(expo, "llm_d_epp_request_ttft_seconds_count", model_name="m", streaming="false").value == 2
     assert one(expo, "llm_d_epp_request_duration_seconds_count", model_name="m").value == 2
     assert series(expo, "llm_d_epp_response_size_bytes_count") == {}
+
+
+async def test_a_backend_that_leaves_the_pool_loses_its_scheduling_series() -> None:
+    app = make_app()
+    for i in range(6):
+        await full_exchange(app, chat(f"m{i}"), response=sse(USAGE))
+    endpoints = {dict(k)["endpoint_name"] for k in series(scrape(app), "llm_d_epp_scheduler_attempts_total")}
+    assert endpoints == {"a", "b"}
+    app.apply(parse_settings({"pool": {"backends": BACKENDS[:1]}}))  # b leaves the pool
+    endpoints = {dict(k)["endpoint_name"] for k in series(scrape(app), "llm_d_epp_scheduler_attempts_total")}
+    assert endpoints == {"a"}
