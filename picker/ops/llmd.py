@@ -401,8 +401,7 @@ _REQUEST_HISTOGRAMS = (
      "End-to-end request latency in seconds: from the request headers at the picker to the response's end"),
     ("request_size_bytes", "inference_objective_request_sizes", "req_size", "Request body size in bytes"),
     ("response_size_bytes", "inference_objective_response_sizes", "resp_size",
-     "Response body size in bytes (responses whose body passed through the picker: Envoy response mode full, "
-     "or a sampled response)"),
+     "Response body size in bytes (every body passes through the picker: Envoy response mode full)"),
     ("request_input_tokens", "inference_objective_input_tokens", "input",
      "Prompt tokens per request, from the response's usage (its body passed through the picker)"),
     ("request_output_tokens", "inference_objective_output_tokens", "output",
