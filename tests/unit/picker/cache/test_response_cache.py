@@ -190,7 +190,7 @@ async def test_bypass_is_routed_and_never_stored() -> None:
     app, cache, store = make()
     ex = await route(app, req(temperature=0.7))
     assert isinstance(ex, Exchange) and ex.x_cache == "BYPASS" and ex.cache.key is None
-    assert not ex.wants_body  # only an eligible miss's body is read
+    assert cache not in ex._body_observers  # only an eligible miss's body is read (by the cache)
     respond(ex, [b"{}"])
     await cache.flush()
     assert store.data == {} and count(app, "skip") == 1
@@ -307,7 +307,7 @@ async def test_enabled_and_limits_are_hot_reloadable() -> None:
     off = parse_settings({"pool": {"backends": BACKENDS}, "response_cache": {"enabled": False}})
     app.apply(off)
     ex = await route(app, req(temperature=0))
-    assert isinstance(ex, Exchange) and ex.x_cache is None and not ex.wants_body
+    assert isinstance(ex, Exchange) and ex.x_cache is None and cache not in ex._body_observers
     on = parse_settings(
         {"pool": {"backends": BACKENDS}, "response_cache": {"enabled": True, "capacity": 7, "ttl": "1m"}}
     )
