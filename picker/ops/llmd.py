@@ -219,6 +219,11 @@ class LlmdMetrics:
         self.pool_name = cfg.pool_name or (ref.name if ref is not None else "kv-epp")
         self.namespace = (ref.namespace if ref is not None else None) or ""
 
+    def pin_models(self, names: Iterable[str]) -> None:
+        """The model names of the model rewrites' rules (matched models and targets), replacing the last set: they
+        keep labels of their own whatever the cap (bound: the rewrites' own bounds)."""
+        self.models.pinned = {n[:MAX_LABEL_CHARS] for n in names if n}
+
     # -- the request path -----------------------------------------------------------------------------
     def _series(
         self, model: str | None, target: str | None, fairness_id: str, priority: str

@@ -15,6 +15,7 @@ from picker.flow.controller import OBJECTIVE_HEADER, FlowController
 from picker.ops.llmd import LlmdMetrics
 from picker.request.exchange import Exchange
 from picker.request.external import ExternalExchange
+from picker.request.model_rewrite import RewriteTable
 
 NO_BACKEND = "kv_epp_no_backend"  # the details of the path's 503 when no endpoint is eligible
 
@@ -67,6 +68,12 @@ class LlmdObserver:
             ep.address, result.lease.prefill_tokens,
         )  # fmt: skip
         result.add_observer(self, body=req.responses_readable)
+
+    def rewrites_changed(self, table: RewriteTable) -> None:
+        """The model rewrites' rules changed: their matched models and targets are pinned in the model labels (as
+        llm-d pins its InferenceModelRewrite names), so a flood of unconfigured names cannot fold them to ``other``."""
+        choices = [*table.exact.values(), *((table.generic,) if table.generic is not None else ())]
+        self.m.pin_models({*table.exact, *(model for c in choices for model in c.models)})
 
     def on_headers(self, ex: Exchange, status: int | None) -> None:
         if ex.llmd is not None:

@@ -18,7 +18,7 @@ import logging
 import random
 import re
 from bisect import bisect_right
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -161,6 +161,8 @@ class ModelRewrites:
             "request's model, unwritable: not rewritten)", ("source", "body"), registry=registry,
         )  # fmt: skip
         self._models: set[str] = set()  # request models given a label of their own (bounded: MAX_MODEL_LABELS)
+        # told the rules' model names at each change (llm-d's request families keep them out of their label cap)
+        self.on_change: Callable[[RewriteTable], None] | None = None
 
     @property
     def active(self) -> bool:
@@ -187,6 +189,8 @@ class ModelRewrites:
         if table == self.table:  # a reload that left the rules as they were: nothing to say
             return
         self.table = table
+        if self.on_change is not None:
+            self.on_change(table)
         log.info(
             "event=model_rewrites_changed configured=%d watched=%d exact_models=%d generic=%s",
             len(self._configured), len(self._watched), len(table.exact),

@@ -144,6 +144,7 @@ class RequestPath:
         self.experiments = Experiments(pool.preemptions, recorder.metrics.registry)
         # InferenceModelRewrites: the config's (configure) and the watched ones (runtime.compose sets ``watched``)
         self.rewrites = ModelRewrites(recorder.metrics.registry)
+        self.rewrites.on_change = self.llmd.rewrites_changed  # their model names keep labels of their own
         self._cache_warned = False
         self.configure(settings)
 

@@ -335,3 +335,19 @@ async def test_a_backend_that_leaves_the_pool_loses_its_scheduling_series() -> N
     app.apply(parse_settings({"pool": {"backends": BACKENDS[:1]}}))  # b leaves the pool
     endpoints = {dict(k)["endpoint_name"] for k in series(scrape(app), "llm_d_epp_scheduler_attempts_total")}
     assert endpoints == {"a"}
+
+
+async def test_the_model_rewrites_models_keep_their_labels_past_the_cap() -> None:
+    """As llm-d pins its InferenceModelRewrite names: a rule's matched model and its targets are never ``other``,
+    and the request is labelled with the model asked for and the model sent."""
+    rewrites = [{"name": "canary", "rules": [{"matches": [{"model": {"value": "alias"}}],
+                                              "targets": [{"modelRewrite": "m-v2"}]}]}]  # fmt: skip
+    app = make_app(model_rewrites=rewrites)
+    m = app.recorder.llmd
+    for i in range(MAX_MODEL_LABELS):  # the cap is full before any request of the rewrite
+        m.answered(f"flood-{i}", "f", "0", 400, 10, None)
+    await full_exchange(app, chat("alias"), response=sse(USAGE))
+    await full_exchange(app, chat("unconfigured"), response=sse(USAGE))
+    expo = scrape(app)
+    assert one(expo, "llm_d_epp_request_total", model_name="alias", target_model_name="m-v2").value == 1
+    assert one(expo, "llm_d_epp_request_total", model_name=OTHER, target_model_name=OTHER).value == 1
