@@ -227,11 +227,14 @@ class LlmdMetrics:
     # -- the request path -----------------------------------------------------------------------------
     def _series(
         self, model: str | None, target: str | None, fairness_id: str, priority: str
-    ) -> tuple[RequestSeries, str]:
-        """The label set's series (made at its first request) and the fairness id as labelled."""
-        m = self.models.bound(model or "")
-        fid = self.fairness.bound(fairness_id)
-        key = (m, self.models.bound(target or "") if target != model else m, fid, priority)
+    ) -> tuple[RequestSeries, Key]:
+        """The label set's series (made at its first request) and its key (the labels as exported)."""
+        raw = (model or "", target or "", fairness_id, priority)
+        s = self.series.get(raw)
+        if s is not None:  # the common case: every value was admitted before (an admitted value is its own label)
+            return s, raw
+        m = self.models.bound(raw[0])
+        key = (m, self.models.bound(raw[1]) if target != model else m, self.fairness.bound(fairness_id), priority)
         s = self.series.get(key)
         if s is None:
             if len(self.series) >= MAX_REQUEST_SERIES:
@@ -239,7 +242,7 @@ class LlmdMetrics:
                 s = self.series.get(key)
             if s is None:
                 s = self.series[key] = RequestSeries()
-        return s, fid
+        return s, key
 
     def answered(
         self,
@@ -254,7 +257,7 @@ class LlmdMetrics:
         """The picker answered the request itself: a refusal (``request_error_total`` by llm-d's code; with
         ``unscheduled`` the decide stage found no eligible endpoint, a failed scheduling attempt), or a
         response-cache hit (200: counted as a request, its size and duration booked)."""
-        s, _ = self._series(model, model, fairness_id, priority)
+        s, key = self._series(model, model, fairness_id, priority)
         if status == 200:
             s.total += 1
             _observe(s, "req_size", REQUEST_SIZE_BUCKETS, nbytes)
@@ -264,7 +267,7 @@ class LlmdMetrics:
         code = ERROR_CODES.get(status, UNKNOWN_ERROR)
         s.errors[code] = s.errors.get(code, 0) + 1
         if unscheduled:
-            self._attempt("failure", model, "", "")
+            self._attempt("failure", key[1], "", "")
 
     def external(self, model: str | None, fairness_id: str, priority: str, nbytes: int) -> None:
         """A request sent to an external backend (``type: gemini``): counted and its size booked; its response is
@@ -288,10 +291,14 @@ class LlmdMetrics:
     ) -> RequestRecord:
         """A request sent to ``endpoint`` (a pool endpoint at ``address``): counted, its size booked, running and
         in flight there until ``ended``."""
-        s, fid = self._series(model, target, fairness_id, priority)
+        s, key = self._series(model, target, fairness_id, priority)
         s.total += 1
         s.running += 1
-        _observe(s, "req_size", REQUEST_SIZE_BUCKETS, nbytes)
+        h = s.req_size
+        if h is None:
+            h = s.req_size = Hist(REQUEST_SIZE_BUCKETS)
+        h.observe(nbytes)
+        fid = key[2]
         rec = RequestRecord(s, fid, priority, arrived if arrived is not None else _mono(), streaming, endpoint)
         rec.prefill_tokens = prefill_tokens
         k = (endpoint, fid, priority)
@@ -300,11 +307,12 @@ class LlmdMetrics:
             row = self.inflight[k] = [0, 0]
         row[0] += 1
         row[1] += prefill_tokens
-        self._attempt("success", target, endpoint, address.rpartition(":")[2])
+        self._attempt("success", key[1], endpoint, address.rpartition(":")[2])
         return rec
 
-    def _attempt(self, status: str, target: str | None, endpoint: str, port: str) -> None:
-        k = (status, self.models.bound(target or ""), endpoint, port)
+    def _attempt(self, status: str, target: str, endpoint: str, port: str) -> None:
+        """``target``: the target model as labelled (bounded)."""
+        k = (status, target, endpoint, port)
         a = self.scheduler.attempts
         a[k] = a.get(k, 0) + 1
 
@@ -359,7 +367,10 @@ class LlmdMetrics:
                 del self.inflight[k]
         if not completed:
             return
-        _observe(s, "duration", LATENCY_BUCKETS, max(0.0, now - rec.arrived))
+        h = s.duration
+        if h is None:
+            h = s.duration = Hist(LATENCY_BUCKETS)
+        h.observe(max(0.0, now - rec.arrived))
         if rec.body_seen:
             _observe(s, "resp_size", RESPONSE_SIZE_BUCKETS, rec.response_bytes)
         first = rec.first_chunk_at
