@@ -22,7 +22,7 @@ from picker.experiments.assign import SOURCE_FIRST_TURN, SOURCE_HEADER, SOURCE_N
 from picker.experiments.assign import session_of as _session_of
 from picker.experiments.decision_log import DecisionLog
 from picker.facts import RequestFacts
-from picker.ops.recorder import _Histogram
+from picker.ops.metrics import PlainHistogram
 from picker.ops.usage import RATIO_BUCKETS, Usage, keep_tail, ratio_bucket, usage_in
 from picker.pool.preemptions import PreemptionWindows
 from picker.routing.core import Router
@@ -46,7 +46,7 @@ class ArmCounts:
     sessions: int = 0  # sessions whose first request this picker saw in this arm
     buckets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RATIO_BUCKETS, 0))
     results: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
-    ttft: _Histogram = field(default_factory=lambda: _Histogram(TTFT_BUCKETS))
+    ttft: PlainHistogram = field(default_factory=lambda: PlainHistogram(TTFT_BUCKETS))
 
 
 class Arm:

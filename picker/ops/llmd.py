@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -23,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from picker import __version__
 from picker.config import Settings
+from picker.ops.metrics import PlainHistogram
 
 _mono = time.monotonic
 
@@ -61,39 +61,6 @@ SCHEDULER_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.
 REQUEST_LABELS = ["model_name", "target_model_name", "fairness_id", "priority"]
 MODEL_LABELS = ["model_name", "target_model_name"]
 INFLIGHT_LABELS = ["endpoint_name", "namespace", "producer_name", "fairness_id", "priority"]
-
-
-class Hist:
-    """A histogram as plain counts: ``observe`` is a bisect and two additions."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last slot is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def add(self, other: Hist) -> None:
-        """Fold ``other`` (same bounds) into this one: an alias family aggregated over dropped labels."""
-        for i, n in enumerate(other.counts):
-            self.counts[i] += n
-        self.sum += other.sum
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        out: list[tuple[str, float]] = []
-        total = 0
-        for bound, n in zip((*map(_bucket_label, self.bounds), "+Inf"), self.counts, strict=True):
-            total += n
-            out.append((bound, total))
-        return out
-
-
-def _bucket_label(b: float) -> str:
-    return str(float(b))
 
 
 class BoundedLabel:
@@ -138,15 +105,15 @@ class RequestSeries:
         self.total = 0
         self.running = 0
         self.errors: dict[str, int] = {}  # bound: ERROR_CODES' values, UNKNOWN_ERROR, MODEL_SERVER_ERROR
-        self.duration: Hist | None = None
-        self.req_size: Hist | None = None
-        self.resp_size: Hist | None = None
-        self.input: Hist | None = None
-        self.output: Hist | None = None
-        self.cached: Hist | None = None
-        self.ntpot: Hist | None = None
-        self.tpot: Hist | None = None
-        self.ttft: dict[str, Hist] = {}  # "true" / "false" (the streaming label)
+        self.duration: PlainHistogram | None = None
+        self.req_size: PlainHistogram | None = None
+        self.resp_size: PlainHistogram | None = None
+        self.input: PlainHistogram | None = None
+        self.output: PlainHistogram | None = None
+        self.cached: PlainHistogram | None = None
+        self.ntpot: PlainHistogram | None = None
+        self.tpot: PlainHistogram | None = None
+        self.ttft: dict[str, PlainHistogram] = {}  # "true" / "false" (the streaming label)
 
 
 @dataclass(slots=True)
@@ -182,11 +149,11 @@ class PoolRow:
 
 @dataclass(slots=True)
 class _Scheduler:
-    e2e: Hist = field(default_factory=lambda: Hist(SCHEDULER_BUCKETS))
+    e2e: PlainHistogram = field(default_factory=lambda: PlainHistogram(SCHEDULER_BUCKETS))
     # (status, target model, endpoint name, port) -> attempts; bound: pool endpoints x capped models x 2 (a backend
     # that leaves the pool loses its series, ``LlmdMetrics.forget_backends``)
     attempts: dict[tuple[str, str, str, str], int] = field(default_factory=dict)
-    plugins: dict[str, Hist] = field(default_factory=dict)  # strategy -> decide time; bound: the strategies
+    plugins: dict[str, PlainHistogram] = field(default_factory=dict)  # strategy -> decide time; bound: the strategies
 
 
 class LlmdMetrics:
@@ -296,7 +263,7 @@ class LlmdMetrics:
         s.running += 1
         h = s.req_size
         if h is None:
-            h = s.req_size = Hist(REQUEST_SIZE_BUCKETS)
+            h = s.req_size = PlainHistogram(REQUEST_SIZE_BUCKETS)
         h.observe(nbytes)
         fid = key[2]
         rec = RequestRecord(s, fid, priority, arrived if arrived is not None else _mono(), streaming, endpoint)
@@ -334,7 +301,7 @@ class LlmdMetrics:
         name = strategy or "none"
         h = sch.plugins.get(name)
         if h is None:
-            h = sch.plugins[name] = Hist(SCHEDULER_BUCKETS)
+            h = sch.plugins[name] = PlainHistogram(SCHEDULER_BUCKETS)
         h.observe(seconds)
 
     def response_headers(self, rec: RequestRecord, status: int | None) -> None:
@@ -369,7 +336,7 @@ class LlmdMetrics:
             return
         h = s.duration
         if h is None:
-            h = s.duration = Hist(LATENCY_BUCKETS)
+            h = s.duration = PlainHistogram(LATENCY_BUCKETS)
         h.observe(max(0.0, now - rec.arrived))
         if rec.body_seen:
             _observe(s, "resp_size", RESPONSE_SIZE_BUCKETS, rec.response_bytes)
@@ -380,7 +347,7 @@ class LlmdMetrics:
             label = "true" if rec.streaming else "false"
             h = s.ttft.get(label)
             if h is None:
-                h = s.ttft[label] = Hist(TTFT_BUCKETS)
+                h = s.ttft[label] = PlainHistogram(TTFT_BUCKETS)
             h.observe(max(0.0, first - rec.arrived))
 
     def usage(self, rec: RequestRecord, prompt: int, completion: int | None, cached: int | None) -> None:
@@ -402,9 +369,9 @@ class LlmdMetrics:
 
 
 def _observe(s: RequestSeries, slot: str, bounds: tuple[float, ...], value: float) -> None:
-    h: Hist | None = getattr(s, slot)
+    h: PlainHistogram | None = getattr(s, slot)
     if h is None:
-        h = Hist(bounds)
+        h = PlainHistogram(bounds)
         setattr(s, slot, h)
     h.observe(value)
 
@@ -490,16 +457,16 @@ class LlmdCollector(Collector):
         yield from (total, errors, running, old_total, old_errors, old_running)
         for name, alias, slot, doc in _REQUEST_HISTOGRAMS:
             fam = HistogramMetricFamily(CANONICAL + name, doc, labels=REQUEST_LABELS)
-            merged: dict[tuple[str, str], Hist] = {}
+            merged: dict[tuple[str, str], PlainHistogram] = {}
             for key, s in series:
-                h: Hist | None = getattr(s, slot)
+                h: PlainHistogram | None = getattr(s, slot)
                 if h is None:
                     continue
                 fam.add_metric(list(key), h.cumulative(), h.sum)
                 mk = (key[0], key[1])
                 acc = merged.get(mk)
                 if acc is None:
-                    acc = merged[mk] = Hist(h.bounds)
+                    acc = merged[mk] = PlainHistogram(h.bounds)
                 acc.add(h)
             yield fam
             if alias is not None:

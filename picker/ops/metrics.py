@@ -401,3 +401,34 @@ class PickerMetrics:
             ["backend"],
             registry=r,
         )
+
+
+class PlainHistogram:
+    """A histogram as plain counts: ``observe`` is a bisect and two additions (the recorder's, the experiments'
+    and llm-d's families, ``picker.ops.llmd``)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last slot is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def add(self, other: PlainHistogram) -> None:
+        """Fold ``other`` (same bounds) into this one: an alias family aggregated over dropped labels."""
+        for i, n in enumerate(other.counts):
+            self.counts[i] += n
+        self.sum += other.sum
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(le, cumulative count) per bucket, ``+Inf`` last; integer bounds labelled as floats (``64.0``)."""
+        out: list[tuple[str, float]] = []
+        total = 0
+        for bound, n in zip((*(str(float(b)) for b in self.bounds), "+Inf"), self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out

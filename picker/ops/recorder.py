@@ -5,7 +5,6 @@ See docs/picker.md, "The decision recorder".
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 
 from picker.ops.llmd import LlmdCollector, LlmdMetrics
-from picker.ops.metrics import PickerMetrics
+from picker.ops.metrics import PickerMetrics, PlainHistogram
 from picker.routing.endpoints import Decision
 from picker.shared.tiers import StorageTier
 
@@ -60,29 +59,6 @@ class KvDecisionCounters:
     overlap_score_count: int = 0
 
 
-class _Histogram:
-    """A histogram as plain counts: ``observe`` is a bisect and two additions."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last slot is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        out: list[tuple[str, float]] = []
-        total = 0
-        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
-            total += n
-            out.append((bound, total))
-        return out
-
-
 class DecisionRecorder:
     """Counters behind the admin JSON and the request-path metrics; one per picker process."""
 
@@ -97,7 +73,7 @@ class DecisionRecorder:
         self.outcomes: dict[str, int] = dict.fromkeys(REQUEST_OUTCOMES, 0)
         self.decisions: dict[tuple[str, str], int] = {}  # (strategy, backend)
         self.responses: dict[tuple[str, str], int] = {}  # (backend, status class)
-        self.decision_seconds = _Histogram(DECISION_BUCKETS)
+        self.decision_seconds = PlainHistogram(DECISION_BUCKETS)
         # reason -> [all: prompt, available, captured; observed: prompt, available, captured, delivered]
         self.cached: dict[str, list[int]] = {}
         self.predictions: dict[str, list[int]] = {}  # reason -> counts in PREDICTION_OUTCOMES order
