@@ -239,3 +239,31 @@ def test_prefer_if_available_goes_to_the_engine_holding_the_prompt_and_the_token
     r = if_available(stack, novel)
     assert r.status == 412, r.body
     assert r.json()["error"]["code"] == "not_cached"
+
+
+def test_llm_d_pool_families_are_fed_by_the_real_engines(stack: RealStack) -> None:
+    """llm-d's pool families (and GIE's older names) come from the engines' own ``/metrics`` as the picker scrapes
+    them: after traffic, every engine has a queue series, the pool's KV-cache utilization is vLLM's
+    ``vllm:kv_cache_usage_perc`` averaged (0..1), and both engines are ready."""
+    stack.chat([{"role": "user", "content": text("pool-families", 8)}])
+
+    def families() -> dict[str, list[tuple[dict[str, str], float]]]:
+        out: dict[str, list[tuple[dict[str, str], float]]] = {}
+        text_ = http("GET", stack.picker.admin_url + "/metrics").body.decode()
+        for name, labels, value in parse_prometheus_text(text_):
+            out.setdefault(name, []).append((labels, value))
+        return out
+
+    def both_queues() -> dict[str, list[tuple[dict[str, str], float]]] | None:
+        f = families()
+        return f if len(f.get("llm_d_epp_per_endpoint_queue_size", [])) == 2 else None
+
+    got = wait_until(both_queues, timeout=30.0, what="both engines' queue series")
+    queues = got["llm_d_epp_per_endpoint_queue_size"]
+    assert {lab["model_server_endpoint"] for lab, _ in queues} == {e.config.name for e in stack.engines}
+    assert all(v >= 0.0 for _, v in queues)
+    assert [v for _, v in got["llm_d_epp_ready_endpoints"]] == [2.0]
+    assert [v for _, v in got["inference_pool_ready_pods"]] == [2.0]
+    ((_, kv),) = got["llm_d_epp_average_kv_cache_utilization"]
+    assert 0.0 <= kv <= 1.0
+    assert all(v >= 0.0 for _, v in got["llm_d_epp_average_queue_size"])
