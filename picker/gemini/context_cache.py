@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from picker.config import GeminiBackendConfig, GeminiContextCacheConfig
 from picker.gemini.keys import read_key_file
-from picker.pool.engine_signals import read_capped
+from picker.pool.endpoint_poller import read_capped
 
 log = logging.getLogger("kv_epp.gemini_context_cache")
 

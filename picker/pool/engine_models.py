@@ -18,14 +18,13 @@ from typing import Any
 import aiohttp
 
 from picker.config import EngineModelsConfig
-from picker.pool.engine_signals import read_capped
+from picker.pool.endpoint_poller import EndpointPoller, Refused
 from picker.pool.pool import Pool
 from picker.routing.endpoints import Endpoint
 from picker.routing.served_models import EndpointModels, ServedModels
 
 log = logging.getLogger("kv_epp.engine_models")
 
-CONFIG_POLL_S = 1.0  # while waiting for the next round (or disabled), a reload is seen within this
 THREAD_PARSE_BYTES = 256 * 1024  # a larger body is decoded in a worker thread (the event loop keeps serving)
 MAX_NAME_CHARS = 1024  # a longer model id or parent is skipped
 REQUEST_HEADERS = {"Accept": "application/json", "Accept-Encoding": "identity", "User-Agent": "kv-epp"}
@@ -85,7 +84,7 @@ class _Target:
     failing: str | None = None  # the outcome of the current run of failures (logged once), None while ok
 
 
-class EngineModelPoller:
+class EngineModelPoller(EndpointPoller[EngineModelsConfig]):
     """Reads every endpoint's models list each interval and publishes them to the pool (see module).
 
     ``run`` is the supervised background task; it reads ``pool.cfg.engine_models`` (hot-reloadable) before every
@@ -97,51 +96,15 @@ class EngineModelPoller:
         clock: Callable[[], float] = time.monotonic,
         config: Callable[[], EngineModelsConfig] | None = None,
     ) -> None:
+        super().__init__(config or (lambda: pool.cfg.engine_models), clock)
         self.pool = pool
-        self._clock = clock
-        self._config = config or (lambda: pool.cfg.engine_models)
         self._targets: dict[str, _Target] = {}
-        self._session: aiohttp.ClientSession | None = None
         self._conflicts: frozenset[str] = frozenset()
 
-    # -- loop ---------------------------------------------------------------------------------------
-    async def run(self) -> None:
-        try:
-            while True:
-                cfg = self._config()
-                if not cfg.enabled:
-                    self._forget_all()
-                    await self._close_session()
-                    await asyncio.sleep(CONFIG_POLL_S)
-                    continue
-                started = self._clock()
-                await self.poll_round(cfg)
-                while (cfg := self._config()).enabled:
-                    wait = started + cfg.interval_ms / 1000 - self._clock()
-                    if wait <= 0:
-                        break
-                    await asyncio.sleep(min(wait, CONFIG_POLL_S))
-        finally:
-            await self._close_session()
-
-    async def close(self) -> None:
-        await self._close_session()
-
-    async def _close_session(self) -> None:
-        session, self._session = self._session, None
-        if session is not None and not session.closed:
-            await session.close()
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                timeout=aiohttp.ClientTimeout(total=None),
-                trust_env=False,  # engines are read directly, never through an environment proxy
-            )
-        return self._session
-
     # -- one round ----------------------------------------------------------------------------------
+    async def _round(self, cfg: EngineModelsConfig) -> object:
+        return await self.poll_round(cfg)
+
     async def poll_round(self, cfg: EngineModelsConfig | None = None) -> dict[str, ReadResult]:
         """Read every endpoint of the pool once, concurrently (bounded); publish; return the results."""
         cfg = cfg or self._config()
@@ -181,15 +144,8 @@ class EngineModelPoller:
             return ReadResult("ok", models)
 
     async def _fetch(self, url: str, max_bytes: int) -> bytes | ReadResult:
-        async with self._get_session().get(url, headers=REQUEST_HEADERS, allow_redirects=False) as resp:
-            if resp.status != 200:
-                return ReadResult("error", detail=f"HTTP {resp.status}")
-            if resp.content_length is not None and resp.content_length > max_bytes:
-                return ReadResult("too_large", detail=f"Content-Length {resp.content_length} > {max_bytes}")
-            body = await read_capped(resp.content, max_bytes)
-            if body is None:
-                return ReadResult("too_large", detail=f"body over {max_bytes} bytes")
-            return body
+        body = await self._get(url, REQUEST_HEADERS, max_bytes)
+        return ReadResult(body.outcome, detail=body.detail) if isinstance(body, Refused) else body
 
     # -- state --------------------------------------------------------------------------------------
     def _follow_pool(self) -> None:

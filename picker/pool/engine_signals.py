@@ -16,6 +16,7 @@ import aiohttp
 
 from picker.config import EngineMetricsConfig
 from picker.ops.metrics import PickerMetrics
+from picker.pool.endpoint_poller import EndpointPoller, Refused
 from picker.pool.engine_readings import PrefillTotals, preemption_total, prefill_totals, read_signals
 from picker.pool.pool import Pool
 from picker.routing.endpoints import Endpoint, EngineSignals
@@ -26,7 +27,6 @@ log = logging.getLogger("kv_epp.engine_signals")
 # unanswered scrapes in a row (timed out, refused, reset) that make a suspicion (``Pool.suspect``): the active
 # health prober then asks the replica's health route (``picker.pool.health_probe``)
 SCRAPE_SUSPICION_AFTER = 2
-CONFIG_POLL_S = 1.0  # while waiting for the next round (or disabled), a reload is seen within this
 THREAD_PARSE_BYTES = 256 * 1024  # a larger body is parsed in a worker thread (the event loop keeps serving)
 REQUEST_HEADERS = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity", "User-Agent": "kv-epp"}
 
@@ -65,26 +65,12 @@ class _Target:
     expiry: asyncio.TimerHandle | None = None
 
 
-async def read_capped(content: aiohttp.StreamReader, limit: int) -> bytes | None:
-    """The body, or None once it exceeds ``limit`` bytes (the rest is never read)."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        chunk = await content.read(min(1 << 16, limit + 1 - size))
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-
-
-class EngineSignalScraper:
+class EngineSignalScraper(EndpointPoller[EngineMetricsConfig]):
     """Scrapes every endpoint of ``pool`` each interval and publishes what the engines report (see module).
 
-    ``run`` is the supervised background task; it reads ``pool.cfg.engine_metrics`` (hot-reloadable) before
-    every round and while it waits, so a reload that turns it off, on, or changes its timing applies within
-    ``CONFIG_POLL_S``. ``close`` closes the HTTP session (an ``on_stop`` hook)."""
+    ``run`` (``EndpointPoller``) is the supervised background task; it reads ``pool.cfg.engine_metrics``
+    (hot-reloadable) before every round and while it waits. ``close`` closes the HTTP session (an ``on_stop``
+    hook)."""
 
     def __init__(
         self,
@@ -93,53 +79,18 @@ class EngineSignalScraper:
         clock: Callable[[], float] = time.monotonic,
         config: Callable[[], EngineMetricsConfig] | None = None,
     ) -> None:
+        super().__init__(config or (lambda: pool.cfg.engine_metrics), clock)
         self.pool = pool
         self.metrics = metrics
-        self._clock = clock
-        self._config = config or (lambda: pool.cfg.engine_metrics)
         self._targets: dict[str, _Target] = {}
-        self._session: aiohttp.ClientSession | None = None
-
-    # -- loop ---------------------------------------------------------------------------------------
-    async def run(self) -> None:
-        try:
-            while True:
-                cfg = self._config()
-                if not cfg.enabled:
-                    self._forget_all()
-                    await self._close_session()
-                    await asyncio.sleep(CONFIG_POLL_S)
-                    continue
-                started = self._clock()
-                await self.scrape_round(cfg)
-                while (cfg := self._config()).enabled:
-                    wait = started + cfg.interval_ms / 1000 - self._clock()
-                    if wait <= 0:
-                        break
-                    await asyncio.sleep(min(wait, CONFIG_POLL_S))
-        finally:
-            self._cancel_timers()
-            await self._close_session()
-
-    async def close(self) -> None:
-        self._cancel_timers()
-        await self._close_session()
-
-    async def _close_session(self) -> None:
-        session, self._session = self._session, None
-        if session is not None and not session.closed:
-            await session.close()
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                timeout=aiohttp.ClientTimeout(total=None),
-                trust_env=False,  # engines are scraped directly, never through an environment proxy
-            )
-        return self._session
 
     # -- one round ----------------------------------------------------------------------------------
+    async def _round(self, cfg: EngineMetricsConfig) -> object:
+        return await self.scrape_round(cfg)
+
+    def _stop(self) -> None:
+        self._cancel_timers()
+
     async def scrape_round(self, cfg: EngineMetricsConfig | None = None) -> dict[str, ScrapeResult]:
         """Scrape every endpoint of the pool once, concurrently (bounded); publish; return the results."""
         cfg = cfg or self._config()
@@ -184,17 +135,10 @@ class EngineSignalScraper:
             )
 
     async def _fetch(self, url: str, max_bytes: int) -> bytes | ScrapeResult:
-        async with self._get_session().get(url, headers=REQUEST_HEADERS, allow_redirects=False) as resp:
-            if resp.status != 200:
-                return ScrapeResult("error", detail=f"HTTP {resp.status}", answered=True)
-            if resp.content_length is not None and resp.content_length > max_bytes:
-                return ScrapeResult(
-                    "too_large", detail=f"Content-Length {resp.content_length} > {max_bytes}", answered=True
-                )
-            body = await read_capped(resp.content, max_bytes)
-            if body is None:
-                return ScrapeResult("too_large", detail=f"body over {max_bytes} bytes", answered=True)
-            return body
+        body = await self._get(url, REQUEST_HEADERS, max_bytes)
+        if isinstance(body, Refused):
+            return ScrapeResult(body.outcome, detail=body.detail, answered=True)
+        return body
 
     # -- state --------------------------------------------------------------------------------------
     def _follow_pool(self) -> None:
