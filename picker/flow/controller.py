@@ -165,9 +165,14 @@ class FlowController:
         return self.cfg.enabled and not self._closing
 
     def fairness_of(self, headers: Mapping[str, str]) -> str:
-        """The request's fairness id: its fairness header, else an agent identity header, else the default flow
-        (also the ``fairness_id`` label of llm-d's request families, ``picker.request.llmd``)."""
+        """The request's fairness id: its fairness header, else an agent identity header, else the default flow."""
         return (headers.get(FAIRNESS_HEADER) or self._identity(headers) or DEFAULT_FLOW)[:MAX_ID_CHARS]
+
+    def fairness_label(self, headers: Mapping[str, str]) -> str:
+        """The ``fairness_id`` label of llm-d's request families (``picker.request.llmd``): the fairness header, else
+        the default flow. An agent identity that stands in as the flow's id is not a label: one series per agent
+        session would make every scrape grow with the sessions seen (docs/llm-d-compat.md, "Metrics")."""
+        return (headers.get(FAIRNESS_HEADER) or DEFAULT_FLOW)[:MAX_ID_CHARS]
 
     def _identity(self, headers: Mapping[str, str]) -> str | None:
         for name in self.identity_headers:

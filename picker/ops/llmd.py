@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -32,7 +33,12 @@ MAX_FAIRNESS_LABELS = 1000  # distinct fairness_id values, then "other"
 MAX_LABEL_CHARS = 256  # a longer client-sent label value is cut before it is counted
 # (model, target model, fairness id, priority) label sets with series of their own; past it a new set is booked
 # under (other, other, other, priority): the caps above alone would allow a million combinations
-MAX_REQUEST_SERIES = 10_000
+# A scrape renders about 15 KB of text per label set (eleven histograms and their aliases): 1,000 sets are about
+# 15 MB and 2 s of one core, which is why the request families are rendered off the event loop
+# (``LlmdCollector.render_requests``)
+MAX_REQUEST_SERIES = 1_000
+# more room for sets whose models are pinned (the model rewrites'): a flood of other models cannot fold them
+PINNED_SERIES = 1_000
 # llm-d's error codes (llm-d-router pkg/common/error): the picker's own answers by status, and an upstream answer
 # that is not a 200
 ERROR_CODES = {400: "BadRequest", 412: "PreconditionFailed", 429: "ResourceExhausted", 500: "Internal",
@@ -204,7 +210,9 @@ class LlmdMetrics:
         key = (m, self.models.bound(raw[1]) if target != model else m, self.fairness.bound(fairness_id), priority)
         s = self.series.get(key)
         if s is None:
-            if len(self.series) >= MAX_REQUEST_SERIES:
+            pinned = self.models.pinned
+            room = MAX_REQUEST_SERIES + (PINNED_SERIES if key[0] in pinned and key[1] in pinned else 0)
+            if len(self.series) >= room:
                 key = (OTHER, OTHER, OTHER, priority)
                 s = self.series.get(key)
             if s is None:
@@ -400,20 +408,35 @@ _REQUEST_HISTOGRAMS = (
 
 class LlmdCollector(Collector):
     """``LlmdMetrics`` as metric families, built at scrape time: the canonical ``llm_d_epp_*`` families and their
-    deprecated aliases; nothing in ``continuum`` mode."""
+    deprecated aliases; nothing in ``continuum`` mode.
+
+    The request families are most of a scrape's work (about 2 ms per label set). The picker's ``/metrics`` renders
+    them in a worker thread: it collects the registry with ``deferred`` set (the pool, scheduler and in-flight
+    families, which read the pool's state, on the event loop), then ``render_requests`` off it. The request
+    series are only ever added to (their counts are ints the loop replaces), and the thread iterates copies of
+    the dicts, so a scrape may see a request half booked, never a broken one."""
 
     def __init__(self, m: LlmdMetrics) -> None:
         self.m = m
+        self.deferred = False  # set by the caller that renders the request families itself (render_requests)
 
     def collect(self) -> Iterator[Metric]:
         m = self.m
         if not m.on:
             return
-        series = list(m.series.items())
-        yield from self._requests(series)
+        if not self.deferred:
+            yield from self._requests(list(m.series.items()))
         yield from self._pool()
         yield from self._scheduler()
         yield from self._inflight()
+
+    def request_series(self) -> list[tuple[Key, RequestSeries]] | None:
+        """On the event loop: the request series to render (None: llm-d's names are off)."""
+        return list(self.m.series.items()) if self.m.on else None
+
+    def render_requests(self, series: list[tuple[Key, RequestSeries]]) -> bytes:
+        """The request families of ``series`` in Prometheus' text format (safe in a worker thread)."""
+        return generate_latest(_Families(self._requests(series)))
 
     def _requests(self, series: list[tuple[Key, RequestSeries]]) -> Iterator[Metric]:
         total = CounterMetricFamily(CANONICAL + "request", "Requests sent upstream (and response-cache hits)",
@@ -623,3 +646,13 @@ class WithoutPrefix:
 def exported(registry: Collector, compat: str) -> Collector:
     """What ``/metrics`` serves under ``metrics.compat``."""
     return WithoutPrefix(registry, "continuum_") if compat == "llm-d" else registry
+
+
+class _Families:
+    """Already-built families, as ``generate_latest`` reads a registry."""
+
+    def __init__(self, families: Iterator[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families

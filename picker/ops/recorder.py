@@ -79,7 +79,8 @@ class DecisionRecorder:
         self.predictions: dict[str, list[int]] = {}  # reason -> counts in PREDICTION_OUTCOMES order
         metrics.registry.register(RecorderCollector(self))
         self.llmd = LlmdMetrics()  # llm-d's names: booked by the request path (picker.request.llmd)
-        metrics.registry.register(LlmdCollector(self.llmd))
+        self.llmd_collector = LlmdCollector(self.llmd)
+        metrics.registry.register(self.llmd_collector)
 
     def decided(self, d: Decision, key: bytes | None) -> None:
         """One routed request."""

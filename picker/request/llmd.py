@@ -51,7 +51,7 @@ class LlmdObserver:
         if not m.on:
             return
         h = req.headers
-        fairness = self.flow.fairness_of(h)
+        fairness = self.flow.fairness_label(h)
         priority = str(self.flow.priority_of(h.get(OBJECTIVE_HEADER)))
         model = facts.model if facts is not None else None
         nbytes = len(req.body) if req.body is not None else _declared_length(h.get("content-length", ""))

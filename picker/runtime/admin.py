@@ -5,6 +5,7 @@ See docs/picker.md, "Admin".
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
@@ -190,7 +191,15 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
 
     async def metrics(_: web.Request) -> web.Response:
         app.refresh_gauges()
-        body = generate_latest(exported(app.metrics.registry, app.settings.metrics.compat))
+        llmd = app.recorder.llmd_collector
+        llmd.deferred = True  # llm-d's request families: rendered below, off the event loop (they are most of it)
+        try:
+            body = generate_latest(exported(app.metrics.registry, app.settings.metrics.compat))
+        finally:
+            llmd.deferred = False
+        series = llmd.request_series()
+        if series:
+            body += await asyncio.to_thread(llmd.render_requests, series)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_: web.Request) -> web.Response:

@@ -16,7 +16,14 @@ from prometheus_client import generate_latest
 from picker.config import ConfigError, parse_settings
 from picker.extproc.stream import RequestStream
 from picker.ops import llmd
-from picker.ops.llmd import MAX_FAIRNESS_LABELS, MAX_MODEL_LABELS, OTHER, LlmdMetrics, exported
+from picker.ops.llmd import (
+    MAX_FAIRNESS_LABELS,
+    MAX_MODEL_LABELS,
+    MAX_REQUEST_SERIES,
+    OTHER,
+    LlmdMetrics,
+    exported,
+)
 from picker.pool.exposition import Exposition, Sample, parse_exposition
 from picker.routing.endpoints import EngineSignals
 from picker.runtime.app import PickerApp
@@ -212,15 +219,16 @@ async def test_the_pickers_own_answers_and_upstream_errors_are_llm_d_error_codes
 def test_model_and_fairness_labels_fold_to_other_past_their_caps() -> None:
     m = LlmdMetrics()
     for i in range(MAX_MODEL_LABELS + 5):
-        m.answered(f"model-{i}", "f", "0", 400, 10, None)
+        assert m.models.bound(f"model-{i}") == (f"model-{i}" if i < MAX_MODEL_LABELS else OTHER)
     for i in range(MAX_FAIRNESS_LABELS + 5):
-        m.answered("model-0", f"tenant-{i}", "0", 400, 10, None)
-    models = {k[0] for k in m.series}
-    assert len(models) == MAX_MODEL_LABELS + 1 and OTHER in models
-    assert sum(s.errors["BadRequest"] for k, s in m.series.items() if k[0] == OTHER) == 5
-    fairness = {k[2] for k in m.series}
-    assert len(fairness) == MAX_FAIRNESS_LABELS + 1 and OTHER in fairness
-    assert m.series[("model-3", "model-3", "f", "0")].errors["BadRequest"] == 1  # admitted values stay themselves
+        assert m.fairness.bound(f"tenant-{i}") == (f"tenant-{i}" if i < MAX_FAIRNESS_LABELS else OTHER)
+    assert m.models.bound("model-3") == "model-3"  # admitted values stay themselves
+    # the label sets together: past MAX_REQUEST_SERIES a new set is (other, other, other, priority)
+    for i in range(MAX_REQUEST_SERIES + 5):
+        m.answered("model-0", f"tenant-{i % MAX_FAIRNESS_LABELS}", str(i // MAX_FAIRNESS_LABELS), 400, 10, None)
+    assert len(m.series) == MAX_REQUEST_SERIES + 1
+    assert m.series[(OTHER, OTHER, OTHER, "1")].errors["BadRequest"] == 5
+    assert m.series[("model-0", "model-0", "tenant-3", "0")].errors["BadRequest"] == 1
     m.models.pin("configured-model")  # llm-d pins its rewrite rules' names: they never fold
     assert m.models.bound("configured-model") == "configured-model"
     assert m.models.bound("x" * 10_000) == OTHER  # a new value past the cap, however long
@@ -351,3 +359,22 @@ async def test_the_model_rewrites_models_keep_their_labels_past_the_cap() -> Non
     expo = scrape(app)
     assert one(expo, "llm_d_epp_request_total", model_name="alias", target_model_name="m-v2").value == 1
     assert one(expo, "llm_d_epp_request_total", model_name=OTHER, target_model_name=OTHER).value == 1
+
+
+def test_the_request_families_render_apart_from_the_rest_of_the_registry() -> None:
+    """``/metrics`` collects the registry with the request families deferred (on the event loop) and renders them
+    from the series in a worker thread: each family appears in exactly one of the two parts."""
+    app = make_app()
+    app.recorder.llmd.answered("m", "f", "0", 400, 10, None)
+    c = app.recorder.llmd_collector
+    c.deferred = True
+    try:
+        head = generate_latest(app.metrics.registry).decode()
+    finally:
+        c.deferred = False
+    series = c.request_series()
+    assert series
+    tail = c.render_requests(series).decode()
+    assert "llm_d_epp_request_error_total{" not in head and "llm_d_epp_ready_endpoints" in head
+    assert 'llm_d_epp_request_error_total{error_code="BadRequest"' in tail and "llm_d_epp_ready_endpoints" not in tail
+    assert "llm_d_epp_request_error_total{" in generate_latest(app.metrics.registry).decode()  # not deferred: whole
