@@ -79,6 +79,13 @@ class RequestFacts:
     base_model: str | None = None
 
 
+def declared_length(headers: Mapping[str, str]) -> int:
+    """The request's declared ``Content-Length`` (0 when absent or malformed): what a request routed at its headers
+    weighs in flow control's byte bounds and llm-d's request-size histogram."""
+    v = headers.get("content-length", "")
+    return min(int(v), 1 << 40) if v.isascii() and v.isdigit() and len(v) <= 19 else 0
+
+
 def caller_identity(headers: Mapping[str, str], header: str) -> str | None:
     """SHA-256 (hex) of the caller's identity header ``header`` (lower-case), or None when it is absent or empty.
     With ``authorization`` (the default), Anthropic's ``x-api-key`` stands in when ``authorization`` is absent.

@@ -186,12 +186,7 @@ class Tier4:
         (``model_aliases``). The hint never overrides what the engines or the map say, and it only shapes this
         request's own keys (a wrong one finds nothing cached)."""
         if lora_name is None:
-            served = self.pool.served
-            resolved, lora_name = resolve_model(model, served, self.cfg.lora_adapters)
-            listed = served is not None and served.knows(model)
-            if lora_name is None and base_hint and base_hint != model and not listed:
-                resolved, lora_name = base_hint, model
-            model = resolved
+            model, lora_name = resolve_model(model, self.pool.served, self.cfg.lora_adapters, base_hint)
         return self.cfg.model_aliases.get(model, model), lora_name
 
     def _tokenizer_url(self, model: str) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from picker.facts import Answer, RequestFacts
+from picker.facts import Answer, RequestFacts, declared_length
 from picker.flow.controller import OBJECTIVE_HEADER, FlowController
 from picker.ops.llmd import LlmdMetrics
 from picker.request.exchange import Exchange
@@ -27,10 +27,6 @@ class Inbound(Protocol):
     body: bytes | None
     responses_readable: bool
     arrived: float | None
-
-
-def _declared_length(v: str) -> int:
-    return min(int(v), 1 << 40) if v.isascii() and v.isdigit() and len(v) <= 19 else 0
 
 
 class LlmdObserver:
@@ -54,7 +50,7 @@ class LlmdObserver:
         fairness = self.flow.fairness_label(h)
         priority = str(self.flow.priority_of(h.get(OBJECTIVE_HEADER)))
         model = facts.model if facts is not None else None
-        nbytes = len(req.body) if req.body is not None else _declared_length(h.get("content-length", ""))
+        nbytes = len(req.body) if req.body is not None else declared_length(h)
         if isinstance(result, Answer):
             unscheduled = result.details == NO_BACKEND  # the decide stage found no eligible endpoint
             m.answered(model, fairness, priority, result.status, nbytes, req.arrived, unscheduled)

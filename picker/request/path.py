@@ -21,6 +21,7 @@ from picker.facts import (
     RequestFacts,
     api_for_path,
     caller_identity,
+    declared_length,
     error_body,
     parse_request_body,
 )
@@ -37,7 +38,7 @@ from picker.request.anthropic import inject_cache_control, is_native_anthropic
 from picker.request.exchange import Exchange, ResponseObserver
 from picker.request.external import ExternalExchange
 from picker.request.health import HealthObserver, count_health_transitions
-from picker.request.llmd import LlmdObserver
+from picker.request.llmd import NO_BACKEND, LlmdObserver
 from picker.request.model_rewrite import ModelRewrites
 from picker.request.session_token import SessionTokens
 from picker.request.sessions import SessionTable
@@ -379,7 +380,7 @@ class RequestPath:
         if not flow.enabled:
             return self.dispatch(facts, prepared, req, cached, cpu, trial)
         # flow control: the request waits while the pool is saturated; dispatch runs decide and commit at once
-        nbytes = len(req.body) if req.body is not None else _declared_length(req.headers)
+        nbytes = len(req.body) if req.body is not None else declared_length(req.headers)
         tokens = prepared.prompt_tokens or facts.body_bytes // 4
         out = facts.max_tokens if facts.max_tokens is not None else self.settings.flow_control.expected_output_tokens
         cost = tokens + out
@@ -405,7 +406,7 @@ class RequestPath:
         if route is None:
             self.recorder.refused("no_backend")
             why = f"gemini backend {backend.name}: its API key could not be read (the picker's log says why)"
-            return Answer(503, error_body(why, "no_api_key", "service_unavailable"), "kv_epp_no_backend")
+            return Answer(503, error_body(why, "no_api_key", "service_unavailable"), "kv_epp_no_api_key")
         observers: tuple[ResponseObserver, ...] = ()
         if self.cache is not None and cached is not None and cached.key is not None:
             observers = (self.cache,)  # an eligible miss: the response cache stores the converted answer
@@ -446,7 +447,7 @@ class RequestPath:
         if decision is None:
             self.recorder.refused("no_backend")
             why = "no endpoint in the subset hint is eligible" if req.subset is not None else "no healthy backend"
-            return Answer(503, error_body(why, "no_healthy_backend", "service_unavailable"), "kv_epp_no_backend")
+            return Answer(503, error_body(why, "no_healthy_backend", "service_unavailable"), NO_BACKEND)
         ex = self.commit(facts, decision, prepared)
         if self.token:
             ex.session_token = self.tokens.mint(decision.endpoint.name)
@@ -506,7 +507,7 @@ def covering(
     keyed = len(prepared.block_keys)
     holds = prepared.holds
     if holds is None or keyed == 0:
-        return PoolView((), view.costs)
+        return PoolView((), view.costs, view.served)
     states = []
     for s in view.states:
         name = s.endpoint.name
@@ -515,14 +516,7 @@ def covering(
         h = holds.get(name)
         if need > 0 and h is not None and h.blocks >= need:
             states.append(s)
-    return PoolView(tuple(states), view.costs)
-
-
-def _declared_length(headers: Mapping[str, str]) -> int:
-    """The request's declared ``Content-Length`` (0 when absent or malformed): what a request routed at its headers
-    holds of flow control's byte bounds."""
-    v = headers.get("content-length", "")
-    return min(int(v), 1 << 40) if v.isascii() and v.isdigit() and len(v) <= 19 else 0
+    return PoolView(tuple(states), view.costs, view.served)
 
 
 def _release(result: object) -> None:

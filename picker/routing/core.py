@@ -99,12 +99,14 @@ class Router:
         pr = self.settings.prefix_routing
         return prefix_key(facts, enabled=pr.enabled, max_prefix_length=pr.max_prefix_length)
 
-    def lora_adapter(self, model: str | None, view: PoolView) -> str | None:
-        """The LoRA adapter a request of ``model`` runs with: the engines' ``/v1/models`` where they list it, else
-        ``kv_cache_index.lora_adapters``; None for a base model (the same resolution as Tier 4's keys)."""
-        if model is None:
+    def lora_adapter(self, facts: RequestFacts, view: PoolView) -> str | None:
+        """The LoRA adapter a request runs with: the engines' ``/v1/models`` where they list its model, else
+        ``kv_cache_index.lora_adapters``, else the gateway's base-model header; None for a base model (the same
+        resolution as Tier 4's keys)."""
+        if facts.model is None:
             return None
-        return resolve_model(model, view.served, self.settings.kv_cache_index.lora_adapters)[1]
+        lora = self.settings.kv_cache_index.lora_adapters
+        return resolve_model(facts.model, view.served, lora, facts.base_model)[1]
 
     def tier4_active(self) -> bool:
         return self.settings.prefix_routing.enabled and self.settings.kv_cache_index.enabled
@@ -126,7 +128,7 @@ class Router:
                 prepared.key,
                 prepared.evicting,
                 prepared.prefix_rate,
-                self.lora_adapter(facts.model, view),
+                self.lora_adapter(facts, view),
             )
             if c is None:
                 return None

@@ -95,16 +95,19 @@ NO_MODELS = ServedModels()
 
 
 def resolve_model(
-    model: str, served: ServedModels | None, static_adapters: Mapping[str, str]
+    model: str, served: ServedModels | None, static_adapters: Mapping[str, str], base_hint: str | None = None
 ) -> tuple[str, str | None]:
     """A request's model → (base model, LoRA adapter or None). The engines' lists decide for a model they list
     (an adapter → its parent; a base model → itself, whatever the static map says); the static map
-    (``kv_cache_index.lora_adapters``, adapter → base) for a model no engine lists."""
+    (``kv_cache_index.lora_adapters``, adapter → base) for a model no engine lists; else ``base_hint``, the base
+    model a gateway named (X-Gateway-Base-Model-Name), when it names another model."""
     if served is not None and served.knows(model):
         base = served.adapter_base(model)
         return (base, model) if base is not None else (model, None)
     base = static_adapters.get(model)
-    return (base, model) if base is not None else (model, None)
+    if base is not None:
+        return base, model
+    return (base_hint, model) if base_hint and base_hint != model else (model, None)
 
 
 def lora_affinity(load: LoraLoad | None, adapter: str, listed: bool | None = None) -> float:

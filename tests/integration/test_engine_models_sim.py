@@ -117,7 +117,8 @@ async def test_the_picker_learns_the_adapters_and_follows_their_slots_on_the_sim
             # (running there: 1.0), 0.2 x 0.75 of a key block's prefill on sim-1 (a free slot: 0.8)
             router = Router(settings)
             view = pool.view()
-            assert router.lora_adapter("sql-lora", view) == "sql-lora" and router.lora_adapter(MODEL, view) is None
+            sql, base = RequestFacts(api="chat", model="sql-lora"), RequestFacts(api="chat", model=MODEL)
+            assert router.lora_adapter(sql, view) == "sql-lora" and router.lora_adapter(base, view) is None
             with_lora = router.cost.score({}, 500, view, b"k", lora="sql-lora")
             without = router.cost.score({}, 500, view, b"k")
             assert with_lora is not None and without is not None

@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 
 from picker.config import ConfigError, parse_settings
 from picker.extproc.stream import RequestStream
+from picker.facts import Answer
 from picker.ops import llmd
 from picker.ops.llmd import (
     MAX_FAIRNESS_LABELS,
@@ -25,6 +26,7 @@ from picker.ops.llmd import (
     exported,
 )
 from picker.pool.exposition import Exposition, Sample, parse_exposition
+from picker.request.path import Inbound
 from picker.routing.endpoints import EngineSignals
 from picker.runtime.app import PickerApp
 from tests.support.builders import app_of
@@ -378,3 +380,17 @@ def test_the_request_families_render_apart_from_the_rest_of_the_registry() -> No
     assert "llm_d_epp_request_error_total{" not in head and "llm_d_epp_ready_endpoints" in head
     assert 'llm_d_epp_request_error_total{error_code="BadRequest"' in tail and "llm_d_epp_ready_endpoints" not in tail
     assert "llm_d_epp_request_error_total{" in generate_latest(app.metrics.registry).decode()  # not deferred: whole
+
+
+async def test_a_gemini_backend_without_its_api_key_is_an_error_not_a_failed_scheduling_attempt(tmp_path) -> None:
+    """The 503 of a ``type: gemini`` backend whose API key cannot be read never reached the decide stage: it is a
+    ServiceUnavailable error of its model, and no failed scheduling attempt (only "no eligible endpoint" is)."""
+    gemini = {"name": "g", "type": "gemini", "models": ["gem"], "api_key_file": str(tmp_path / "missing")}
+    app = make_app(pool={"backends": [*BACKENDS, gemini]})
+    body = json.dumps(chat("gem", stream=False)).encode()
+    out = await app.path.route(Inbound("/v1/chat/completions", {":method": "POST"}, body))
+    assert isinstance(out, Answer) and out.status == 503 and b"no_api_key" in out.body
+    expo = scrape(app)
+    assert one(expo, "llm_d_epp_request_error_total", model_name="gem").value == 1
+    attempts = [s for s in expo.samples if s.name == "llm_d_epp_scheduler_attempts_total"]
+    assert not [s for s in attempts if s.label("status") == "failure"], attempts

@@ -98,8 +98,14 @@ def test_the_router_resolves_the_adapter_as_tier_4_does() -> None:
     served = ServedModels({"a": EndpointModels(frozenset({"llama"}), {"sql": "llama"}), "b": EndpointModels()})
     view = PoolView((state("a", FULL), state("b", RUNNING)), COSTS, served)
     prepared = Prepared(key=b"k", holds={}, prompt_tokens=PROMPT)
-    assert router.lora_adapter("sql", view) == "sql" and router.lora_adapter("llama", view) is None
-    assert router.lora_adapter("chat", view) == "chat" and router.lora_adapter(None, view) is None
+
+    def adapter(model: str | None, base: str | None = None) -> str | None:
+        return router.lora_adapter(RequestFacts(api="chat", model=model, base_model=base), view)
+
+    assert adapter("sql") == "sql" and adapter("llama") is None
+    assert adapter("chat") == "chat" and adapter(None) is None
+    assert adapter("new-lora") is None and adapter("new-lora", base="llama") == "new-lora"  # the gateway's header
+    assert adapter("llama", base="other") is None  # the engines list llama as a base model: the header cannot say
     # b reports the adapter running but does not list it: a (listed, every slot busy) and b both score 0
     d = router.decide(RequestFacts(api="completions", model="sql", prompt="x"), view, prepared)
     assert d is not None and d.reason == "kv_cost"
