@@ -37,6 +37,10 @@ def _certificate_names(pem: str) -> list[str]:
         return [str(a.value) for a in cert.subject.get_attributes_for_oid(x509.oid.NameOID.COMMON_NAME)]
 
 
+# a connection (and its TLS handshake) may take longer than one case on a busy host: connect waits at least this
+CONNECT_TIMEOUT_FLOOR_S = 5.0
+
+
 async def open_channel(opts: Options) -> grpc.aio.Channel:
     """The channel to the picker: plaintext, or TLS verified against ``--ca`` / the system roots, or (``--insecure``)
     pinned to the certificate the picker shows, with the name checked against one the certificate holds."""
@@ -75,7 +79,7 @@ async def run(opts: Options, emit: bool = True) -> list[Result]:
             print(r.line(), flush=True)
 
     try:
-        reached = await connect(channel, opts.case_timeout)
+        reached = await connect(channel, max(opts.case_timeout, CONNECT_TIMEOUT_FLOOR_S))
         report(reached)
         ctx = Context(
             stub=pb_grpc.ExternalProcessorStub(channel), health=health_pb2_grpc.HealthStub(health_channel),
