@@ -27,13 +27,11 @@ from prometheus_client import CollectorRegistry, Counter
 
 from picker.config import ModelRewriteConfig
 from picker.facts import RequestFacts
+from picker.ops.llmd import MAX_MODEL_LABELS, BoundedLabel
 from picker.shared.discovery.kube_objects import ModelRewrite, RewriteRule, RewriteTarget
 
 log = logging.getLogger("kv_epp.request")
 
-MAX_MODEL_LABELS = 1000  # distinct request models as the model_name label (llm-d's cap); then "other"
-MAX_MODEL_LABEL_CHARS = 256  # a longer request model is labelled "other" (the series' memory stays bounded)
-OTHER = "other"
 # the top-level "model" key and its string value, as clients write it (the value's span is replaced in place)
 _MODEL_MEMBER = re.compile(rb'"model"\s*:\s*("(?:[^"\\]|\\.)*")')
 _WS = b" \t\r\n"
@@ -143,7 +141,9 @@ class ModelRewrites:
     GIE-era alias ``inference_extension_model_rewrite_decisions_total``) and ours,
     ``kv_epp_model_rewrites_total{source, body}``. ``rng``: tests pass a seeded one."""
 
-    def __init__(self, registry: CollectorRegistry, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, rng: random.Random | None = None, model_labels: BoundedLabel | None = None
+    ) -> None:
         self._rng = rng or random.Random()
         self._configured: tuple[ModelRewrite, ...] = ()
         self._watched: dict[str, ModelRewrite] = {}
@@ -160,7 +160,9 @@ class ModelRewrites:
             "(config, watched) and what became of the body (spliced, reserialized, unchanged: the target was the "
             "request's model, unwritable: not rewritten)", ("source", "body"), registry=registry,
         )  # fmt: skip
-        self._models: set[str] = set()  # request models given a label of their own (bounded: MAX_MODEL_LABELS)
+        # a generic rule's request models as labels: llm-d's request families' model_name cap, shared with them (a
+        # model is the same label in both); a private one when none is given (tests)
+        self._labels = model_labels if model_labels is not None else BoundedLabel(MAX_MODEL_LABELS)
         # told the rules' model names at each change (llm-d's request families keep them out of their label cap)
         self.on_change: Callable[[RewriteTable], None] | None = None
 
@@ -210,7 +212,7 @@ class ModelRewrites:
         if choice is None:
             return None
         target = choice.draw(self._rng)
-        label = model if model in self.table.exact else self._bounded(model)
+        label = model if model in self.table.exact else self._labels.bound(model)
         self.decisions.labels(choice.rewrite, label, target).inc()
         self.decisions_gie.labels(choice.rewrite, label, target).inc()
         if target == model:
@@ -241,16 +243,6 @@ class ModelRewrites:
             "exact_models": len(t.exact),
             "generic": shown(t.generic) if t.generic is not None else None,
         }
-
-    def _bounded(self, model: str) -> str:
-        """A generic rule's request model as a label: its own for the first MAX_MODEL_LABELS (of at most
-        MAX_MODEL_LABEL_CHARS characters), then ``other``."""
-        if model in self._models:
-            return model
-        if len(self._models) >= MAX_MODEL_LABELS or len(model) > MAX_MODEL_LABEL_CHARS:
-            return OTHER
-        self._models.add(model)
-        return model
 
 
 __all__ = ["MAX_MODEL_LABELS", "ModelRewrites", "RewriteChoice", "RewriteTable", "from_config", "rewrite_body"]

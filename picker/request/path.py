@@ -144,7 +144,7 @@ class RequestPath:
         # session-level experiments (docs/experiments.md): built always, empty while disabled
         self.experiments = Experiments(pool.preemptions, recorder.metrics.registry)
         # InferenceModelRewrites: the config's (configure) and the watched ones (runtime.compose sets ``watched``)
-        self.rewrites = ModelRewrites(recorder.metrics.registry)
+        self.rewrites = ModelRewrites(recorder.metrics.registry, model_labels=recorder.llmd.models)
         self.rewrites.on_change = self.llmd.rewrites_changed  # their model names keep labels of their own
         self._cache_warned = False
         self.configure(settings)
