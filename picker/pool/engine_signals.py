@@ -192,9 +192,14 @@ class EngineSignalScraper(EndpointPoller[EngineMetricsConfig]):
             )  # fmt: skip
 
     def _prefill(self, target: _Target, totals: PrefillTotals | None) -> None:
-        """The requests the engine finished since its last scrape teach the cost model its prefill cost."""
+        """The requests the engine finished since its last scrape teach the cost model its prefill cost. A reading
+        without totals (the families absent, or the two histograms read mid-update: a busy engine's scrape
+        catches one request counted in one and not yet in the other) leaves the last good one as the base, so the
+        next good reading counts every request finished since (resetting the base lost those requests' records)."""
+        if totals is None:
+            return
         before, target.prefill = target.prefill, totals
-        if before is None or totals is None:
+        if before is None:
             return
         d = totals.since(before)
         if d is not None and d.requests >= 1.0:

@@ -30,14 +30,26 @@ async def test_the_scraper_differences_the_engines_records_into_the_pools_fit() 
             assert fit.requests == 2 and abs(fit.sy / fit.sw - 325.0) < 1e-6  # mean prefill ms of the two
             await scraper.scrape_round()  # nothing finished since: nothing observed
             assert pool.calibrator.engine.requests == 2
+            # a reading taken mid-update (one histogram counts a request the other does not yet): no totals, and
+            # the base stays the last good reading, so the requests finished around it are all counted next
+            rec.finish(0.1, 100)
+            rec.time.labels("m", "0").observe(0.2)  # the next request's time, its tokens not yet recorded
+            engine.body = rec.body()
+            await scraper.scrape_round()
+            assert pool.calibrator.engine.requests == 2
+            rec.tokens.labels("m", "0").observe(300)
+            rec.finish(0.3, 300)
+            engine.body = rec.body()
+            await scraper.scrape_round()
+            assert pool.calibrator.engine.requests == 5  # the three finished since the last good reading
             fresh = VllmPrefillRecords()  # the engine restarted: its counters start again
             fresh.finish(0.1, 200)
             engine.body = fresh.body()
             await scraper.scrape_round()
-            assert pool.calibrator.engine.requests == 2  # a new baseline, nothing negative observed
+            assert pool.calibrator.engine.requests == 5  # a new baseline, nothing negative observed
             fresh.finish(0.2, 500)
             engine.body = fresh.body()
             await scraper.scrape_round()
-            assert pool.calibrator.engine.requests == 3
+            assert pool.calibrator.engine.requests == 6
         finally:
             await scraper.close()
