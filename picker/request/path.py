@@ -244,8 +244,11 @@ class RequestPath:
         kv = None
         if key is not None and tier4 and holds is not None:
             kv = self.kv.settle(await holds.lookup(facts))  # with this picker's recent placements
-        session = None
-        sticky = self.tokens.endpoint(token) if token is not None and self.token else None
+        session = sticky = None
+        if token is not None and self.token:
+            named = self.tokens.endpoint(token)
+            if named is not None and self.pool.endpoint(named) is not None:  # a pod gone: the table may know better
+                sticky = named
         if affinity and facts.session_id:
             session = session_key(facts.session_id)
             sticky = sticky or self.sessions.get(session, _mono())

@@ -312,3 +312,15 @@ def test_x_gateway_base_model_name_keys_an_adapter_no_engine_or_map_names() -> N
     assert tier4.resolve_model("adapter-1", None, "base-a") == ("adapter-1", None)
     app.pool.set_served_models(ServedModels({"a": EndpointModels(frozenset({"base-b"}), {"adapter-1": "base-b"})}))
     assert tier4.resolve_model("adapter-1", None, "base-a") == ("base-b", "adapter-1")
+
+
+async def test_a_token_of_an_endpoint_gone_from_the_pool_gives_way_to_the_session_table() -> None:
+    app = make_app(session_affinity={"enabled": True})
+    first = await route(app, {"x-session-id": "s-1"}, chat_body("one"))
+    assert isinstance(first, Exchange)
+    first.end(completed=True)
+    home = first.decision.endpoint.name
+    for i in range(3):  # RoundRobin alone would alternate: the table keeps the session home
+        ex = await route(app, {"x-session-id": "s-1", "x-session-token": b64("gone-pod")}, chat_body(f"t{i}"))
+        assert isinstance(ex, Exchange) and ex.decision.endpoint.name == home and ex.decision.reason == "session"
+        ex.end(completed=True)
