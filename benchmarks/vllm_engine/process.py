@@ -62,35 +62,25 @@ def engines_python() -> Path:
     return py
 
 
-def ensure_model(timeout_s: float = 600.0) -> Path:
-    """The tiny model's directory, built on first use by the engines' interpreter (cached on disk)."""
+def _build(args: list[str], what: str, timeout_s: float) -> Path:
+    """Run a builder module with the engines' interpreter; the path it prints last (its cached output)."""
     out = subprocess.run(
-        [str(engines_python()), "-m", "benchmarks.vllm_engine.model"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
+        [str(engines_python()), "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False
     )
     if out.returncode != 0:
-        raise RuntimeError(f"building the tiny model failed: {out.stderr[-LOG_TAIL_BYTES:]}")
+        raise RuntimeError(f"building {what} failed: {out.stderr[-LOG_TAIL_BYTES:]}")
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def ensure_model(timeout_s: float = 600.0) -> Path:
+    """The tiny model's directory, built on first use by the engines' interpreter (cached on disk)."""
+    return _build(["benchmarks.vllm_engine.model"], "the tiny model", timeout_s)
 
 
 def ensure_adapter(model_dir: Path, name: str = "kv-epp-tiny-lora", timeout_s: float = 300.0) -> Path:
     """A LoRA adapter for the tiny model (``benchmarks.vllm_engine.lora``), built on first use by the engines'
     interpreter and cached beside the model."""
-    out = subprocess.run(
-        [str(engines_python()), "-m", "benchmarks.vllm_engine.lora", str(model_dir), "--name", name],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"building the LoRA adapter failed: {out.stderr[-LOG_TAIL_BYTES:]}")
-    return Path(out.stdout.strip().splitlines()[-1])
+    return _build(["benchmarks.vllm_engine.lora", str(model_dir), "--name", name], "the LoRA adapter", timeout_s)
 
 
 @dataclass(frozen=True)

@@ -255,19 +255,25 @@ async def send_request(
     answer = _decision(r, "request_headers")
     if isinstance(answer, Immediate):
         return answer
+    answer.echoed = await _streamed_echo(s, "request_body")
+    return answer
+
+
+async def _streamed_echo(s: Stream, phase: str) -> bytes:
+    """Full duplex: the picker's streamed body mutations for ``phase`` (request_body or response_body), up to the
+    one with end_of_stream; their bytes. ProtocolError on any other answer."""
     echoed = bytearray()
     while True:
-        r = await s.recv("the body's streamed mutations (end_of_stream)")
-        if r.WhichOneof("response") != "request_body":
-            raise ProtocolError(f"expected the body's streamed mutation, got {r.WhichOneof('response')}")
-        mutation = r.request_body.response.body_mutation
+        r = await s.recv(f"the {phase}'s streamed mutations (end_of_stream)")
+        got = r.WhichOneof("response")
+        if got != phase:
+            raise ProtocolError(f"expected a {phase} streamed mutation, got {got}")
+        mutation = getattr(r, phase).response.body_mutation
         if mutation.WhichOneof("mutation") != "streamed_response":
-            raise ProtocolError("a request body answer that is not a streamed_response body mutation (full duplex)")
+            raise ProtocolError(f"a {phase} answer that is not a streamed_response body mutation (full duplex)")
         echoed += mutation.streamed_response.body
         if mutation.streamed_response.end_of_stream:
-            break
-    answer.echoed = bytes(echoed)
-    return answer
+            return bytes(echoed)
 
 
 def _routing_answer(r: pb.ProcessingResponse, phase: str, *, pick_optional: bool = False) -> Picked | Immediate | None:
@@ -308,18 +314,8 @@ async def send_response(
         raise ProtocolError(f"answer to response_headers was {got}")
     if response_mode == FULL_DUPLEX:
         await s.send(response_body(body, True))
-        echoed = bytearray()
-        while True:
-            r = await s.recv("the response body's streamed mutations")
-            if r.WhichOneof("response") != "response_body":
-                raise ProtocolError(f"expected a response body mutation, got {r.WhichOneof('response')}")
-            mutation = r.response_body.response.body_mutation
-            if mutation.WhichOneof("mutation") != "streamed_response":
-                raise ProtocolError("a response body answer that is not a streamed_response mutation (full duplex)")
-            echoed += mutation.streamed_response.body
-            if mutation.streamed_response.end_of_stream:
-                break
-        if bytes(echoed) != body:
+        echoed = await _streamed_echo(s, "response_body")
+        if echoed != body:
             notes.append(f"the response body came back changed ({len(echoed)} of {len(body)} bytes)")
     await s.finish()
     return notes
