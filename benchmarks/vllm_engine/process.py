@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from benchmarks.stack import free_port
 
@@ -83,6 +83,31 @@ def ensure_adapter(model_dir: Path, name: str = "kv-epp-tiny-lora", timeout_s: f
     return _build(["benchmarks.vllm_engine.lora", str(model_dir), "--name", name], "the LoRA adapter", timeout_s)
 
 
+KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    """vLLM's ``ExampleConnector`` (the shared-storage connector; llm-d's sidecar calls the mode ``shared-storage``).
+    An engine writes each new prompt's KV to ``shared_storage_path`` (a folder per prompt, named by a hash of its
+    token ids up to its last full page before its last token, a safetensors file per layer), and an engine asked for
+    a prompt found there loads it instead of computing it. vLLM 0.32's connector does both whatever ``role`` says: a
+    consumer's local prefill is written too (docs/pd-real-engines.md). Nothing is ever removed from the storage.
+    """
+
+    role: KvRole
+    shared_storage_path: Path
+    connector: str = "ExampleConnector"
+
+    def config(self) -> dict[str, Any]:
+        """The value of ``--kv-transfer-config``."""
+        return {
+            "kv_connector": self.connector,
+            "kv_role": self.role,
+            "kv_connector_extra_config": {"shared_storage_path": str(self.shared_storage_path)},
+        }
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     """One engine's settings; the defaults suit the 2-core machines here."""
@@ -106,6 +131,11 @@ class VllmConfig:
     # pin the engine (and its processes) to these CPUs (empty: wherever the scheduler puts it): a benchmark can
     # give the engines some cores and the picker, Envoy and the clients the others, as separate nodes would
     cpus: tuple[int, ...] = ()
+    # P/D: a KV connector (None: none, as every engine before issue 24). With one, the engine prefills every prompt
+    # in one step: chunked prefill off and --max-num-batched-tokens at least max_model_len (None: max_model_len).
+    # The connector stores a prompt's KV from the step that schedules it first: a chunk would store a part under the
+    # whole prompt's name, and the consumer's worker dies loading it (a tensor shape mismatch, WIRE.md §6).
+    kv_transfer: KvTransfer | None = None
 
 
 def engine_env(cfg: VllmConfig) -> dict[str, str]:
@@ -164,8 +194,10 @@ class VllmProcess:
         ]  # fmt: skip
         if c.num_gpu_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(c.num_gpu_blocks)]
-        if c.max_num_batched_tokens is not None:
-            cmd += ["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
+        if self.max_num_batched_tokens is not None:
+            cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if c.kv_transfer is not None:
+            cmd += ["--kv-transfer-config", json.dumps(c.kv_transfer.config()), "--no-enable-chunked-prefill"]
         if c.enforce_eager:
             cmd.append("--enforce-eager")
         prefix = ["nice", "-n", str(c.nice)] if c.nice else []
@@ -181,6 +213,23 @@ class VllmProcess:
         if c.num_gpu_blocks is None:
             return c.max_model_len
         return min(c.max_model_len, (c.num_gpu_blocks - 1) * c.block_size)
+
+    @property
+    def max_num_batched_tokens(self) -> int | None:
+        """The configured budget (None: vLLM's default); with a KV connector, at least ``max_model_len``, so that no
+        prompt the engine accepts is ever prefilled in chunks (a smaller budget is refused here, not at the first
+        long prompt)."""
+        c = self.config
+        if c.kv_transfer is None:
+            return c.max_num_batched_tokens
+        if c.max_num_batched_tokens is None:
+            return self.max_model_len
+        if c.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"{c.name}: a KV connector needs --max-num-batched-tokens >= max_model_len ({self.max_model_len}), "
+                f"not {c.max_num_batched_tokens}: a prompt prefilled in chunks is stored in part (WIRE.md §6)"
+            )
+        return c.max_num_batched_tokens
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start on free ports (the same ports again after a ``stop``, as a restarted pod keeps its own)."""
@@ -335,4 +384,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["EngineUnavailable", "VllmConfig", "VllmProcess", "ensure_model", "start_engines"]
+__all__ = ["EngineUnavailable", "KvRole", "KvTransfer", "VllmConfig", "VllmProcess", "ensure_model", "start_engines"]
