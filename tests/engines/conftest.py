@@ -10,7 +10,9 @@ restarting them, except the test that is about a restart.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ from benchmarks.stack import free_port, make_workdir, start_envoy, start_listene
 from benchmarks.vllm_engine.process import (
     MODEL_NAME,
     EngineUnavailable,
+    KvRole,
+    KvTransfer,
     VllmConfig,
     VllmProcess,
     ensure_model,
@@ -51,6 +55,43 @@ def engines(model_dir: Path) -> Iterator[list[VllmProcess]]:
     finally:
         for e in engines:
             e.stop()
+
+
+PD_PAGE = 32
+PD_CACHE_PAGES = 256  # 8,192 tokens: max_model_len 8,160, and so the prefill budget (no chunked prefill)
+
+
+@dataclass
+class PdEngines:
+    """P/D on real vLLM: a producer and a consumer sharing ``storage`` through vLLM's ExampleConnector."""
+
+    producer: VllmProcess
+    consumer: VllmProcess
+    storage: Path
+    workdir: Path
+
+
+@pytest.fixture(scope="session")
+def pd_engines(model_dir: Path) -> Iterator[PdEngines]:
+    """One producer (``kv_producer``) and one consumer (``kv_consumer``) for the session, started once, on a fresh
+    shared-storage directory in the session's workdir (removed at the end; the logs stay)."""
+    workdir = make_workdir("kv-epp-pd-engines-")
+    storage = workdir / "kv-shared-storage"
+    storage.mkdir()
+    roles: tuple[tuple[str, KvRole], ...] = (("vllm-producer", "kv_producer"), ("vllm-consumer", "kv_consumer"))
+    configs = [
+        VllmConfig(name=name, block_size=PD_PAGE, num_gpu_blocks=PD_CACHE_PAGES, kv_transfer=KvTransfer(role, storage))
+        for name, role in roles
+    ]
+    try:
+        producer, consumer = start_engines(configs, model_dir, workdir)
+        try:
+            yield PdEngines(producer, consumer, storage, workdir)
+        finally:
+            producer.stop()
+            consumer.stop()
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
 
 
 def listener_config(engines: list[VllmProcess], **extra: Any) -> dict[str, Any]:

@@ -1,0 +1,99 @@
+"""P/D disaggregation on real vLLM (the CPU build): a producer and a consumer sharing their KV through vLLM's
+ExampleConnector (shared storage), the connector llm-d's sidecar drives in its ``shared-storage`` mode. See
+docs/pd-real-engines.md.
+
+The engine facts first, straight to the engines: a long prompt prefilled on the producer (``max_tokens`` 1) is
+written to the shared storage, and the consumer, asked for the same prompt, loads it instead of computing it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tests.engines.conftest import PD_PAGE, PdEngines
+from tests.engines.pd_support import EventTap, document, engine_counter, messages, prompt_tokens, timed_chat
+from tests.support.poll import wait_until
+
+LONG_LINES = 130  # about 2,800 tokens: prefill dominates on the tiny model
+MIN_LONG_TOKENS = 2000
+LOADED_SHARE = 0.9  # the consumer's cached_tokens, at least this share of the prompt
+
+
+def stored_tokens(tap: EventTap) -> list[int]:
+    return [t for e in tap.stored() for t in e.fields.get("token_ids") or ()]
+
+
+def folders(pd: PdEngines) -> set[str]:
+    return {p.name for p in pd.storage.iterdir() if p.is_dir()}
+
+
+def test_a_prompt_prefilled_on_the_producer_is_loaded_from_shared_storage_by_the_consumer(
+    pd_engines: PdEngines,
+) -> None:
+    pd = pd_engines
+    long = messages("pd-long", LONG_LINES)
+    n = prompt_tokens(pd.producer, long)
+    assert n >= MIN_LONG_TOKENS, n
+    full_pages = n // PD_PAGE
+    with EventTap(pd.producer.kv_events_endpoint) as ptap, EventTap(pd.consumer.kv_events_endpoint) as ctap:
+        before = folders(pd)
+        prompts_before = engine_counter(pd.producer, "vllm:prompt_tokens_total")
+        # the prefill leg, as llm-d's sidecar sends it: max_tokens 1
+        prefill = timed_chat(pd.producer.base_url, long, max_tokens=1)
+        assert prefill.prompt_tokens == n and prefill.cached_tokens == 0, prefill.usage
+        written = folders(pd) - before
+        assert len(written) == 1, written  # one folder per prompt, a file per layer
+        layers = sorted(p.name for p in (pd.storage / written.pop()).iterdir())
+        assert layers and all(f.endswith(".safetensors") for f in layers), layers
+        assert engine_counter(pd.producer, "vllm:prompt_tokens_total") - prompts_before == n
+        wait_until(lambda: ptap.stored_pages() >= full_pages, timeout=30.0, what="the producer's BlockStored")
+
+        # the decode leg: the same prompt on the consumer, which never saw it
+        decode = timed_chat(pd.consumer.base_url, long, max_tokens=4)
+        assert decode.prompt_tokens == n, decode.usage
+        assert decode.cached_tokens is not None and decode.cached_tokens >= LOADED_SHARE * n, decode.usage
+        loaded_pages = decode.cached_tokens // PD_PAGE
+        wait_until(lambda: ctap.stored_pages() >= loaded_pages, timeout=30.0,
+                   what="the consumer's BlockStored for the pages it loaded")  # fmt: skip
+        # both announce the prompt's pages as stored on GPU: the producer those it computed, the consumer those it
+        # loaded (the same token ids; a loaded page is announced like a computed one)
+        produced, loaded = stored_tokens(ptap), stored_tokens(ctap)
+        assert produced == loaded[: len(produced)] and len(loaded) >= loaded_pages * PD_PAGE
+        same_hashes = ptap.stored()[0].fields["block_hashes"] == ctap.stored()[0].fields["block_hashes"]
+
+        # the consumer's own prefill of a prompt of the same size that nobody stored: the local cost
+        local_msgs = messages("pd-local", LONG_LINES)
+        before = folders(pd)
+        local = timed_chat(pd.consumer.base_url, local_msgs, max_tokens=4)
+        assert local.cached_tokens == 0, local.usage
+        consumer_wrote = len(folders(pd) - before)
+        time.sleep(1.0)  # the last step's events
+        print(
+            f"\nP/D on real vLLM, a {n}-token prompt: producer prefill (max_tokens 1) {prefill.seconds:.3f} s, "
+            f"created_cache_tokens {prefill.usage['prompt_tokens_details'].get('created_cache_tokens')}; "
+            f"consumer {decode.seconds:.3f} s with cached_tokens {decode.cached_tokens} "
+            f"({decode.cached_tokens / n:.1%}); the consumer's own prefill of a {local.prompt_tokens}-token prompt "
+            f"{local.seconds:.3f} s (it wrote {consumer_wrote} folder(s) to the shared storage); the same block "
+            f"hashes on both: {same_hashes}\n"
+            f"producer events: {ptap.summary()}\nconsumer events: {ctap.summary()}"
+        )
+
+
+def test_the_connector_finds_a_stored_prompt_only_at_its_own_length(pd_engines: PdEngines) -> None:
+    """ExampleConnector keeps one entry per prompt, named by a hash of its tokens up to its last full page before
+    its last token, and looks a request up by the same rule. A request whose tokens agree up to that length finds it
+    (a different last question within the last page: the same pages); the next turn of a conversation, which holds
+    the whole stored prompt as its prefix but is pages longer, finds nothing. P/D's two legs send the same prompt,
+    so this costs P/D nothing; the shared storage is no prefix cache."""
+    pd = pd_engines
+    stored = messages("pd-prefix", LONG_LINES)
+    n = prompt_tokens(pd.producer, stored)
+    timed_chat(pd.producer.base_url, stored, max_tokens=1)
+    next_turn = [*stored, {"role": "assistant", "content": "7"}, {"role": "user", "content": document("pd-next", 6)}]
+    longer = timed_chat(pd.consumer.base_url, next_turn, max_tokens=1)
+    assert longer.prompt_tokens >= n + 2 * PD_PAGE and longer.cached_tokens == 0, longer.usage
+    same_pages = [*stored[:-1], {"role": "user", "content": "what is pd-prefix 9?"}]
+    n_same = prompt_tokens(pd.consumer, same_pages)
+    assert (n_same - 2) // PD_PAGE == (n - 2) // PD_PAGE, (n, n_same)  # the same pages before the last token
+    got = timed_chat(pd.consumer.base_url, same_pages, max_tokens=1)
+    assert got.cached_tokens == (n - 2) // PD_PAGE * PD_PAGE, got.usage
