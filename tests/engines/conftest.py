@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from benchmarks.vllm_engine.process import (
     start_engines,
 )
 from picker.api import EnvoyOptions
+from tests.engines.pd_support import CONSUMER, PD_PAGE, PRODUCER, PdEngines, PdStack
 from tests.engines.real_stack import PIN_HEADER, RealStack
 from tests.support.kv_stack import kv_picker_config, listener_sources
 
@@ -57,18 +57,7 @@ def engines(model_dir: Path) -> Iterator[list[VllmProcess]]:
             e.stop()
 
 
-PD_PAGE = 32
 PD_CACHE_PAGES = 256  # 8,192 tokens: max_model_len 8,160, and so the prefill budget (no chunked prefill)
-
-
-@dataclass
-class PdEngines:
-    """P/D on real vLLM: a producer and a consumer sharing ``storage`` through vLLM's ExampleConnector."""
-
-    producer: VllmProcess
-    consumer: VllmProcess
-    storage: Path
-    workdir: Path
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +67,7 @@ def pd_engines(model_dir: Path) -> Iterator[PdEngines]:
     workdir = make_workdir("kv-epp-pd-engines-")
     storage = workdir / "kv-shared-storage"
     storage.mkdir()
-    roles: tuple[tuple[str, KvRole], ...] = (("vllm-producer", "kv_producer"), ("vllm-consumer", "kv_consumer"))
+    roles: tuple[tuple[str, KvRole], ...] = ((PRODUCER, "kv_producer"), (CONSUMER, "kv_consumer"))
     configs = [
         VllmConfig(name=name, block_size=PD_PAGE, num_gpu_blocks=PD_CACHE_PAGES, kv_transfer=KvTransfer(role, storage))
         for name, role in roles
@@ -92,6 +81,19 @@ def pd_engines(model_dir: Path) -> Iterator[PdEngines]:
             consumer.stop()
     finally:
         shutil.rmtree(storage, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pd_stack(pd_engines: PdEngines) -> Iterator[PdStack]:
+    """The whole P/D stack on the session's producer and consumer: ``kv-epp pd-sidecar`` (shared storage) in front
+    of the consumer, the kv-listener on both engines' events, the picker with disaggregation on (the producer's role
+    ``prefill``, the consumer's ``decode`` at its sidecar's address) and a real Envoy."""
+    st = PdStack(pd_engines)
+    try:
+        st.start()
+        yield st
+    finally:
+        st.stop()
 
 
 def listener_config(engines: list[VllmProcess], **extra: Any) -> dict[str, Any]:

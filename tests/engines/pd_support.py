@@ -4,17 +4,34 @@ its own counters, and a tap on its KV events (a ZMQ subscriber of our own, decod
 from __future__ import annotations
 
 import random
+import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq as _zmq
 
 from benchmarks.loadgen import parse_prometheus_text
+from benchmarks.stack import (
+    EnvoyProcess,
+    ListenerProcess,
+    ManagedProcess,
+    PickerProcess,
+    free_port,
+    spawn_ready_line,
+    start_envoy,
+    start_listener,
+    start_picker,
+)
 from benchmarks.vllm_engine.process import MODEL_NAME, VllmProcess
+from picker.api import EnvoyOptions
 from tests.integration.conftest import http
+from tests.support.kv_stack import kv_picker_config, listener_sources
+from tests.support.poll import wait_until
 
 Z: Any = _zmq  # pyzmq is typed Any (see listener.zmq_receiver)
 
@@ -69,8 +86,7 @@ def timed_chat(url: str, msgs: list[dict[str, str]], max_tokens: int, headers: d
 
 def engine_counter(engine: VllmProcess, name: str) -> float:
     """A vLLM counter from the engine's own ``/metrics``, summed over its series."""
-    body = http("GET", engine.base_url + "/metrics", timeout=30).body.decode()
-    return sum(v for n, _, v in parse_prometheus_text(body) if n == name)
+    return metric(http("GET", engine.base_url + "/metrics", timeout=30).body.decode(), name, {})
 
 
 @dataclass
@@ -165,3 +181,146 @@ class EventTap:
                 if any(k in e.fields for e in stored)
             },
         }
+
+
+@dataclass
+class PdEngines:
+    """P/D on real vLLM: a producer and a consumer sharing ``storage`` through vLLM's ExampleConnector."""
+
+    producer: VllmProcess
+    consumer: VllmProcess
+    storage: Path
+    workdir: Path
+
+
+PD_PAGE = 32  # the P/D engines' page (--block-size)
+PRODUCER, CONSUMER = "vllm-producer", "vllm-consumer"  # the pool's backend names (and the listener's sources)
+SIDECAR_READY = "kv-epp pd-sidecar ready"
+
+
+class OutsideHost:
+    """A TCP listener outside the pool that counts the connections it accepts: a client's choice of prefill target,
+    which must never be connected to."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+class PdStack:
+    """``kv-epp pd-sidecar`` (``--kv-connector shared-storage``) in front of the consumer, the kv-listener on both
+    engines, the picker (disaggregation on; the producer ``prefill``, the consumer ``decode`` at its sidecar's
+    address) and Envoy; the counters the tests read, each from its own process."""
+
+    def __init__(self, engines: PdEngines, disaggregation: dict[str, Any] | None = None) -> None:
+        self.engines = engines
+        self.workdir = engines.workdir
+        self.disaggregation = {"enabled": True, **(disaggregation or {})}
+        self.sidecar_port = free_port()
+        self.sidecar_metrics_port = free_port()
+        self._procs: list[Any] = []
+        self.sidecar: ManagedProcess | None = None
+        self.listener: ListenerProcess | None = None
+        self.picker: PickerProcess | None = None
+        self.envoy: EnvoyProcess | None = None
+        self.outside = OutsideHost()
+
+    @property
+    def sidecar_address(self) -> str:
+        return f"127.0.0.1:{self.sidecar_port}"
+
+    def sidecar_argv(self) -> list[str]:
+        e = self.engines
+        return [
+            sys.executable, "-m", "picker", "pd-sidecar",
+            "--host", "127.0.0.1", "--port", str(self.sidecar_port),
+            "--model-server-port", str(e.consumer.port),
+            "--kv-connector", "shared-storage",
+            "--prefill-targets", e.producer.address,  # the SSRF allowlist: the pool's prefill endpoint
+            "--metrics-port", str(self.sidecar_metrics_port),
+        ]  # fmt: skip
+
+    def picker_config(self) -> dict[str, Any]:
+        """Tier 4 over the listener, the engine's own ``/tokenize`` (through the sidecar for the consumer), the
+        cost scorer; generous waits (the engines' API servers share two cores with everything else)."""
+        e = self.engines
+        assert self.listener is not None
+        tokenizer = {"source": "engine", "timeout_ms": 5000, "timeout_max_ms": 10000, "block_size": 16}
+        checks = {"self_check_timeout_seconds": 60, "ready_grace_seconds": 5}
+        cfg = kv_picker_config([e.producer, e.consumer], self.listener.url, tokenizer=tokenizer, checks=checks)
+        cfg["pool"] = {
+            "backends": [
+                {"name": PRODUCER, "address": e.producer.address, "role": "prefill"},
+                {"name": CONSUMER, "address": self.sidecar_address, "role": "decode"},
+            ]
+        }
+        cfg["disaggregation"] = self.disaggregation
+        return cfg
+
+    def start(self) -> None:
+        e = self.engines
+        self.sidecar, _ = spawn_ready_line("pd-sidecar", self.sidecar_argv(), self.workdir, SIDECAR_READY)
+        self._procs.append(self.sidecar)
+        sources = listener_sources([e.producer, e.consumer], MODEL_NAME)
+        self.listener = start_listener({"feed": {"keepalive_seconds": 0.5}, "sources": sources}, self.workdir)
+        self._procs.append(self.listener)
+        self.picker = start_picker(self.picker_config(), self.workdir, name="pd-picker")
+        self._procs.append(self.picker)
+        # the self-checks send their probes to both engines: done before any test counts the engines' requests
+        wait_until(
+            lambda: "pending" not in {v["self_check"] for v in self.admin("/readyz")["kv_feeds"].values()},
+            timeout=120.0,
+            what="both self-checks",
+        )
+        self.envoy = start_envoy(
+            EnvoyOptions(listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
+                         backends=(self.sidecar_address, e.producer.address), first_byte_timeout_s=300,
+                         **self.picker.envoy_picker_options()),
+            self.workdir,
+        )  # fmt: skip
+        self._procs.append(self.envoy)
+
+    def stop(self) -> None:
+        for p in reversed(self._procs):
+            p.stop()
+        self._procs.clear()
+        self.outside.close()
+
+    # -- what each process counts -------------------------------------------------------------------
+    def picker_metric(self, name: str, **labels: str) -> float:
+        assert self.picker is not None
+        return metric(http("GET", self.picker.admin_url + "/metrics").body.decode(), name, labels)
+
+    def sidecar_metric(self, name: str, **labels: str) -> float:
+        body = http("GET", f"http://127.0.0.1:{self.sidecar_metrics_port}/metrics").body.decode()
+        return metric(body, name, labels)
+
+    def admin(self, path: str) -> Any:
+        assert self.picker is not None
+        return http("GET", self.picker.admin_url + path).json()
+
+
+def metric(text: str, name: str, labels: dict[str, str]) -> float:
+    """The sum of a family's series whose labels include ``labels``."""
+    return sum(
+        v for n, lab, v in parse_prometheus_text(text) if n == name and all(lab.get(k) == x for k, x in labels.items())
+    )

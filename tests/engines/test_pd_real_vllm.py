@@ -10,12 +10,25 @@ from __future__ import annotations
 
 import time
 
-from tests.engines.conftest import PD_PAGE, PdEngines
-from tests.engines.pd_support import EventTap, document, engine_counter, messages, prompt_tokens, timed_chat
+import pytest
+
+from tests.engines.pd_support import (
+    PD_PAGE,
+    EventTap,
+    PdEngines,
+    PdStack,
+    document,
+    engine_counter,
+    messages,
+    prompt_tokens,
+    timed_chat,
+)
+from tests.engines.real_stack import stream_chat
 from tests.support.poll import wait_until
 
 LONG_LINES = 130  # about 2,800 tokens: prefill dominates on the tiny model
 MIN_LONG_TOKENS = 2000
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # tokens a KV connector loaded
 LOADED_SHARE = 0.9  # the consumer's cached_tokens, at least this share of the prompt
 
 
@@ -49,9 +62,12 @@ def test_a_prompt_prefilled_on_the_producer_is_loaded_from_shared_storage_by_the
         wait_until(lambda: ptap.stored_pages() >= full_pages, timeout=30.0, what="the producer's BlockStored")
 
         # the decode leg: the same prompt on the consumer, which never saw it
+        external_before = engine_counter(pd.consumer, EXTERNAL_HITS)
         decode = timed_chat(pd.consumer.base_url, long, max_tokens=4)
         assert decode.prompt_tokens == n, decode.usage
         assert decode.cached_tokens is not None and decode.cached_tokens >= LOADED_SHARE * n, decode.usage
+        # the engine counts what its connector loaded apart from its own prefix cache's hits
+        assert engine_counter(pd.consumer, EXTERNAL_HITS) - external_before == decode.cached_tokens
         loaded_pages = decode.cached_tokens // PD_PAGE
         wait_until(lambda: ctap.stored_pages() >= loaded_pages, timeout=30.0,
                    what="the consumer's BlockStored for the pages it loaded")  # fmt: skip
@@ -97,3 +113,125 @@ def test_the_connector_finds_a_stored_prompt_only_at_its_own_length(pd_engines: 
     assert (n_same - 2) // PD_PAGE == (n - 2) // PD_PAGE, (n, n_same)  # the same pages before the last token
     got = timed_chat(pd.consumer.base_url, same_pages, max_tokens=1)
     assert got.cached_tokens == (n - 2) // PD_PAGE * PD_PAGE, got.usage
+
+
+# -- the whole stack: Envoy, the picker (disaggregation on), our sidecar, the kv-listener ---------------------------
+SHORT = [{"role": "user", "content": "hi"}]  # far below min_uncached_tokens: decoded where it lands
+PD, LOCAL = "prefill-decode", "decode-only"
+
+
+def readings(st: PdStack) -> dict[str, float]:
+    """Every counter the stack tests compare, each read from the process that counts it."""
+    p, c = st.engines.producer, st.engines.consumer
+    return {
+        "producer_requests": engine_counter(p, "vllm:request_success_total"),
+        "producer_prompt_tokens": engine_counter(p, "vllm:prompt_tokens_total"),
+        "consumer_requests": engine_counter(c, "vllm:request_success_total"),
+        "consumer_loaded": engine_counter(c, EXTERNAL_HITS),
+        "llmd_pd": st.picker_metric("llm_d_epp_disagg_decision_total", decision_type=PD),
+        "llmd_local": st.picker_metric("llm_d_epp_disagg_decision_total", decision_type=LOCAL),
+        "llmd_old_pd": st.picker_metric("llm_d_inference_scheduler_disagg_decision_total", decision_type=PD),
+        "ours_pd": st.picker_metric("continuum_picker_disagg_decisions_total", decision_type=PD),
+        "ours_local_below": st.picker_metric(
+            "continuum_picker_disagg_decisions_total", decision_type=LOCAL, reason="below_threshold"
+        ),
+        "sidecar_pd": st.sidecar_metric("kv_pd_sidecar_pd_requests_total"),
+        "sidecar_passthrough": st.sidecar_metric("kv_pd_sidecar_passthrough_requests_total", reason="no_header"),
+        "sidecar_ssrf": st.sidecar_metric("kv_pd_sidecar_ssrf_refusals_total"),
+        "sidecar_prefill_failures": st.sidecar_metric("kv_pd_sidecar_prefill_failures_total"),
+    }
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before}
+
+
+def settled(st: PdStack) -> dict[str, float]:
+    """The readings once the engines' request counters stopped moving (a finished request is counted a moment
+    after its answer)."""
+    last: dict[str, dict[str, float]] = {}
+
+    def same_twice() -> dict[str, float]:
+        now = readings(st)
+        prev, last["r"] = last.get("r"), now
+        return now if now == prev else {}
+
+    return wait_until(same_twice, timeout=30.0, interval=0.5, what="the counters to settle")
+
+
+def assert_prefilled_remotely(d: dict[str, float], n: int, cached: int | None) -> None:
+    assert d["producer_requests"] == 1 and d["producer_prompt_tokens"] == n, d  # the prefill leg, on the producer
+    assert d["consumer_requests"] == 1, d
+    assert cached is not None and cached >= LOADED_SHARE * n, (cached, n)
+    assert d["consumer_loaded"] == cached, d  # the consumer loaded it through its connector: no local prefill
+    assert d["llmd_pd"] == d["llmd_old_pd"] == d["ours_pd"] == d["sidecar_pd"] == 1, d
+    assert d["sidecar_ssrf"] == d["sidecar_prefill_failures"] == 0, d
+
+
+@pytest.mark.envoy
+def test_a_long_prompt_is_prefilled_on_the_producer_and_decoded_by_the_consumer_through_the_sidecar(
+    pd_stack: PdStack,
+) -> None:
+    st = pd_stack
+    assert st.envoy is not None
+    long = messages("stack-long", LONG_LINES)
+    n = prompt_tokens(st.engines.producer, long)
+    before = settled(st)
+    answer = timed_chat(st.envoy.url, long, max_tokens=4)
+    d = delta(before, settled(st))
+    print(f"\nP/D through Envoy, the picker and the sidecar: {n} prompt tokens, {answer.seconds:.3f} s, "
+          f"cached_tokens {answer.cached_tokens}; {d}")  # fmt: skip
+    assert answer.prompt_tokens == n
+    assert_prefilled_remotely(d, n, answer.cached_tokens)
+
+
+@pytest.mark.envoy
+def test_a_short_prompt_is_decoded_locally_without_a_prefill_leg(pd_stack: PdStack) -> None:
+    st = pd_stack
+    assert st.envoy is not None
+    before = settled(st)
+    answer = timed_chat(st.envoy.url, SHORT, max_tokens=4)
+    d = delta(before, settled(st))
+    assert answer.prompt_tokens < 64, answer.usage
+    assert d["producer_requests"] == d["producer_prompt_tokens"] == 0, d  # the producer never saw it
+    assert d["consumer_requests"] == 1 and d["consumer_loaded"] == 0, d
+    assert d["llmd_local"] == d["ours_local_below"] == d["sidecar_passthrough"] == 1, d
+    assert d["llmd_pd"] == d["sidecar_pd"] == 0, d
+
+
+@pytest.mark.envoy
+def test_a_clients_prefill_header_never_reaches_the_sidecar(pd_stack: PdStack) -> None:
+    """A client names a prefill target outside the pool. On a P/D pick the picker replaces it (the request is
+    prefilled on the producer), on a decode-only pick it removes it (the sidecar passes the request through): the
+    sidecar never refuses a target (its SSRF counter stays) and the outside host is never connected to."""
+    st = pd_stack
+    assert st.envoy is not None
+    header = {"x-prefiller-host-port": st.outside.address}
+    long = messages("stack-client-header", LONG_LINES)
+    n = prompt_tokens(st.engines.producer, long)
+    before = settled(st)
+    answer = timed_chat(st.envoy.url, long, max_tokens=4, headers=header)
+    d = delta(before, settled(st))
+    assert_prefilled_remotely(d, n, answer.cached_tokens)
+    before = settled(st)
+    timed_chat(st.envoy.url, SHORT, max_tokens=4, headers=header)
+    d = delta(before, settled(st))
+    assert d["producer_requests"] == 0 and d["sidecar_passthrough"] == 1 and d["sidecar_ssrf"] == 0, d
+    assert st.outside.connections == 0
+
+
+@pytest.mark.envoy
+def test_a_streamed_request_takes_the_pd_path(pd_stack: PdStack) -> None:
+    st = pd_stack
+    assert st.envoy is not None
+    long = messages("stack-streamed", LONG_LINES)
+    n = prompt_tokens(st.engines.producer, long)
+    before = settled(st)
+    t0 = time.perf_counter()
+    usage = stream_chat(st.envoy.url, long, max_tokens=16)
+    seconds = time.perf_counter() - t0
+    d = delta(before, settled(st))
+    print(f"\nstreamed P/D: {n} prompt tokens, {usage.chunks} content chunks in {seconds:.3f} s, "
+          f"cached_tokens {usage.cached_tokens}")  # fmt: skip
+    assert usage.prompt_tokens == n and usage.chunks >= 1
+    assert_prefilled_remotely(d, n, usage.cached_tokens)
