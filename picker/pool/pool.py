@@ -182,7 +182,7 @@ class Pool:
         parked = self._standby
         new: dict[str, _EndpointStats] = {}
         aside: dict[str, _EndpointStats] = {}
-        eps = members if members is not None else (Endpoint(b.name, b.address, b.weight) for b in cfg.engines)
+        eps = members if members is not None else (Endpoint(b.name, b.address, b.weight, b.role) for b in cfg.engines)
         for table, group in ((new, eps), (aside, standby)):
             for ep in group:
                 if ep.name in new or ep.name in aside:
@@ -204,6 +204,8 @@ class Pool:
         self._stats = new
         self._standby = aside
         self._by_address = {s.endpoint.address: name for name, s in new.items()}
+        # P/D roles (docs/pd.md): some endpoint is not ``both`` (prefill-only ones never take a whole request)
+        self.has_roles = any(s.endpoint.role != "both" for s in (*new.values(), *aside.values()))
         self._snaps.clear()
         self._full_view = None
         self._next_readmit = min((s.ejected_until for s in new.values() if s.ejected_until), default=0.0)
@@ -220,6 +222,10 @@ class Pool:
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._stats)
+
+    def endpoints_roles(self) -> list[tuple[str, str]]:
+        """(name, P/D role) of every routed endpoint."""
+        return [(name, st.endpoint.role) for name, st in self._stats.items()]
 
     def addresses(self) -> dict[str, str]:
         """Name → address of every endpoint."""
@@ -480,6 +486,7 @@ class Pool:
             {
                 "backend": name,
                 "address": st.endpoint.address,
+                "role": st.endpoint.role,
                 "healthy": self._healthy(st, now),
                 # out of rotation until its health probes answer (not a cooldown); being probed right now
                 "probe_ejected": st.ejected_until == math.inf,

@@ -179,8 +179,8 @@ class PickerApp:
         """A discovery snapshot: the pool routes to exactly its ready backends (weight 1), its unready ones are
         on standby (followed by Tier 4, not routed to); the first one syncs the pool. Synchronous, on the event
         loop (``Discovery.run`` calls it)."""
-        members = [Endpoint(b.name, b.address, 1) for b in snapshot.backends if b.ready]
-        standby = [Endpoint(b.name, b.address, 1) for b in snapshot.backends if not b.ready]
+        members = [Endpoint(b.name, b.address, 1, b.role) for b in snapshot.backends if b.ready]
+        standby = [Endpoint(b.name, b.address, 1, b.role) for b in snapshot.backends if not b.ready]
         added, gone, moved = self._set_members(self.settings.pool, members, standby)
         namespace = next((b.namespace for b in snapshot.backends if b.namespace), None)
         if namespace is not None:  # an InferencePool's pods share its namespace: x-session-token names ns/pod
