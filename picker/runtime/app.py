@@ -139,6 +139,9 @@ class PickerApp:
             self.metrics.backend_healthy.labels(name).set(0)
         for name, value in self.pool.cost_model().items():
             self.metrics.ttft_model.labels(name).set(value)
+        transfer = self.path.disagg.fit  # P/D's KV transfer cost (docs/pd.md), beside the TTFT model it extends
+        self.metrics.ttft_model.labels("transfer_ms_per_token").set(transfer.value)
+        self.metrics.ttft_model.labels("transfer_samples").set(transfer.samples)
 
     # -- the pool's members ----------------------------------------------------------------------
     def _set_members(
