@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from picker.config import PoolConfig
 from picker.pool.calibration import TtftCalibrator, TtftSample
 from picker.pool.preemptions import PreemptionWindows
+from picker.routing.disagg import decode_candidates
 from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, PoolView, endpoint_load
 from picker.routing.served_models import ServedModels
 
@@ -463,6 +464,12 @@ class Pool:
             return full
         allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
         return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed), full.costs, full.served)
+
+    def decode_view(self, subset: Iterable[str] | None = None) -> PoolView:
+        """``view`` less the endpoints that never take a whole request (P/D's ``prefill`` role, docs/pd.md): what
+        decisions, admission and flow control's saturation look at."""
+        v = self.view(subset)
+        return decode_candidates(v) if self.has_roles else v
 
     def cost_model(self) -> dict[str, float]:
         """The TTFT model's current coefficients (``/admin/pool``, the ``continuum_picker_ttft_model`` gauge)."""

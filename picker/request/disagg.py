@@ -20,7 +20,6 @@ from picker.routing.disagg import (
     NO_PREFILL_ENDPOINT,
     PREFILL_DECODE,
     Disaggregator,
-    decode_candidates,
     prefill_candidates,
 )
 from picker.routing.endpoints import Decision, Disagg, PoolView
@@ -92,7 +91,7 @@ class _FirstToken:
 
 
 class Disaggregation:
-    """P/D for the request path: ``candidates`` (the decode endpoints of a view), ``apply`` (the decision after
+    """P/D for the request path: ``apply`` (the decision after
     the decode pick) and ``committed`` (the prefill lease, the transfer observer, the counts)."""
 
     def __init__(self, settings: Settings, pool: Pool, router: Router, recorder: DecisionRecorder) -> None:
@@ -111,10 +110,6 @@ class Disaggregation:
         self.cfg = cfg
         self.decider = Disaggregator(cfg, router.cost, settings.kv_cache_index.tokenizer.block_size)
         self.enabled = cfg.enabled
-
-    def candidates(self, view: PoolView) -> PoolView:
-        """The endpoints that may take a whole request (prefill-only ones never do, disaggregation on or off)."""
-        return decode_candidates(view) if self.pool.has_roles else view
 
     def apply(self, facts: RequestFacts, prepared: Prepared, decision: Decision, view: PoolView) -> Decision | Answer:
         """The P/D decision for ``decision`` (the decode pick from ``view``): the decision with its ``disagg`` (and

@@ -271,7 +271,7 @@ class RequestPath:
         """Stage 4: the pure decision over the pool's snapshot (by an experiment arm's ``router``, when given);
         ``cached_only`` (``Prefer: if-available``): among the endpoints whose cache covers the prompt. With P/D
         (docs/pd.md) the decision names the prefill endpoint too, or is the 503 when none may prefill."""
-        view = self.disagg.candidates(self.pool.view(subset))  # the endpoints that may decode
+        view = self.pool.decode_view(subset)  # the endpoints that take whole requests
         if cached_only:
             page_of = self.holds.page_tokens if self.holds is not None else None
             view = covering(view, prepared, self.block_size, page_of)
@@ -319,7 +319,7 @@ class RequestPath:
 
     def _admits(self, req: Inbound) -> bool:
         """Not saturated (admission control): the response cache's semantic path may run."""
-        return self.admission.saturation(self.pool.view(req.subset), self.pool.view()) is None
+        return self.admission.saturation(self.pool.decode_view(req.subset), self.pool.decode_view()) is None
 
     def overloaded(self, why: str) -> Answer:
         """The 429 of admission control (counted as outcome ``overloaded``)."""
@@ -387,7 +387,7 @@ class RequestPath:
         ``trial``, by its arm's config; the trial observes the exchange)."""
         flow = self.flow
         if not flow.enabled:
-            why = self.admission.saturation(self.pool.view(req.subset), self.pool.view())
+            why = self.admission.saturation(self.pool.decode_view(req.subset), self.pool.decode_view())
             if why is not None:  # shed before prepare: a saturated pool gets no tokenizer call either
                 return self.overloaded(why)
         arm = trial.arm if trial is not None else None

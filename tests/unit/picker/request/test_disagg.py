@@ -249,3 +249,11 @@ def test_bad_disaggregation_settings_are_refused_with_their_path() -> None:
     with pytest.raises(ConfigError) as e:
         parse_settings({"pool": {"backends": [{"name": "a", "address": "10.0.0.1:1", "role": "encode"}]}})
     assert "pool.backends" in str(e.value) and "role" in str(e.value)
+
+
+def test_decisions_admission_and_flow_control_see_the_decode_endpoints_only() -> None:
+    app = make_app({}, prompt_tokens=10)
+    assert [s.endpoint.name for s in app.pool.decode_view().states] == ["d1", "d2"]
+    assert [s.endpoint.name for s in app.pool.view().states] == ["d1", "d2", "p1"]
+    both = app_of({"pool": {"backends": [{"name": "x", "address": "10.0.0.1:1"}]}})
+    assert both.pool.decode_view() is both.pool.view()  # no roles: the same snapshot, no copy
