@@ -468,8 +468,12 @@ class RequestPath:
             why = "no endpoint in the subset hint is eligible" if req.subset is not None else "no healthy backend"
             return Answer(503, error_body(why, "no_healthy_backend", "service_unavailable"), NO_BACKEND)
         ex = self.commit(facts, decision, prepared)
-        if decision.disagg is not None:
+        pd = decision.disagg
+        if pd is not None:
             self.disagg.committed(ex)
+            if pd.prefill is not None and prepared.block_keys and self.tier4:
+                # the prefill endpoint will hold the prompt too, before its KV events say so (a guess, 30 s at most)
+                self.placements.record(pd.prefill.name, prepared.block_keys, _mono())
         if self.token:
             ex.session_token = self.tokens.mint(decision.endpoint.name)
         if self.emit_scores:

@@ -5,6 +5,7 @@ wire and the transfer cost's fit."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -257,3 +258,19 @@ def test_decisions_admission_and_flow_control_see_the_decode_endpoints_only() ->
     assert [s.endpoint.name for s in app.pool.view().states] == ["d1", "d2", "p1"]
     both = app_of({"pool": {"backends": [{"name": "x", "address": "10.0.0.1:1"}]}})
     assert both.pool.decode_view() is both.pool.view()  # no roles: the same snapshot, no copy
+
+
+async def test_the_prefill_endpoint_is_expected_to_hold_the_prompt_before_its_events_say_so() -> None:
+    app = make_app({}, prompt_tokens=2000)
+    keys = list(range(1, 126))
+
+    class Keyed(FixedHolds):
+        async def lookup(self, facts: RequestFacts) -> KvLookup:
+            return KvLookup({}, 2000, block_keys=keys)
+
+    app.path.holds = Keyed({}, 2000)
+    ex = await route(app)
+    assert isinstance(ex, Exchange) and ex.decision.disagg is not None and ex.decision.disagg.prefill is not None
+    held = app.path.placements.holds(keys, time.monotonic())
+    assert held.get("p1") == len(keys)
+    ex.end(completed=True)
