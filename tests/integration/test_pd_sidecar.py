@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -524,6 +525,18 @@ async def test_a_client_gone_during_a_passthrough_cancels_it(decode: FakeEngine)
         await settled(c.running)
 
 
+async def test_a_client_gone_during_sglangs_legs_cancels_both(decode: FakeEngine, prefill: FakeEngine) -> None:
+    prefill.answer = decode.answer = hang
+    async with sidecar(options(decode, [prefill.address], kv_connector="sglang")) as c:
+        call = asyncio.create_task(c.post(REQUEST, prefill.address))
+        await async_wait_until(lambda: prefill.seen and decode.seen, what="both legs arrive")
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        await async_wait_until(lambda: prefill.cancelled == decode.cancelled == [CHAT], what="both legs closed")
+        await settled(c.running)
+
+
 # --- the local engine ---
 
 
@@ -631,3 +644,43 @@ async def test_the_sidecar_answers_503_until_the_pool_is_known(decode: FakeEngin
     assert (pd.status, pd.error()["code"]) == (503, "allowlist_not_synced")
     assert passthrough.status == 200
     assert [s.path for s in decode.seen] == ["/v1/models"]
+
+
+async def test_a_stop_lets_requests_in_flight_finish(decode: FakeEngine, prefill: FakeEngine) -> None:
+    release = asyncio.Event()
+
+    async def slow(_: web.Request, __: Seen) -> web.StreamResponse:
+        await release.wait()
+        return web.json_response(DECODE_ANSWER)
+
+    decode.answer = slow
+    stop = asyncio.Event()
+
+    async def run_sidecar(ready: asyncio.Future[int]) -> None:
+        async with started(options(decode, [prefill.address])) as running:
+            ready.set_result(running.port)
+            await stop.wait()
+        # leaving `started` drains: it returns once the request in flight is answered
+
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    runner = asyncio.create_task(run_sidecar(ready))
+    port = await ready
+    async with aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{port}{CHAT}"
+        call = asyncio.create_task(session.post(url, data=body_of(REQUEST), headers={HEADER: prefill.address}))
+        await async_wait_until(lambda: decode.seen, what="the decode leg arrives")
+        stop.set()  # as SIGTERM does
+        await async_wait_until(lambda: not _accepts(port), what="the sidecar stops listening")
+        assert not runner.done()
+        release.set()
+        resp = await call
+        assert resp.status == 200 and await resp.json() == {
+            **DECODE_ANSWER, "usage": {**DECODE_ANSWER["usage"], "prompt_tokens_details": {"cached_tokens": 16}},
+        }  # fmt: skip
+        resp.release()
+    await runner
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
