@@ -43,7 +43,10 @@ class SidecarOptions:
     prefiller_tls_insecure_skip_verify: bool = False
     decoder_tls_insecure_skip_verify: bool = False
     max_body_bytes: int = 16 << 20  # a P/D request's body (buffered, parsed, rewritten); larger: 413
-    max_pd_requests: int = 256  # P/D requests in flight (each holds its body a few times over); more: 503
+    max_pd_requests: int = 256  # P/D requests in flight; more: 503
+    # the bodies of the P/D requests in flight, summed (each is held a few times over: raw, parsed, two legs); a
+    # request that would pass it: 503
+    max_buffered_bytes: int = 512 << 20
     max_requests: int = 4096  # requests in flight, P/D and passthrough; more: 503
     metrics_port: int | None = None  # None: no metrics endpoint
     drain_seconds: float = 30.0  # on SIGTERM: in-flight requests get this long to finish
@@ -135,6 +138,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="P/D requests in flight; one more gets 503 (default %(default)s)",
     )  # fmt: skip
     b.add_argument(
+        "--max-buffered-bytes", type=int, default=d.max_buffered_bytes, metavar="N",
+        help="the bodies of the P/D requests in flight, summed; a request that would pass it gets 503 (default"
+        " %(default)s)",
+    )  # fmt: skip
+    b.add_argument(
         "--max-requests", type=int, default=d.max_requests, metavar="N",
         help="requests in flight, P/D and passthrough; one more gets 503 (default %(default)s)",
     )  # fmt: skip
@@ -202,6 +210,7 @@ def options(args: argparse.Namespace) -> SidecarOptions:
     if args.drain_seconds < 0:
         raise UsageError("--drain-seconds must not be negative")
     for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-pd-requests", args.max_pd_requests),
+                        ("--max-buffered-bytes", args.max_buffered_bytes),
                         ("--max-requests", args.max_requests)):  # fmt: skip
         if value < 1:
             raise UsageError(f"{flag} must be at least 1")
@@ -231,6 +240,7 @@ def options(args: argparse.Namespace) -> SidecarOptions:
         decoder_tls_insecure_skip_verify=args.decoder_tls_insecure_skip_verify,
         max_body_bytes=args.max_body_bytes,
         max_pd_requests=args.max_pd_requests,
+        max_buffered_bytes=args.max_buffered_bytes,
         max_requests=args.max_requests,
         metrics_port=_port("--metrics-port", args.metrics_port, zero_ok=True) or None,
         drain_seconds=args.drain_seconds,

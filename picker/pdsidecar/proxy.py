@@ -168,6 +168,7 @@ class Sidecar:
         self._session: aiohttp.ClientSession | None = None
         self._inflight = 0
         self._pd_inflight = 0
+        self._buffered = 0  # bytes of the P/D bodies in flight (--max-buffered-bytes)
 
     async def open(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -261,8 +262,11 @@ class Sidecar:
             return self._reject(
                 "unsupported_encoding", 415, f"a P/D request body must not be encoded (content-encoding {encoding!r})"
             )
+        if request.content_length is not None and not self._room_for(request.content_length):
+            return self._buffer_full(request.content_length)
         self._pd_inflight += 1
         self.metrics.inflight.labels("pd").inc()
+        held = 0
         try:
             progress.leg = "read"
             raw = await self._read_body(request)
@@ -274,6 +278,10 @@ class Sidecar:
                 )
                 response.force_close()  # the rest of the body is not read
                 return response
+            if not self._room_for(len(raw)):
+                return self._buffer_full(len(raw))
+            held = len(raw)
+            self._buffered += held
             try:
                 body = parse_object(raw)
             except ValueError as exc:
@@ -289,8 +297,20 @@ class Sidecar:
                 return await self._concurrent_legs(request, target, body, raw, headers, progress)
             return await self._sequential_legs(request, target, body, raw, headers, progress)
         finally:
+            self._buffered -= held
             self._pd_inflight -= 1
             self.metrics.inflight.labels("pd").dec()
+
+    def _room_for(self, size: int) -> bool:
+        return self._buffered + size <= self.opts.max_buffered_bytes
+
+    def _buffer_full(self, size: int) -> web.Response:
+        response = self._reject(
+            "overloaded", 503, f"the P/D bodies in flight hold {self._buffered} bytes: {size} more would pass"
+            " --max-buffered-bytes",
+        )  # fmt: skip
+        response.force_close()  # the body is not read
+        return response
 
     async def _read_body(self, request: web.Request) -> bytes | None:
         """The request body, or None when it is over ``--max-body-bytes`` (not read past that)."""

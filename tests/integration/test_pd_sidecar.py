@@ -389,6 +389,29 @@ async def test_a_body_over_the_bound_is_a_413(decode: FakeEngine, prefill: FakeE
     assert prefill.seen == [] and decode.seen == []
 
 
+@pytest.mark.parametrize("bound", [{"max_pd_requests": 1}, {"max_buffered_bytes": 1500}, {"max_requests": 1}])
+async def test_past_an_in_flight_bound_a_request_is_a_503(
+    decode: FakeEngine, prefill: FakeEngine, bound: dict[str, int]
+) -> None:
+    release = asyncio.Event()
+
+    async def held(_: web.Request, __: Seen) -> web.StreamResponse:
+        await release.wait()
+        return web.json_response(PREFILL_ANSWER)
+
+    prefill.answer = held
+    body = {**REQUEST, "messages": [{"role": "user", "content": "x" * 900}]}  # about 1000 bytes as laid out
+    async with sidecar(options(decode, [prefill.address], **bound)) as c:
+        first = asyncio.create_task(c.post(body, prefill.address))
+        await async_wait_until(lambda: prefill.seen, what="the first request's prefill leg")
+        second = await c.post(body, prefill.address)
+        assert (second.status, second.error()["code"]) == (503, "overloaded")
+        release.set()
+        assert (await first).status == 200
+        assert (await c.post(body, prefill.address)).status == 200  # the bound is free again
+    assert len(prefill.seen) == 2
+
+
 # --- a failed prefill leg ---
 
 

@@ -75,6 +75,7 @@ def test_allowlist_sources() -> None:
         (("--ssrf-protection", "off", "--model-server-port", "0"), "--model-server-port 0"),
         (("--ssrf-protection", "off", "--prefill-timeout", "0"), "--prefill-timeout must be positive"),
         (("--ssrf-protection", "off", "--max-body-bytes", "0"), "--max-body-bytes must be at least 1"),
+        (("--ssrf-protection", "off", "--max-buffered-bytes", "0"), "--max-buffered-bytes must be at least 1"),
         (("--ssrf-protection", "off", "--drain-seconds", "-1"), "--drain-seconds"),
         (("--ssrf-protection", "off", "--secure-proxy"), "serves plain HTTP only"),
     ],
