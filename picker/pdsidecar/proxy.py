@@ -253,14 +253,14 @@ class Sidecar:
                 "allowlist_not_synced", 503, f"the pool ({self.allowlist.source}) is not known yet: no prefill target"
                 " can be checked",
             )  # fmt: skip
-        if self._pd_inflight >= self.opts.max_pd_requests:
-            return self._reject(
-                "overloaded", 503, f"the sidecar has {self._pd_inflight} P/D requests in flight (--max-pd-requests)"
-            )
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             return self._reject(
                 "unsupported_encoding", 415, f"a P/D request body must not be encoded (content-encoding {encoding!r})"
+            )
+        if self._pd_inflight >= self.opts.max_pd_requests:
+            return self._reject(
+                "overloaded", 503, f"the sidecar has {self._pd_inflight} P/D requests in flight (--max-pd-requests)"
             )
         if request.content_length is not None and not self._room_for(request.content_length):
             return self._buffer_full(request.content_length)

@@ -103,10 +103,12 @@ async def started(opts: SidecarOptions) -> AsyncIterator[Running]:
     runners: list[web.AppRunner] = []
     await sidecar.open()
     try:
-        # handler_cancellation: a client that goes away cancels its handler, and with it the upstream request
+        # handler_cancellation: a client that goes away cancels its handler, and with it the upstream request;
+        # auto_decompress off: a compressed request body is relayed as the client sent it
         runner = web.AppRunner(
-            sidecar.app(), handler_cancellation=True, access_log=None, shutdown_timeout=opts.drain_seconds
-        )
+            sidecar.app(), handler_cancellation=True, auto_decompress=False, access_log=None,
+            shutdown_timeout=opts.drain_seconds,
+        )  # fmt: skip
         runners.append(runner)
         await runner.setup()
         metrics_port = None

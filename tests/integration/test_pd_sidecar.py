@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import socket
 import ssl
@@ -374,6 +375,20 @@ async def test_a_malformed_body_is_a_400_and_reaches_no_engine(decode: FakeEngin
             assert (reply.status, reply.error()["code"]) == (400, "malformed_body")
         assert c.counter("kv_pd_sidecar_rejected_requests_total", reason="malformed_body") == 3
     assert prefill.seen == [] and decode.seen == []
+
+
+async def test_a_compressed_body_passes_through_as_sent_but_takes_no_pd(
+    decode: FakeEngine, prefill: FakeEngine
+) -> None:
+    gzipped = gzip.compress(body_of(REQUEST))
+    encoded = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    async with sidecar(options(decode, [prefill.address])) as c:
+        assert (await c.post(gzipped, headers=encoded)).status == 200
+        reply = await c.post(gzipped, prefill.address, headers=encoded)
+    assert (reply.status, reply.error()["code"]) == (415, "unsupported_encoding")
+    (seen,) = decode.seen
+    assert seen.body == gzipped and seen.header("content-encoding") == ["gzip"]
+    assert prefill.seen == []
 
 
 async def test_a_body_over_the_bound_is_a_413(decode: FakeEngine, prefill: FakeEngine) -> None:

@@ -63,8 +63,11 @@ class FakeEngine:
     async def start(self) -> None:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        # handler_cancellation: a closed connection cancels the handler, which is how `cancelled` learns of it
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: a closed connection cancels the handler, which is how `cancelled` learns of it;
+        # auto_decompress off: `seen` holds the body's bytes as they arrived
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, auto_decompress=False, access_log=None, shutdown_timeout=1.0
+        )
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self._ssl_context).start()
         self.port = int(self._runner.addresses[0][1])
