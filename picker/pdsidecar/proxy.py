@@ -365,6 +365,7 @@ class Sidecar:
                 upstream = await opening
             except EngineError as exc:
                 self.metrics.engine_errors.labels(exc.kind).inc()
+                log.warning("event=local_engine_error kind=%s error=%r", exc.kind, str(exc))
                 return exc.response("remote")
             failure = _failure_of(prefill)
             if failure is not None:
@@ -433,6 +434,8 @@ class Sidecar:
                     if not complete:
                         raise PrefillFailure("bad_answer", 502, f"an answer over {MAX_PREFILL_ANSWER_BYTES} bytes")
                     return answer
+        except aiohttp.ConnectionTimeoutError:
+            raise PrefillFailure("timeout", 504, f"no connection within {self.opts.connect_timeout:g} s") from None
         except TimeoutError:
             raise PrefillFailure("timeout", 504, f"no complete answer within {timeout:g} s") from None
         except aiohttp.ClientConnectorError as exc:
