@@ -306,6 +306,7 @@ class PdStack:
         self.envoy = start_envoy(
             EnvoyOptions(listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
                          backends=(self.sidecar_address, e.producer.address), first_byte_timeout_s=300,
+                         response_mode="full",  # the picker reads streamed P/D answers: transfer-cost samples
                          **self.picker.envoy_picker_options()),
             self.workdir,
         )  # fmt: skip
@@ -329,6 +330,10 @@ class PdStack:
     def admin(self, path: str) -> Any:
         assert self.picker is not None
         return http("GET", self.picker.admin_url + path).json()
+
+    def digests(self) -> dict[str, str]:
+        """A digest of what the picker's index holds, per backend: changes when any entry does."""
+        return {b["backend_name"]: str(b["entries_digest"]) for b in self.admin("/admin/kv-index/backends")["backends"]}
 
 
 def metric(text: str, name: str, labels: dict[str, str]) -> float:

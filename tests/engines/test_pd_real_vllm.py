@@ -14,7 +14,9 @@ import pytest
 
 from benchmarks.vllm_engine.process import MODEL_NAME
 from tests.engines.pd_support import (
+    CONSUMER,
     PD_PAGE,
+    PRODUCER,
     EventTap,
     PdEngines,
     PdStack,
@@ -205,6 +207,7 @@ def test_a_long_prompt_is_prefilled_on_the_producer_and_decoded_by_the_consumer_
     st = pd_stack
     assert st.envoy is not None
     long, n = loadable(st.engines.producer, "stack-long", LONG_LINES, PD_PAGE)
+    before_digests = st.digests()
     before = settled(st)
     answer = timed_chat(st.envoy.url, long, max_tokens=4)
     d = delta(before, settled(st))
@@ -212,6 +215,16 @@ def test_a_long_prompt_is_prefilled_on_the_producer_and_decoded_by_the_consumer_
           f"cached_tokens {answer.cached_tokens}; {d}")  # fmt: skip
     assert answer.prompt_tokens == n
     assert_prefilled_remotely(d, n, answer.cached_tokens)
+    # both roles publish KV events and the listener follows both: the self-check passed on each, and the consumer's
+    # BlockStored for the pages it loaded reached the picker's index (its entries changed)
+    assert {b: v["self_check"] for b, v in st.admin("/readyz")["kv_feeds"].items()} == {PRODUCER: "ok", CONSUMER: "ok"}
+    wait_until(lambda: st.digests()[CONSUMER] != before_digests[CONSUMER], timeout=30.0, what="the consumer's pages")
+    # so the same prompt again is decoded where it is held, without a prefill leg
+    before = settled(st)
+    again = timed_chat(st.envoy.url, long, max_tokens=4)
+    d = delta(before, settled(st))
+    assert d["producer_requests"] == 0 and d["sidecar_pd"] == 0 and d["ours_local_below"] == 1, d
+    assert again.cached_tokens is not None and again.cached_tokens >= LOADED_SHARE * n and d["consumer_loaded"] == 0
 
 
 @pytest.mark.envoy
@@ -256,11 +269,17 @@ def test_a_streamed_request_takes_the_pd_path(pd_stack: PdStack) -> None:
     assert st.envoy is not None
     long, n = loadable(st.engines.producer, "stack-streamed", LONG_LINES, PD_PAGE)
     before = settled(st)
+    samples = st.admin("/admin/pool")["disaggregation"]["transfer"]["samples"]
     t0 = time.perf_counter()
     usage = stream_chat(st.envoy.url, long, max_tokens=16)
     seconds = time.perf_counter() - t0
     d = delta(before, settled(st))
-    print(f"\nstreamed P/D: {n} prompt tokens, {usage.chunks} content chunks in {seconds:.3f} s, "
-          f"cached_tokens {usage.cached_tokens}")  # fmt: skip
     assert usage.prompt_tokens == n and usage.chunks >= 1
     assert_prefilled_remotely(d, n, usage.cached_tokens)
+    # the picker read the answer's first chunk (Envoy's response mode full): one sample of the transfer's cost
+    transfer = wait_until(
+        lambda: (t := st.admin("/admin/pool")["disaggregation"]["transfer"])["samples"] > samples and t,
+        timeout=10.0, what="a transfer-cost sample",
+    )  # fmt: skip
+    print(f"\nstreamed P/D: {n} prompt tokens, {usage.chunks} content chunks in {seconds:.3f} s, "
+          f"cached_tokens {usage.cached_tokens}; the picker's transfer cost: {transfer}")  # fmt: skip
