@@ -6,8 +6,8 @@ BPE tokenizer trained with ``tokenizers`` on source files that ship with Python 
 standard-library modules), wrapped as a ``PreTrainedTokenizerFast`` with a chat template. Its answers are
 noise; its prefill and decode costs, its tokenizer, its chat template and its KV cache are real.
 
-The shape makes prefill dominate, as on a GPU (docs/real-engines.md): hidden 512, 6 layers, 8 heads, 4 KV
-heads. The directory's name holds a hash of the spec and the Python version (the corpus is that Python's
+The shape makes prefill dominate, as on a GPU (docs/real-engines.md): hidden 256, 4 layers, 4 heads, 2 KV
+heads (``SPEC``). The directory's name holds a hash of the spec and the Python version (the corpus is that Python's
 standard library), so a changed spec builds a new model and an unchanged one is reused.
 
 This module runs inside the engines' virtual environment (``.venv-engines``, where torch, transformers and

@@ -92,7 +92,7 @@ class KvTransfer:
     An engine writes each new prompt's KV to ``shared_storage_path`` (a folder per prompt, named by a hash of its
     token ids up to its last full page before its last token, a safetensors file per layer), and an engine asked for
     a prompt found there loads it instead of computing it. vLLM 0.32's connector does both whatever ``role`` says: a
-    consumer's local prefill is written too (docs/pd-real-engines.md). Nothing is ever removed from the storage.
+    consumer's local prefill is written too (docs/pd.md, "On real vLLM"). Nothing is ever removed from the storage.
     """
 
     role: KvRole

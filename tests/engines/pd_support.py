@@ -63,7 +63,7 @@ def prompt_tokens(engine: VllmProcess, msgs: list[dict[str, str]]) -> int:
 def loadable(engine: VllmProcess, tag: str, lines: int, page: int) -> tuple[list[dict[str, str]], int]:
     """A long prompt (``messages(tag, lines)``) and its length, made one token longer when its length is one more
     than a whole number of pages: ExampleConnector stores such a prompt under one name and looks it up under
-    another, so the consumer never finds it (docs/pd-real-engines.md; pinned by its own test)."""
+    another, so the consumer never finds it (docs/pd.md, "On real vLLM"; pinned by its own test)."""
     msgs = messages(tag, lines)
     n = prompt_tokens(engine, msgs)
     while n % page == 1:

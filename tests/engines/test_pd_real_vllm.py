@@ -1,6 +1,6 @@
 """P/D disaggregation on real vLLM (the CPU build): a producer and a consumer sharing their KV through vLLM's
 ExampleConnector (shared storage), the connector llm-d's sidecar drives in its ``shared-storage`` mode. See
-docs/pd-real-engines.md.
+docs/pd.md, "On real vLLM".
 
 The engine facts first, straight to the engines: a long prompt prefilled on the producer (``max_tokens`` 1) is
 written to the shared storage, and the consumer, asked for the same prompt, loads it instead of computing it.
