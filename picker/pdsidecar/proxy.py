@@ -262,11 +262,16 @@ class Sidecar:
             return self._reject(
                 "overloaded", 503, f"the sidecar has {self._pd_inflight} P/D requests in flight (--max-pd-requests)"
             )
-        if request.content_length is not None and not self._room_for(request.content_length):
-            return self._buffer_full(request.content_length)
+        # reserved before the body is read (its declared length, or the most it may be when chunked), so that the
+        # bodies being read at once are bounded too, not only the ones read already
+        declared = request.content_length
+        reserve = min(declared, self.opts.max_body_bytes) if declared is not None else self.opts.max_body_bytes
+        if not self._room_for(reserve):
+            return self._buffer_full(reserve)
         self._pd_inflight += 1
         self.metrics.inflight.labels("pd").inc()
-        held = 0
+        held = reserve
+        self._buffered += held
         try:
             progress.leg = "read"
             raw = await self._read_body(request)
@@ -278,10 +283,8 @@ class Sidecar:
                 )
                 response.force_close()  # the rest of the body is not read
                 return response
-            if not self._room_for(len(raw)):
-                return self._buffer_full(len(raw))
+            self._buffered += len(raw) - held  # the reservation becomes what was read
             held = len(raw)
-            self._buffered += held
             try:
                 body = parse_object(raw)
             except ValueError as exc:

@@ -427,6 +427,32 @@ async def test_past_an_in_flight_bound_a_request_is_a_503(
     assert len(prefill.seen) == 2
 
 
+async def test_the_buffered_bound_counts_the_bodies_still_being_read(decode: FakeEngine, prefill: FakeEngine) -> None:
+    """A body is reserved at its declared length before it is read: two slow uploads of 1,000 bytes each under a
+    1,500-byte bound, the second is refused while the first is still arriving (nothing of it read)."""
+    gate = asyncio.Event()
+    body = body_of({**REQUEST, "messages": [{"role": "user", "content": "x" * 900}]})
+
+    async def slowly() -> AsyncIterator[bytes]:
+        yield body[:10]
+        await gate.wait()
+        yield body[10:]
+
+    async with sidecar(options(decode, [prefill.address], max_buffered_bytes=1500)) as c:
+        headers = {HEADER: prefill.address, "content-length": str(len(body)), "content-type": "application/json"}
+        first = asyncio.create_task(c.session.post(c.url + CHAT, data=slowly(), headers=headers))
+        await async_wait_until(
+            lambda: c.counter("kv_pd_sidecar_inflight_requests", kind="pd") == 1, what="the first read"
+        )
+        second = await c.post(body, prefill.address)
+        assert (second.status, second.error()["code"]) == (503, "overloaded")
+        gate.set()
+        resp = await first
+        assert resp.status == 200
+        resp.release()
+    assert len(prefill.seen) == 1
+
+
 # --- a failed prefill leg ---
 
 
@@ -695,7 +721,8 @@ async def test_a_stop_lets_requests_in_flight_finish(decode: FakeEngine, prefill
     stop = asyncio.Event()
 
     async def run_sidecar(ready: asyncio.Future[int]) -> None:
-        async with started(options(decode, [prefill.address])) as running:
+        # drain_seconds well past the polls below: the drain must not end before the test releases the request
+        async with started(options(decode, [prefill.address], drain_seconds=60.0)) as running:
             ready.set_result(running.port)
             await stop.wait()
         # leaving `started` drains: it returns once the request in flight is answered
