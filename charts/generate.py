@@ -640,6 +640,13 @@ def chart_values_schema() -> dict[str, Any]:
                         "also the selector of the headless Service Envoy resolves).",
                         additionalProperties={"type": "string"},
                     ),
+                    "envoySelector": _s(
+                        "object",
+                        "Labels added to the selector of the headless Service Envoy resolves (the pods Envoy may "
+                        "send a request to). P/D: {llm-d.ai/role: decode}, so that Envoy's retries, once the "
+                        "picker's ranked list is spent, never fall back to a prefill pod (docs/pd.md).",
+                        additionalProperties={"type": "string"},
+                    ),
                     "targetPorts": {
                         "type": "array",
                         "minItems": 1,

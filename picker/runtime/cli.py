@@ -207,7 +207,8 @@ def _envoy_backends(args: argparse.Namespace, settings: Settings | None) -> tupl
                 "members are not in the file: give --pool-dns NAME --pool-port PORT (a headless Service of the "
                 "pool's pods, as the Helm chart creates) or --backend IP:PORT"
             )
-        found.extend(b.address for b in settings.pool.engines if b.address not in found)
+        # not a prefill-only endpoint (P/D, docs/pd.md): Envoy's retries may fall back to any host of its cluster
+        found.extend(b.address for b in settings.pool.engines if b.role != "prefill" and b.address not in found)
     if args.pool_dns is not None:
         if found:
             return "--pool-dns replaces --backend and --picker-config's pool.backends: give one or the other"

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 from picker.gemini.names import UPSTREAM_HEADER
+from picker.routing.disagg import PREFILLER_HEADER
 from picker.runtime.envoy_options import (
     DEST_HEADER,
     LB_NAMESPACE,
@@ -138,11 +139,13 @@ def retry_policy(o: EnvoyOptions) -> dict[str, Any]:
 
 
 def strip_destination_headers() -> list[dict[str, Any]]:
-    """Before any filter and before routing: a client's x-gateway-destination-endpoint* headers go, and its
-    x-kv-epp-upstream (only the picker chooses an external upstream)."""
+    """Before any filter and before routing: a client's x-gateway-destination-endpoint* headers go, its
+    x-kv-epp-upstream (only the picker chooses an external upstream) and its x-prefiller-host-port (only the picker
+    names a prefill endpoint, docs/pd.md: also when Envoy routes without it, fail-open)."""
     mutation = [
         {"remove_on_match": {"key_matcher": {"prefix": DEST_HEADER}}},
         {"remove_on_match": {"key_matcher": {"exact": UPSTREAM_HEADER}}},
+        {"remove_on_match": {"key_matcher": {"exact": PREFILLER_HEADER}}},
     ]
     return [
         typed_extension(

@@ -44,7 +44,7 @@ def test_the_prefill_header_is_the_pickers_alone(tmp_path: Path, body_mode: str)
         opts = EnvoyOptions(
             listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(), body_mode=body_mode,
             picker_address=f"127.0.0.1:{picker.extproc_port}", picker_tls=picker.tls,
-            backends=tuple(b["address"] for b in pool),
+            backends=tuple(b["address"] for b in pool if b["role"] != "prefill"),  # as envoy-config: no prefill pod
         )  # fmt: skip
         envoy = start_envoy(opts, tmp_path)
         url = envoy.url + "/v1/chat/completions"
@@ -67,9 +67,31 @@ def test_the_prefill_header_is_the_pickers_alone(tmp_path: Path, body_mode: str)
         assert sample(text, llmd, decision_type="prefill-decode", model_name="m") == 2
         assert sample(text, llmd, decision_type="decode-only", model_name="m") == 2
         pool_report = http("GET", f"http://127.0.0.1:{picker.admin_port}/admin/pool").json()
-        assert pool_report["disaggregation"]["roles"] == {"prefill": 1, "decode": 2, "both": 0}
+        assert pool_report["disaggregation"]["roles"] == {"prefill": 1, "decode": 2, "both": 0, "none": 0}
     finally:
         if envoy is not None:
             envoy.stop()
         picker.stop()
+        backends.process.stop()
+
+
+def test_fail_open_routing_never_forwards_a_clients_prefill_header(tmp_path: Path) -> None:
+    """With the picker unreachable and Envoy failing open, requests go to the pool without a pick: Envoy itself
+    strips the client's x-prefiller-host-port before any filter, so a sidecar never receives one."""
+    backends = start_backends(1, tmp_path)
+    envoy = None
+    try:
+        opts = EnvoyOptions(
+            listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(), body_mode="BUFFERED",
+            picker_address=f"127.0.0.1:{free_port()}", picker_tls=False, fail_open=True,
+            backends=(backends.address(0),),
+        )  # fmt: skip
+        envoy = start_envoy(opts, tmp_path)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        r = http("POST", envoy.url + "/v1/chat/completions", body, {"x-prefiller-host-port": OUTSIDE})
+        assert r.status == 200, r.body
+        assert r.headers["x-seen-prefiller"] == "<absent>"
+    finally:
+        if envoy is not None:
+            envoy.stop()
         backends.process.stop()

@@ -599,3 +599,16 @@ def test_dashboards_configmap_ships_the_dashboard_files(rendered: dict[str, list
     files = {p.name: json.loads(p.read_text()) for p in (cv.CHART / "dashboards").glob("*.json")}
     assert {k: json.loads(v) for k, v in cm["data"].items()} == files
     assert not [o for o in rendered["default"] if o["metadata"]["name"] == "kv-epp-dashboards"]
+
+
+def test_envoys_pool_service_can_leave_out_prefill_pods() -> None:
+    """P/D (docs/pd.md): inferencePool.envoySelector narrows the headless Service Envoy resolves (its retries' last
+    resort) without changing the InferencePool's selector (the picker still sees every pod)."""
+    objs = cv.objects(cv.merge(cv.REQUIRED, {"inferencePool": {"envoySelector": {"llm-d.ai/role": "decode"}}}))
+    (svc,) = [o for o in of(objs, "Service") if o["metadata"]["name"].endswith("-pool")]
+    assert svc["spec"]["selector"] == {"app": "vllm", "llm-d.ai/role": "decode"}
+    (pool,) = of(objs, "InferencePool")
+    assert pool["spec"]["selector"]["matchLabels"] == {"app": "vllm"}
+    plain = cv.objects(cv.REQUIRED)
+    (svc,) = [o for o in of(plain, "Service") if o["metadata"]["name"].endswith("-pool")]
+    assert svc["spec"]["selector"] == {"app": "vllm"}

@@ -51,6 +51,7 @@ def test_client_destination_headers_are_removed_before_any_filter() -> None:
     assert ext["typed_config"]["mutations"] == [
         {"remove_on_match": {"key_matcher": {"prefix": "x-gateway-destination-endpoint"}}},
         {"remove_on_match": {"key_matcher": {"exact": "x-kv-epp-upstream"}}},  # only the picker picks an external
+        {"remove_on_match": {"key_matcher": {"exact": "x-prefiller-host-port"}}},  # only the picker names a prefill
     ]
 
 
@@ -136,6 +137,26 @@ def test_cli_reads_backends_from_the_picker_config(tmp_path: Path) -> None:
         for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]
     ]
     assert ports == ["10.1.0.2", "10.1.0.1"]
+
+
+def test_a_prefill_only_endpoint_is_not_in_envoys_cluster(tmp_path: Path) -> None:
+    """P/D (docs/pd.md): Envoy's retries fall back to any host of its cluster once the picker's ranked list is
+    spent; a prefill-only endpoint must never get a whole request, so it is not one of them."""
+    cfg = tmp_path / "picker.yaml"
+    backends = [
+        {"name": "d", "address": "10.1.0.1:8000", "role": "decode"},
+        {"name": "p", "address": "10.1.0.2:8000", "role": "prefill"},
+        {"name": "x", "address": "10.1.0.3:8000", "role": "both"},
+    ]
+    cfg.write_text(yaml.safe_dump({"pool": {"backends": backends}}))
+    out = run_cli("--picker-config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    pool = cluster(yaml.safe_load(out.stdout), "inference_pool")
+    hosts = [
+        e["endpoint"]["address"]["socket_address"]["address"]
+        for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert hosts == ["10.1.0.1", "10.1.0.3"]
 
 
 def test_cli_warns_that_full_duplex_fail_open_needs_the_picker_health_checks() -> None:
