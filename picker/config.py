@@ -327,9 +327,9 @@ class BackendConfig(_Section):
     type: Literal["engine"] = "engine"
     address: str
     weight: int = Field(1, ge=1, le=1000)
-    # P/D (docs/pd.md): a decode endpoint's address is its routing sidecar's; prefill endpoints are sent prefill
-    # legs only (x-prefiller-host-port), never whole requests
-    role: Literal["prefill", "decode", "both"] = "both"
+    # P/D (docs/pd.md): decode takes whole requests (with disaggregation, at its routing sidecar's address); prefill
+    # is only named in x-prefiller-host-port, never sent a whole request; both is either
+    role: Literal["prefill", "decode", "both"] = "decode"
 
     @field_validator("address")
     @classmethod

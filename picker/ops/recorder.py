@@ -139,11 +139,11 @@ class DecisionRecorder:
         k = ("external", backend)
         self.decisions[k] = self.decisions.get(k, 0) + 1
 
-    def disagg(self, decision_type: str, reason: str, model: str | None) -> None:
-        """One P/D decision: ours by type and reason, llm-d's by type and model."""
+    def disagg(self, decision_type: str, reason: str, model: str | None, llmd: bool = True) -> None:
+        """One P/D decision: ours by type and reason, llm-d's by type and model (unless not ``llmd``'s to count)."""
         k = (decision_type, reason)
         self.disaggs[k] = self.disaggs.get(k, 0) + 1
-        if self.llmd.on:
+        if llmd and self.llmd.on:
             self.llmd.disagg(decision_type, model)
 
     def refused(self, outcome: str) -> None:
@@ -227,8 +227,8 @@ class RecorderCollector(Collector):
         yield decisions
         disagg = CounterMetricFamily(
             "continuum_picker_disagg_decisions",
-            "P/D disaggregation decisions (docs/pd.md) by decision_type (decode-only, prefill-decode) and reason "
-            "(below_threshold, no_prefill_endpoint, cheaper_local, cost, threshold)",
+            "P/D disaggregation decisions (docs/pd.md) by decision_type (decode-only, prefill-decode, rejected: "
+            "answered 503) and reason (below_threshold, no_prefill_endpoint, cheaper_local, cost, threshold)",
             labels=["decision_type", "reason"],
         )
         for (dtype, reason), n in list(r.disaggs.items()):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from picker.config import PoolConfig
 from picker.pool.calibration import TtftCalibrator, TtftSample
 from picker.pool.preemptions import PreemptionWindows
-from picker.routing.disagg import decode_candidates
+from picker.routing.disagg import may_prefill, takes_requests
 from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, PoolView, endpoint_load
 from picker.routing.served_models import ServedModels
 
@@ -159,6 +159,7 @@ class Pool:
         # the full (unfiltered) view. Bound: one entry per configured endpoint.
         self._snaps: dict[str, EndpointState] = {}
         self._full_view: PoolView | None = None
+        self._split: tuple[tuple[EndpointState, ...], tuple[EndpointState, ...]] = ((), ())  # (healthy, suspected)
         self._next_readmit = 0.0  # earliest ejected_until among ejected endpoints (0: none ejected)
         self._averaged_at = 0.0  # when every endpoint's mean queue was last brought up to date
         self.cfg = cfg
@@ -206,7 +207,7 @@ class Pool:
         self._standby = aside
         self._by_address = {s.endpoint.address: name for name, s in new.items()}
         # P/D roles (docs/pd.md): some endpoint is not ``both`` (prefill-only ones never take a whole request)
-        self.has_roles = any(s.endpoint.role != "both" for s in (*new.values(), *aside.values()))
+        self.has_roles = any(not takes_requests(s.endpoint) for s in (*new.values(), *aside.values()))
         self._snaps.clear()
         self._full_view = None
         self._next_readmit = min((s.ejected_until for s in new.values() if s.ejected_until), default=0.0)
@@ -460,16 +461,34 @@ class Pool:
                 (suspected if st.suspected else states).append(snap)
             # a suspected endpoint waits for its probe (milliseconds when it answers) unless it is all there is
             full = self._full_view = PoolView(tuple(states or suspected), self.calibrator.current, self.served)
+            self._split = (tuple(states), tuple(suspected))
         if subset is None:
             return full
         allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
         return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed), full.costs, full.served)
 
     def decode_view(self, subset: Iterable[str] | None = None) -> PoolView:
-        """``view`` less the endpoints that never take a whole request (P/D's ``prefill`` role, docs/pd.md): what
-        decisions, admission and flow control's saturation look at."""
-        v = self.view(subset)
-        return decode_candidates(v) if self.has_roles else v
+        """``view`` of the endpoints that take whole requests (P/D's roles ``decode`` and ``both``, docs/pd.md):
+        what decisions, admission and flow control's saturation look at."""
+        if not self.has_roles:
+            return self.view(subset)
+        return self._role_view(takes_requests, subset)
+
+    def prefill_view(self, decode: str, subset: Iterable[str] | None = None) -> PoolView:
+        """``view`` of the endpoints that may prefill for the endpoint named ``decode`` (roles ``prefill`` and
+        ``both``, not ``decode`` itself)."""
+        return self._role_view(lambda e: may_prefill(e) and e.name != decode, subset)
+
+    def _role_view(self, keep: Callable[[Endpoint], bool], subset: Iterable[str] | None) -> PoolView:
+        """The eligible endpoints ``keep`` accepts, among the healthy ones, else (all of those suspected) among the
+        suspected ones: the suspected fallback within the role, not across roles."""
+        full = self.view()  # brings the snapshots up to date
+        ok, suspected = self._split
+        states = tuple(s for s in ok if keep(s.endpoint)) or tuple(s for s in suspected if keep(s.endpoint))
+        if subset is not None:
+            allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
+            states = tuple(s for s in states if s.endpoint.name in allowed)
+        return PoolView(states, full.costs, full.served)
 
     def cost_model(self) -> dict[str, float]:
         """The TTFT model's current coefficients (``/admin/pool``, the ``continuum_picker_ttft_model`` gauge)."""

@@ -19,8 +19,8 @@ from picker.routing.core import Prepared, Router
 from picker.routing.disagg import (
     NO_PREFILL_ENDPOINT,
     PREFILL_DECODE,
+    REJECTED,
     Disaggregator,
-    prefill_candidates,
 )
 from picker.routing.endpoints import Decision, Disagg, PoolView
 
@@ -45,10 +45,11 @@ class TransferFit:
         self.abs_error_ms = 0.0  # the mean |observed - predicted| first-token time of the sampled requests
 
     def observe(self, disagg: Disagg, observed_ms: float) -> None:
-        if disagg.remote_ms is None or disagg.uncached_tokens <= 0:
+        if disagg.remote_ms is None or disagg.prefill_ms is None or disagg.uncached_tokens <= 0:
             return
-        prefill_ms = disagg.remote_ms - self.value * disagg.uncached_tokens  # the prediction of the prefill leg
-        per_token = min(MAX_TRANSFER_MS_PER_TOKEN, max(0.0, (observed_ms - prefill_ms) / disagg.uncached_tokens))
+        # the prefill leg as predicted at the decision (not with today's transfer estimate: concurrent requests)
+        excess = observed_ms - disagg.prefill_ms
+        per_token = min(MAX_TRANSFER_MS_PER_TOKEN, max(0.0, excess / disagg.uncached_tokens))
         error = abs(observed_ms - disagg.remote_ms)
         self.samples += 1
         w = 1.0 if self.samples == 1 else TRANSFER_EWMA
@@ -102,6 +103,7 @@ class Disaggregation:
         self.cfg = cfg
         self.decider = Disaggregator(cfg, router.cost, settings.kv_cache_index.tokenizer.block_size)
         self.enabled = cfg.enabled
+        self.unplaced = 0  # requests that wanted a prefill endpoint and found none (logged 1 in 1,000)
 
     def configure(self, settings: Settings, router: Router) -> None:
         cfg: DisaggregationConfig = settings.disaggregation
@@ -111,31 +113,43 @@ class Disaggregation:
         self.decider = Disaggregator(cfg, router.cost, settings.kv_cache_index.tokenizer.block_size)
         self.enabled = cfg.enabled
 
-    def apply(self, facts: RequestFacts, prepared: Prepared, decision: Decision, view: PoolView) -> Decision | Answer:
-        """The P/D decision for ``decision`` (the decode pick from ``view``): the decision with its ``disagg`` (and
-        its fallbacks, which stay decode endpoints), or the 503 when nothing may prefill and ``fallback`` is
-        ``reject``. Counted either way."""
+    def apply(
+        self,
+        facts: RequestFacts,
+        prepared: Prepared,
+        decision: Decision,
+        view: PoolView,
+        subset: Sequence[str] | None = None,
+    ) -> Decision | Answer:
+        """The P/D decision for ``decision`` (the decode pick from ``view``; ``subset``: the subset hint, or an
+        experiment arm's part of the pool, which bounds the prefill candidates too, as llm-d's): the decision with
+        its ``disagg`` (its fallbacks stay decode endpoints), or the 503 when nothing may prefill and ``fallback``
+        is ``reject``. Counted and, without a prefill endpoint, logged either way."""
         tokens = prepared.prompt_tokens or facts.body_bytes // 4  # not tokenized: about 4 bytes a token
-        prefill = prefill_candidates(self.pool.view(), decision.endpoint.name)
+        prefill = self.pool.prefill_view(decision.endpoint.name, subset)
         d = self.decider.decide(
             decision.endpoint, view, prefill, tokens, prepared.holds, prepared.key, self.fit.value,
             prepared.evicting, prepared.prefix_rate,
         )  # fmt: skip
-        self.count(facts, d)
-        if d.reason == NO_PREFILL_ENDPOINT and self.cfg.fallback == "reject":
+        if d.reason != NO_PREFILL_ENDPOINT:
+            self.recorder.disagg(d.decision_type, d.reason, facts.model)
+            return replace(decision, disagg=d)
+        reject = self.cfg.fallback == "reject"
+        self.unplaced += 1
+        if self.unplaced % 1000 == 1:  # the first and every 1,000th: the counter has them all
             log.warning(
-                "event=disagg_no_prefill_endpoint decode=%s uncached_tokens=%d fallback=reject",
-                decision.endpoint.name, d.uncached_tokens,
+                "event=disagg_no_prefill_endpoint decode=%s uncached_tokens=%d fallback=%s times=%d",
+                decision.endpoint.name, d.uncached_tokens, self.cfg.fallback, self.unplaced,
             )  # fmt: skip
-            why = (
-                f"prefill/decode disaggregation: {d.uncached_tokens} uncached prompt tokens call for a prefill "
-                "endpoint and none is eligible (disaggregation.fallback: reject)"
-            )
-            return Answer(503, error_body(why, "no_prefill_endpoint", "service_unavailable"), NO_PREFILL_DETAILS)
-        return replace(decision, disagg=d)
-
-    def count(self, facts: RequestFacts, d: Disagg) -> None:
-        self.recorder.disagg(d.decision_type, d.reason, facts.model)
+        if not reject:
+            self.recorder.disagg(d.decision_type, d.reason, facts.model)
+            return replace(decision, disagg=d)
+        self.recorder.disagg(REJECTED, d.reason, None, llmd=False)  # llm-d counts the decisions that ran
+        why = (
+            f"prefill/decode disaggregation: {d.uncached_tokens} uncached prompt tokens call for a prefill "
+            "endpoint and none is eligible (disaggregation.fallback: reject)"
+        )
+        return Answer(503, error_body(why, "no_prefill_endpoint", "service_unavailable"), NO_PREFILL_DETAILS)
 
     def committed(self, ex: Exchange) -> None:
         """A routed P/D request: the prefill endpoint carries its prefill until the first byte, and a streamed one
@@ -161,7 +175,7 @@ class Disaggregation:
 
 
 def _roles(pairs: Sequence[tuple[str, str]]) -> dict[str, int]:
-    out = {"prefill": 0, "decode": 0, "both": 0}
+    out = {"prefill": 0, "decode": 0, "both": 0, "none": 0}
     for _, role in pairs:
         out[role] = out.get(role, 0) + 1
     return out

@@ -278,7 +278,7 @@ class RequestPath:
         decision = (router or self.router).decide(facts, view, prepared)
         if decision is None or not self.disagg.enabled:
             return decision
-        return self.disagg.apply(facts, prepared, decision, view)
+        return self.disagg.apply(facts, prepared, decision, view, subset)
 
     def commit(self, facts: RequestFacts, decision: Decision, prepared: Prepared) -> Exchange:
         """Stage 5: take the in-flight slot, remember the session, count the decision."""

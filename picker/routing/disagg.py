@@ -14,6 +14,7 @@ from picker.routing.endpoints import BackendHold, Disagg, Endpoint, PoolView
 PREFILLER_HEADER = "x-prefiller-host-port"  # llm-d's: the decode pod's sidecar prefills there first
 DECODE_ONLY = "decode-only"  # llm-d's decision_type values
 PREFILL_DECODE = "prefill-decode"
+REJECTED = "rejected"  # ours only: refused (503), nothing decoded (disaggregation.fallback: reject)
 # why: the reasons of our own counter (continuum_picker_disagg_decisions_total)
 BELOW_THRESHOLD = "below_threshold"  # the uncached tokens (or the prompt) under the configured minimum
 NO_PREFILL_ENDPOINT = "no_prefill_endpoint"  # nothing may prefill (and the fallback is decode_only)
@@ -23,16 +24,14 @@ THRESHOLD = "threshold"  # prefill-decode on llm-d's rule alone (decide: thresho
 REASONS = (BELOW_THRESHOLD, NO_PREFILL_ENDPOINT, CHEAPER_LOCAL, COST, THRESHOLD)
 
 
-def decode_candidates(view: PoolView) -> PoolView:
-    """The endpoints of ``view`` that may take a whole request: roles ``decode`` and ``both``."""
-    states = tuple(s for s in view.states if s.endpoint.role != "prefill")
-    return view if len(states) == len(view.states) else PoolView(states, view.costs, view.served)
+def takes_requests(e: Endpoint) -> bool:
+    """May take a whole request (and decode it): roles ``decode`` and ``both``."""
+    return e.role == "decode" or e.role == "both"
 
 
-def prefill_candidates(view: PoolView, decode: str) -> PoolView:
-    """The endpoints of ``view`` that may prefill for ``decode``: roles ``prefill`` and ``both``, not itself."""
-    states = tuple(s for s in view.states if s.endpoint.role != "decode" and s.endpoint.name != decode)
-    return PoolView(states, view.costs, view.served)
+def may_prefill(e: Endpoint) -> bool:
+    """May be named in ``x-prefiller-host-port``: roles ``prefill`` and ``both``."""
+    return e.role == "prefill" or e.role == "both"
 
 
 class Disaggregator:
@@ -59,7 +58,7 @@ class Disaggregator:
         evicting: frozenset[str] = frozenset(),
         prefix_rate: float = 0.0,
     ) -> Disagg:
-        """Prefill elsewhere than ``decode``? ``prefill_view``: the prefill candidates (``prefill_candidates``);
+        """Prefill elsewhere than ``decode``? ``prefill_view``: the prefill candidates (``Pool.prefill_view``);
         ``holds``: Tier 4's holds of the prompt (None or empty: nothing known, the whole prompt is uncached);
         ``transfer_ms_per_token``: the KV transfer's current cost estimate."""
         cfg = self.cfg
@@ -73,9 +72,10 @@ class Disaggregator:
         assert remote is not None  # prefill_view has states
         prefill = remote.best
         prefill_tokens = prompt_tokens - remote.cached_tokens
-        remote_ms = remote.predicted_ms[prefill.name] + transfer_ms_per_token * uncached
+        leg_ms = remote.predicted_ms[prefill.name]
+        remote_ms = leg_ms + transfer_ms_per_token * uncached
         if cfg.decide == "threshold":
-            return Disagg(PREFILL_DECODE, THRESHOLD, prefill, uncached, None, remote_ms, prefill_tokens)
+            return Disagg(PREFILL_DECODE, THRESHOLD, prefill, uncached, None, remote_ms, prefill_tokens, leg_ms)
         here = decode_view.by_name().get(decode.name)
         local_ms: float | None = None
         if here is not None:
@@ -83,4 +83,4 @@ class Disaggregator:
             local_ms = local.predicted_ms[decode.name] if local is not None else None
         if local_ms is not None and remote_ms > local_ms * cfg.max_ttft_ratio:
             return Disagg(DECODE_ONLY, CHEAPER_LOCAL, None, uncached, local_ms, remote_ms)
-        return Disagg(PREFILL_DECODE, COST, prefill, uncached, local_ms, remote_ms, prefill_tokens)
+        return Disagg(PREFILL_DECODE, COST, prefill, uncached, local_ms, remote_ms, prefill_tokens, leg_ms)

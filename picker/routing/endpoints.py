@@ -29,7 +29,7 @@ class Endpoint:
     name: str
     address: str  # "ip:port", what Envoy's ORIGINAL_DST cluster connects to
     weight: int = 1
-    role: str = "both"  # P/D: prefill | decode | both (docs/pd.md); a decode endpoint's address is its sidecar's
+    role: str = "decode"  # P/D: decode | prefill | both | none (docs/pd.md); with P/D, decode's address is its sidecar
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,6 +164,7 @@ class Disagg:
     local_ms: float | None = None
     remote_ms: float | None = None
     prefill_tokens: int = 0  # the prompt tokens the prefill endpoint computes (not held there)
+    prefill_ms: float | None = None  # the cost model's TTFT prediction of the prefill leg alone
 
 
 @dataclass(slots=True, frozen=True)

@@ -32,7 +32,7 @@ class _FileBackend(BaseModel):
     address: IpPort
     annotations: dict[str, str] = Field(default_factory=dict, max_length=MAX_ANNOTATIONS)
     ready: bool = True
-    role: Literal["prefill", "decode", "both"] = "both"  # P/D (docs/pd.md)
+    role: Literal["prefill", "decode", "both"] = "decode"  # P/D (docs/pd.md): decode takes whole requests
 
 
 class _BackendsFile(BaseModel):

@@ -61,7 +61,7 @@ class Pod:
     ready: bool  # its Ready condition is True
     terminating: bool  # metadata.deletionTimestamp is set
     annotations: tuple[tuple[str, str], ...]
-    role: str = "both"  # P/D: its llm-d.ai/role label (model.role_of)
+    role: str = "decode"  # P/D: its llm-d.ai/role label (model.role_of)
 
     @property
     def published(self) -> bool:
@@ -105,7 +105,7 @@ def parse_pod(obj: Mapping[str, Any]) -> tuple[str, Pod]:
     raw = meta.get("annotations") or {}
     annotations = tuple(sorted((str(k), str(v)) for k, v in raw.items())) if isinstance(raw, dict) else ()
     labels = meta.get("labels")
-    role = role_of(str(labels.get(ROLE_LABEL) or "")) if isinstance(labels, dict) else "both"
+    role = role_of(str(labels.get(ROLE_LABEL) or "")) if isinstance(labels, dict) else role_of(None)
     # A pod that has ended (Failed, e.g. Evicted, or Succeeded) keeps its podIP until it is garbage-collected,
     # and that IP may already belong to another pod: it counts as gone, like a terminating one (as in
     # EndpointSlices).

@@ -22,7 +22,7 @@ class DiscoveredBackend:
     namespace: str = ""
     annotations: tuple[tuple[str, str], ...] = field(default=())  # the pod's annotations, sorted by key
     ready: bool = True
-    role: str = "both"  # P/D: prefill | decode | both (the pod label llm-d.ai/role; role_of)
+    role: str = "decode"  # P/D: prefill | decode | both | none (the pod label llm-d.ai/role; role_of)
 
     @property
     def address(self) -> str:
@@ -55,17 +55,22 @@ class PoolSnapshot:
 
 
 ROLE_LABEL = "llm-d.ai/role"  # llm-d's P/D role label on a model server's pod (docs/pd.md)
-ROLES = ("prefill", "decode", "both")
-# llm-d's label values: prefill-decode (and our ``both``) serve either leg; encode variants are not text roles
-_ROLE_VALUES = {"prefill": "prefill", "decode": "decode", "prefill-decode": "both", "both": "both"}
+# P/D roles: decode (takes whole requests, the default), prefill (named in x-prefiller-host-port only), both, and
+# none (takes no text traffic: llm-d's encode role, or a value this picker does not know)
+ROLES = ("prefill", "decode", "both", "none")
+# llm-d's label values (its encode-prefill pod prefills; its encode pod serves no text request)
+_ROLE_VALUES = {
+    "prefill": "prefill", "decode": "decode", "prefill-decode": "both", "both": "both", "encode-prefill": "prefill",
+    "encode": "none",
+}  # fmt: skip
 
 
 def role_of(label: str | None) -> str:
-    """The P/D role a pod label value names: ``prefill``, ``decode`` or ``both`` (no label, ``prefill-decode``,
-    ``both``, or a value this picker does not know, such as llm-d's encode roles: it serves whole requests)."""
-    if not label:
-        return "both"
-    return _ROLE_VALUES.get(label.strip().lower(), "both")
+    """The P/D role a pod label value names. No label: ``decode`` (as llm-d: an unlabeled pod takes whole requests
+    and is never a prefill target). A value this picker does not know: ``none`` (no traffic, as llm-d)."""
+    if label is None or not label.strip():
+        return "decode"
+    return _ROLE_VALUES.get(label.strip().lower(), "none")
 
 
 def backend_name(pod: str, rank: int, ports: int) -> str:

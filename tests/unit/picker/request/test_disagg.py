@@ -146,15 +146,19 @@ async def test_no_prefill_endpoint_is_a_503_with_its_reason_unless_decode_only()
     assert isinstance(out, Answer) and out.status == 503
     assert json.loads(out.body)["error"]["code"] == "no_prefill_endpoint"
     assert app.pool.in_flight() == {"d1": 0, "d2": 0}  # nothing taken
-    labels = {"decision_type": "decode-only", "reason": "no_prefill_endpoint"}
-    assert counted(app, "continuum_picker_disagg_decisions_total", labels) == 1
+    rejected = {"decision_type": "rejected", "reason": "no_prefill_endpoint"}
+    assert counted(app, "continuum_picker_disagg_decisions_total", rejected) == 1
     assert counted(app, "continuum_picker_requests_total", {"outcome": "no_backend"}) == 1
+    llmd = {"plugin_name": "disagg-profile-handler", "plugin_type": "disagg-profile-handler", "model_name": "m"}
+    assert counted(app, "llm_d_epp_disagg_decision_total", llmd | {"decision_type": "decode-only"}) is None
+    labels = {"decision_type": "decode-only", "reason": "no_prefill_endpoint"}
 
     relaxed = make_app({}, prompt_tokens=2000, pool=pool, fallback="decode_only")
     ex = await route(relaxed)
     assert isinstance(ex, Exchange) and ex.decision.disagg is not None
     assert ex.decision.disagg.reason == "no_prefill_endpoint" and ex.decision.disagg.prefill is None
     assert counted(relaxed, "continuum_picker_disagg_decisions_total", labels) == 1  # never silent
+    assert counted(relaxed, "llm_d_epp_disagg_decision_total", llmd | {"decision_type": "decode-only"}) == 1
     ex.end(completed=True)
 
 
@@ -177,8 +181,17 @@ async def test_prefill_endpoints_take_no_whole_request_even_with_disaggregation_
     assert picked == {"d1", "d2"}
 
 
-async def test_a_both_endpoint_may_decode_or_prefill_but_never_for_itself() -> None:
+async def test_unlabelled_endpoints_are_never_prefill_targets() -> None:
+    """As llm-d: no role (no label, no ``role`` key) takes whole requests and is never named to prefill, so turning
+    disaggregation on over a pool without roles refuses long prompts loudly instead of pretending to split them."""
     pool = [{"name": "x", "address": "10.0.0.1:8000"}, {"name": "y", "address": "10.0.0.2:8000"}]
+    app = make_app({}, prompt_tokens=3000, pool=pool)
+    out = await route(app)
+    assert isinstance(out, Answer) and out.status == 503
+
+
+async def test_a_both_endpoint_may_decode_or_prefill_but_never_for_itself() -> None:
+    pool = [{"name": n, "address": f"10.0.0.{i}:8000", "role": "both"} for i, n in enumerate(("x", "y"), 1)]
     app = make_app({}, prompt_tokens=3000, pool=pool)
     ex = await route(app)
     assert isinstance(ex, Exchange) and ex.decision.disagg is not None and ex.decision.disagg.prefill is not None
@@ -211,26 +224,34 @@ async def test_a_streamed_p_d_request_teaches_the_transfer_cost() -> None:
     ex.response_body(b"data: [DONE]\n\n", end=True)
     assert fit.samples == 1
     report = app.path.disagg.report()
-    assert report["enabled"] is True and report["roles"] == {"prefill": 1, "decode": 2, "both": 0}
+    assert report["enabled"] is True and report["roles"] == {"prefill": 1, "decode": 2, "both": 0, "none": 0}
+
+
+def pd(prefill_ms: float, transfer: float = 0.02) -> Disagg:
+    return Disagg("prefill-decode", "cost", None, 1000, 500.0, prefill_ms + transfer * 1000, 1000, prefill_ms)
 
 
 def test_the_transfer_fit_follows_the_observed_first_tokens() -> None:
     fit = TransferFit(0.02)
-    d = Disagg("prefill-decode", "cost", None, uncached_tokens=1000, local_ms=500.0, remote_ms=220.0)
-    fit.observe(d, 700.0)  # the prefill leg was predicted at 200 ms: 500 ms over 1,000 tokens
+    fit.observe(pd(200.0), 700.0)  # the prefill leg was predicted at 200 ms: 500 ms over 1,000 tokens
     assert fit.value == pytest.approx(0.5)
     for _ in range(50):
-        fit.observe(Disagg("prefill-decode", "cost", None, 1000, 500.0, 200.0 + fit.value * 1000), 300.0)
+        fit.observe(pd(200.0, fit.value), 300.0)
     assert fit.value == pytest.approx(0.1, abs=1e-3)
-    fit.observe(Disagg("prefill-decode", "cost", None, 1000, 500.0, 300.0), 0.0)  # faster than predicted: >= 0
+    # a sample is judged by the prefill leg predicted at its decision, whatever the estimate is now
+    before = fit.value
+    fit.observe(pd(200.0, transfer=5.0), 300.0)
+    assert fit.value == pytest.approx(before, abs=1e-4)  # the old reading (remote - today x uncached): -0.02
+    fit.observe(pd(300.0), 0.0)  # faster than predicted: >= 0
     assert fit.value >= 0.0
     fit.observe(Disagg("decode-only", "below_threshold", uncached_tokens=0), 10.0)  # not a sample
-    assert fit.samples == 52
+    assert fit.samples == 53
 
 
 def test_roles_come_from_the_pod_label_and_the_config() -> None:
-    assert [role_of(v) for v in ("prefill", "decode", "prefill-decode", "both", None, "", "encode")] == [
-        "prefill", "decode", "both", "both", "both", "both", "both",
+    values = ("prefill", "decode", "prefill-decode", "both", None, "", "encode-prefill", "encode", "prefil")
+    assert [role_of(v) for v in values] == [
+        "prefill", "decode", "both", "both", "decode", "decode", "prefill", "none", "none",
     ]  # fmt: skip
     pod = {
         "metadata": {"name": "vllm-0", "labels": {"llm-d.ai/role": "decode"}},
@@ -238,7 +259,7 @@ def test_roles_come_from_the_pod_label_and_the_config() -> None:
     }
     assert parse_pod(pod)[1].role == "decode"
     pod["metadata"]["labels"] = {"app": "x"}
-    assert parse_pod(pod)[1].role == "both"
+    assert parse_pod(pod)[1].role == "decode"
     s = parse_settings({"pool": {"backends": POOL}})
     assert [b.role for b in s.pool.engines] == ["decode", "decode", "prefill"]
 
@@ -274,3 +295,31 @@ async def test_the_prefill_endpoint_is_expected_to_hold_the_prompt_before_its_ev
     held = app.path.placements.holds(keys, time.monotonic())
     assert held.get("p1") == len(keys)
     ex.end(completed=True)
+
+
+async def test_the_suspected_fallback_stays_within_each_role() -> None:
+    """Every decode endpoint suspected (its probe pending) and the prefill one fine: the request still goes to a
+    suspected decode endpoint, not a 503; and a suspected prefill endpoint, the only one, is still named."""
+    app = make_app({}, prompt_tokens=2000)
+    for name in ("d1", "d2"):
+        app.pool.suspect(name, "test")
+    ex = await route(app)
+    assert isinstance(ex, Exchange) and ex.decision.endpoint.name in ("d1", "d2")
+    ex.end(completed=True)
+    app2 = make_app({}, prompt_tokens=2000)
+    app2.pool.suspect("p1", "test")
+    ex = await route(app2)
+    assert isinstance(ex, Exchange) and ex.decision.disagg is not None and ex.decision.disagg.prefill is not None
+    assert ex.decision.disagg.prefill.name == "p1"
+    ex.end(completed=True)
+
+
+async def test_the_subset_hint_bounds_the_prefill_candidates_too() -> None:
+    pool = [*POOL, {"name": "p2", "address": "10.0.0.4:8000", "role": "prefill"}]
+    app = make_app({}, prompt_tokens=2000, pool=pool)
+    subset = ["10.0.0.1:8000", "10.0.0.4:8000"]
+    for _ in range(4):
+        ex = await app.path.route(Inbound(CHAT, {":method": "POST"}, body(), subset=subset))
+        assert isinstance(ex, Exchange) and ex.decision.disagg is not None and ex.decision.disagg.prefill is not None
+        assert (ex.decision.endpoint.name, ex.decision.disagg.prefill.name) == ("d1", "p2")
+        ex.end(completed=True)
