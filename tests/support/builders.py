@@ -9,10 +9,12 @@ from typing import Any
 from picker.config import parse_settings
 from picker.extproc.service import ExternalProcessor
 from picker.extproc.stream import RequestStream
-from picker.facts import Answer
+from picker.facts import Answer, RequestFacts
+from picker.kv.stage import KvLookup
 from picker.ops.metrics import PickerMetrics
 from picker.request.exchange import Exchange
 from picker.request.path import Inbound
+from picker.routing.endpoints import BackendHold
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_app
 
@@ -45,3 +47,17 @@ async def route(
 ) -> Exchange | Answer:
     """One POST of ``data`` (as JSON) to ``path`` through ``app``'s request path: the exchange or the answer."""
     return await app.path.route(Inbound(path, {":method": "POST", **(headers or {})}, json.dumps(data).encode()))
+
+
+class FixedHolds:
+    """Tier 4's answer as the KV index hands it: backend → hold, with the prompt's token count (a request path's
+    ``holds``)."""
+
+    def __init__(self, holds: dict[str, BackendHold], prompt_tokens: int) -> None:
+        self.holds, self.prompt_tokens = holds, prompt_tokens
+
+    async def lookup(self, facts: RequestFacts) -> KvLookup:
+        return KvLookup(dict(self.holds), self.prompt_tokens)
+
+    def page_tokens(self, backend: str) -> int | None:
+        return None

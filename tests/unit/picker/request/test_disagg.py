@@ -22,26 +22,13 @@ from picker.routing.endpoints import BackendHold, Disagg, StorageTier
 from picker.runtime.app import PickerApp
 from picker.shared.discovery.kube_objects import parse_pod
 from picker.shared.discovery.model import role_of
-from tests.support.builders import CHAT, app_of
+from tests.support.builders import CHAT, FixedHolds, app_of
 
 POOL = [
     {"name": "d1", "address": "10.0.0.1:8000", "role": "decode"},
     {"name": "d2", "address": "10.0.0.2:8000", "role": "decode"},
     {"name": "p1", "address": "10.0.0.3:8000", "role": "prefill"},
 ]
-
-
-class FixedHolds:
-    """Tier 4's answer: the holds and the prompt's length in tokens."""
-
-    def __init__(self, holds: dict[str, BackendHold], prompt_tokens: int) -> None:
-        self.holds, self.prompt_tokens = holds, prompt_tokens
-
-    async def lookup(self, facts: RequestFacts) -> KvLookup:
-        return KvLookup(dict(self.holds), self.prompt_tokens)
-
-    def page_tokens(self, backend: str) -> int | None:
-        return None
 
 
 def make_app(holds: dict[str, BackendHold], prompt_tokens: int, pool: list[dict[str, Any]] = POOL, **pd: Any):

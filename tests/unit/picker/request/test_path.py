@@ -13,7 +13,7 @@ from picker.request.exchange import Exchange
 from picker.request.path import Inbound
 from picker.routing.endpoints import BackendHold, StorageTier
 from picker.runtime.app import PickerApp
-from tests.support.builders import BACKENDS, CHAT, app_of
+from tests.support.builders import BACKENDS, CHAT, FixedHolds, app_of
 
 
 def make_app(**extra) -> PickerApp:
@@ -224,19 +224,6 @@ async def test_an_aborted_stream_ends_the_exchange_uncompleted() -> None:
     assert isinstance(ex, Exchange)
     ex.end(completed=False)
     assert tap.events == [("end", False)] and in_flight(app) == {"a": 0, "b": 0}
-
-
-class FixedHolds:
-    """Tier 4's answer as the KV index hands it: backend → hold, with the prompt's token count."""
-
-    def __init__(self, holds: dict[str, BackendHold], prompt_tokens: int) -> None:
-        self.holds, self.prompt_tokens = holds, prompt_tokens
-
-    async def lookup(self, facts: RequestFacts) -> KvLookup:
-        return KvLookup(dict(self.holds), self.prompt_tokens)
-
-    def page_tokens(self, backend: str) -> int | None:
-        return None
 
 
 def cached_tokens(app: PickerApp, reason: str, scope: str, kind: str) -> float | None:

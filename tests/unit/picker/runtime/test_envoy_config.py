@@ -126,17 +126,21 @@ def test_cli_refuses_a_picker_mode_without_backends(mode: list[str]) -> None:
     assert out.returncode == 2 and "no backends" in out.stderr and not out.stdout
 
 
+def pool_hosts(bootstrap_yaml: str) -> list[str]:
+    """The addresses of the pool cluster's hosts in an ``envoy-config`` output."""
+    pool = cluster(yaml.safe_load(bootstrap_yaml), "inference_pool")
+    return [
+        e["endpoint"]["address"]["socket_address"]["address"]
+        for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+
+
 def test_cli_reads_backends_from_the_picker_config(tmp_path: Path) -> None:
     cfg = tmp_path / "picker.yaml"
     cfg.write_text(yaml.safe_dump({"pool": {"backends": [{"name": "a", "address": "10.1.0.1:8000"}]}}))
     out = run_cli("--picker-config", str(cfg), "--backend", "10.1.0.2:8000")
     assert out.returncode == 0, out.stderr
-    pool = cluster(yaml.safe_load(out.stdout), "inference_pool")
-    ports = [
-        e["endpoint"]["address"]["socket_address"]["address"]
-        for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]
-    ]
-    assert ports == ["10.1.0.2", "10.1.0.1"]
+    assert pool_hosts(out.stdout) == ["10.1.0.2", "10.1.0.1"]
 
 
 def test_a_prefill_only_endpoint_is_not_in_envoys_cluster(tmp_path: Path) -> None:
@@ -151,12 +155,7 @@ def test_a_prefill_only_endpoint_is_not_in_envoys_cluster(tmp_path: Path) -> Non
     cfg.write_text(yaml.safe_dump({"pool": {"backends": backends}}))
     out = run_cli("--picker-config", str(cfg))
     assert out.returncode == 0, out.stderr
-    pool = cluster(yaml.safe_load(out.stdout), "inference_pool")
-    hosts = [
-        e["endpoint"]["address"]["socket_address"]["address"]
-        for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]
-    ]
-    assert hosts == ["10.1.0.1", "10.1.0.3"]
+    assert pool_hosts(out.stdout) == ["10.1.0.1", "10.1.0.3"]
 
 
 def test_cli_warns_that_full_duplex_fail_open_needs_the_picker_health_checks() -> None:
