@@ -4,8 +4,9 @@
 (scaled by ``time_scale``), never more than ``max_concurrency`` at once, and the turns of a session in
 order, each only after the previous turn finished. Requests are sent streaming (``stream: true`` and
 ``stream_options.include_usage`` are forced unless ``force_stream=False``). Each ``RequestResult``
-holds the status, TTFT (first chunk with non-empty content/text), end-to-end latency, usage (None when
-the server sent none: unknown, not zero) and the ``x-kv-sim-name`` of the replica that served it.
+holds the status, TTFT (first chunk with non-empty content/text), the gaps between a stream's later content
+chunks (``token_gaps_s``: its inter-token latencies as the client sees them), end-to-end latency, usage (None
+when the server sent none: unknown, not zero) and the ``x-kv-sim-name`` of the replica that served it.
 
 Engine hit rate: ``scrape_prefix_cache_counters(urls)`` before and after the run, then
 ``engine_hit_rate(before, after)`` = Σ Δhits / Σ Δqueries over all replicas (tokens).
@@ -65,6 +66,8 @@ class RequestResult:
     cached_tokens: int | None = None
     served_by: str | None = None  # x-kv-sim-name response header
     error: str | None = None
+    # streamed: the time between each content chunk and the previous one, after the first (bound: one per token)
+    token_gaps_s: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -113,6 +116,7 @@ async def send_request(
     """Send one record and fill ``result`` (never raises for HTTP or connection errors)."""
     body = _prepare_body(record.body, force_stream)
     sent = time.perf_counter()
+    last_token = sent
     try:
         async with http.post(base_url.rstrip("/") + record.path, json=body, headers=headers) as resp:
             result.status = resp.status
@@ -130,8 +134,13 @@ async def send_request(
                         done = True
                         break
                     chunk = json.loads(data)
-                    if result.ttft_s is None and _chunk_text(chunk):
-                        result.ttft_s = time.perf_counter() - sent
+                    if _chunk_text(chunk):
+                        now = time.perf_counter()
+                        if result.ttft_s is None:
+                            result.ttft_s = now - sent
+                        else:
+                            result.token_gaps_s.append(now - last_token)
+                        last_token = now
                     if chunk.get("usage"):
                         _apply_usage(result, chunk["usage"])
                 if not done:
