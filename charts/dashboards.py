@@ -19,6 +19,8 @@ POOL = 'envoy_cluster_name="inference_pool"'
 PICKERS = 'envoy_cluster_name="kv_epp_picker"'
 FALLBACK = 'decision="fallback"'
 NOT_ROUTED = 'outcome!="routed"'
+PREFILL_DECODE = 'decision_type="prefill-decode"'
+TRANSFER = 'coefficient="transfer_ms_per_token"'
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 Target = tuple[str, str]  # (PromQL, legend)
 
@@ -222,6 +224,7 @@ def routing() -> dict[str, Any]:
     )
 
     flow_control(b)
+    disaggregation(b)
 
     b.row("Cached tokens (Tier 4): available, captured, delivered")
     cached = "continuum_picker_cached_tokens_total"
@@ -457,6 +460,46 @@ def flow_control(b: Board) -> None:
             "llm_d_epp_flow_control_request_queue_duration_seconds_bucket", "priority", 'outcome="dispatched"'
         ),
         "s",
+    )
+
+
+def disaggregation(b: Board) -> None:
+    """The "P/D disaggregation" row (picker/request/disagg.py; docs/pd.md): empty while disaggregation is off."""
+    b.row("P/D disaggregation")
+    b.panel(
+        "P/D decisions by type and reason",
+        "continuum_picker_disagg_decisions_total: prefill-decode (cost: the cost model agreed; threshold: llm-d's "
+        "rule alone) or decode-only (below_threshold, cheaper_local: the remote prefill plus the transfer was "
+        "predicted too slow, no_prefill_endpoint: none eligible, with fallback decode_only or the 503).",
+        [
+            (
+                f"sum by (decision_type, reason) ({rate('continuum_picker_disagg_decisions_total')})",
+                "{{decision_type}} {{reason}}",
+            )
+        ],
+        "reqps",
+        stack=True,
+    )
+    b.panel(
+        "Share of requests prefilled remotely",
+        'llm_d_epp_disagg_decision_total{decision_type="prefill-decode"} over all P/D decisions, by model.',
+        [
+            (
+                share(
+                    f"sum by (model_name) ({rate('llm_d_epp_disagg_decision_total', PREFILL_DECODE)})",
+                    f"sum by (model_name) ({rate('llm_d_epp_disagg_decision_total')})",
+                ),
+                "{{model_name}}",
+            )
+        ],
+        "percentunit",
+    )
+    b.panel(
+        "KV transfer cost (calibrated)",
+        'continuum_picker_ttft_model{coefficient="transfer_ms_per_token"} per picker: the transfer cost the P/D '
+        "decision adds per uncached token, fitted from streamed P/D requests' first tokens (transfer_samples).",
+        [(f"max by (pod) ({sel('continuum_picker_ttft_model', TRANSFER)})", "{{pod}}")],
+        "ms",
     )
 
 

@@ -63,7 +63,7 @@ StrategyName = Literal[
 HOT_RELOADABLE = frozenset(
     {
         "prefix_routing", "selection_strategy", "pool", "session_affinity", "admission", "response_cache",
-        "flow_control", "experiments", "model_rewrites", "metrics",
+        "flow_control", "experiments", "model_rewrites", "metrics", "disaggregation",
     }
 )  # fmt: skip
 # keys of hot-reloadable sections that are not: where the pool comes from (the discovery task is started once),
@@ -327,6 +327,9 @@ class BackendConfig(_Section):
     type: Literal["engine"] = "engine"
     address: str
     weight: int = Field(1, ge=1, le=1000)
+    # P/D (docs/pd.md): a decode endpoint's address is its routing sidecar's; prefill endpoints are sent prefill
+    # legs only (x-prefiller-host-port), never whole requests
+    role: Literal["prefill", "decode", "both"] = "both"
 
     @field_validator("address")
     @classmethod
@@ -610,6 +613,27 @@ class SessionAffinityConfig(_Section):
     token: bool = True
     ttl_seconds: float = Field(1800.0, gt=0.0)
     max_sessions: int = Field(100_000, ge=1, le=10_000_000)
+
+
+class DisaggregationConfig(_Section):
+    """Prefill/decode disaggregation (docs/pd.md). The decode endpoint is picked first (roles ``decode`` and
+    ``both``); when the prompt's uncached tokens on it are at least ``min_uncached_tokens`` (and the prompt at
+    least ``min_prompt_tokens``), a prefill endpoint (roles ``prefill`` and ``both``, scored by the cost model on
+    what it holds and its queue) is named in ``x-prefiller-host-port`` for the decode pod's routing sidecar.
+    ``decide: cost`` also asks the cost model: the predicted TTFT of a remote prefill plus the KV transfer must be
+    at most ``max_ttft_ratio`` x the local prefill's; ``threshold`` is llm-d's rule alone."""
+
+    enabled: bool = False
+    min_uncached_tokens: int = Field(512, ge=0, le=10_000_000)
+    min_prompt_tokens: int = Field(0, ge=0, le=10_000_000)
+    # no prefill endpoint eligible: refuse (503, reason no_prefill_endpoint) or decode locally (counted, logged)
+    fallback: Literal["reject", "decode_only"] = "reject"
+    decide: Literal["cost", "threshold"] = "cost"
+    # a remote prefill may be predicted this much slower than the local one and still be chosen: what it buys is
+    # the decode streams' inter-token latency on the decode endpoint, which a local prefill stalls
+    max_ttft_ratio: float = Field(1.2, ge=0.0, le=100.0)
+    # the KV transfer's prior cost per token (calibrated online from P/D requests' first tokens, ``/admin/pool``)
+    transfer_ms_per_token: float = Field(0.02, ge=0.0, le=100.0)
 
 
 class ExtProcTlsConfig(_Section):
@@ -1250,6 +1274,7 @@ class Settings(BaseSettings):
     # with pool.inference_pool: watch InferenceModelRewrite objects whose poolRef is ours (restart-required)
     watch_model_rewrites: bool = True
     metrics: MetricsConfig = MetricsConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
 
     @field_validator("model_rewrites")
     @classmethod

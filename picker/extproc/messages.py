@@ -12,6 +12,7 @@ from google.protobuf import struct_pb2
 
 from picker.config import SESSION_TOKEN_HEADER
 from picker.gemini.names import UPSTREAM_HEADER
+from picker.routing.disagg import PREFILLER_HEADER
 
 DEST_HEADER = "x-gateway-destination-endpoint"
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # envoy.lb: the endpoint Envoy actually used
@@ -89,17 +90,28 @@ def served_endpoint(req: pb.ProcessingRequest) -> str | None:
 
 
 def pick_response(
-    dest: str, content_length: int | None, *, on_body: bool, scores: dict[str, float] | None = None
+    dest: str,
+    content_length: int | None,
+    *,
+    on_body: bool,
+    scores: dict[str, float] | None = None,
+    prefiller: str | None = None,
 ) -> pb.ProcessingResponse:
     """The pick: the destination header (overwriting any client value), ``clear_route_cache``, the
     ``envoy.lb`` metadata (``dest`` is the ranked list ``ip:port[,ip:port...]``, the pick first; Envoy's
     override_host policy routes on the metadata and retries on the next entry), and ``content-length``
     when the body is re-sent (full duplex). Answers the request-headers phase, or the request-body phase
     (``on_body``, BUFFERED mode). ``scores`` (llm-d's ``--emit-endpoint-scores``): ``ip:port`` → score, a struct
-    under ``x-gateway-destination-endpoint-scores`` in the same metadata."""
+    under ``x-gateway-destination-endpoint-scores`` in the same metadata. ``prefiller``: P/D's prefill endpoint,
+    set as ``x-prefiller-host-port`` (overwriting every client value); without one any client value is removed, so
+    none reaches a decode pod's sidecar (docs/pd.md)."""
     r = pb.ProcessingResponse()
     common = r.request_body.response if on_body else r.request_headers.response
     set_header(common.header_mutation, DEST_HEADER, dest)
+    if prefiller is not None:
+        set_header(common.header_mutation, PREFILLER_HEADER, prefiller)
+    else:
+        common.header_mutation.remove_headers.append(PREFILLER_HEADER)
     if content_length is not None:
         set_header(common.header_mutation, "content-length", str(content_length))
     common.clear_route_cache = True

@@ -265,9 +265,11 @@ class RequestStream:
         if isinstance(result, ExternalExchange):
             return self._pick_external(result, body or b"", at_headers, body_eos)
         dest = result.decision.destinations()
+        pd = result.decision.disagg
+        pre = pd.prefill.address if pd is not None and pd.prefill is not None else None
         if result.body_out is not None and not at_headers:  # the request path rewrote the body (Anthropic)
-            return self._pick(dest, result.body_out, at_headers, body_eos, mutated=True, scores=result.scores)
-        return self._pick(dest, body or b"", at_headers, body_eos, scores=result.scores)
+            return self._pick(dest, result.body_out, at_headers, body_eos, True, result.scores, pre)
+        return self._pick(dest, body or b"", at_headers, body_eos, scores=result.scores, prefiller=pre)
 
     def _answer_itself(self, a: Answer) -> pb.ProcessingResponse:
         self._release_body()
@@ -283,20 +285,21 @@ class RequestStream:
         body_eos: bool,
         mutated: bool = False,
         scores: dict[str, float] | None = None,
+        prefiller: str | None = None,
     ) -> Sequence[pb.ProcessingResponse]:
         """The pick's answer. ``mutated``: ``body`` replaces the client's (full duplex: the echoed body is this
         one and ``content-length`` its length; BUFFERED: a body mutation with a matching ``content-length``, which
         Envoy requires when the headers are SEND, else it refuses the mutation with a local reply)."""
         if at_headers:
-            return (pick_response(dest, None, on_body=False, scores=scores),)
+            return (pick_response(dest, None, on_body=False, scores=scores, prefiller=prefiller),)
         if self.mode != FULL_DUPLEX:  # BUFFERED: the pick rides on the body answer
             if not mutated:
-                return (pick_response(dest, None, on_body=True, scores=scores),)
-            r = pick_response(dest, len(body), on_body=True, scores=scores)
+                return (pick_response(dest, None, on_body=True, scores=scores, prefiller=prefiller),)
+            r = pick_response(dest, len(body), on_body=True, scores=scores, prefiller=prefiller)
             r.request_body.response.body_mutation.body = body
             return (r,)
         # full duplex: the deferred headers answer, then the whole body back as streamed mutations
-        first = pick_response(dest, len(body), on_body=False, scores=scores)
+        first = pick_response(dest, len(body), on_body=False, scores=scores, prefiller=prefiller)
         return [first, *streamed_chunks(body, body_eos, request=True)]
 
     def _pick_external(

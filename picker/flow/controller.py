@@ -325,7 +325,7 @@ class FlowController:
     # -- dispatch -----------------------------------------------------------------------------------
     def level(self) -> float | None:
         """The pool's saturation now (None: no routable endpoint)."""
-        level = pool_saturation(self.pool.view(), self.cfg.saturation, self.engine_signals, self.closed_level)
+        level = pool_saturation(self.pool.decode_view(), self.cfg.saturation, self.engine_signals, self.closed_level)
         if level is not None:
             self.last_saturation = level
             self.listener.saturation(level)
@@ -398,7 +398,7 @@ class FlowController:
     def _expire(self, now: float) -> None:
         """Drop what waited too long: past its TTL while the pool has routable endpoints (429
         ``rejected-ttl-expired``), past ``no_endpoints_ttl_ms`` while it has none (503 ``rejected-no-endpoints``)."""
-        if self.pool.view().states:
+        if self.pool.decode_view().states:
             h = self._expiry
             while h and (h[0][2].gone or h[0][0] <= now):
                 _, _, item = heapq.heappop(h)

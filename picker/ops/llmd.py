@@ -178,6 +178,8 @@ class LlmdMetrics:
         # (endpoint, fairness id, priority) -> [requests, uncached prompt tokens] in flight; an entry leaves at 0;
         # bound: endpoints x capped fairness ids x priorities
         self.inflight: dict[tuple[str, str, str], list[int]] = {}
+        # P/D decisions (docs/pd.md): (decision_type, model label) -> count; bound: 2 types x capped models
+        self.disaggs: dict[tuple[str, str], int] = {}
         self.pool_rows: Callable[[], Iterable[PoolRow]] | None = None
         self.commit = os.environ.get("KV_EPP_COMMIT", "unknown")[:64]
         self.build_ref = os.environ.get("KV_EPP_BUILD_REF", __version__)[:64]
@@ -191,6 +193,11 @@ class LlmdMetrics:
         self.on = cfg.compat != "continuum"
         self.pool_name = cfg.pool_name or (ref.name if ref is not None else "kv-epp")
         self.namespace = (ref.namespace if ref is not None else None) or ""
+
+    def disagg(self, decision_type: str, model: str | None) -> None:
+        """One P/D decision, under the model's label (``unknown`` without one, as llm-d labels it)."""
+        k = (decision_type, self.models.bound(model) if model else "unknown")
+        self.disaggs[k] = self.disaggs.get(k, 0) + 1
 
     def pin_models(self, names: Iterable[str]) -> None:
         """The model names of the model rewrites' rules (matched models and targets), replacing the last set: they
@@ -386,6 +393,7 @@ def _observe(s: RequestSeries, slot: str, bounds: tuple[float, ...], value: floa
 
 # -- export ---------------------------------------------------------------------------------------------------
 CANONICAL = "llm_d_epp_"
+DISAGG_PLUGIN = "disagg-profile-handler"  # the llm-d plugin that counts P/D decisions (its plugin_name and type)
 # (canonical name, deprecated alias, RequestSeries slot, help): the request histograms
 _REQUEST_HISTOGRAMS = (
     ("request_duration_seconds", "inference_objective_request_duration_seconds", "duration",
@@ -581,6 +589,21 @@ class LlmdCollector(Collector):
             for strategy, h in list(sch.plugins.items()):
                 fam.add_metric(["decide", strategy, strategy], h.cumulative(), h.sum)
             yield fam
+        disagg = CounterMetricFamily(
+            CANONICAL + "disagg_decision",
+            "P/D disaggregation decisions by decision_type (decode-only, prefill-decode)",
+            labels=["plugin_name", "plugin_type", "model_name", "decision_type"],
+        )
+        old_disagg = CounterMetricFamily(
+            "llm_d_inference_scheduler_disagg_decision",
+            "[Deprecated: use llm_d_epp_disagg_decision_total] P/D disaggregation decisions",
+            labels=["model_name", "decision_type"],
+        )
+        for (dtype, model), n in list(m.disaggs.items()):
+            disagg.add_metric([DISAGG_PLUGIN, DISAGG_PLUGIN, model, dtype], n)
+            old_disagg.add_metric([model, dtype], n)
+        yield disagg
+        yield old_disagg
         for fname in (CANONICAL + "info", "inference_extension_info"):
             info = GaugeMetricFamily(fname, "kv-epp's build (KV_EPP_COMMIT, KV_EPP_BUILD_REF)", labels=["commit",
                                      "build_ref"])  # fmt: skip

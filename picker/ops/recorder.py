@@ -77,6 +77,8 @@ class DecisionRecorder:
         # reason -> [all: prompt, available, captured; observed: prompt, available, captured, delivered]
         self.cached: dict[str, list[int]] = {}
         self.predictions: dict[str, list[int]] = {}  # reason -> counts in PREDICTION_OUTCOMES order
+        # P/D decisions (docs/pd.md): (decision_type, reason) -> count; bound: 2 types x the few reasons
+        self.disaggs: dict[tuple[str, str], int] = {}
         metrics.registry.register(RecorderCollector(self))
         self.llmd = LlmdMetrics()  # llm-d's names: booked by the request path (picker.request.llmd)
         self.llmd_collector = LlmdCollector(self.llmd)
@@ -136,6 +138,13 @@ class DecisionRecorder:
         self.outcomes["routed"] = self.outcomes.get("routed", 0) + 1
         k = ("external", backend)
         self.decisions[k] = self.decisions.get(k, 0) + 1
+
+    def disagg(self, decision_type: str, reason: str, model: str | None) -> None:
+        """One P/D decision: ours by type and reason, llm-d's by type and model."""
+        k = (decision_type, reason)
+        self.disaggs[k] = self.disaggs.get(k, 0) + 1
+        if self.llmd.on:
+            self.llmd.disagg(decision_type, model)
 
     def refused(self, outcome: str) -> None:
         """A request answered by the picker itself: bad_request, no_backend, not_cached, error, draining,
@@ -216,6 +225,15 @@ class RecorderCollector(Collector):
         for (strategy, backend), n in list(r.decisions.items()):
             decisions.add_metric([strategy, backend], n)
         yield decisions
+        disagg = CounterMetricFamily(
+            "continuum_picker_disagg_decisions",
+            "P/D disaggregation decisions (docs/pd.md) by decision_type (decode-only, prefill-decode) and reason "
+            "(below_threshold, no_prefill_endpoint, cheaper_local, cost, threshold)",
+            labels=["decision_type", "reason"],
+        )
+        for (dtype, reason), n in list(r.disaggs.items()):
+            disagg.add_metric([dtype, reason], n)
+        yield disagg
         responses = CounterMetricFamily(
             "continuum_picker_backend_responses",
             "Upstream responses by backend and status class",

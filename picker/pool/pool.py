@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from picker.config import PoolConfig
 from picker.pool.calibration import TtftCalibrator, TtftSample
 from picker.pool.preemptions import PreemptionWindows
+from picker.routing.disagg import decode_candidates
 from picker.routing.endpoints import Endpoint, EndpointState, EngineSignals, PoolView, endpoint_load
 from picker.routing.served_models import ServedModels
 
@@ -182,7 +183,7 @@ class Pool:
         parked = self._standby
         new: dict[str, _EndpointStats] = {}
         aside: dict[str, _EndpointStats] = {}
-        eps = members if members is not None else (Endpoint(b.name, b.address, b.weight) for b in cfg.engines)
+        eps = members if members is not None else (Endpoint(b.name, b.address, b.weight, b.role) for b in cfg.engines)
         for table, group in ((new, eps), (aside, standby)):
             for ep in group:
                 if ep.name in new or ep.name in aside:
@@ -204,6 +205,8 @@ class Pool:
         self._stats = new
         self._standby = aside
         self._by_address = {s.endpoint.address: name for name, s in new.items()}
+        # P/D roles (docs/pd.md): some endpoint is not ``both`` (prefill-only ones never take a whole request)
+        self.has_roles = any(s.endpoint.role != "both" for s in (*new.values(), *aside.values()))
         self._snaps.clear()
         self._full_view = None
         self._next_readmit = min((s.ejected_until for s in new.values() if s.ejected_until), default=0.0)
@@ -220,6 +223,10 @@ class Pool:
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._stats)
+
+    def endpoints_roles(self) -> list[tuple[str, str]]:
+        """(name, P/D role) of every routed endpoint."""
+        return [(name, st.endpoint.role) for name, st in self._stats.items()]
 
     def addresses(self) -> dict[str, str]:
         """Name → address of every endpoint."""
@@ -458,6 +465,12 @@ class Pool:
         allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
         return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed), full.costs, full.served)
 
+    def decode_view(self, subset: Iterable[str] | None = None) -> PoolView:
+        """``view`` less the endpoints that never take a whole request (P/D's ``prefill`` role, docs/pd.md): what
+        decisions, admission and flow control's saturation look at."""
+        v = self.view(subset)
+        return decode_candidates(v) if self.has_roles else v
+
     def cost_model(self) -> dict[str, float]:
         """The TTFT model's current coefficients (``/admin/pool``, the ``continuum_picker_ttft_model`` gauge)."""
         c = self.calibrator.current
@@ -480,6 +493,7 @@ class Pool:
             {
                 "backend": name,
                 "address": st.endpoint.address,
+                "role": st.endpoint.role,
                 "healthy": self._healthy(st, now),
                 # out of rotation until its health probes answer (not a cooldown); being probed right now
                 "probe_ejected": st.ejected_until == math.inf,

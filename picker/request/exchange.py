@@ -44,7 +44,7 @@ class Exchange:
 
     __slots__ = (
         "_body_observers", "_ended", "_observers", "body_out", "cache", "decided_at", "decision", "facts",
-        "first_byte_at", "kv", "lease", "llmd", "scores", "served", "session_token", "status",
+        "first_byte_at", "kv", "lease", "llmd", "prefill_lease", "scores", "served", "session_token", "status",
     )  # fmt: skip
 
     def __init__(
@@ -57,6 +57,7 @@ class Exchange:
     ) -> None:
         self.decision = decision
         self.lease = lease
+        self.prefill_lease: Lease | None = None  # P/D: the prefill endpoint's, until the first byte (docs/pd.md)
         self._init_state(facts, observers, body_observers)
 
     def _init_state(
@@ -118,13 +119,17 @@ class Exchange:
         """The lease learns the first byte (latency, health); Tier 4's placement is undone on a failure."""
         ok = status is not None and status < 500 and (served is None or served == self.lease.endpoint.address)
         self.lease.first_byte(ok)
+        if self.prefill_lease is not None:  # the sidecar answers once the prefill leg is over
+            self.prefill_lease.release()
         kv = self.kv
         if kv is not None and kv.placed is not None and (not ok or status is None or status >= 400):
             kv.unplace()  # not cached there after all
 
     def _release(self) -> None:
-        """At the end, once: the in-flight slot goes back."""
+        """At the end, once: the in-flight slot goes back (and the prefill endpoint's, when no byte came)."""
         self.lease.release()
+        if self.prefill_lease is not None:
+            self.prefill_lease.release()
 
     def response_body(self, chunk: bytes, end: bool) -> None:
         for o in self._body_observers:

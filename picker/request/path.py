@@ -35,6 +35,7 @@ from picker.ops.recorder import DecisionRecorder
 from picker.pool.pool import Pool
 from picker.request.admission import Admission, overloaded_body
 from picker.request.anthropic import inject_cache_control, is_native_anthropic
+from picker.request.disagg import Disaggregation
 from picker.request.exchange import Exchange, ResponseObserver
 from picker.request.external import ExternalExchange
 from picker.request.health import HealthObserver, count_health_transitions
@@ -146,6 +147,7 @@ class RequestPath:
         # InferenceModelRewrites: the config's (configure) and the watched ones (runtime.compose sets ``watched``)
         self.rewrites = ModelRewrites(recorder.metrics.registry, model_labels=recorder.llmd.models)
         self.rewrites.on_change = self.llmd.rewrites_changed  # their model names keep labels of their own
+        self.disagg = Disaggregation(settings, pool, router, recorder)  # P/D (docs/pd.md)
         self._cache_warned = False
         self.configure(settings)
 
@@ -178,6 +180,8 @@ class RequestPath:
         self.tier4 = self.holds is not None and self.router.tier4_active()
         self.experiments.configure(settings, tier4_available=self.holds is not None)
         self.rewrites.configure(settings.model_rewrites)
+        if hasattr(self, "disagg"):  # built after the first configure
+            self.disagg.configure(settings, self.router)
         self.max_prefix_tokens = settings.kv_cache_index.tokenizer.max_prefix_tokens
         self.block_size = settings.kv_cache_index.tokenizer.block_size  # tokens per key block
         # the semantic cache's caller identity (hashed into RequestFacts.identity), read only while it is on
@@ -263,14 +267,18 @@ class RequestPath:
         subset: Sequence[str] | None,
         router: Router | None = None,
         cached_only: bool = False,
-    ) -> Decision | None:
+    ) -> Decision | Answer | None:
         """Stage 4: the pure decision over the pool's snapshot (by an experiment arm's ``router``, when given);
-        ``cached_only`` (``Prefer: if-available``): among the endpoints whose cache covers the prompt."""
-        view = self.pool.view(subset)
+        ``cached_only`` (``Prefer: if-available``): among the endpoints whose cache covers the prompt. With P/D
+        (docs/pd.md) the decision names the prefill endpoint too, or is the 503 when none may prefill."""
+        view = self.pool.decode_view(subset)  # the endpoints that take whole requests
         if cached_only:
             page_of = self.holds.page_tokens if self.holds is not None else None
             view = covering(view, prepared, self.block_size, page_of)
-        return (router or self.router).decide(facts, view, prepared)
+        decision = (router or self.router).decide(facts, view, prepared)
+        if decision is None or not self.disagg.enabled:
+            return decision
+        return self.disagg.apply(facts, prepared, decision, view)
 
     def commit(self, facts: RequestFacts, decision: Decision, prepared: Prepared) -> Exchange:
         """Stage 5: take the in-flight slot, remember the session, count the decision."""
@@ -280,10 +288,14 @@ class RequestPath:
         plan = self.kv.plan(prepared, name, page)
         # not tokenized: about 4 bytes of body per prompt token (an image's base64 is not its tokens)
         prefill = plan.prefill if plan is not None else min(facts.body_bytes // 4, self.max_prefix_tokens)
-        lease = self.pool.acquire(decision.endpoint, prefill, calibrate=plan is not None and plan.watch)
+        calibrate = plan is not None and plan.watch
+        pd = decision.disagg
+        if pd is not None and pd.prefill is not None:  # P/D: the prefill endpoint computes it; the transfer is not
+            prefill, calibrate = 0, False  # the TTFT model's to learn (picker.request.disagg.TransferFit is)
+        lease = self.pool.acquire(decision.endpoint, prefill, calibrate=calibrate)
         kv = None
         if plan is not None:
-            self.pool.calibrator.note_prefill(prefill)
+            self.pool.calibrator.note_prefill(plan.prefill)
             kv = self.kv.commit(plan, prepared, name, lease)
         if prepared.session is not None:
             self.sessions.put(prepared.session, decision.endpoint.name, _mono())
@@ -307,7 +319,7 @@ class RequestPath:
 
     def _admits(self, req: Inbound) -> bool:
         """Not saturated (admission control): the response cache's semantic path may run."""
-        return self.admission.saturation(self.pool.view(req.subset), self.pool.view()) is None
+        return self.admission.saturation(self.pool.decode_view(req.subset), self.pool.decode_view()) is None
 
     def overloaded(self, why: str) -> Answer:
         """The 429 of admission control (counted as outcome ``overloaded``)."""
@@ -375,7 +387,7 @@ class RequestPath:
         ``trial``, by its arm's config; the trial observes the exchange)."""
         flow = self.flow
         if not flow.enabled:
-            why = self.admission.saturation(self.pool.view(req.subset), self.pool.view())
+            why = self.admission.saturation(self.pool.decode_view(req.subset), self.pool.decode_view())
             if why is not None:  # shed before prepare: a saturated pool gets no tokenizer call either
                 return self.overloaded(why)
         arm = trial.arm if trial is not None else None
@@ -439,6 +451,10 @@ class RequestPath:
         else:  # the arm's router, on the arm's part of the pool
             subset = trial.arm.subset(req.subset, self._address_of)
             decision = self.decide(facts, prepared, subset, trial.arm.router, cached_only)
+        if isinstance(decision, Answer):  # P/D: no endpoint may prefill (disaggregation.fallback: reject)
+            self.recorder.refused("no_backend")
+            self.recorder.llmd.scheduled(None, _perf() - t1)
+            return decision
         self.recorder.llmd.scheduled(decision.strategy if decision is not None else None, _perf() - t1)
         if decision is None and cached_only:
             self.recorder.refused("not_cached")
@@ -452,6 +468,12 @@ class RequestPath:
             why = "no endpoint in the subset hint is eligible" if req.subset is not None else "no healthy backend"
             return Answer(503, error_body(why, "no_healthy_backend", "service_unavailable"), NO_BACKEND)
         ex = self.commit(facts, decision, prepared)
+        pd = decision.disagg
+        if pd is not None:
+            self.disagg.committed(ex)
+            if pd.prefill is not None and prepared.block_keys and self.tier4:
+                # the prefill endpoint will hold the prompt too, before its KV events say so (a guess, 30 s at most)
+                self.placements.record(pd.prefill.name, prepared.block_keys, _mono())
         if self.token:
             ex.session_token = self.tokens.mint(decision.endpoint.name)
         if self.emit_scores:

@@ -12,6 +12,7 @@ __all__ = [
     "BackendHold",
     "CostCoefficients",
     "Decision",
+    "Disagg",
     "Endpoint",
     "EndpointState",
     "EngineSignals",
@@ -28,6 +29,7 @@ class Endpoint:
     name: str
     address: str  # "ip:port", what Envoy's ORIGINAL_DST cluster connects to
     weight: int = 1
+    role: str = "both"  # P/D: prefill | decode | both (docs/pd.md); a decode endpoint's address is its sidecar's
 
 
 @dataclass(slots=True, frozen=True)
@@ -150,6 +152,21 @@ class BackendHold:
 
 
 @dataclass(slots=True, frozen=True)
+class Disagg:
+    """The P/D decision for one request (docs/pd.md): ``decision_type`` as llm-d counts it (``decode-only`` or
+    ``prefill-decode``), why (``reason``), the prefill endpoint when there is one, the uncached tokens on the decode
+    endpoint, and the cost model's predictions when it was asked (milliseconds; None otherwise)."""
+
+    decision_type: str
+    reason: str
+    prefill: Endpoint | None = None
+    uncached_tokens: int = 0
+    local_ms: float | None = None
+    remote_ms: float | None = None
+    prefill_tokens: int = 0  # the prompt tokens the prefill endpoint computes (not held there)
+
+
+@dataclass(slots=True, frozen=True)
 class Decision:
     """The pick. ``reason`` is the metric label (prefix_hash/overflow/fallback/kv_aware/round_robin/...).
 
@@ -168,6 +185,7 @@ class Decision:
     # each scored candidate's score, by name, higher is better (Tier 4's overlap, or the cost model's best
     # predicted TTFT over the endpoint's, both in 0..1); None when the pick was not scored (a strategy, a session)
     scores: Mapping[str, float] | None = None
+    disagg: Disagg | None = None  # the P/D decision (None: disaggregation off)
 
     def destinations(self) -> str:
         """The ranked list as the wire carries it: ``ip:port`` of the pick, then of each fallback, comma-separated."""

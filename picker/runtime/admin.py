@@ -232,6 +232,7 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
             "ttft_model": app.pool.cost_model(),
             "pool": app.pool_status(),
             "discovery": app.discovery.status() if app.discovery is not None else None,
+            "disaggregation": app.path.disagg.report(),  # P/D (docs/pd.md): settings, roles, the transfer fit
         }
         return web.json_response(body)
 

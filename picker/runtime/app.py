@@ -139,6 +139,9 @@ class PickerApp:
             self.metrics.backend_healthy.labels(name).set(0)
         for name, value in self.pool.cost_model().items():
             self.metrics.ttft_model.labels(name).set(value)
+        transfer = self.path.disagg.fit  # P/D's KV transfer cost (docs/pd.md), beside the TTFT model it extends
+        self.metrics.ttft_model.labels("transfer_ms_per_token").set(transfer.value)
+        self.metrics.ttft_model.labels("transfer_samples").set(transfer.samples)
 
     # -- the pool's members ----------------------------------------------------------------------
     def _set_members(
@@ -179,8 +182,8 @@ class PickerApp:
         """A discovery snapshot: the pool routes to exactly its ready backends (weight 1), its unready ones are
         on standby (followed by Tier 4, not routed to); the first one syncs the pool. Synchronous, on the event
         loop (``Discovery.run`` calls it)."""
-        members = [Endpoint(b.name, b.address, 1) for b in snapshot.backends if b.ready]
-        standby = [Endpoint(b.name, b.address, 1) for b in snapshot.backends if not b.ready]
+        members = [Endpoint(b.name, b.address, 1, b.role) for b in snapshot.backends if b.ready]
+        standby = [Endpoint(b.name, b.address, 1, b.role) for b in snapshot.backends if not b.ready]
         added, gone, moved = self._set_members(self.settings.pool, members, standby)
         namespace = next((b.namespace for b in snapshot.backends if b.namespace), None)
         if namespace is not None:  # an InferencePool's pods share its namespace: x-session-token names ns/pod

@@ -1,4 +1,4 @@
-"""The ``kv-epp`` command: serve, config validate, envoy-config, experiment report, conformance."""
+"""The ``kv-epp`` command: serve, config validate, envoy-config, experiment report, conformance, pd-sidecar."""
 
 from __future__ import annotations
 
@@ -232,6 +232,14 @@ def _conformance(args: argparse.Namespace) -> int:
     return conformance_main(args)
 
 
+def _pd_sidecar(args: argparse.Namespace) -> int:
+    """``pd-sidecar``: the P/D routing sidecar in front of a decode pod's engine (docs/pd.md, "The routing
+    sidecar"); exit 0 after a drain, 2 with one ``error:`` line on a bad flag or a busy port."""
+    from picker.pdsidecar.run import main as pd_sidecar_main  # imported late: it pulls in aiohttp
+
+    return pd_sidecar_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``kv-epp``'s parser. The global flags (``--log-level``) are accepted before the subcommand and after
     it: every subcommand's parser takes them too, with no default of its own, so one given before is kept."""
@@ -361,6 +369,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_conformance_arguments(k)
     k.set_defaults(func=_conformance)
+
+    d = sub.add_parser(
+        "pd-sidecar",
+        help="the prefill/decode routing sidecar of a decode pod (llm-d's pd-sidecar contract): runs the prefill leg"
+        " where x-prefiller-host-port says, then the decode leg on the local engine",
+        parents=[common],
+    )
+    from picker.pdsidecar.options import add_arguments as add_pd_sidecar_arguments
+
+    add_pd_sidecar_arguments(d)
+    d.set_defaults(func=_pd_sidecar)
     return p
 
 

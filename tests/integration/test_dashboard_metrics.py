@@ -69,6 +69,9 @@ NO_SAMPLE_HERE: dict[str, str] = {
     "continuum_picker_flow_control_queued_requests": "a request queued by flow control",
     "llm_d_epp_flow_control_requests_total": "a request through flow control (flow_control.enabled)",
     "llm_d_epp_flow_control_request_queue_duration_seconds_bucket": "a request through flow control",
+    # P/D (docs/pd.md) is off here, as in the chart's default: its decisions are counted once it is on
+    "continuum_picker_disagg_decisions_total": "a P/D decision (disaggregation.enabled; test_disagg_envoy.py)",
+    "llm_d_epp_disagg_decision_total": "a P/D decision (disaggregation.enabled; test_disagg_envoy.py)",
 }
 
 

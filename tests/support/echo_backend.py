@@ -98,6 +98,8 @@ def make_app(name: str) -> web.Application:
             headers = {"x-backend": name, "x-body-bytes": str(len(body))}
             dest = request.headers.get("x-gateway-destination-endpoint", "")
             headers["x-seen-destination"] = dest
+            # P/D (docs/pd.md): what reached the upstream of llm-d's prefill header, every value ("<absent>": none)
+            headers["x-seen-prefiller"] = ",".join(request.headers.getall("x-prefiller-host-port", [])) or "<absent>"
             if data.get("stream"):
                 resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
                 await resp.prepare(request)

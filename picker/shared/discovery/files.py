@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -31,6 +32,7 @@ class _FileBackend(BaseModel):
     address: IpPort
     annotations: dict[str, str] = Field(default_factory=dict, max_length=MAX_ANNOTATIONS)
     ready: bool = True
+    role: Literal["prefill", "decode", "both"] = "both"  # P/D (docs/pd.md)
 
 
 class _BackendsFile(BaseModel):
@@ -77,6 +79,7 @@ def load_backends_file(path: str | Path) -> tuple[DiscoveredBackend, ...]:
                 port=int(port),
                 annotations=tuple(sorted(b.annotations.items())),
                 ready=b.ready,
+                role=b.role,
             )
         )
     out.sort(key=lambda d: d.name)

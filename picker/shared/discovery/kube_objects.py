@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from picker.shared.config_files import BACKEND_NAME_RE
+from picker.shared.discovery.model import ROLE_LABEL, role_of
 
 
 class BadPool(Exception):
@@ -60,6 +61,7 @@ class Pod:
     ready: bool  # its Ready condition is True
     terminating: bool  # metadata.deletionTimestamp is set
     annotations: tuple[tuple[str, str], ...]
+    role: str = "both"  # P/D: its llm-d.ai/role label (model.role_of)
 
     @property
     def published(self) -> bool:
@@ -71,9 +73,11 @@ class Pod:
         """Published and Ready: a backend the picker routes to."""
         return self.published and self.ready
 
-    def view(self) -> tuple[str, bool, tuple[tuple[str, str], ...]] | None:
+    def view(self) -> tuple[str, bool, tuple[tuple[str, str], ...], str] | None:
         """What the published backends depend on: nothing unless published."""
-        return (self.ip, self.ready, self.annotations) if self.ip is not None and not self.terminating else None
+        if self.ip is None or self.terminating:
+            return None
+        return (self.ip, self.ready, self.annotations, self.role)
 
 
 def parse_pod(obj: Mapping[str, Any]) -> tuple[str, Pod]:
@@ -100,11 +104,13 @@ def parse_pod(obj: Mapping[str, Any]) -> tuple[str, Pod]:
     ready = any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     raw = meta.get("annotations") or {}
     annotations = tuple(sorted((str(k), str(v)) for k, v in raw.items())) if isinstance(raw, dict) else ()
+    labels = meta.get("labels")
+    role = role_of(str(labels.get(ROLE_LABEL) or "")) if isinstance(labels, dict) else "both"
     # A pod that has ended (Failed, e.g. Evicted, or Succeeded) keeps its podIP until it is garbage-collected,
     # and that IP may already belong to another pod: it counts as gone, like a terminating one (as in
     # EndpointSlices).
     ended = status.get("phase") in ("Failed", "Succeeded")
-    return name, Pod(ip, ready, ended or bool(meta.get("deletionTimestamp")), annotations)
+    return name, Pod(ip, ready, ended or bool(meta.get("deletionTimestamp")), annotations, role)
 
 
 POOL_GROUP = "inference.networking.k8s.io"  # an InferenceObjective's spec.poolRef.group default

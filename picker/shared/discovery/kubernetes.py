@@ -615,6 +615,7 @@ class KubernetesPoolDiscovery(KubeFollower):
                 namespace=self._namespace or "",
                 annotations=pod.annotations,
                 ready=pod.ready,
+                role=pod.role,
             )
             for name, pod in self._pods.items()
             if pod.ip is not None and not pod.terminating

@@ -22,6 +22,7 @@ class DiscoveredBackend:
     namespace: str = ""
     annotations: tuple[tuple[str, str], ...] = field(default=())  # the pod's annotations, sorted by key
     ready: bool = True
+    role: str = "both"  # P/D: prefill | decode | both (the pod label llm-d.ai/role; role_of)
 
     @property
     def address(self) -> str:
@@ -51,6 +52,20 @@ class PoolSnapshot:
     def ready_names(self) -> tuple[str, ...]:
         """The names of the backends to route to (their pods are Ready)."""
         return tuple(b.name for b in self.backends if b.ready)
+
+
+ROLE_LABEL = "llm-d.ai/role"  # llm-d's P/D role label on a model server's pod (docs/pd.md)
+ROLES = ("prefill", "decode", "both")
+# llm-d's label values: prefill-decode (and our ``both``) serve either leg; encode variants are not text roles
+_ROLE_VALUES = {"prefill": "prefill", "decode": "decode", "prefill-decode": "both", "both": "both"}
+
+
+def role_of(label: str | None) -> str:
+    """The P/D role a pod label value names: ``prefill``, ``decode`` or ``both`` (no label, ``prefill-decode``,
+    ``both``, or a value this picker does not know, such as llm-d's encode roles: it serves whole requests)."""
+    if not label:
+        return "both"
+    return _ROLE_VALUES.get(label.strip().lower(), "both")
 
 
 def backend_name(pod: str, rank: int, ports: int) -> str:
