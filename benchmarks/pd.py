@@ -82,7 +82,7 @@ from benchmarks.stack import (
     PickerProcess,
     free_port,
     make_workdir,
-    spawn_ready,
+    spawn_ready_line,
     start_envoy,
     start_listener,
     start_picker,
@@ -190,18 +190,22 @@ def picker_config(arm: Arm) -> dict[str, Any]:
 
 
 # -- the stack ------------------------------------------------------------------------------------------
+SIDECAR_READY = "kv-epp pd-sidecar ready "
+
+
 def start_sidecar(
     name: str, engine: SimulatorProcess, prefill: Sequence[str], workdir: Path
 ) -> tuple[ManagedProcess, str]:
-    """``kv-epp pd-sidecar`` in front of ``engine`` (NIXL v2), allowing ``prefill`` (``ip:port``) as targets;
-    returns the process and its ``ip:port``."""
-    port = free_port()
+    """``kv-epp pd-sidecar`` in front of ``engine`` (NIXL v2), allowing ``prefill`` (``ip:port``) as targets, on a
+    port it binds itself; returns the process and its ``ip:port`` (from its ready line)."""
     argv = [
-        sys.executable, "-m", "picker", "pd-sidecar", "--port", str(port), "--model-server-host", "127.0.0.1",
-        "--model-server-port", str(engine.port), "--kv-connector", "nixlv2",
+        sys.executable, "-m", "picker", "pd-sidecar", "--host", "127.0.0.1", "--port", "0",
+        "--model-server-host", "127.0.0.1", "--model-server-port", str(engine.port), "--kv-connector", "nixlv2",
         "--prefill-targets", ",".join(prefill),
     ]  # fmt: skip
-    return spawn_ready(name, argv, workdir, f"http://127.0.0.1:{port}/health"), f"127.0.0.1:{port}"
+    mp, line = spawn_ready_line(name, argv, workdir, SIDECAR_READY)
+    fields = dict(part.split("=", 1) for part in line.removeprefix(SIDECAR_READY).split() if "=" in part)
+    return mp, fields["port"]
 
 
 @dataclass
