@@ -44,6 +44,7 @@ from benchmarks.trace import TraceRecord
 
 log = logging.getLogger(__name__)
 
+PREFILL_HEADER = "x-kv-epp-prefill"  # how kv-epp's P/D sidecar served a request (absent: passed through)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -65,6 +66,7 @@ class RequestResult:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     served_by: str | None = None  # x-kv-sim-name response header
+    prefill: str | None = None  # x-kv-epp-prefill (kv-epp pd-sidecar's answers): remote, local-fallback, failed
     error: str | None = None
     # streamed: the time between each content chunk and the previous one, after the first (bound: one per token)
     token_gaps_s: list[float] = field(default_factory=list)
@@ -121,6 +123,7 @@ async def send_request(
         async with http.post(base_url.rstrip("/") + record.path, json=body, headers=headers) as resp:
             result.status = resp.status
             result.served_by = resp.headers.get(NAME_HEADER)
+            result.prefill = resp.headers.get(PREFILL_HEADER)
             if resp.status >= 300:
                 result.error = (await resp.text())[:500]
             elif resp.content_type == "text/event-stream":

@@ -360,6 +360,9 @@ def figures(run: ArmRun, time_scale: float = 1.0) -> dict[str, Any]:
     ttft = [r.ttft_s * scale for r in ok if r.ttft_s is not None]
     arrival = [(max(0.0, r.start_s - r.scheduled_s) + r.ttft_s) * scale for r in ok if r.ttft_s is not None]
     long_ttft = [r.ttft_s * scale for r in ok if r.ttft_s is not None and kinds[r.index] == "long"]
+    # the long prompts by where they were prefilled: remotely (the sidecar's x-kv-epp-prefill: remote) or locally
+    long_remote = [r.ttft_s * scale for r in ok if r.ttft_s and kinds[r.index] == "long" and r.prefill == "remote"]
+    long_local = [r.ttft_s * scale for r in ok if r.ttft_s and kinds[r.index] == "long" and r.prefill != "remote"]
     stream_ttft = [r.ttft_s * scale for r in ok if r.ttft_s is not None and kinds[r.index] == "stream"]
     duration = run.wall_s * scale
     output_tokens = sum(r.completion_tokens or 0 for r in ok)
@@ -378,6 +381,10 @@ def figures(run: ArmRun, time_scale: float = 1.0) -> dict[str, Any]:
         "ttft_from_arrival_ms": {"p50": _ms(arrival, 0.5), "p99": _ms(arrival, 0.99)},
         "stream_ttft_ms": {"p50": _ms(stream_ttft, 0.5), "p99": _ms(stream_ttft, 0.99)},
         "long_ttft_ms": {"p50": _ms(long_ttft, 0.5), "p99": _ms(long_ttft, 0.99)},
+        "long_ttft_by_prefill_ms": {
+            "remote": {"count": len(long_remote), "p50": _ms(long_remote, 0.5), "p99": _ms(long_remote, 0.99)},
+            "local": {"count": len(long_local), "p50": _ms(long_local, 0.5), "p99": _ms(long_local, 0.99)},
+        },
         "output_tokens_per_s": round(output_tokens / duration, 1) if duration > 0 else None,
         "achieved_rate": round(len(ok) / duration, 3) if duration > 0 else None,
         "target_rate": round(len(run.records) / max((r.t for r in run.records), default=1.0), 3),
@@ -513,11 +520,28 @@ def summary(doc: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+TTFT_HEADER = (
+    "| run | stream TTFT p50 / p99 ms | long TTFT p50 / p99 ms | long, prefilled remotely: n, p50 / p99 ms | "
+    "long, prefilled locally: n, p50 / p99 ms |\n|---|---|---|---|---|"
+)
+
+
+def ttft_row(name: str, f: Mapping[str, Any]) -> str:
+    by = f["long_ttft_by_prefill_ms"]
+    return (
+        f"| {name} | {f['stream_ttft_ms']['p50']} / {f['stream_ttft_ms']['p99']} | {f['long_ttft_ms']['p50']} / "
+        f"{f['long_ttft_ms']['p99']} | {by['remote']['count']}, {by['remote']['p50']} / {by['remote']['p99']} | "
+        f"{by['local']['count']}, {by['local']['p50']} / {by['local']['p99']} |"
+    )
+
+
 def markdown(doc: Mapping[str, Any]) -> str:
     lines = [HEADER]
+    runs: list[tuple[str, Mapping[str, Any]]] = []
     for seed, per in doc["seeds"].items():
-        lines.append(row(f"aggregated, seed {seed}", per["aggregated"]))
-        lines.append(row(f"P/D, seed {seed}", per["pd"]))
+        runs += [(f"aggregated, seed {seed}", per["aggregated"]), (f"P/D, seed {seed}", per["pd"])]
+    lines += [row(name, f) for name, f in runs]
+    lines += ["", "TTFT by request class:", "", TTFT_HEADER, *(ttft_row(name, f) for name, f in runs)]
     s = doc.get("summary") or {}
     if s:
         lines += ["", "| P/D ÷ aggregated | per seed | median | worst |", "|---|---|---|---|"]
@@ -535,6 +559,8 @@ def markdown(doc: Mapping[str, Any]) -> str:
         lines += ["", "min_uncached_tokens sweep (P/D arm):", "", HEADER]
         for label, f in doc["sweep"].items():
             lines.append(row(f"min_uncached_tokens={label}", f))
+        lines += ["", TTFT_HEADER]
+        lines += [ttft_row(f"min_uncached_tokens={label}", f) for label, f in doc["sweep"].items()]
     return "\n".join(lines) + "\n"
 
 

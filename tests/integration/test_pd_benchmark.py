@@ -32,6 +32,7 @@ def test_quick_pd_arm(tmp_path: Path) -> None:
     held = sum(run.engines[n]["kv_sim_kv_transfers_held_total"] for n in prefill)
     loads = sum(run.engines[n]["kv_sim_kv_loads_total"] for n in decode)
     assert held == decisions["prefill-decode/cost"] == loads  # every prefill leg was read by its decode engine
+    assert sum(r.prefill == "remote" for r in run.results) == held  # the sidecar's x-kv-epp-prefill: remote
     assert sum(run.engines[n]["kv_sim_kv_load_failures_total"] for n in decode) == 0
     assert sum(run.engines[n]["vllm:generation_tokens_total"] for n in prefill) == held  # one token per leg
     assert f["itl_ms"]["gaps"] > 0 and f["itl_ms"]["p50"] is not None

@@ -6,7 +6,18 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.loadgen import RequestResult
-from benchmarks.pd import NEVER, Arm, ArmRun, PdWorkload, figures, parse_sweep, picker_config, ratios, summary
+from benchmarks.pd import (
+    NEVER,
+    Arm,
+    ArmRun,
+    PdWorkload,
+    figures,
+    markdown,
+    parse_sweep,
+    picker_config,
+    ratios,
+    summary,
+)
 
 
 def test_the_workload_is_seeded_and_has_both_classes() -> None:
@@ -59,6 +70,10 @@ def test_figures_pool_the_gaps_and_count_the_decisions() -> None:
     assert f["output_tokens_per_s"] == 4.5 and f["success_rate"] == 1.0
     half = ratios({**f, "itl_ms": {**f["itl_ms"], "p99": f["itl_ms"]["p99"] / 2}}, f)
     assert half["itl_p99"] == 0.5 and half["ttft_p99"] == 1.0
+    doc = {"seeds": {"0": {"aggregated": f, "pd": f, "ratios": ratios(f, f)}}, "sweep": {"inf": f}}
+    doc["summary"] = summary(doc)
+    md = markdown(doc)
+    assert "| P/D, seed 0 | 10.0 |" in md and "| min_uncached_tokens=inf |" in md and "TTFT p99 ≤ 1.2x: met" in md
 
 
 def test_the_summary_checks_the_targets_on_the_worst_seed() -> None:
