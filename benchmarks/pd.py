@@ -2,7 +2,7 @@
 
     python -m benchmarks.pd [--quick] [--seeds 0,1,2] [--replicas 4] [--prefill-replicas 2]
         [--duration-s 60] [--sweep 0,256,512,1024,2048,inf | --no-sweep] [--sweep-seed 0]
-        [--min-uncached-tokens 512] [--transfer-ms-per-token 0.02] [--out DIR]
+        [--min-uncached-tokens 512] [--decide cost|threshold] [--transfer-ms-per-token 0.02] [--out DIR]
 
 Two arms on the same replicas (``--replicas`` simulated vLLM engines, identical: the NixlConnector model with
 ``kv_role`` both, so either arm may use any of them), cold for every run (fresh engines), through the real
@@ -13,7 +13,9 @@ Envoy, picker (Tier 4 with the cost-model scorer, fed by the kv-listener) and th
 - ``pd``: ``--prefill-replicas`` of them ``role: prefill``, the others ``role: decode`` behind one ``kv-epp
   pd-sidecar`` each (``--kv-connector nixlv2``, the prefill endpoints its allowlist), and ``disaggregation:
   {enabled: true, min_uncached_tokens: N}``: the picker picks the decode endpoint (its sidecar) and, when the
-  prompt's uncached tokens there are at least N and the cost model agrees, names a prefill endpoint in
+  prompt's uncached tokens there are at least N and the cost model agrees (``--decide cost``, the picker's
+  default: a remote prefill plus the transfer predicted at most 1.2x the local one; ``--decide threshold`` is
+  llm-d's rule, the threshold alone), names a prefill endpoint in
   ``x-prefiller-host-port``; the sidecar runs the prefill leg there (``max_tokens`` 1, ``do_remote_decode``),
   then the decode leg on its engine with the returned ``kv_transfer_params``: the engine loads the KV
   (``transfer_ms_per_token`` per token) instead of prefilling.
@@ -172,6 +174,7 @@ class Arm:
     name: str
     prefill_replicas: int = 0
     min_uncached_tokens: int | None = None  # None: disaggregation off
+    decide: str = "cost"  # the picker's disaggregation.decide: cost (its default) or threshold (llm-d's rule)
 
     @property
     def disaggregated(self) -> bool:
@@ -185,7 +188,11 @@ def picker_config(arm: Arm) -> dict[str, Any]:
     assert base is not None
     config = json.loads(json.dumps(base))  # a deep copy
     if arm.disaggregated:
-        config["disaggregation"] = {"enabled": True, "min_uncached_tokens": arm.min_uncached_tokens}
+        config["disaggregation"] = {
+            "enabled": True,
+            "min_uncached_tokens": arm.min_uncached_tokens,
+            "decide": arm.decide,
+        }
     return dict(config)
 
 
@@ -455,12 +462,13 @@ def run(
     replicas: int = 4,
     prefill_replicas: int = 2,
     min_uncached_tokens: int = 512,
+    decide: str = "cost",
     sim: SimConfig = PD_SIM,
 ) -> dict[str, Any]:
     """Both arms on every seed (interleaved: aggregated, P/D, next seed), then the sweep; writes the results."""
     workdir = make_workdir("kv-epp-pd-")
     aggregated = Arm("aggregated")
-    pd = Arm("pd", prefill_replicas, min_uncached_tokens)
+    pd = Arm("pd", prefill_replicas, min_uncached_tokens, decide)
     doc: dict[str, Any] = {
         "params": {
             "workload": dataclasses.asdict(workload),
@@ -468,6 +476,7 @@ def run(
             "replicas": replicas,
             "prefill_replicas": prefill_replicas,
             "min_uncached_tokens": min_uncached_tokens,
+            "decide": decide,
             "seeds": list(seeds),
             "sim": {k: getattr(sim, k) for k in SIM_PARAMS},
             "picker": {"aggregated": picker_config(aggregated), "pd": picker_config(pd)},
@@ -489,7 +498,7 @@ def run(
         doc["seeds"][str(seed)] = per_seed
     doc["summary"] = summary(doc)
     for threshold in sweep:
-        arm = Arm(f"pd-min{_label(threshold)}", prefill_replicas, threshold)
+        arm = Arm(f"pd-min{_label(threshold)}", prefill_replicas, threshold, decide)
         print(f"[sweep] min_uncached_tokens={_label(threshold)} (seed {sweep_seed}) ...", flush=True)
         doc["sweep"][_label(threshold)] = figures(
             asyncio.run(run_arm(arm, workload, sweep_seed, workdir, replicas, sim))
@@ -577,6 +586,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--prefill-replicas", type=int, default=2)
     ap.add_argument("--min-uncached-tokens", type=int, default=512, help="the P/D arm's threshold")
+    ap.add_argument(
+        "--decide",
+        choices=("cost", "threshold"),
+        default="cost",
+        help="the P/D arm's disaggregation.decide: cost (the picker's default) or threshold (llm-d's rule)",
+    )
     ap.add_argument("--duration-s", type=float, default=None, help="simulated seconds of arrivals (default 60)")
     ap.add_argument("--sweep", default=DEFAULT_SWEEP, help="min_uncached_tokens values (inf: never)")
     ap.add_argument("--no-sweep", action="store_true")
@@ -598,7 +613,18 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [0] if a.quick else [int(s) for s in a.seeds.split(",") if s.strip()]
     sweep = [] if a.no_sweep else parse_sweep("512,inf" if a.quick else a.sweep)
     sim = dataclasses.replace(PD_SIM, transfer_ms_per_token=a.transfer_ms_per_token)
-    doc = run(workload, seeds, sweep, a.sweep_seed, a.out, a.replicas, a.prefill_replicas, a.min_uncached_tokens, sim)
+    doc = run(
+        workload,
+        seeds,
+        sweep,
+        a.sweep_seed,
+        a.out,
+        a.replicas,
+        a.prefill_replicas,
+        a.min_uncached_tokens,
+        a.decide,
+        sim,
+    )
     print()
     print(markdown(doc))
     print(f"wrote {a.out}/results.json and results.md")
