@@ -1,18 +1,26 @@
 """Two simulated vLLM engines doing prefill/decode disaggregation over HTTP, as llm-d's sidecar drives them:
 the prefill leg on the producer (``do_remote_decode``, ``max_tokens: 1``), the decode leg on the consumer with
-the producer's ``kv_transfer_params`` (NixlConnector's wire), and the side channel between the two engines.
+the producer's ``kv_transfer_params`` (NixlConnector's wire), and the side channel between the two engines; and
+the shared-storage connector behind the real ``kv-epp pd-sidecar``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
+import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
 from benchmarks.engine_sim import EngineSimulator, SimConfig
+from benchmarks.engine_sim.process import SimulatorProcess
+from benchmarks.pd import SIDECAR_READY
+from benchmarks.stack import spawn_ready_line
 from tests.support.poll import async_wait_until
 
 PROMPT = " ".join(f"pd{j}" for j in range(700))  # 700 tokens
@@ -104,3 +112,36 @@ async def test_malformed_transfer_params_are_400(
         http, consumer.base_url, {"prompt": PROMPT, "kv_transfer_params": {"remote_block_ids": "1,2"}}
     )
     assert status == 400 and "remote_block_ids" in body["message"]
+
+
+def test_shared_storage_through_the_pd_sidecar(tmp_path: Path) -> None:
+    """vLLM's ExampleConnector as the real-engine tier measured it (docs/wire.md section 6), through the real
+    ``kv-epp pd-sidecar --kv-connector shared-storage``: 3,616 of a 3,621-token prompt cached on the consumer."""
+    base = SimConfig(
+        kv_connector="shared-storage", kv_shared_storage_path=str(tmp_path / "kv"), block_size=32, time_scale=0.01
+    )
+    producer = SimulatorProcess(dataclasses.replace(base, name="p", kv_role="producer", kv_events_enabled=False))
+    consumer = SimulatorProcess(dataclasses.replace(base, name="d", kv_role="consumer", kv_events_enabled=False))
+    producer.start()
+    sidecar = None
+    try:
+        consumer.start()
+        argv = [
+            sys.executable, "-m", "picker", "pd-sidecar", "--host", "127.0.0.1", "--port", "0",
+            "--model-server-port", str(consumer.port), "--kv-connector", "shared-storage",
+            "--prefill-targets", producer.address,
+        ]  # fmt: skip
+        sidecar, line = spawn_ready_line("sidecar", argv, tmp_path, SIDECAR_READY)
+        address = dict(p.split("=", 1) for p in line.split() if "=" in p)["port"]
+        body = json.dumps({"prompt": " ".join(f"w{i}" for i in range(3621)), "max_tokens": 4}).encode()
+        headers = {"Content-Type": "application/json", "x-prefiller-host-port": producer.address}
+        request = urllib.request.Request(f"http://{address}/v1/completions", body, headers)
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert resp.headers["x-kv-epp-prefill"] == "remote"
+            usage = json.loads(resp.read())["usage"]
+        assert usage["prompt_tokens"] == 3621 and usage["prompt_tokens_details"]["cached_tokens"] == 3616
+    finally:
+        if sidecar is not None:
+            sidecar.stop()
+        consumer.stop()
+        producer.stop()

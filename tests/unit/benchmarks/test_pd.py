@@ -53,9 +53,14 @@ def test_figures_pool_the_gaps_and_count_the_decisions() -> None:
         _result(1, 0.50, [0.2, 0.01], start=1.1, sched=1.0),
         _result(2, 0.05, [0.01, 0.01]),
     ]
+    counters = (
+        "kv_sim_steps_total",
+        "kv_sim_decode_steps_with_prefill_total",
+        "kv_sim_prefill_tokens_in_decode_steps_total",
+    )
     engines = {
-        "sim-0": dict.fromkeys(("kv_sim_steps_total", "kv_sim_decode_steps_with_prefill_total"), 0.0),
-        "sim-1": {"kv_sim_steps_total": 100.0, "kv_sim_decode_steps_with_prefill_total": 4.0},
+        "sim-0": dict.fromkeys(counters, 0.0),
+        "sim-1": dict(zip(counters, (100.0, 4.0, 5000.0), strict=True)),
     }
     decisions = {"prefill-decode/cost": 1.0, "decode-only/below_threshold": 2.0}
     run = ArmRun(
@@ -66,7 +71,7 @@ def test_figures_pool_the_gaps_and_count_the_decisions() -> None:
     assert f["ttft_ms"]["p50"] == 50.0
     assert f["ttft_from_arrival_ms"]["p99"] == pytest.approx(589.0, abs=0.5)  # of 50, 50, 600 ms (0.1 s late)
     assert f["prefill_leg_share"] == pytest.approx(1 / 3, abs=1e-3)
-    assert f["decode_steps_with_prefill_share"] == 0.04  # decode engines only
+    assert f["decode_steps_with_prefill_share"] == 0.04 and f["prefill_tokens_beside_decodes"] == 5000  # decoders
     assert f["output_tokens_per_s"] == 4.5 and f["success_rate"] == 1.0
     half = ratios({**f, "itl_ms": {**f["itl_ms"], "p99": f["itl_ms"]["p99"] / 2}}, f)
     assert half["itl_p99"] == 0.5 and half["ttft_p99"] == 1.0
