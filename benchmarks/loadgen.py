@@ -4,8 +4,9 @@
 (scaled by ``time_scale``), never more than ``max_concurrency`` at once, and the turns of a session in
 order, each only after the previous turn finished. Requests are sent streaming (``stream: true`` and
 ``stream_options.include_usage`` are forced unless ``force_stream=False``). Each ``RequestResult``
-holds the status, TTFT (first chunk with non-empty content/text), end-to-end latency, usage (None when
-the server sent none: unknown, not zero) and the ``x-kv-sim-name`` of the replica that served it.
+holds the status, TTFT (first chunk with non-empty content/text), the gaps between a stream's later content
+chunks (``token_gaps_s``: its inter-token latencies as the client sees them), end-to-end latency, usage (None
+when the server sent none: unknown, not zero) and the ``x-kv-sim-name`` of the replica that served it.
 
 Engine hit rate: ``scrape_prefix_cache_counters(urls)`` before and after the run, then
 ``engine_hit_rate(before, after)`` = Σ Δhits / Σ Δqueries over all replicas (tokens).
@@ -43,6 +44,7 @@ from benchmarks.trace import TraceRecord
 
 log = logging.getLogger(__name__)
 
+PREFILL_HEADER = "x-kv-epp-prefill"  # how kv-epp's P/D sidecar served a request (absent: passed through)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -64,7 +66,10 @@ class RequestResult:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     served_by: str | None = None  # x-kv-sim-name response header
+    prefill: str | None = None  # x-kv-epp-prefill (kv-epp pd-sidecar's answers): remote, local-fallback, failed
     error: str | None = None
+    # streamed: the time between each content chunk and the previous one, after the first (bound: one per token)
+    token_gaps_s: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -113,10 +118,12 @@ async def send_request(
     """Send one record and fill ``result`` (never raises for HTTP or connection errors)."""
     body = _prepare_body(record.body, force_stream)
     sent = time.perf_counter()
+    last_token = sent
     try:
         async with http.post(base_url.rstrip("/") + record.path, json=body, headers=headers) as resp:
             result.status = resp.status
             result.served_by = resp.headers.get(NAME_HEADER)
+            result.prefill = resp.headers.get(PREFILL_HEADER)
             if resp.status >= 300:
                 result.error = (await resp.text())[:500]
             elif resp.content_type == "text/event-stream":
@@ -130,8 +137,13 @@ async def send_request(
                         done = True
                         break
                     chunk = json.loads(data)
-                    if result.ttft_s is None and _chunk_text(chunk):
-                        result.ttft_s = time.perf_counter() - sent
+                    if _chunk_text(chunk):
+                        now = time.perf_counter()
+                        if result.ttft_s is None:
+                            result.ttft_s = now - sent
+                        else:
+                            result.token_gaps_s.append(now - last_token)
+                        last_token = now
                     if chunk.get("usage"):
                         _apply_usage(result, chunk["usage"])
                 if not done:

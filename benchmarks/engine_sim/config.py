@@ -2,7 +2,12 @@
 
 Timing model (continuous batching, see ``scheduler.py``): each scheduler step costs
 ``step_overhead_ms + prefill_ms_per_token * prefill_tokens + decode_ms_per_seq * decoding_seqs``
-simulated milliseconds and really sleeps that times ``time_scale`` (0.1 = ten times faster than real).
+simulated milliseconds (plus ``transfer_ms_per_token`` per token a synchronous connector loads in it) and
+really sleeps that times ``time_scale`` (0.1 = ten times faster than real).
+
+KV transfer (prefill/decode disaggregation, see ``kv_transfer.py``): ``kv_connector`` and ``kv_role`` are vLLM's
+``--kv-transfer-config`` ``kv_connector`` / ``kv_role``: ``nixl`` speaks NixlConnector's ``kv_transfer_params``,
+``shared-storage`` is ExampleConnector's shared directory.
 """
 
 from __future__ import annotations
@@ -52,6 +57,30 @@ class SimConfig:
         "before the engine has the request, so before prefill) or first_token",
     )
     engine_label: str = _f("0", "metrics label engine")
+    kv_connector: Literal["none", "nixl", "shared-storage"] = _f(
+        "none",
+        "KV connector (vLLM's --kv-transfer-config kv_connector): none; nixl (NixlConnector: a request's "
+        "kv_transfer_params); shared-storage (ExampleConnector: prompts' KV in kv_shared_storage_path)",
+    )
+    kv_role: Literal["both", "producer", "consumer"] = _f(
+        "both",
+        "vLLM's kv_role (kv_both, kv_producer, kv_consumer): a producer prefills for others (answers "
+        "do_remote_decode, writes the shared directory), a consumer loads their KV (do_remote_prefill, reads it)",
+    )
+    transfer_ms_per_token: float = _f(0.02, "cost per KV token loaded through the connector (simulated ms)")
+    kv_transfer_timeout_s: float = _f(
+        480.0,
+        "nixl: simulated seconds a producer holds a finished prefill's blocks for the consumer to read "
+        "(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)",
+    )
+    kv_load_failure_policy: Literal["fail", "recompute"] = _f(
+        "fail", "a KV load that fails: fail the request (HTTP 500, vLLM's default) or recompute the prompt locally"
+    )
+    kv_side_channel_host: str = _f("", "nixl: the remote_host this engine announces (empty: host)")
+    kv_shared_storage_path: str = _f("", "shared-storage: the directory shared by producers and consumers")
+    kv_shared_storage_max_entries: int = _f(
+        4096, "shared-storage: prompts this engine keeps written there (its oldest is deleted past it)"
+    )
 
 
 T = TypeVar("T")

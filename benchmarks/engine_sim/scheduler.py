@@ -9,10 +9,19 @@ Each step (vLLM V1 style, first come first served):
    KV slots are free; admission looks up the prefix cache (that is when ``prefix_cache_queries`` and
    ``prefix_cache_hits`` grow) and starts their prefill in the same step. A request that does not fit
    blocks the queue behind it (no reordering), as in vLLM.
-4. The step sleeps ``step_overhead_ms + prefill_ms_per_token * prefill_tokens + decode_ms_per_seq *
-   decoding_seqs`` times ``time_scale``; then tokens are emitted. A request whose prefill completed in
+4. The step sleeps ``step_duration_ms`` (``step_overhead_ms + prefill_ms_per_token * prefill_tokens +
+   decode_ms_per_seq * decoding_seqs``, plus ``transfer_ms_per_token`` per token a synchronous connector
+   loads in it) times ``time_scale``; then tokens are emitted. A request whose prefill completed in
    this step stores its full prompt blocks and emits its first token, so TTFT = queueing + the steps
    spent on its uncached prompt. Evictions and stores of the step are published as one event batch.
+
+So a prefill stalls the streams decoding beside it, as in vLLM's continuous batching with chunked prefill:
+decode tokens go first, but the step that carries them also carries up to ``max_num_batched_tokens`` of
+prefill, and lasts as long as its tokens take, so the running streams' inter-token latency spikes for every
+prefill chunk scheduled on their replica. ``kv_sim_steps_total``, ``kv_sim_decode_steps_with_prefill_total``
+and ``kv_sim_prefill_tokens_in_decode_steps_total`` count it. Prefill/decode disaggregation moves the prefill
+elsewhere (``kv_transfer.py``: a request whose KV is loaded asynchronously waits outside the batch and costs
+the running streams no step time).
 
 KV slots are reserved for prompt + max_tokens at admission, so there is no preemption for space
 (``num_preemptions_total`` grows only through ``reset_prefix_cache(reset_running_requests=True)``).
@@ -28,10 +37,11 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from benchmarks.engine_sim.config import SimConfig
 from benchmarks.engine_sim.kv_events import (
@@ -41,6 +51,14 @@ from benchmarks.engine_sim.kv_events import (
     KvEvent,
     KvEventPublisher,
 )
+from benchmarks.engine_sim.kv_transfer import (
+    HeldTransfer,
+    HeldTransfers,
+    KvTransferParams,
+    RemoteKv,
+    SharedStorage,
+    nixl_computed_tokens,
+)
 from benchmarks.engine_sim.prefix_cache import Allocation, PagedPrefixCache
 from benchmarks.engine_sim.tokenizer import output_word
 
@@ -49,10 +67,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True, frozen=True)
 class StepOutput:
-    """One item a request's consumer reads: a generated token, the end, or a failure."""
+    """One item a request's consumer reads: a generated token, the end, or a failure (with its HTTP status)."""
 
     kind: Literal["token", "done", "error"]
     text: str = ""
+    status: int = 503
 
 
 @dataclass(slots=True, eq=False)
@@ -78,6 +97,11 @@ class SimRequest:
     preemptions: int = 0  # times preempted (by reset_prefix_cache); a preempted request recomputes
     finished: bool = False
     aborted: bool = False
+    kv_params: KvTransferParams | None = None  # its kv_transfer_params (read only with a KV connector)
+    external_tokens: int = 0  # prompt tokens loaded through the KV connector instead of computed
+    load_tokens: int = 0  # of which loaded synchronously in the step that schedules it (shared storage)
+    store_external: bool = False  # shared storage: write its KV when its prefill completes
+    kv_transfer_out: dict[str, Any] | None = None  # the kv_transfer_params of its answer (nixl producer)
 
     @property
     def prompt_tokens(self) -> int:
@@ -102,6 +126,27 @@ class EngineCounters:
     prefill_requests: int = 0
     prefill_seconds: float = 0.0
     prefill_computed_tokens: int = 0
+    # steps, and those in which running streams decoded beside prefill tokens (their tokens waited for it)
+    steps: int = 0
+    decode_steps_with_prefill: int = 0
+    prefill_tokens_in_decode_steps: int = 0
+    # the KV connector, as vLLM counts it: the lookups (prompt tokens not cached locally / found externally)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_loads: int = 0  # loads completed (nixl: reads from a producer; shared storage: loads from the directory)
+    kv_load_failures: int = 0
+    kv_tokens_written: int = 0  # shared storage: tokens written to the directory
+    kv_transfers_held: int = 0  # nixl producer: finished prefills whose blocks were held for a consumer
+
+
+def step_duration_ms(cfg: SimConfig, prefill_tokens: int, decoding_seqs: int, loaded_tokens: int = 0) -> float:
+    """The simulated duration of one step: its tokens' cost (vLLM's forward pass grows with the batch)."""
+    return (
+        cfg.step_overhead_ms
+        + cfg.prefill_ms_per_token * prefill_tokens
+        + cfg.decode_ms_per_seq * decoding_seqs
+        + cfg.transfer_ms_per_token * loaded_tokens
+    )
 
 
 class RequestRejected(ValueError):
@@ -115,13 +160,40 @@ class BatchScheduler:
     request is an open HTTP request). Running set bound: ``max_num_seqs``.
     """
 
-    def __init__(self, config: SimConfig, cache: PagedPrefixCache, publisher: KvEventPublisher | None = None) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        cache: PagedPrefixCache,
+        publisher: KvEventPublisher | None = None,
+        remote: RemoteKv | None = None,
+    ) -> None:
         self.config = config
         self.cache = cache
         self.publisher = publisher
         self.counters = EngineCounters()
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        # the KV connector (kv_transfer.py): roles, NIXL's held blocks and loads, the shared directory
+        connector = config.kv_connector
+        self.produces = connector != "none" and config.kv_role in ("producer", "both")
+        self.consumes = connector != "none" and config.kv_role in ("consumer", "both")
+        self.engine_id = f"{config.name}-{uuid.uuid4().hex[:12]}"
+        self.side_channel: tuple[str, int] = (config.kv_side_channel_host or config.host, config.port)
+        self.shared_storage = (
+            SharedStorage(
+                config.kv_shared_storage_path, config.block_size, config.kv_shared_storage_max_entries, config.name
+            )
+            if connector == "shared-storage"
+            else None
+        )
+        self.held = HeldTransfers(
+            config.kv_transfer_timeout_s * config.time_scale,
+            lambda delay, callback: asyncio.get_running_loop().call_later(delay, callback),
+        )
+        self.remote = remote if remote is not None else RemoteKv(config.name) if connector == "nixl" else None
+        # requests loading their KV from a producer (vLLM's WAITING_FOR_REMOTE_KVS); bound: each holds KV slots
+        self._loading: dict[SimRequest, asyncio.Task[None]] = {}
+        self._next_block_id = 1  # the block ids a producer announces (the simulator has no physical blocks)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stall_s = 0.0
@@ -146,6 +218,9 @@ class BatchScheduler:
             self._task = None
         self._in_step = False
         self._fail_all("engine stopped")
+        self.held.clear()
+        if self.remote is not None:
+            await self.remote.close()
         while self._utility_calls:
             _, future = self._utility_calls.popleft()
             if not future.done():
@@ -174,14 +249,24 @@ class BatchScheduler:
         self.waiting.append(request)
         self._wakeup.set()
 
+    @property
+    def num_waiting(self) -> int:
+        """vLLM's ``num_requests_waiting``: the queue and the requests loading their KV."""
+        return len(self.waiting) + len(self._loading)
+
     def abort(self, request: SimRequest) -> None:
-        """The client went away: free the request's slots at the next step."""
+        """The client went away: free the request's slots at the next step (at once when not running)."""
         if request.finished:
             return
         request.aborted = True
         if request in self.waiting:
             self.waiting.remove(request)
             self._finish(request, aborted=True)
+        elif request in self._loading:
+            self._loading.pop(request).cancel()
+            self._finish(request, aborted=True)
+            if self.remote is not None and request.kv_params is not None:  # the producer frees its blocks
+                asyncio.get_running_loop().create_task(self.remote.done(request.kv_params))
 
     def stall(self, ms: float) -> None:
         """Fault switch: pause the step loop for ``ms`` real milliseconds before its next step."""
@@ -254,6 +339,7 @@ class BatchScheduler:
         self._generation += 1
         self.counters.restarts += 1
         self._fail_all("engine restarted")
+        self.held.clear()
         self.cache.clear()
         self._pending_events.clear()
         if self.publisher is not None:
@@ -277,10 +363,12 @@ class BatchScheduler:
                 continue
             generation = self._generation
             self._in_step = True
-            decoding, prefill_tokens = self._plan_step()
-            step_ms = (
-                cfg.step_overhead_ms + cfg.prefill_ms_per_token * prefill_tokens + cfg.decode_ms_per_seq * len(decoding)
-            )
+            decoding, prefill_tokens, loaded_tokens = self._plan_step()
+            step_ms = step_duration_ms(cfg, prefill_tokens, len(decoding), loaded_tokens)
+            self.counters.steps += 1
+            if decoding and prefill_tokens:
+                self.counters.decode_steps_with_prefill += 1
+                self.counters.prefill_tokens_in_decode_steps += prefill_tokens
             await asyncio.sleep(step_ms / 1000.0 * cfg.time_scale)
             if generation != self._generation:
                 continue  # restarted mid-step: this step's work is void
@@ -290,12 +378,14 @@ class BatchScheduler:
                 await self.publisher.publish(events)
             self._pending_events.clear()
 
-    def _plan_step(self) -> tuple[list[SimRequest], int]:
+    def _plan_step(self) -> tuple[list[SimRequest], int, int]:
+        """The step's decoding requests, prefill tokens and synchronously loaded tokens (admitting requests)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         decoding = [r for r in self.running if r.prefill_remaining == 0 and not r.aborted]
         budget -= len(decoding)
         prefill_tokens = 0
+        loaded_tokens = 0
         for r in self.running:
             r.chunk = 0
             if r.prefill_remaining > 0 and not r.aborted and budget > 0:
@@ -304,6 +394,13 @@ class BatchScheduler:
                 prefill_tokens += r.chunk
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             head = self.waiting[0]
+            if head.alloc is not None:  # its KV load is over (vLLM: back from WAITING_FOR_REMOTE_KVS)
+                self.waiting.popleft()
+                head.chunk = min(head.prefill_remaining, budget)
+                budget -= head.chunk
+                prefill_tokens += head.chunk
+                self.running.append(head)
+                continue
             evicted: list[bytes] = []
             alloc = self.cache.try_admit(head.prompt_ids, head.max_tokens, evicted, head.digests)
             if evicted:
@@ -313,20 +410,101 @@ class BatchScheduler:
             self.waiting.popleft()
             head.alloc = alloc
             hit_tokens = alloc.hit_blocks * self.cache.block_size
+            first = head.preemptions == 0
+            # the KV connector is asked once, at the first admission (vLLM triggers one transfer per request)
+            external, load_async = self._matched_external(head, hit_tokens) if first else (0, False)
             # a preempted request recomputes its output so far too; vLLM counts its lookup apart from
             # the prefix-cache counters and reports the cached tokens of its first admission
-            head.prefill_remaining = head.prompt_tokens + head.generated - hit_tokens
-            if head.preemptions == 0:
+            if first:
                 head.scheduled_at = time.monotonic()
-                head.cached_tokens = hit_tokens
+                head.cached_tokens = hit_tokens + (0 if load_async else external)  # a load's: when it is over
+                head.external_tokens = external
                 self.counters.prefix_cache_queries += head.prompt_tokens
                 self.counters.prefix_cache_hits += hit_tokens
                 self.counters.prompt_tokens += head.prompt_tokens
+                if self.consumes:
+                    self.counters.external_prefix_cache_queries += head.prompt_tokens - hit_tokens
+                    self.counters.external_prefix_cache_hits += external
+            if load_async:
+                self._loading[head] = asyncio.get_running_loop().create_task(self._remote_load(head, hit_tokens))
+                continue
+            head.load_tokens = external
+            loaded_tokens += external
+            head.prefill_remaining = head.prompt_tokens + head.generated - hit_tokens - external
             head.chunk = min(head.prefill_remaining, budget)
             budget -= head.chunk
             prefill_tokens += head.chunk
             self.running.append(head)
-        return decoding, prefill_tokens
+        return decoding, prefill_tokens, loaded_tokens
+
+    # -- the KV connector --------------------------------------------------------------------------
+    def _matched_external(self, r: SimRequest, hit_tokens: int) -> tuple[int, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: prompt tokens the connector can load beyond the local
+        hits, and whether the load is asynchronous (nixl) or inside the step (shared storage)."""
+        if self.shared_storage is not None:  # a producer writes what the directory lacks, a consumer loads it
+            found = self.shared_storage.lookup(r.prompt_ids)
+            r.store_external = self.produces and found == 0
+            return (max(0, found - hit_tokens) if self.consumes else 0), False
+        if self.consumes and r.kv_params is not None and r.kv_params.remote_prefill:
+            count = r.prompt_tokens - hit_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    async def _remote_load(self, r: SimRequest, hit_tokens: int) -> None:
+        """NIXL: read the prompt's KV from the producer (``transfer_ms_per_token`` x the tokens), then queue
+        the request first to compute what is left; a failed read follows ``kv_load_failure_policy``."""
+        cfg = self.config
+        assert r.kv_params is not None and self.remote is not None
+        generation = self._generation
+        error = await self.remote.read(r.kv_params)
+        if error is None:
+            await asyncio.sleep(cfg.transfer_ms_per_token * r.external_tokens / 1000.0 * cfg.time_scale)
+        await self.remote.done(r.kv_params)  # the producer frees its blocks (on failure too: nothing to keep)
+        if generation != self._generation or r.finished:
+            return
+        self._loading.pop(r, None)
+        if error is None:
+            self.counters.kv_loads += 1
+            r.cached_tokens = nixl_computed_tokens(r.prompt_tokens, self.cache.block_size)
+        else:
+            self.counters.kv_load_failures += 1
+            log.warning("kv_load_failed name=%s request_id=%s error=%s", cfg.name, r.request_id, error)
+            if cfg.kv_load_failure_policy == "fail":
+                self._fail(r, 500, f"KV transfer from the prefill engine failed: {error}")
+                return
+            r.cached_tokens = hit_tokens
+        r.prefill_remaining = r.prompt_tokens + r.generated - r.cached_tokens
+        self.waiting.appendleft(r)
+        self._wakeup.set()
+
+    def _holds_for_remote_decode(self, r: SimRequest) -> bool:
+        """NIXL producer: a finished (length-capped) ``do_remote_decode`` request keeps its blocks."""
+        return (
+            self.produces
+            and self.config.kv_connector == "nixl"
+            and r.kv_params is not None
+            and r.kv_params.do_remote_decode
+        )
+
+    def _hold(self, r: SimRequest, alloc: Allocation) -> None:
+        bs = self.cache.block_size
+        n_blocks = -(-r.prompt_tokens // bs)
+        block_ids = tuple(range(self._next_block_id, self._next_block_id + n_blocks))
+        self._next_block_id += n_blocks
+        host, port = self.side_channel
+        r.kv_transfer_out = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(block_ids),
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": r.request_id,
+            "remote_host": host,
+            "remote_port": port,
+            "tp_size": 1,
+        }
+        self.held.hold(HeldTransfer(r.request_id, r.prompt_tokens, block_ids, lambda: self.cache.release(alloc)))
+        self.counters.kv_transfers_held += 1
 
     def _apply_step(self, decoding: list[SimRequest]) -> None:
         decoding_set = set(decoding)
@@ -342,6 +520,10 @@ class BatchScheduler:
                 r.chunk = 0
                 if r.prefill_remaining == 0:
                     self._store_prompt_blocks(r)
+                    if r.store_external and self.shared_storage is not None:
+                        self.counters.kv_tokens_written += self.shared_storage.write(r.prompt_ids)
+                    if r.load_tokens:
+                        self.counters.kv_loads += 1
                     self._emit_token(r)
             if r.generated >= r.max_tokens:
                 self._finish(r, aborted=False)
@@ -371,7 +553,10 @@ class BatchScheduler:
             return
         r.finished = True
         if r.alloc is not None:
-            self.cache.release(r.alloc)
+            if not aborted and self._holds_for_remote_decode(r):
+                self._hold(r, r.alloc)
+            else:
+                self.cache.release(r.alloc)
         if r.first_token_at > 0.0:
             self.counters.prefill_requests += 1
             self.counters.prefill_seconds += max(0.0, r.first_token_at - r.scheduled_at)
@@ -382,10 +567,22 @@ class BatchScheduler:
             self.counters.requests_finished += 1
             r.outputs.put_nowait(StepOutput("done"))
 
+    def _fail(self, r: SimRequest, status: int, reason: str) -> None:
+        """End a request with an error answer (its slots freed)."""
+        if r.finished:
+            return
+        r.finished = True
+        if r.alloc is not None:
+            self.cache.release(r.alloc)
+        r.outputs.put_nowait(StepOutput("error", reason, status))
+
     def _fail_all(self, reason: str) -> None:
-        for r in [*self.waiting, *self.running]:
+        for task in self._loading.values():
+            task.cancel()
+        for r in [*self.waiting, *self.running, *self._loading]:
             if not r.finished:
                 r.finished = True
                 r.outputs.put_nowait(StepOutput("error", reason))
+        self._loading.clear()
         self.waiting.clear()
         self.running = []

@@ -34,6 +34,12 @@ pydantic's lax ``int`` reads it (``4.0`` → 4, ``4.5`` → 400). CORS as vLLM's
 ``Access-Control-Allow-Origin: *``, every method, ``Access-Control-Max-Age: 600`` and the requested
 headers mirrored; any answer to a request with ``Origin`` carries ``Access-Control-Allow-Origin``.
 
+KV transfer (``SimConfig.kv_connector``, see ``kv_transfer.py``): with ``nixl``, a request's ``kv_transfer_params``
+(chat and completions, one prompt) are honoured as vLLM's NixlConnector honours them, and a non-streaming answer
+to a ``do_remote_decode`` request carries the producer's ``kv_transfer_params``; ``POST /sim/kv_transfer/read``
+and ``POST /sim/kv_transfer/done`` are the side channel consumers use (``{"remote_request_id",
+"remote_engine_id"}``: 200 while the blocks are held, 404 otherwise). Malformed ``kv_transfer_params`` are 400.
+
 Admin (simulator only): ``POST /sim/faults`` with any of ``{"error_rate": 0..1, "stall_ms": N,
 "drop_event_batches": N, "event_drop_rate": 0..1}`` (returns the current fault settings),
 ``POST /sim/restart`` (cache cleared, ``AllBlocksCleared`` published as seq 0), ``GET /sim/state``.
@@ -68,6 +74,7 @@ from aiohttp import web
 from benchmarks.engine_sim.config import SimConfig
 from benchmarks.engine_sim.embeddings import OFFLOAD_CHARS, EmbeddingsError, embeddings_body, input_chars
 from benchmarks.engine_sim.kv_events import KvEventPublisher, KvEventsSettings
+from benchmarks.engine_sim.kv_transfer import DONE_PATH, READ_PATH, KvTransferError, KvTransferParams
 from benchmarks.engine_sim.prefix_cache import PagedPrefixCache
 from benchmarks.engine_sim.scheduler import BatchScheduler, RequestRejected, SimRequest, StepOutput
 from benchmarks.engine_sim.tokenizer import (
@@ -135,6 +142,7 @@ class EngineSimulator:
         server = site._server
         assert server is not None
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self.scheduler.side_channel = (self.config.kv_side_channel_host or self.config.host, self.port)
         log.info(
             "sim_started name=%s url=%s kv_events=%s replay=%s",
             self.config.name,
@@ -233,6 +241,8 @@ class EngineSimulator:
         app.router.add_post("/sim/faults", self._faults)
         app.router.add_post("/sim/restart", self._restart)
         app.router.add_get("/sim/state", self._state)
+        app.router.add_post(READ_PATH, self._kv_transfer_read)
+        app.router.add_post(DONE_PATH, self._kv_transfer_done)
         return app
 
     @web.middleware
@@ -334,6 +344,17 @@ class EngineSimulator:
         include_usage = isinstance(stream_options, Mapping) and bool(stream_options.get("include_usage"))
         scheduler = self.scheduler
         assert scheduler is not None
+        kv_params: KvTransferParams | None = None
+        if self.config.kv_connector != "none":
+            try:
+                kv_params = KvTransferParams.parse(body.get("kv_transfer_params"))
+            except KvTransferError as exc:
+                return error_response(400, str(exc))
+            if kv_params is not None and len(prompts) > 1:
+                log.warning(
+                    "kv_transfer_params_ignored name=%s reason=batch prompts=%d", self.config.name, len(prompts)
+                )
+                kv_params = None  # one transfer per engine request: a batch's prompts cannot share one
         try:
             for ids in prompts:
                 scheduler.check(len(ids), max_tokens)
@@ -350,7 +371,12 @@ class EngineSimulator:
         salt = salt if isinstance(salt, str) and salt else None
         batch = [
             SimRequest(
-                base_id if len(prompts) == 1 else f"{base_id}-{i}", ids, max_tokens, lora_name=lora, cache_salt=salt
+                base_id if len(prompts) == 1 else f"{base_id}-{i}",
+                ids,
+                max_tokens,
+                lora_name=lora,
+                cache_salt=salt,
+                kv_params=kv_params,
             )
             for i, ids in enumerate(prompts)
         ]
@@ -385,7 +411,7 @@ class EngineSimulator:
                 if item.kind == "token":
                     words.append(item.text)
                 elif item.kind == "error":
-                    return error_response(503, item.text, "ServiceUnavailableError")
+                    return engine_error_response(item)
                 else:
                     break
             texts.append(" ".join(words))
@@ -400,16 +426,17 @@ class EngineSimulator:
             else:
                 choice["text"] = text
             choices.append(choice)
-        return web.json_response(
-            {
-                "id": base_id,
-                "object": "chat.completion" if api == "chat" else "text_completion",
-                "created": created,
-                "model": self.config.model,
-                "choices": choices,
-                "usage": self._usage(batch),
-            }
-        )
+        answer: dict[str, Any] = {
+            "id": base_id,
+            "object": "chat.completion" if api == "chat" else "text_completion",
+            "created": created,
+            "model": self.config.model,
+            "choices": choices,
+            "usage": self._usage(batch),
+        }
+        if batch[0].kv_transfer_out is not None:  # a NIXL producer's prefill: where the consumer reads its KV
+            answer["kv_transfer_params"] = batch[0].kv_transfer_out
+        return web.json_response(answer)
 
     def _responses_body(self, base_id: str, r: SimRequest, text: str, created: int) -> dict[str, Any]:
         """vLLM's Responses API answer (``object: response``) for one finished request."""
@@ -462,7 +489,7 @@ class EngineSimulator:
         if not admitted:
             index, item = await merged.get()
             if item.kind == "error":
-                return error_response(503, item.text, "ServiceUnavailableError")
+                return engine_error_response(item)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -601,7 +628,7 @@ class EngineSimulator:
             "Requests in model execution batches.",
             len(scheduler.running),
         )
-        metric("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", len(scheduler.waiting))
+        metric("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", scheduler.num_waiting)
         metric(
             "vllm:kv_cache_usage_perc",
             "gauge",
@@ -640,6 +667,47 @@ class EngineSimulator:
         lines.append(f'vllm:request_success_total{{{labels},finished_reason="length"}} {float(c.requests_finished)!r}')
         lines.append(f'vllm:request_success_total{{{labels},finished_reason="abort"}} {float(c.requests_aborted)!r}')
         metric("kv_sim_restarts_total", "counter", "Simulated engine restarts.", c.restarts)
+        metric("kv_sim_steps_total", "counter", "Scheduler steps.", c.steps)
+        metric(
+            "kv_sim_decode_steps_with_prefill_total",
+            "counter",
+            "Steps in which running streams decoded beside prefill tokens (their tokens waited for the prefill).",
+            c.decode_steps_with_prefill,
+        )
+        metric(
+            "kv_sim_prefill_tokens_in_decode_steps_total",
+            "counter",
+            "Prefill tokens computed in steps that also decoded running streams.",
+            c.prefill_tokens_in_decode_steps,
+        )
+        if self.config.kv_connector != "none":
+            metric(
+                "vllm:external_prefix_cache_queries_total",
+                "counter",
+                "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number "
+                "of queried tokens.",
+                c.external_prefix_cache_queries,
+            )
+            metric(
+                "vllm:external_prefix_cache_hits_total",
+                "counter",
+                "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+                "cached tokens.",
+                c.external_prefix_cache_hits,
+            )
+            metric("kv_sim_kv_loads_total", "counter", "KV loads through the connector completed.", c.kv_loads)
+            metric(
+                "kv_sim_kv_load_failures_total", "counter", "KV loads through the connector failed.", c.kv_load_failures
+            )
+            metric(
+                "kv_sim_kv_transfers_held_total",
+                "counter",
+                "NIXL producer: finished prefills whose blocks were held for a consumer.",
+                c.kv_transfers_held,
+            )
+            metric(
+                "kv_sim_kv_tokens_written_total", "counter", "Shared storage: KV tokens written.", c.kv_tokens_written
+            )
         if self.lora_adapters:
             lines.extend(self._lora_requests_info(scheduler))
         return "\n".join(lines) + "\n"
@@ -722,11 +790,40 @@ class EngineSimulator:
                 "used_slots": self.cache.used_slots,
                 "capacity_blocks": self.cache.capacity_blocks,
                 "running": len(scheduler.running),
-                "waiting": len(scheduler.waiting),
+                "waiting": scheduler.num_waiting,
+                "kv_role": self.config.kv_role if self.config.kv_connector != "none" else None,
+                "kv_connector": self.config.kv_connector,
+                "kv_transfers_held": len(scheduler.held),
                 "next_event_seq": self.publisher.next_seq if self.publisher else None,
                 "event_batches_dropped": self.publisher.batches_dropped if self.publisher else 0,
             }
         )
+
+    async def _kv_transfer_read(self, request: web.Request) -> web.Response:
+        """NIXL side channel: a consumer asks for a held prefill's blocks (200) or learns they are gone (404)."""
+        body = await self._json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        scheduler = self.scheduler
+        assert scheduler is not None
+        held = scheduler.held.get(str(body.get("remote_request_id")))
+        if held is None or body.get("remote_engine_id") != scheduler.engine_id:
+            return error_response(
+                404, f"no KV held for request {body.get('remote_request_id')!r} on engine {scheduler.engine_id}",
+                "NotFoundError",
+            )  # fmt: skip
+        return web.json_response({"tokens": held.tokens, "remote_block_ids": list(held.block_ids)})
+
+    async def _kv_transfer_done(self, request: web.Request) -> web.Response:
+        """NIXL side channel: the consumer has read the blocks; they are freed."""
+        body = await self._json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        scheduler = self.scheduler
+        assert scheduler is not None
+        if body.get("remote_engine_id") != scheduler.engine_id:
+            return web.json_response({"released": False})
+        return web.json_response({"released": scheduler.held.done(str(body.get("remote_request_id")))})
 
 
 class _MergedOutputs:
@@ -757,6 +854,14 @@ class _MergedOutputs:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+
+
+def engine_error_response(item: StepOutput) -> web.Response:
+    """A request the engine failed: 500 (vLLM's answer to an error finish, e.g. a failed KV load) or 503
+    (the engine stopped or restarted)."""
+    if item.status == 500:
+        return error_response(500, item.text, "InternalServerError")
+    return error_response(item.status, item.text, "ServiceUnavailableError")
 
 
 def cors_preflight(request: web.Request) -> web.Response:

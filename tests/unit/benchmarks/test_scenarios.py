@@ -12,7 +12,7 @@ import pytest
 from benchmarks.bound import bound_hit_rate
 from benchmarks.engine_sim.config import SimConfig
 from benchmarks.engine_sim.prefix_cache import PagedPrefixCache
-from benchmarks.engine_sim.scheduler import BatchScheduler, SimRequest
+from benchmarks.engine_sim.scheduler import BatchScheduler, SimRequest, step_duration_ms
 from benchmarks.engine_sim.tokenizer import chat_token_ids, request_token_ids
 from benchmarks.scenarios import (
     HOT_DOCS_CALIBRATION,
@@ -61,15 +61,15 @@ def _drive(sim: SimConfig, prompts: list[list[int]], output_len: int) -> list[fl
     sched.submit(warm)
     now, finished = 0.0, dict[str, float]()
     while not warm.finished:  # the document's first read (a miss) before the saturating burst
-        decoding, prefill = sched._plan_step()
-        now += cfg.step_overhead_ms + cfg.prefill_ms_per_token * prefill + cfg.decode_ms_per_seq * len(decoding)
+        decoding, prefill, loaded = sched._plan_step()
+        now += step_duration_ms(cfg, prefill, len(decoding), loaded)
         sched._apply_step(decoding)
     for r in rest:
         sched.submit(r)
     now = 0.0
     while len(finished) < len(rest):
-        decoding, prefill = sched._plan_step()
-        now += cfg.step_overhead_ms + cfg.prefill_ms_per_token * prefill + cfg.decode_ms_per_seq * len(decoding)
+        decoding, prefill, loaded = sched._plan_step()
+        now += step_duration_ms(cfg, prefill, len(decoding), loaded)
         sched._apply_step(decoding)
         for r in rest:
             if r.finished and r.request_id not in finished:
