@@ -2,7 +2,8 @@
 
     python -m benchmarks.pd [--quick] [--seeds 0,1,2] [--replicas 4] [--prefill-replicas 2]
         [--duration-s 60] [--sweep 0,256,512,1024,2048,inf | --no-sweep] [--sweep-seed 0]
-        [--min-uncached-tokens 512] [--decide cost|threshold] [--transfer-ms-per-token 0.02] [--out DIR]
+        [--min-uncached-tokens 512] [--decide cost|threshold] [--decode-stall-weight 1.0]
+        [--transfer-ms-per-token 0.02] [--out DIR]
 
 Two arms on the same replicas (``--replicas`` simulated vLLM engines, identical: the NixlConnector model with
 ``kv_role`` both, so either arm may use any of them), cold for every run (fresh engines), through the real
@@ -14,8 +15,9 @@ Envoy, picker (Tier 4 with the cost-model scorer, fed by the kv-listener) and th
   pd-sidecar`` each (``--kv-connector nixlv2``, the prefill endpoints its allowlist), and ``disaggregation:
   {enabled: true, min_uncached_tokens: N}``: the picker picks the decode endpoint (its sidecar) and, when the
   prompt's uncached tokens there are at least N and the cost model agrees (``--decide cost``, the picker's
-  default: a remote prefill plus the transfer predicted at most 1.2x the local one; ``--decide threshold`` is
-  llm-d's rule, the threshold alone), names a prefill endpoint in
+  default: a remote prefill plus the transfer predicted at most 1.2x the local one plus the stall a local prefill
+  imposes on the streams decoding there, weighted by ``--decode-stall-weight``; ``--decide threshold`` is llm-d's
+  rule, the threshold alone), names a prefill endpoint in
   ``x-prefiller-host-port``; the sidecar runs the prefill leg there (``max_tokens`` 1, ``do_remote_decode``),
   then the decode leg on its engine with the returned ``kv_transfer_params``: the engine loads the KV
   (``transfer_ms_per_token`` per token) instead of prefilling.
@@ -175,6 +177,7 @@ class Arm:
     prefill_replicas: int = 0
     min_uncached_tokens: int | None = None  # None: disaggregation off
     decide: str = "cost"  # the picker's disaggregation.decide: cost (its default) or threshold (llm-d's rule)
+    decode_stall_weight: float = 1.0  # the picker's disaggregation.decode_stall_weight (its default)
 
     @property
     def disaggregated(self) -> bool:
@@ -192,6 +195,7 @@ def picker_config(arm: Arm) -> dict[str, Any]:
             "enabled": True,
             "min_uncached_tokens": arm.min_uncached_tokens,
             "decide": arm.decide,
+            "decode_stall_weight": arm.decode_stall_weight,
         }
     return dict(config)
 
@@ -242,7 +246,7 @@ class ArmStack:
                 self.sidecars.append(sidecar)
                 self.backends.append({"name": s.config.name, "address": address, "role": "decode"})
             else:
-                self.backends.append({"name": s.config.name, "address": s.address})  # role: both, the default
+                self.backends.append({"name": s.config.name, "address": s.address, "role": "both"})
         sources = [
             {
                 "backend_name": s.config.name,
@@ -346,7 +350,7 @@ async def run_arm(
             after = {s.config.name: engine_counters(await scrape(http, s.base_url)) for s in stack.sims}
             decisions = decision_counts(await scrape(http, stack.picker.admin_url))
         engines = {n: {k: after[n][k] - before[n][k] for k in ENGINE_COUNTERS} for n in after}
-        roles = {b["name"]: b.get("role", "both") for b in stack.backends}
+        roles = {b["name"]: b["role"] for b in stack.backends}
         return ArmRun(arm, seed, records, results, wall, decisions, engines, roles)
     finally:
         await asyncio.to_thread(stack.stop)
@@ -468,11 +472,12 @@ def run(
     min_uncached_tokens: int = 512,
     decide: str = "cost",
     sim: SimConfig = PD_SIM,
+    decode_stall_weight: float = 1.0,
 ) -> dict[str, Any]:
     """Both arms on every seed (interleaved: aggregated, P/D, next seed), then the sweep; writes the results."""
     workdir = make_workdir("kv-epp-pd-")
     aggregated = Arm("aggregated")
-    pd = Arm("pd", prefill_replicas, min_uncached_tokens, decide)
+    pd = Arm("pd", prefill_replicas, min_uncached_tokens, decide, decode_stall_weight)
     doc: dict[str, Any] = {
         "params": {
             "workload": dataclasses.asdict(workload),
@@ -481,6 +486,7 @@ def run(
             "prefill_replicas": prefill_replicas,
             "min_uncached_tokens": min_uncached_tokens,
             "decide": decide,
+            "decode_stall_weight": decode_stall_weight,
             "seeds": list(seeds),
             "sim": {k: getattr(sim, k) for k in SIM_PARAMS},
             "picker": {"aggregated": picker_config(aggregated), "pd": picker_config(pd)},
@@ -502,7 +508,7 @@ def run(
         doc["seeds"][str(seed)] = per_seed
     doc["summary"] = summary(doc)
     for threshold in sweep:
-        arm = Arm(f"pd-min{_label(threshold)}", prefill_replicas, threshold, decide)
+        arm = Arm(f"pd-min{_label(threshold)}", prefill_replicas, threshold, decide, decode_stall_weight)
         print(f"[sweep] min_uncached_tokens={_label(threshold)} (seed {sweep_seed}) ...", flush=True)
         doc["sweep"][_label(threshold)] = figures(
             asyncio.run(run_arm(arm, workload, sweep_seed, workdir, replicas, sim))
@@ -596,6 +602,12 @@ def main(argv: list[str] | None = None) -> int:
         default="cost",
         help="the P/D arm's disaggregation.decide: cost (the picker's default) or threshold (llm-d's rule)",
     )
+    ap.add_argument(
+        "--decode-stall-weight",
+        type=float,
+        default=1.0,
+        help="the P/D arm's disaggregation.decode_stall_weight (0: the request's own TTFT alone decides)",
+    )
     ap.add_argument("--duration-s", type=float, default=None, help="simulated seconds of arrivals (default 60)")
     ap.add_argument("--sweep", default=DEFAULT_SWEEP, help="min_uncached_tokens values (inf: never)")
     ap.add_argument("--no-sweep", action="store_true")
@@ -628,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         a.min_uncached_tokens,
         a.decide,
         sim,
+        a.decode_stall_weight,
     )
     print()
     print(markdown(doc))

@@ -621,7 +621,8 @@ class DisaggregationConfig(_Section):
     least ``min_prompt_tokens``), a prefill endpoint (roles ``prefill`` and ``both``, scored by the cost model on
     what it holds and its queue) is named in ``x-prefiller-host-port`` for the decode pod's routing sidecar.
     ``decide: cost`` also asks the cost model: the predicted TTFT of a remote prefill plus the KV transfer must be
-    at most ``max_ttft_ratio`` x the local prefill's; ``threshold`` is llm-d's rule alone."""
+    at most ``max_ttft_ratio`` x the local prefill's plus the stall a local prefill imposes on the streams decoding
+    there (``decode_stall_weight``); ``threshold`` is llm-d's rule alone."""
 
     enabled: bool = False
     min_uncached_tokens: int = Field(512, ge=0, le=10_000_000)
@@ -632,6 +633,10 @@ class DisaggregationConfig(_Section):
     # a remote prefill may be predicted this much slower than the local one and still be chosen: what it buys is
     # the decode streams' inter-token latency on the decode endpoint, which a local prefill stalls
     max_ttft_ratio: float = Field(1.2, ge=0.0, le=100.0)
+    # a local prefill also stalls the streams decoding on the decode endpoint, each by about its duration: that
+    # stall, times this weight, counts against keeping the prefill local (1: a stream's wait counts as much as this
+    # request's; 0: this request's TTFT alone decides)
+    decode_stall_weight: float = Field(1.0, ge=0.0, le=1000.0)
     # the KV transfer's prior cost per token (calibrated online from P/D requests' first tokens, ``/admin/pool``)
     transfer_ms_per_token: float = Field(0.02, ge=0.0, le=100.0)
 

@@ -77,10 +77,15 @@ class Disaggregator:
         if cfg.decide == "threshold":
             return Disagg(PREFILL_DECODE, THRESHOLD, prefill, uncached, None, remote_ms, prefill_tokens, leg_ms)
         here = decode_view.by_name().get(decode.name)
-        local_ms: float | None = None
-        if here is not None:
-            local = self.cost.score(held, prompt_tokens, PoolView((here,), decode_view.costs, decode_view.served), key)
-            local_ms = local.predicted_ms[decode.name] if local is not None else None
-        if local_ms is not None and remote_ms > local_ms * cfg.max_ttft_ratio:
-            return Disagg(DECODE_ONLY, CHEAPER_LOCAL, None, uncached, local_ms, remote_ms)
-        return Disagg(PREFILL_DECODE, COST, prefill, uncached, local_ms, remote_ms, prefill_tokens, leg_ms)
+        if here is None:  # not a candidate after all (cannot happen from the path): the rule alone
+            return Disagg(PREFILL_DECODE, COST, prefill, uncached, None, remote_ms, prefill_tokens, leg_ms)
+        one = PoolView((here,), decode_view.costs, decode_view.served)
+        local = self.cost.score(held, prompt_tokens, one, key)
+        local_ms = local.predicted_ms[decode.name] if local is not None else 0.0
+        # a local prefill shares the decode endpoint's steps with its streams: each waits about as long as it runs
+        c = one.costs if one.costs is not None and one.costs.samples else self.cost.priors
+        decoding = here.load(c.mean_prefill_tokens)[2]
+        stall_ms = cfg.decode_stall_weight * decoding * c.prefill_ms_per_token * uncached
+        if remote_ms > local_ms * cfg.max_ttft_ratio + stall_ms:
+            return Disagg(DECODE_ONLY, CHEAPER_LOCAL, None, uncached, local_ms, remote_ms, stall_ms=stall_ms)
+        return Disagg(PREFILL_DECODE, COST, prefill, uncached, local_ms, remote_ms, prefill_tokens, leg_ms, stall_ms)

@@ -165,6 +165,7 @@ class Disagg:
     remote_ms: float | None = None
     prefill_tokens: int = 0  # the prompt tokens the prefill endpoint computes (not held there)
     prefill_ms: float | None = None  # the cost model's TTFT prediction of the prefill leg alone
+    stall_ms: float | None = None  # the stall a local prefill would impose on the decode endpoint's streams, weighted
 
 
 @dataclass(slots=True, frozen=True)

@@ -98,6 +98,8 @@ def test_sweep_values_and_picker_configs() -> None:
     assert parse_sweep("0, 512,inf") == [0, 512, NEVER]
     assert "disaggregation" not in picker_config(Arm("aggregated"))
     pd = picker_config(Arm("pd", 2, 1024))
-    assert pd["disaggregation"] == {"enabled": True, "min_uncached_tokens": 1024, "decide": "cost"}
+    assert pd["disaggregation"] == {
+        "enabled": True, "min_uncached_tokens": 1024, "decide": "cost", "decode_stall_weight": 1.0,
+    }  # fmt: skip
     assert picker_config(Arm("pd", 2, 0, "threshold"))["disaggregation"]["decide"] == "threshold"
     assert pd["kv_cache_index"]["scoring"]["mode"] == "cost"  # the same scorer in both arms

@@ -310,3 +310,30 @@ async def test_the_subset_hint_bounds_the_prefill_candidates_too() -> None:
         assert isinstance(ex, Exchange) and ex.decision.disagg is not None and ex.decision.disagg.prefill is not None
         assert (ex.decision.endpoint.name, ex.decision.disagg.prefill.name) == ("d1", "p2")
         ex.end(completed=True)
+
+
+async def test_streams_decoding_on_the_decode_endpoint_weigh_against_a_local_prefill() -> None:
+    """The prefill endpoint has 10,000 tokens queued (a remote prefill is predicted 1.2 s, the local one 0.2 s): with
+    eight streams decoding on each decode endpoint, a local prefill would stall each of them for its 0.2 s, so the
+    prefill still goes remote; without the stall's weight the request's own TTFT decides and keeps it local. Far
+    more queued there (80,000 tokens), the stall is worth it: local."""
+    cases = ((1.0, 10_000, "cost"), (0.0, 10_000, "cheaper_local"), (1.0, 80_000, "cheaper_local"))
+    for weight, queued, expected in cases:
+        app = make_app({}, prompt_tokens=2000, max_ttft_ratio=1.0, decode_stall_weight=weight)
+        p1 = app.pool.endpoint("p1")
+        assert p1 is not None
+        held = [app.pool.acquire(p1, queued)]
+        for name in ("d1", "d2") * 8:  # eight streams decoding on each
+            ep = app.pool.endpoint(name)
+            assert ep is not None
+            lease = app.pool.acquire(ep, 10)
+            lease.first_byte()
+            held.append(lease)
+        ex = await route(app)
+        assert isinstance(ex, Exchange) and ex.decision.disagg is not None
+        d = ex.decision.disagg
+        assert d.reason == expected, (weight, d)
+        assert d.stall_ms is not None and (d.stall_ms > 0) == (weight > 0)
+        ex.end(completed=True)
+        for lease in held:
+            lease.release()
