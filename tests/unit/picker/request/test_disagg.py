@@ -337,3 +337,17 @@ async def test_streams_decoding_on_the_decode_endpoint_weigh_against_a_local_pre
         ex.end(completed=True)
         for lease in held:
             lease.release()
+
+
+async def test_disaggregation_is_hot_reloadable() -> None:
+    app = make_app({}, prompt_tokens=2000)
+    ex = await route(app)
+    assert isinstance(ex, Exchange) and ex.decision.disagg is not None
+    ex.end(completed=True)
+    off = app.settings.model_copy(update={"disaggregation": app.settings.disaggregation.model_copy(
+        update={"enabled": False})})  # fmt: skip
+    assert app.apply(off) == []
+    ex = await route(app)
+    assert isinstance(ex, Exchange) and ex.decision.disagg is None and ex.decision.endpoint.name in ("d1", "d2")
+    ex.end(completed=True)
+    assert app.path.disagg.report()["enabled"] is False
