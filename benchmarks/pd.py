@@ -260,6 +260,9 @@ class ArmStack:
         ]
         self.listener = start_listener({"sources": sources}, self.workdir, name="listener")
         config = picker_config(self.arm)
+        if self.arm.disaggregated:  # Envoy's response mode is none here: the picker draws no transfer sample, so
+            # its prior is the engines' true transfer cost (a run with another cost is not judged by a wrong prior)
+            config["disaggregation"]["transfer_ms_per_token"] = self.sims[0].config.transfer_ms_per_token
         config["pool"] = {**config.get("pool", {}), "backends": self.backends}
         config["kv_cache_index"]["event_sources"] = [
             {"backend_name": s.config.name, "endpoint": self.listener.events_url(s.config.name)} for s in self.sims
@@ -401,7 +404,9 @@ def figures(run: ArmRun, time_scale: float = 1.0) -> dict[str, Any]:
         "achieved_rate": round(len(ok) / duration, 3) if duration > 0 else None,
         "target_rate": round(len(run.records) / max((r.t for r in run.records), default=1.0), 3),
         "decisions": run.decisions,
-        "prefill_leg_share": round(pd_decisions / total_decisions, 4) if total_decisions else 0.0,
+        "prefill_leg_share": round(pd_decisions / total_decisions, 4) if total_decisions else 0.0,  # decided
+        # the requests whose answer says a prefill leg ran (the sidecar's x-kv-epp-prefill: remote)
+        "prefilled_remotely_share": round(sum(1 for r in ok if r.prefill == "remote") / len(ok), 4) if ok else 0.0,
         # the stall's cause, counted by the engines that decode: steps that carried prefill tokens beside decoding
         # streams (a remote prefill's one last token included), and those prefill tokens
         "decode_steps_with_prefill_share": round(stalled / steps, 4) if steps else None,
@@ -500,7 +505,9 @@ def run(
         per_seed: dict[str, Any] = {}
         for arm in (aggregated, pd):
             print(f"[seed {seed}] {arm.name} ...", flush=True)
-            per_seed[arm.name] = figures(asyncio.run(run_arm(arm, workload, seed, workdir, replicas, sim)))
+            per_seed[arm.name] = figures(
+                asyncio.run(run_arm(arm, workload, seed, workdir, replicas, sim)), sim.time_scale
+            )
             print(HEADER.splitlines()[0] + "\n" + HEADER.splitlines()[1], flush=True)
             print(row(f"{arm.name} seed {seed}", per_seed[arm.name]), flush=True)
         per_seed["ratios"] = ratios(per_seed["pd"], per_seed["aggregated"])
@@ -511,7 +518,7 @@ def run(
         arm = Arm(f"pd-min{_label(threshold)}", prefill_replicas, threshold, decide, decode_stall_weight)
         print(f"[sweep] min_uncached_tokens={_label(threshold)} (seed {sweep_seed}) ...", flush=True)
         doc["sweep"][_label(threshold)] = figures(
-            asyncio.run(run_arm(arm, workload, sweep_seed, workdir, replicas, sim))
+            asyncio.run(run_arm(arm, workload, sweep_seed, workdir, replicas, sim)), sim.time_scale
         )
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=2))

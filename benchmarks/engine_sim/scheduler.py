@@ -193,6 +193,7 @@ class BatchScheduler:
         self.remote = remote if remote is not None else RemoteKv(config.name) if connector == "nixl" else None
         # requests loading their KV from a producer (vLLM's WAITING_FOR_REMOTE_KVS); bound: each holds KV slots
         self._loading: dict[SimRequest, asyncio.Task[None]] = {}
+        self._releases: set[asyncio.Task[None]] = set()  # producers told of an abort; bound: the aborts in flight
         self._next_block_id = 1  # the block ids a producer announces (the simulator has no physical blocks)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -262,11 +263,20 @@ class BatchScheduler:
         if request in self.waiting:
             self.waiting.remove(request)
             self._finish(request, aborted=True)
+            self._release_remote(request)  # aborted before it was scheduled: vLLM tells the producer too
         elif request in self._loading:
             self._loading.pop(request).cancel()
             self._finish(request, aborted=True)
-            if self.remote is not None and request.kv_params is not None:  # the producer frees its blocks
-                asyncio.get_running_loop().create_task(self.remote.done(request.kv_params))
+            self._release_remote(request)
+
+    def _release_remote(self, request: SimRequest) -> None:
+        """A request that was to read a producer's blocks and never will: the producer frees them now, not at its
+        timeout (vLLM's NixlConnector notifies it with no blocks read). The task is kept until it is done."""
+        if self.remote is None or request.kv_params is None or not request.kv_params.remote_prefill:
+            return
+        task = asyncio.get_running_loop().create_task(self.remote.done(request.kv_params))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def stall(self, ms: float) -> None:
         """Fault switch: pause the step loop for ``ms`` real milliseconds before its next step."""

@@ -246,7 +246,10 @@ class PdStack:
     def __init__(self, engines: PdEngines, disaggregation: dict[str, Any] | None = None) -> None:
         self.engines = engines
         self.workdir = engines.workdir
-        self.disaggregation = {"enabled": True, **(disaggregation or {})}
+        # the cost model decides (reason cost), with room: on these CPUs the predicted remote and local prefills are
+        # close, and the streamed test's first transfer sample replaces the prior, so at the default ratio (1.2)
+        # a later long prompt could turn cheaper_local by the tests' order alone
+        self.disaggregation = {"enabled": True, "max_ttft_ratio": 10.0, **(disaggregation or {})}
         self.sidecar_port = free_port()
         self.sidecar_metrics_port = free_port()
         self._procs: list[Any] = []

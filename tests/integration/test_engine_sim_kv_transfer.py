@@ -24,7 +24,9 @@ from benchmarks.stack import spawn_ready_line
 from tests.support.poll import async_wait_until
 
 PROMPT = " ".join(f"pd{j}" for j in range(700))  # 700 tokens
-NIXL = SimConfig(kv_connector="nixl", time_scale=0.001, kv_events_enabled=False)
+# held blocks never expire here (the expiry is the unit tests', on a fake timer): at time scale 0.001 vLLM's 480 s
+# would be 0.48 s of real time, which a busy CI machine can spend between the prefill answer and the read
+NIXL = SimConfig(kv_connector="nixl", time_scale=0.001, kv_events_enabled=False, kv_transfer_timeout_s=1e6)
 
 
 @pytest.fixture

@@ -62,6 +62,7 @@ def test_figures_pool_the_gaps_and_count_the_decisions() -> None:
         "sim-0": dict.fromkeys(counters, 0.0),
         "sim-1": dict(zip(counters, (100.0, 4.0, 5000.0), strict=True)),
     }
+    results[1].prefill = "remote"  # the sidecar said so: one of three took a prefill leg
     decisions = {"prefill-decode/cost": 1.0, "decode-only/below_threshold": 2.0}
     run = ArmRun(
         Arm("pd", 1, 512), 0, records, results, 2.0, decisions, engines, {"sim-0": "prefill", "sim-1": "decode"}
@@ -71,6 +72,8 @@ def test_figures_pool_the_gaps_and_count_the_decisions() -> None:
     assert f["ttft_ms"]["p50"] == 50.0
     assert f["ttft_from_arrival_ms"]["p99"] == pytest.approx(589.0, abs=0.5)  # of 50, 50, 600 ms (0.1 s late)
     assert f["prefill_leg_share"] == pytest.approx(1 / 3, abs=1e-3)
+    assert f["prefilled_remotely_share"] == pytest.approx(1 / 3, abs=1e-3)
+    assert figures(run, time_scale=0.5)["ttft_ms"]["p50"] == 100.0  # simulated ms: wall ms / time_scale
     assert f["decode_steps_with_prefill_share"] == 0.04 and f["prefill_tokens_beside_decodes"] == 5000  # decoders
     assert f["output_tokens_per_s"] == 4.5 and f["success_rate"] == 1.0
     half = ratios({**f, "itl_ms": {**f["itl_ms"], "p99": f["itl_ms"]["p99"] / 2}}, f)

@@ -256,6 +256,24 @@ async def test_an_abort_while_loading_frees_the_slots_and_tells_the_producer() -
         await sched.stop()
 
 
+async def test_an_abort_before_it_was_scheduled_tells_the_producer() -> None:
+    """vLLM's NixlConnector frees a producer's blocks for a request aborted while still queued (it never read
+    them): the simulator as well, rather than holding them until the producer's timeout."""
+    remote = FakeRemote()
+    cfg = dataclasses.replace(FAST, kv_connector="nixl", kv_role="consumer")
+    sched = BatchScheduler(cfg, PagedPrefixCache(cfg.block_size, cfg.capacity_blocks), None, remote)  # type: ignore[arg-type]
+    try:  # not started: the request stays queued
+        r = SimRequest("d", prompt(0, 500), 2, kv_params=REMOTE_PREFILL)
+        sched.submit(r)
+        assert r in sched.waiting
+        sched.abort(r)
+        assert r.finished and not sched.waiting
+        await async_wait_until(lambda: remote.dones == [REMOTE_PREFILL], what="the producer told")
+        assert remote.reads == []
+    finally:
+        await sched.stop()
+
+
 # -- shared storage (ExampleConnector) ------------------------------------------------------------------
 async def test_shared_storage_producer_writes_and_consumer_loads_whole_pages(tmp_path: Path) -> None:
     base = dataclasses.replace(FAST, block_size=32, kv_connector="shared-storage", kv_shared_storage_path=str(tmp_path))
