@@ -79,6 +79,7 @@ from benchmarks.engine_sim.process import SimulatorProcess, start_simulators
 from benchmarks.loadgen import RequestResult, parse_prometheus_text, run_trace
 from benchmarks.policies import POLICIES
 from benchmarks.report import percentile
+from benchmarks.routing import sim_listener_sources
 from benchmarks.stack import (
     EnvoyProcess,
     ListenerProcess,
@@ -247,17 +248,7 @@ class ArmStack:
                 self.backends.append({"name": s.config.name, "address": address, "role": "decode"})
             else:
                 self.backends.append({"name": s.config.name, "address": s.address, "role": "both"})
-        sources = [
-            {
-                "backend_name": s.config.name,
-                "engine": "vllm",
-                "model": s.config.model,
-                "block_size": s.config.block_size,
-                "zmq_endpoint": s.kv_events_endpoint,
-                "replay_endpoint": s.replay_endpoint,
-            }
-            for s in self.sims
-        ]
+        sources = sim_listener_sources(self.sims)
         self.listener = start_listener({"sources": sources}, self.workdir, name="listener")
         config = picker_config(self.arm)
         if self.arm.disaggregated:  # Envoy's response mode is none here: the picker draws no transfer sample, so

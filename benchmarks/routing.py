@@ -33,6 +33,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,21 @@ log = logging.getLogger(__name__)
 DEFAULT_POLICIES = "round_robin,load_only,prefix_hash,prefix_memory,kv_aware,kv_cost"
 
 
+def sim_listener_sources(sims: Sequence[SimulatorProcess]) -> list[dict[str, Any]]:
+    """The kv-listener's sources for simulated engines: each one's ZMQ events and replay endpoint, model and page."""
+    return [
+        {
+            "backend_name": s.config.name,
+            "engine": "vllm",
+            "model": s.config.model,
+            "block_size": s.config.block_size,
+            "zmq_endpoint": s.kv_events_endpoint,
+            "replay_endpoint": s.replay_endpoint,
+        }
+        for s in sims
+    ]
+
+
 class PolicyStartError(RuntimeError):
     """A policy's processes (picker, listener, Envoy) did not start; the message carries the log tail."""
 
@@ -126,17 +142,7 @@ class PolicyStack:
 
     def _start_listener(self, sims: list[SimulatorProcess], kv_index: dict[str, Any]) -> dict[str, Any]:
         """Start ``kv-listener`` over the simulators' ZMQ events; returns the picker's kv_cache_index."""
-        sources = [
-            {
-                "backend_name": s.config.name,
-                "engine": "vllm",
-                "model": s.config.model,
-                "block_size": s.config.block_size,
-                "zmq_endpoint": s.kv_events_endpoint,
-                "replay_endpoint": s.replay_endpoint,
-            }
-            for s in sims
-        ]
+        sources = sim_listener_sources(sims)
         self.listener = start_listener({"sources": sources}, self.workdir, name=f"listener-{self.policy.name}")
         kv_index["enabled"] = True
         kv_index["event_sources"] = [
