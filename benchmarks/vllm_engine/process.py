@@ -134,7 +134,7 @@ class VllmConfig:
     # P/D: a KV connector (None: none, as every engine before issue 24). With one, the engine prefills every prompt
     # in one step: chunked prefill off and --max-num-batched-tokens at least max_model_len (None: max_model_len).
     # The connector stores a prompt's KV from the step that schedules it first: a chunk would store a part under the
-    # whole prompt's name, and the consumer's worker dies loading it (a tensor shape mismatch, WIRE.md §6).
+    # whole prompt's name, and the consumer's worker dies loading it (a tensor shape mismatch, docs/wire.md §6).
     kv_transfer: KvTransfer | None = None
 
 
@@ -227,7 +227,7 @@ class VllmProcess:
         if c.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"{c.name}: a KV connector needs --max-num-batched-tokens >= max_model_len ({self.max_model_len}), "
-                f"not {c.max_num_batched_tokens}: a prompt prefilled in chunks is stored in part (WIRE.md §6)"
+                f"not {c.max_num_batched_tokens}: a prompt prefilled in chunks is stored in part (docs/wire.md §6)"
             )
         return c.max_num_batched_tokens
 

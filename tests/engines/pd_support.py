@@ -107,7 +107,7 @@ class Event:
     fields: dict[str, Any]  # the map form's fields, or the array form's known positions by name
 
 
-# vLLM's array form (before its map form): the tag, then these fields in order (WIRE.md §3)
+# vLLM's array form (before its map form): the tag, then these fields in order (docs/wire.md §3)
 _ARRAY_FIELDS = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
     "BlockRemoved": ("block_hashes", "medium"),

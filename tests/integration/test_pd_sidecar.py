@@ -1,7 +1,7 @@
 """``kv-epp pd-sidecar`` over real HTTP: the sidecar (``picker.pdsidecar.run.started``, as ``serve`` runs it) in
 front of two real aiohttp servers standing in for the decode and the prefill engine (tests.support.pd_engines),
 which record what they receive. What the engines see is asserted exactly (docs/pd.md, "The routing sidecar";
-WIRE.md section 8); every wait is a poll with a deadline, never a sleep."""
+docs/wire.md §8); every wait is a poll with a deadline, never a sleep."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ STREAMED: dict[str, Any] = {
     "min_tokens": 5,
     "max_completion_tokens": 60,
 }
-# vLLM's NixlConnector answer to a prefill leg (WIRE.md section 8)
+# vLLM's NixlConnector answer to a prefill leg (docs/wire.md §8)
 PRODUCED: dict[str, Any] = {
     "do_remote_prefill": True,
     "do_remote_decode": False,

@@ -1,5 +1,5 @@
 """The KV connectors' body rewriting (picker.pdsidecar.connectors): each leg's body exactly as llm-d's sidecar
-contract says (WIRE.md section 8), and the decode answer's cached_tokens rewrite."""
+contract says (docs/wire.md §8), and the decode answer's cached_tokens rewrite."""
 
 from __future__ import annotations
 
