@@ -265,8 +265,7 @@ class RequestStream:
         if isinstance(result, ExternalExchange):
             return self._pick_external(result, body or b"", at_headers, body_eos)
         dest = result.decision.destinations()
-        pd = result.decision.disagg
-        pre = pd.prefill.address if pd is not None and pd.prefill is not None else None
+        pre = result.decision.prefiller()
         if result.body_out is not None and not at_headers:  # the request path rewrote the body (Anthropic)
             return self._pick(dest, result.body_out, at_headers, body_eos, True, result.scores, pre)
         return self._pick(dest, body or b"", at_headers, body_eos, scores=result.scores, prefiller=pre)

@@ -225,10 +225,6 @@ class Pool:
     def names(self) -> tuple[str, ...]:
         return tuple(self._stats)
 
-    def endpoints_roles(self) -> list[tuple[str, str]]:
-        """(name, P/D role) of every routed endpoint."""
-        return [(name, st.endpoint.role) for name, st in self._stats.items()]
-
     def addresses(self) -> dict[str, str]:
         """Name → address of every endpoint."""
         return {name: st.endpoint.address for name, st in self._stats.items()}
@@ -464,8 +460,12 @@ class Pool:
             self._split = (tuple(states), tuple(suspected))
         if subset is None:
             return full
+        return PoolView(self._within(full.states, subset), full.costs, full.served)
+
+    def _within(self, states: tuple[EndpointState, ...], subset: Iterable[str]) -> tuple[EndpointState, ...]:
+        """The ``states`` whose endpoint's address is in the proxy's subset hint."""
         allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
-        return PoolView(tuple(s for s in full.states if s.endpoint.name in allowed), full.costs, full.served)
+        return tuple(s for s in states if s.endpoint.name in allowed)
 
     def decode_view(self, subset: Iterable[str] | None = None) -> PoolView:
         """``view`` of the endpoints that take whole requests (P/D's roles ``decode`` and ``both``, docs/pd.md):
@@ -486,8 +486,7 @@ class Pool:
         ok, suspected = self._split
         states = tuple(s for s in ok if keep(s.endpoint)) or tuple(s for s in suspected if keep(s.endpoint))
         if subset is not None:
-            allowed = {n for a in subset if (n := self._by_address.get(a)) is not None}
-            states = tuple(s for s in states if s.endpoint.name in allowed)
+            states = self._within(states, subset)
         return PoolView(states, full.costs, full.served)
 
     def cost_model(self) -> dict[str, float]:

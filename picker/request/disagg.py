@@ -23,6 +23,7 @@ from picker.routing.disagg import (
     Disaggregator,
 )
 from picker.routing.endpoints import Decision, Disagg, PoolView
+from picker.shared.discovery.model import ROLES
 
 log = logging.getLogger("kv_epp.request")
 _mono = time.monotonic
@@ -98,19 +99,16 @@ class Disaggregation:
     def __init__(self, settings: Settings, pool: Pool, router: Router, recorder: DecisionRecorder) -> None:
         self.pool = pool
         self.recorder = recorder
-        cfg = settings.disaggregation
-        self.fit = TransferFit(cfg.transfer_ms_per_token)
-        self.cfg = cfg
-        self.decider = Disaggregator(cfg, router.cost, settings.kv_cache_index.tokenizer.block_size)
-        self.enabled = cfg.enabled
+        self.fit = TransferFit(settings.disaggregation.transfer_ms_per_token)
         self.unplaced = 0  # requests that wanted a prefill endpoint and found none (logged 1 in 1,000)
+        self.configure(settings, router)
 
     def configure(self, settings: Settings, router: Router) -> None:
         cfg: DisaggregationConfig = settings.disaggregation
-        if cfg.transfer_ms_per_token != self.cfg.transfer_ms_per_token:
+        if cfg.transfer_ms_per_token != self.fit.prior:
             self.fit = TransferFit(cfg.transfer_ms_per_token)  # a new prior: the old samples followed another
         self.cfg = cfg
-        self.decider = Disaggregator(cfg, router.cost, settings.kv_cache_index.tokenizer.block_size)
+        self.decider = Disaggregator(cfg, router.cost)
         self.enabled = cfg.enabled
 
     def apply(
@@ -170,12 +168,5 @@ class Disaggregation:
             "min_prompt_tokens": self.cfg.min_prompt_tokens,
             "fallback": self.cfg.fallback,
             "transfer": self.fit.report(),
-            "roles": _roles(self.pool.endpoints_roles()),
+            "roles": {role: sum(1 for e in self.pool.endpoints if e.role == role) for role in ROLES},
         }
-
-
-def _roles(pairs: Sequence[tuple[str, str]]) -> dict[str, int]:
-    out = {"prefill": 0, "decode": 0, "both": 0, "none": 0}
-    for _, role in pairs:
-        out[role] = out.get(role, 0) + 1
-    return out

@@ -180,8 +180,7 @@ class RequestPath:
         self.tier4 = self.holds is not None and self.router.tier4_active()
         self.experiments.configure(settings, tier4_available=self.holds is not None)
         self.rewrites.configure(settings.model_rewrites)
-        if hasattr(self, "disagg"):  # built after the first configure
-            self.disagg.configure(settings, self.router)
+        self.disagg.configure(settings, self.router)
         self.max_prefix_tokens = settings.kv_cache_index.tokenizer.max_prefix_tokens
         self.block_size = settings.kv_cache_index.tokenizer.block_size  # tokens per key block
         # the semantic cache's caller identity (hashed into RequestFacts.identity), read only while it is on

@@ -36,6 +36,14 @@ class CostScorer:
         self.block_size = block_size
         self.priors = CostCoefficients(cfg.prior_base_ms, cfg.prior_prefill_ms_per_token, cfg.prior_decode_ms_per_seq)
 
+    def coefficients(self, view: PoolView) -> CostCoefficients:
+        """The TTFT model's coefficients for ``view``: the fitted ones once they have samples, else the priors."""
+        return view.costs if view.costs is not None and view.costs.samples else self.priors
+
+    def held_tokens(self, hold: BackendHold | None, prompt_tokens: int) -> int:
+        """The prompt tokens ``hold`` covers (its leading blocks, at most the prompt)."""
+        return min(hold.blocks * self.block_size, prompt_tokens) if hold is not None and hold.blocks > 0 else 0
+
     def score(
         self,
         holds: Mapping[str, BackendHold],
@@ -50,7 +58,7 @@ class CostScorer:
         runs with (None: a base model), whose affinity (``lora_affinity``) each endpoint's estimate adds."""
         if not view.states:
             return None
-        c = view.costs if view.costs is not None and view.costs.samples else self.priors
+        c = self.coefficients(view)
         warm = self.cfg.storage_warm_cost_fraction
         per_token, per_seq = c.prefill_ms_per_token, c.decode_ms_per_seq
         mean_tokens = c.mean_prefill_tokens
@@ -60,7 +68,7 @@ class CostScorer:
         cached: dict[str, int] = {}
         for st in view.states:
             h = holds.get(st.endpoint.name)
-            cached[st.endpoint.name] = min(h.blocks * self.block_size, prompt_tokens) if h and h.blocks > 0 else 0
+            cached[st.endpoint.name] = self.held_tokens(h, prompt_tokens)
         most_cached = max(cached.values())
         holders = sum(1 for v in cached.values() if v)
         loads = [st.load(mean_tokens) for st in view.states]

@@ -37,14 +37,9 @@ def may_prefill(e: Endpoint) -> bool:
 class Disaggregator:
     """The P/D decision (``decide``) over the configuration's thresholds and the cost model."""
 
-    def __init__(self, cfg: DisaggregationConfig, cost: CostScorer, block_size: int) -> None:
+    def __init__(self, cfg: DisaggregationConfig, cost: CostScorer) -> None:
         self.cfg = cfg
         self.cost = cost
-        self.block_size = block_size
-
-    def held(self, holds: Mapping[str, BackendHold] | None, name: str, prompt_tokens: int) -> int:
-        h = holds.get(name) if holds else None
-        return min(h.blocks * self.block_size, prompt_tokens) if h is not None and h.blocks > 0 else 0
 
     def decide(
         self,
@@ -62,12 +57,12 @@ class Disaggregator:
         ``holds``: Tier 4's holds of the prompt (None or empty: nothing known, the whole prompt is uncached);
         ``transfer_ms_per_token``: the KV transfer's current cost estimate."""
         cfg = self.cfg
-        uncached = prompt_tokens - self.held(holds, decode.name, prompt_tokens)
+        held = holds or {}
+        uncached = prompt_tokens - self.cost.held_tokens(held.get(decode.name), prompt_tokens)
         if prompt_tokens < cfg.min_prompt_tokens or uncached < cfg.min_uncached_tokens or uncached <= 0:
             return Disagg(DECODE_ONLY, BELOW_THRESHOLD, uncached_tokens=uncached)
         if not prefill_view.states:
             return Disagg(DECODE_ONLY, NO_PREFILL_ENDPOINT, uncached_tokens=uncached)
-        held = holds or {}
         remote = self.cost.score(held, prompt_tokens, prefill_view, key, evicting, prefix_rate)
         assert remote is not None  # prefill_view has states
         prefill = remote.best
@@ -76,14 +71,13 @@ class Disaggregator:
         remote_ms = leg_ms + transfer_ms_per_token * uncached
         if cfg.decide == "threshold":
             return Disagg(PREFILL_DECODE, THRESHOLD, prefill, uncached, None, remote_ms, prefill_tokens, leg_ms)
-        here = decode_view.by_name().get(decode.name)
-        if here is None:  # not a candidate after all (cannot happen from the path): the rule alone
-            return Disagg(PREFILL_DECODE, COST, prefill, uncached, None, remote_ms, prefill_tokens, leg_ms)
+        here = decode_view.by_name()[decode.name]  # the decode pick is one of the view's
         one = PoolView((here,), decode_view.costs, decode_view.served)
         local = self.cost.score(held, prompt_tokens, one, key)
-        local_ms = local.predicted_ms[decode.name] if local is not None else 0.0
+        assert local is not None  # one state
+        local_ms = local.predicted_ms[decode.name]
         # a local prefill shares the decode endpoint's steps with its streams: each waits about as long as it runs
-        c = one.costs if one.costs is not None and one.costs.samples else self.cost.priors
+        c = self.cost.coefficients(one)
         decoding = here.load(c.mean_prefill_tokens)[2]
         stall_ms = cfg.decode_stall_weight * decoding * c.prefill_ms_per_token * uncached
         if remote_ms > local_ms * cfg.max_ttft_ratio + stall_ms:

@@ -189,6 +189,11 @@ class Decision:
     scores: Mapping[str, float] | None = None
     disagg: Disagg | None = None  # the P/D decision (None: disaggregation off)
 
+    def prefiller(self) -> str | None:
+        """``x-prefiller-host-port``: the prefill endpoint's ``ip:port`` when P/D chose one (docs/pd.md)."""
+        d = self.disagg
+        return d.prefill.address if d is not None and d.prefill is not None else None
+
     def destinations(self) -> str:
         """The ranked list as the wire carries it: ``ip:port`` of the pick, then of each fallback, comma-separated."""
         if not self.fallbacks:

@@ -21,6 +21,7 @@ from benchmarks.engine_sim import EngineSimulator, SimConfig
 from benchmarks.engine_sim.process import SimulatorProcess
 from benchmarks.pd import SIDECAR_READY
 from benchmarks.stack import spawn_ready_line
+from picker.pdsidecar.connectors import NIXL_PREFILL_PARAMS
 from tests.support.poll import async_wait_until
 
 PROMPT = " ".join(f"pd{j}" for j in range(700))  # 700 tokens
@@ -59,14 +60,7 @@ async def state(http: aiohttp.ClientSession, sim: EngineSimulator) -> dict[str, 
         return result
 
 
-PREFILL_LEG = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_LEG = NIXL_PREFILL_PARAMS  # what kv-epp pd-sidecar sends a prefill engine (docs/wire.md §8)
 
 
 async def test_prefill_on_the_producer_then_decode_on_the_consumer(
