@@ -1148,6 +1148,20 @@ class RedisConfig(_Section):
     fallback_ttl_seconds: int = Field(300, ge=1, le=30 * 86_400)
     fallback_to_memory: bool = True
     health_check_interval_seconds: float = Field(30.0, gt=0, le=3600)  # while on the fallback: retry Redis
+    # single: one server (the URL's). sentinel: the primary that the sentinels name (the URL gives credentials,
+    # db and TLS; its host is not used). cluster: Valkey/Redis Cluster, the URL's host (and startup_nodes) the
+    # nodes it is discovered from. See docs/picker.md, "Redis modes: single, Sentinel, Cluster".
+    mode: Literal["single", "sentinel", "cluster"] = "single"
+    sentinels: list[str] = Field(default_factory=list, max_length=16)  # host:port of each sentinel
+    sentinel_master: str = Field("mymaster", min_length=1, max_length=128)  # the monitored primary's name
+    startup_nodes: list[str] = Field(default_factory=list, max_length=64)  # more cluster nodes (host:port)
+
+    @field_validator("sentinels", "startup_nodes")
+    @classmethod
+    def _host_ports(cls, v: list[str]) -> list[str]:
+        for item in v:
+            host_port(item)
+        return v
 
     @field_validator("url")
     @classmethod
@@ -1164,6 +1178,33 @@ class RedisConfig(_Section):
         if v.startswith(KV_INDEX_KEY_PREFIX):  # the cache's keys would mix with the index's hashes
             raise ValueError(f"key_prefix must not be inside the Redis KV index's keys ({KV_INDEX_KEY_PREFIX}*)")
         return v
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) as a pair; ValueError says what is wrong."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or any(c.isspace() or c in "/@" for c in host) or not port.isdigit():
+        raise ValueError(f"{text!r} is not host:port")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r}: the port must be 1-65535")
+    return host, int(port)
+
+
+def redis_mode_problems(cfg: RedisConfig, path: str = "response_cache.redis") -> list[tuple[str, str]]:
+    """What ``cfg.mode`` needs that ``cfg`` lacks (or has and must not), each with the path of the bad key."""
+    out: list[tuple[str, str]] = []
+    if cfg.mode == "sentinel" and not cfg.sentinels:
+        out.append((f"{path}.sentinels", "mode sentinel needs the sentinels' addresses (host:port, one or more)"))
+    if cfg.mode != "sentinel" and cfg.sentinels:
+        out.append((f"{path}.sentinels", f"only read with mode sentinel (mode is {cfg.mode})"))
+    if cfg.mode != "cluster" and cfg.startup_nodes:
+        out.append((f"{path}.startup_nodes", f"only read with mode cluster (mode is {cfg.mode})"))
+    if cfg.mode == "cluster":
+        db = urllib.parse.urlsplit(cfg.url).path.strip("/")
+        if db not in ("", "0"):
+            out.append((f"{path}.url", f"a cluster has database 0 only: the URL's path must be /0 or empty, not /{db}"))
+    return out
 
 
 class SemanticCacheConfig(_Section):
@@ -1354,6 +1395,7 @@ def _cross_section_problems(s: Settings) -> list[tuple[str, str]]:
     exposed = unauthenticated_exposure(s.extproc, loopback_host(s.extproc.host))  # a name: checked at start
     if exposed is not None:
         out.append(exposed)
+    out += redis_mode_problems(s.response_cache.redis)
     return out + arm_problems(s) + _pool_source_problems(s)
 
 

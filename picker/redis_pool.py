@@ -17,11 +17,15 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import ClusterError, MaxConnectionsError, RedisClusterException, RedisError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from picker.config import RedisConfig
+from picker.config import RedisConfig, host_port, redis_mode_problems
 
 log = logging.getLogger(__name__)
 
@@ -91,21 +95,131 @@ def redis_endpoint(cfg: RedisConfig) -> RedisEndpoint:
     )
 
 
-def build_redis(cfg: RedisConfig) -> Redis:
-    """A new client with its own pool of ``cfg.pool_size`` connections (prefer ``shared_redis``)."""
-    redis_endpoint(cfg)  # refuse a URL redis-py would misread
+# A client of any mode: ``Redis`` (single, sentinel) or ``RedisCluster`` (cluster). Both take the same commands
+# the picker sends (single-key ones, single-slot transactions and scripts); see docs/picker.md, "Redis modes".
+RedisClient = Redis | RedisCluster
+
+# What a call to Redis may raise, whatever the mode: redis-py's errors, its cluster errors (RedisClusterException
+# is not a RedisError: "slots not covered", a redirect loop), the socket's, and a timeout.
+REDIS_FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError, TimeoutError)
+
+
+def failure_kind(exc: BaseException) -> str:
+    """``timeout``, ``connection`` (both: an outage) or ``other`` (an error reply from a Redis that answers, or
+    this client's own pool being full). A cluster without a primary for a slot (``CLUSTERDOWN``, a slot not
+    covered, a failover in progress) is an outage, like a refused connection."""
+    if isinstance(exc, RedisTimeoutError | TimeoutError):
+        return "timeout"
+    if isinstance(exc, MaxConnectionsError):  # every connection of the pool in use: not the server's outage
+        return "other"
+    if isinstance(exc, RedisConnectionError | ConnectionError | OSError | ClusterError):
+        return "connection"
+    if isinstance(exc, SlotNotCoveredError) or type(exc) is RedisClusterException:
+        return "connection"  # the slot map could not be had (every startup node failed) or misses slots
+    return "other"
+
+
+def build_redis(
+    cfg: RedisConfig, *, socket_timeout_s: float | None = None, max_connections: int | None = None
+) -> RedisClient:
+    """A new client of ``cfg.mode`` with its own connections (prefer ``shared_redis``): at most
+    ``max_connections`` (default ``cfg.pool_size``; in cluster mode per node), each read waiting at most
+    ``socket_timeout_s`` (default the command timeout). ValueError on a bad config (the key's path first)."""
+    problems = redis_mode_problems(cfg)
+    if problems:
+        raise ValueError("; ".join(f"{path}: {why}" for path, why in problems))
+    endpoint = redis_endpoint(cfg)  # refuse a URL redis-py would misread
     command_s = cfg.command_timeout_ms / 1000
+    socket_s = command_s if socket_timeout_s is None else socket_timeout_s
+    size = cfg.pool_size if max_connections is None else max_connections
+    if cfg.mode == "cluster":
+        return _build_cluster(cfg, endpoint, socket_s, size)
+    if cfg.mode == "sentinel":
+        return _build_sentinel(cfg, endpoint, socket_s, size)
     pool = FastBlockingPool.from_url(
         effective_url(cfg),
-        max_connections=cfg.pool_size,
+        max_connections=size,
         timeout=command_s,  # the wait for a free connection
         socket_connect_timeout=cfg.connect_timeout_ms / 1000,
-        socket_timeout=command_s,
+        socket_timeout=socket_s,
         # one immediate retry on a connection error (a pooled connection a restarted Redis closed: redis-py
         # notices only when it uses it); never on a timeout; both tries within the store's command timeout
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     )
     return Redis(connection_pool=pool)
+
+
+# cluster mode: tries of a command after a connection error, a timeout or CLUSTERDOWN, each after a fresh slot
+# map (CLUSTER SLOTS); MOVED and ASK are followed apart from these (redis-py's redirect budget). The callers
+# bound the whole call by the command timeout (asyncio.timeout), so a failover costs a request at most that.
+CLUSTER_RETRIES = 2
+CLUSTER_BACKOFF_CAP_S = 0.05  # the pause between tries: 10 ms, 20 ms, at most this
+
+
+def _build_cluster(cfg: RedisConfig, endpoint: RedisEndpoint, socket_s: float, size: int) -> RedisCluster:
+    startup = [ClusterNode(host, port) for host, port in map(host_port, cfg.startup_nodes)]
+    return RedisCluster(
+        host=endpoint.host,
+        port=endpoint.port,
+        startup_nodes=startup or None,
+        username=endpoint.username,
+        password=_password(cfg),
+        ssl=endpoint.tls,
+        socket_timeout=socket_s,
+        socket_connect_timeout=cfg.connect_timeout_ms / 1000,
+        max_connections=size,  # per node; beyond it a command fails at once (MaxConnectionsError, not an outage)
+        retry=Retry(ExponentialBackoff(cap=CLUSTER_BACKOFF_CAP_S, base=0.01), CLUSTER_RETRIES),
+        require_full_coverage=True,  # a slot map with a hole is refused (retried) rather than used
+    )
+
+
+class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """redis-py's Sentinel pool (it asks the sentinels where the primary is at each new connection and drops its
+    connections when the primary moved) with the blocking pool's bound: a caller beyond ``max_connections``
+    waits for a free connection (at most ``timeout``) rather than failing at once."""
+
+
+def _build_sentinel(cfg: RedisConfig, endpoint: RedisEndpoint, socket_s: float, size: int) -> Redis:
+    connect_s = cfg.connect_timeout_ms / 1000
+    command_s = cfg.command_timeout_ms / 1000
+    sentinel = Sentinel(
+        [host_port(s) for s in cfg.sentinels],
+        min_other_sentinels=0,
+        # the sentinels themselves: no credentials (the URL's are the data nodes'), the same timeouts
+        sentinel_kwargs={"socket_timeout": command_s, "socket_connect_timeout": connect_s},
+        socket_timeout=socket_s,
+        socket_connect_timeout=connect_s,
+        username=endpoint.username,
+        password=_password(cfg),
+        db=endpoint.db,
+        ssl=endpoint.tls,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
+    client: Redis = sentinel.master_for(
+        cfg.sentinel_master,
+        redis_class=Redis,
+        connection_pool_class=BlockingSentinelPool,
+        max_connections=size,
+        timeout=command_s,  # the wait for a free connection
+    )
+    return client
+
+
+def _password(cfg: RedisConfig) -> str | None:
+    try:
+        password = urlsplit(cfg.url).password
+    except ValueError:
+        return None
+    return unquote(password) if password is not None else None
+
+
+async def ping_redis(client: RedisClient) -> Any:
+    """One PING that says whether the picker's Redis can be used: on a cluster, every primary's (a slot whose
+    primary is down makes the cluster unusable here: ``cluster-require-full-coverage``, and the KV index's one
+    slot may be any of them)."""
+    if isinstance(client, RedisCluster):
+        return await client.ping(target_nodes=RedisCluster.PRIMARIES)
+    return await client.ping()
 
 
 class FastBlockingPool(BlockingConnectionPool):
@@ -146,8 +260,20 @@ class FastBlockingPool(BlockingConnectionPool):
         await super().release(connection)
 
 
-def _pool_key(cfg: RedisConfig) -> tuple[str, int, int, int]:
-    return (effective_url(cfg), cfg.pool_size, cfg.connect_timeout_ms, cfg.command_timeout_ms)
+PoolKey = tuple[str, int, int, int, str, tuple[str, ...], str, tuple[str, ...]]
+
+
+def _pool_key(cfg: RedisConfig) -> PoolKey:
+    return (
+        effective_url(cfg),
+        cfg.pool_size,
+        cfg.connect_timeout_ms,
+        cfg.command_timeout_ms,
+        cfg.mode,
+        tuple(cfg.sentinels),
+        cfg.sentinel_master,
+        tuple(cfg.startup_nodes),
+    )
 
 
 class SharedRedis:
@@ -157,9 +283,9 @@ class SharedRedis:
 
     def __init__(self) -> None:
         # the loop by weak reference: a closed test loop is not kept alive, and its id may then be reused
-        self._clients: dict[tuple[int, tuple[str, int, int, int]], tuple[Callable[[], object], Redis]] = {}
+        self._clients: dict[tuple[int, PoolKey], tuple[Callable[[], object], RedisClient]] = {}
 
-    def client(self, cfg: RedisConfig) -> Redis:
+    def client(self, cfg: RedisConfig) -> RedisClient:
         """The shared client for ``cfg`` on the running loop (created at the first call)."""
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -179,7 +305,10 @@ class SharedRedis:
         for owner, client in clients.values():
             if owner is _none or owner() is loop:
                 with contextlib.suppress(Exception):
-                    await client.aclose(close_connection_pool=True)
+                    if isinstance(client, RedisCluster):
+                        await client.aclose()
+                    else:
+                        await client.aclose(close_connection_pool=True)
 
 
 def _none() -> None:
@@ -230,10 +359,10 @@ class RedisHealth:
 
 
 # bound: one entry per live client (weak keys: a closed, dropped client takes its entry with it)
-_HEALTH: weakref.WeakKeyDictionary[Redis, RedisHealth] = weakref.WeakKeyDictionary()
+_HEALTH: weakref.WeakKeyDictionary[RedisClient, RedisHealth] = weakref.WeakKeyDictionary()
 
 
-def redis_health(client: Redis) -> RedisHealth:
+def redis_health(client: RedisClient) -> RedisHealth:
     """The outage state shared by every user of ``client`` (created at the first call)."""
     health = _HEALTH.get(client)
     if health is None:
@@ -244,7 +373,7 @@ def redis_health(client: Redis) -> RedisHealth:
 SHARED = SharedRedis()
 
 
-def shared_redis(cfg: RedisConfig) -> Redis:
+def shared_redis(cfg: RedisConfig) -> RedisClient:
     """The process's client (connection pool) for ``cfg``: the response cache and the Redis KV index call this."""
     return SHARED.client(cfg)
 

@@ -11,22 +11,27 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.asyncio.cluster import RedisCluster
 
 from picker.cache import CacheStoreError, CacheStoreStats
 from picker.cache.metrics import CacheStoreMetrics
 from picker.config import KV_INDEX_KEY_PREFIX, RedisConfig, ResponseCacheConfig
-from picker.redis_pool import RedisEndpoint, redis_endpoint, redis_health
+from picker.redis_pool import (
+    REDIS_FAILURES,
+    RedisClient,
+    RedisEndpoint,
+    failure_kind,
+    ping_redis,
+    redis_endpoint,
+    redis_health,
+)
 
 log = logging.getLogger(__name__)
 
 FLAP_WINDOW_S = 60.0  # an outage this soon after the last recovery is a flap: the early switch back is held off
 DEFAULT_MAX_BYTES = 256 << 20  # the memory store's byte bound unless the caller sets one
 CLEAR_BATCH = 500  # keys per SCAN COUNT hint and per UNLINK
-_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+_FAILURES = REDIS_FAILURES
 
 
 class MemoryCacheStore:
@@ -143,11 +148,7 @@ class MemoryCacheStore:
 
 
 def _error_kind(exc: BaseException) -> str:
-    if isinstance(exc, RedisTimeoutError | TimeoutError):
-        return "timeout"
-    if isinstance(exc, RedisConnectionError | ConnectionError | OSError):
-        return "connection"
-    return "other"
+    return failure_kind(exc)  # timeout, connection (an outage: refused, reset, a cluster without a primary), other
 
 
 class RedisCacheStore:
@@ -183,7 +184,7 @@ class RedisCacheStore:
     def __init__(
         self,
         cfg: RedisConfig,
-        client: Redis,
+        client: RedisClient,
         metrics: CacheStoreMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -308,7 +309,7 @@ class RedisCacheStore:
         if self._fallback is not None:
             return False
         try:
-            await self._command("ping", self.client.ping(), timeout=self.health_timeout)
+            await self._command("ping", ping_redis(self.client), timeout=self.health_timeout)
         except CacheStoreError:
             return False
         return True
@@ -327,11 +328,12 @@ class RedisCacheStore:
 
     def redis_stats(self) -> dict[str, Any]:
         """The admin JSON's ``redis`` object (the seed's fields, plus where it connects)."""
-        pool: Any = self.client.connection_pool
+        pool: Any = getattr(self.client, "connection_pool", None)  # a cluster has one per node: not counted
         in_use = len(getattr(pool, "_in_use_connections", ()))
         idle = len(getattr(pool, "_available_connections", ()))
         return {
             "url": self.endpoint.display(),
+            "mode": self.cfg.mode,
             "key_prefix": self.prefix,
             "connected": self.connected,
             "connections": {"active": in_use, "idle": idle},
@@ -434,7 +436,7 @@ class RedisCacheStore:
             if woken and hold > 0:  # a Redis that keeps stalling: stay on the fallback a while (damping)
                 await asyncio.sleep(min(hold, interval))
             try:
-                await self._command("ping", self.client.ping(), timeout=self.health_timeout)
+                await self._command("ping", ping_redis(self.client), timeout=self.health_timeout)
                 await self._replay_invalidations()
             except CacheStoreError:
                 continue
@@ -469,13 +471,25 @@ class RedisCacheStore:
 
     async def _clear_redis(self) -> None:
         pattern = self.prefix.replace("\\", "\\\\") + "*"  # the prefix has no glob characters (config)
+        if isinstance(self.client, RedisCluster):  # SCAN walks one node's keys: walk every primary's
+            for node in self.client.get_primaries():
+                await self._clear_node(pattern, node)
+            return
+        await self._clear_node(pattern, None)
+
+    async def _clear_node(self, pattern: str, node: Any) -> None:
+        """SCAN + UNLINK one server (``node`` None) or one cluster primary (its keys are of its slots only; the
+        cluster client splits an UNLINK of several keys by slot)."""
         cursor: int = 0
         while True:
-            cursor, keys = await self._command(
-                "clear", self.client.scan(cursor=cursor, match=pattern, count=CLEAR_BATCH)
-            )
+            if node is None:
+                call = self.client.scan(cursor=cursor, match=pattern, count=CLEAR_BATCH)
+            else:
+                call = self.client.scan(cursor=cursor, match=pattern, count=CLEAR_BATCH, target_nodes=node)
+            reply, keys = await self._command("clear", call)
+            cursor = int(next(iter(reply.values()))) if isinstance(reply, dict) else int(reply)  # cluster: by node
             keys = [k for k in keys if not k.startswith(self._kv_index_prefix)]  # a prefix such as "cr:"
             if keys:
                 await self._command("clear", self.client.unlink(*keys))
-            if int(cursor) == 0:
+            if cursor == 0:
                 return

@@ -16,12 +16,24 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from picker.config import KV_INDEX_KEY_PREFIX
 from picker.kv.index import InMemoryKvIndex
-from picker.kv.redis_layout import CLEAR_LUA, HOLDS_LUA, PACK, TIER, RedisIndexStats, WriteOp, pack_keys, parse_holds
-from picker.redis_pool import redis_health
+from picker.kv.redis_layout import (
+    APPLY_LUA,
+    CLEAR_LUA,
+    HOLDS_LUA,
+    PACK,
+    SWAP_LUA,
+    TIER,
+    RedisIndexStats,
+    WriteOp,
+    apply_args,
+    pack_keys,
+    parse_holds,
+)
+from picker.redis_pool import REDIS_FAILURES, RedisClient, failure_kind, ping_redis, redis_health
 from picker.routing.endpoints import BackendHold
 from picker.shared.tiers import StorageTier
 
@@ -42,7 +54,7 @@ class RedisKvIndex(InMemoryKvIndex):
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         max_entries: int = 100_000,
         ttl_seconds: float = 600.0,
         *,
@@ -80,6 +92,10 @@ class RedisKvIndex(InMemoryKvIndex):
         self._touched: dict[str, float] = {}  # backend → last PEXPIRE queued by confirm (bound: live backends)
         self._holds_script = client.register_script(HOLDS_LUA)
         self._clear_script = client.register_script(CLEAR_LUA)
+        # a cluster: the write batches and the resync's swap are scripts on the index's one slot (redis_layout)
+        self.cluster = isinstance(client, RedisCluster)
+        self._apply_script = client.register_script(APPLY_LUA)
+        self._swap_script = client.register_script(SWAP_LUA)
         self._down_logged = False
         self._writing = False  # a batch is being written (``flush`` waits for it)
         self._recovering = False  # Redis answered again, the resync runs: writes are queued behind it
@@ -169,7 +185,7 @@ class RedisKvIndex(InMemoryKvIndex):
         try:
             async with asyncio.timeout(self.command_timeout_s):
                 flat = await self._holds_script(keys=[self.set_key], args=args)
-        except (aioredis.RedisError, OSError, TimeoutError) as exc:
+        except REDIS_FAILURES as exc:
             self._failed("read", exc)
             self.stats.fallbacks += 1
             return self.lookup(keys)
@@ -200,10 +216,12 @@ class RedisKvIndex(InMemoryKvIndex):
             self._queue.clear()
             self.stats.queued_keys = 0
             self._recover_at = time.monotonic() + self._jitter()
-        refused = isinstance(exc, aioredis.ConnectionError | ConnectionError)  # refused, reset, auth: not slowness
+        # refused, reset, auth, a cluster without a primary for a slot: not slowness
+        other_os_error = isinstance(exc, OSError) and not isinstance(exc, ConnectionError)
+        refused = failure_kind(exc) == "connection" and not other_os_error
         if self.stats.up and (refused or self._failures >= self.down_after_failures):
             self._go_down(what, str(exc)[:200] or type(exc).__name__)
-            if refused or isinstance(exc, TimeoutError | aioredis.TimeoutError):  # an outage, not an error reply
+            if refused or failure_kind(exc) == "timeout":  # an outage, not an error reply
                 # the type only: an error's text may quote a command's arguments (block keys)
                 self.health.outage("kv_index", f"{what}: {type(exc).__name__}")
         self._wake.set()
@@ -258,7 +276,7 @@ class RedisKvIndex(InMemoryKvIndex):
                 async with asyncio.timeout(self.command_timeout_s * 5):
                     await self._write(batch)
                 self._failures = 0
-            except (aioredis.RedisError, OSError, TimeoutError) as exc:
+            except REDIS_FAILURES as exc:
                 self._failed("write", exc)
             finally:
                 self._writing = False
@@ -287,6 +305,11 @@ class RedisKvIndex(InMemoryKvIndex):
         return batch
 
     async def _write(self, batch: list[WriteOp]) -> None:
+        if self.cluster:
+            await self._apply_script(keys=[self.set_key], args=apply_args(batch, self.hash_prefix, self.ttl_ms))
+            self.stats.batches += 1
+            self.stats.ops_written += len(batch)
+            return
         pipe = self.client.pipeline(transaction=True)
         hp = self.hash_prefix
         for op in batch:
@@ -321,8 +344,8 @@ class RedisKvIndex(InMemoryKvIndex):
         when Redis answers; a failure counts as this index's own (``_failed``)."""
         try:
             async with asyncio.timeout(self.command_timeout_s):
-                await self.client.ping()
-        except (aioredis.RedisError, OSError, TimeoutError) as exc:
+                await ping_redis(self.client)
+        except REDIS_FAILURES as exc:
             self._failed("ping", exc)
             return False
         self._failures = 0
@@ -333,13 +356,13 @@ class RedisKvIndex(InMemoryKvIndex):
         """Ping, then rebuild the shared copy from the local index; True when reads may use Redis again."""
         try:
             async with asyncio.timeout(self.command_timeout_s):
-                await self.client.ping()
+                await ping_redis(self.client)
             # ops applied from now on are queued behind the resync's per-backend snapshots (a write applied
             # before a backend's snapshot is in it and queued too: idempotent, applied in the same order)
             self._resync_due, self._recovering = False, True
             await self.resync()
             self._failures = 0
-        except (aioredis.RedisError, OSError, TimeoutError) as exc:
+        except REDIS_FAILURES as exc:
             self._resync_due = True
             self._queue.clear()
             self.stats.queued_keys = 0
@@ -384,6 +407,10 @@ class RedisKvIndex(InMemoryKvIndex):
                 chunk.pexpire(tmp, self.ttl_ms)
                 async with asyncio.timeout(bound):
                     await chunk.execute()
+            if self.cluster:
+                async with asyncio.timeout(bound):
+                    await self._swap_script(keys=[tmp, h, self.set_key], args=[backend, self.ttl_ms])
+                continue
             pipe = self.client.pipeline(transaction=True)
             pipe.rename(tmp, h)
             pipe.sadd(self.set_key, backend)
@@ -418,7 +445,7 @@ class RedisKvIndex(InMemoryKvIndex):
     async def aclose(self) -> None:
         """Best effort: write what is queued (bounded by the command timeout)."""
         if self.stats.up and self._queue:
-            with contextlib.suppress(aioredis.RedisError, OSError, TimeoutError):
+            with contextlib.suppress(*REDIS_FAILURES):
                 async with asyncio.timeout(self.command_timeout_s):
                     while self._queue:
                         await self._write(self._take_batch())

@@ -10,10 +10,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from picker.config import KV_INDEX_KEY_PREFIX
 from picker.routing.endpoints import BackendHold
 from picker.shared.tiers import StorageTier
 
 PACK = struct.Struct(">Q")
+
+# The index's keys on a Valkey/Redis Cluster: one hash tag, so every key of the index (the backends' set, every
+# backend's hash, a resync's temporary hash) is in ONE slot and the scripts and transactions below run there
+# unchanged (docs/picker.md, "Redis modes: single, Sentinel, Cluster"). Single and Sentinel keep ``cr:kvidx:``.
+CLUSTER_KEY_PREFIX = "cr:kvidx:{kvidx}:"
+
+
+def index_key_prefix(mode: str) -> str:
+    """The index's key prefix for a ``response_cache.redis.mode``."""
+    return CLUSTER_KEY_PREFIX if mode == "cluster" else KV_INDEX_KEY_PREFIX
+
+
 TIER = {StorageTier.GPU_HOT: b"g", StorageTier.STORAGE_WARM: b"w"}
 
 # KEYS[1] the backends set; ARGV[1] the hash key prefix; ARGV[2] the request's block keys, 8 bytes each, in
@@ -49,6 +62,75 @@ for _, name in ipairs(names) do redis.call('DEL', ARGV[1] .. name) end
 redis.call('DEL', KEYS[1])
 return #names
 """
+
+
+# Cluster mode's write batch, the same effect as single mode's MULTI/EXEC of the same ops (atomic, one round trip,
+# one slot: every key it touches carries the index's hash tag). Why not redis-py's cluster transaction pipeline:
+# it resolves each queued command's slot in a new thread with a new event loop (redis-py 6.2-8.x), which blocks
+# the picker's loop per command and leaves connections bound to a dead loop when it opens them.
+# KEYS[1] the backends set; ARGV[1] the hash key prefix; ARGV[2] the TTL (ms); then per op three arguments:
+# kind (p put, d del, x drop, c clear, t touch), backend, payload (put: the tier byte then the 8-byte block
+# keys; del: the block keys; else empty).
+APPLY_LUA = """
+local set, hp, ttl = KEYS[1], ARGV[1], ARGV[2]
+local function bulk(cmd, h, blob, from, tier)
+  local args = {}
+  for j = from, #blob, 8 do
+    args[#args + 1] = string.sub(blob, j, j + 7)
+    if tier then args[#args + 1] = tier end
+    if #args >= 4000 then redis.call(cmd, h, unpack(args)); args = {} end
+  end
+  if #args > 0 then redis.call(cmd, h, unpack(args)) end
+end
+for i = 3, #ARGV, 3 do
+  local kind, name, blob = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local h = hp .. name
+  if kind == 'p' then
+    redis.call('SADD', set, name)
+    bulk('HSET', h, blob, 2, string.sub(blob, 1, 1))
+    redis.call('PEXPIRE', h, ttl)
+    redis.call('PEXPIRE', set, ttl)
+  elseif kind == 'd' then
+    bulk('HDEL', h, blob, 1, nil)
+  elseif kind == 'x' then
+    redis.call('DEL', h)
+    redis.call('SREM', set, name)
+  elseif kind == 'c' then
+    local names = redis.call('SMEMBERS', set)
+    for _, n in ipairs(names) do redis.call('DEL', hp .. n) end
+    redis.call('DEL', set)
+  elseif kind == 't' then
+    redis.call('PEXPIRE', h, ttl)
+    redis.call('PEXPIRE', set, ttl)
+  end
+end
+return 1
+"""
+
+# Cluster mode's end of a backend's resync (single mode: the same four commands in MULTI/EXEC).
+# KEYS[1] the temporary hash, KEYS[2] the backend's hash, KEYS[3] the backends set; ARGV[1] backend, ARGV[2] TTL.
+SWAP_LUA = """
+redis.call('RENAME', KEYS[1], KEYS[2])
+redis.call('SADD', KEYS[3], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('PEXPIRE', KEYS[3], ARGV[2])
+return 1
+"""
+
+_APPLY_KIND = {"put": b"p", "del": b"d", "drop": b"x", "clear": b"c", "touch": b"t"}
+
+
+def apply_args(batch: Sequence[WriteOp], hash_prefix: bytes, ttl_ms: int) -> list[bytes | int]:
+    """``APPLY_LUA``'s arguments for a write batch."""
+    out: list[bytes | int] = [hash_prefix, ttl_ms]
+    for op in batch:
+        payload = b""
+        if op.kind == "put":
+            payload = op.tier + pack_keys(op.keys)
+        elif op.kind == "del":
+            payload = pack_keys(op.keys)
+        out += [_APPLY_KIND[op.kind], op.backend.encode(), payload]
+    return out
 
 
 def pack_keys(keys: Sequence[int]) -> bytes:

@@ -21,6 +21,7 @@ from picker.kv.checks import FeedChecks, FeedWatch, probe_keys, run_self_check
 from picker.kv.feed_consumers import KvFeedConsumers
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
+from picker.kv.redis_layout import index_key_prefix
 from picker.kv.stage import KvLookup
 from picker.kv.token_cache import CachedTokenizer
 from picker.kv.tokenizer_sources import TokenizerSource, make_tokenizer_source
@@ -359,12 +360,14 @@ class Tier4:
 
 
 def make_redis_index(cfg: KvCacheIndexConfig, redis: RedisConfig) -> RedisKvIndex:
-    """``backend: redis``: the index on ``response_cache.redis``'s server (key prefix ``cr:kvidx:``), on the
-    process's one pool (``picker.redis_pool``, shared with the response cache and closed by the app)."""
+    """``backend: redis``: the index on ``response_cache.redis``'s server (key prefix ``cr:kvidx:``; on a cluster
+    ``cr:kvidx:{kvidx}:``, one slot), on the process's one pool (``picker.redis_pool``, shared with the response
+    cache and closed by the app)."""
     return RedisKvIndex(
         shared_redis(redis),
         cfg.max_entries,
         float(cfg.entry_ttl_seconds),
+        key_prefix=index_key_prefix(redis.mode),  # one hash-tagged slot on a cluster
         command_timeout_s=redis.command_timeout_ms / 1000,
         retry_interval_s=redis.health_check_interval_seconds,
     )

@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any
 
 from aiohttp import web
-from redis.exceptions import RedisError
 
 from picker.cache import CacheStoreError
 from picker.cache.semantic import ENTRY_PREFIX
@@ -21,7 +20,7 @@ from picker.gemini.context_cache import DISABLED_RESPONSE, GeminiContextCache, d
 from picker.kv.admin import kv_index_backends, kv_index_clear, kv_index_stats
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
-from picker.redis_pool import redis_endpoint, redis_secrets
+from picker.redis_pool import REDIS_FAILURES, redis_endpoint, redis_secrets
 from picker.runtime.app import PickerApp
 
 
@@ -103,7 +102,7 @@ async def kv_index_redis_keys(index: RedisKvIndex) -> dict[str, Any]:
             for name in names:
                 pipe.hlen(index.hash_prefix + name.encode())
             lengths = await pipe.execute() if names else []
-    except (RedisError, OSError, TimeoutError) as exc:
+    except REDIS_FAILURES as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:200]}
     per_backend = {name: int(n) for name, n in zip(names, lengths, strict=True)}
     return {"backends": len(names), "entries": sum(per_backend.values()), "per_backend": per_backend}

@@ -21,7 +21,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -59,8 +59,11 @@ class ValkeyProcess:
     """One ``valkey-server`` child. ``start()`` waits until it answers PING; ``kill()`` is a crash (SIGKILL);
     ``stop()`` is SIGTERM then SIGKILL; ``restart()`` starts it again on the same port."""
 
-    def __init__(self, workdir: Path, port: int | None = None, host: str = HOST) -> None:
+    def __init__(
+        self, workdir: Path, port: int | None = None, host: str = HOST, extra_args: Sequence[str] = ()
+    ) -> None:
         self.workdir = workdir
+        self.extra_args = list(extra_args)  # more ``--name value`` options (a cluster node's, a replica's)
         self.host = host
         self._fixed_port = port is not None
         self.port = port if port is not None else free_port(host)
@@ -117,6 +120,7 @@ class ValkeyProcess:
             "--daemonize", "no",
             "--dir", str(self.workdir),
             "--logfile", str(self.log_path),
+            *self.extra_args,
         ]  # fmt: skip
         quiet = subprocess.DEVNULL
         self.proc = subprocess.Popen(argv, stdin=quiet, stdout=quiet, stderr=quiet)
