@@ -198,3 +198,111 @@ async def test_every_user_of_a_client_shares_its_outage_state() -> None:
     finally:
         await a.aclose(close_connection_pool=True)
         await b.aclose(close_connection_pool=True)
+
+
+# --- modes (docs/picker.md, "Redis modes: single, Sentinel, Cluster")
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        ({"mode": "sentinel"}, "response_cache.redis.sentinels"),  # required with mode sentinel
+        ({"sentinels": ["h:26379"]}, "response_cache.redis.sentinels"),  # only read with mode sentinel
+        ({"startup_nodes": ["h:7000"]}, "response_cache.redis.startup_nodes"),  # only read with mode cluster
+        ({"mode": "cluster", "url": "redis://h:7000/2"}, "response_cache.redis.url"),  # db 0 only
+        ({"mode": "sentinel", "sentinels": ["h"]}, "response_cache.redis.sentinels"),  # not host:port (the value named)
+        ({"mode": "cluster", "startup_nodes": ["h:99999"]}, "response_cache.redis.startup_nodes"),
+        ({"mode": "replicated"}, "response_cache.redis.mode"),
+    ],
+)
+def test_a_bad_mode_config_is_refused_with_the_path_of_the_bad_key(data: dict[str, object], path: str) -> None:
+    from picker.config import ConfigError, parse_settings
+
+    with pytest.raises(ConfigError) as exc:
+        parse_settings({"response_cache": {"redis": data}})
+    assert path in str(exc.value), str(exc.value)
+
+
+def test_good_mode_configs_are_accepted() -> None:
+    from picker.config import parse_settings
+
+    s = parse_settings(
+        {"response_cache": {"redis": {"mode": "cluster", "url": "redis://h:7000", "startup_nodes": ["h2:7001"]}}}
+    )
+    assert s.response_cache.redis.mode == "cluster" and s.response_cache.redis.startup_nodes == ["h2:7001"]
+    s = parse_settings({"response_cache": {"redis": {"mode": "sentinel", "sentinels": ["[::1]:26379", "s:26379"]}}})
+    assert s.response_cache.redis.sentinel_master == "mymaster"
+    assert parse_settings({}).response_cache.redis.mode == "single"
+
+
+def test_build_redis_refuses_a_bad_mode_config_built_without_the_loader() -> None:
+    with pytest.raises(ValueError, match=r"response_cache\.redis\.sentinels"):
+        build_redis(cfg(mode="sentinel"))
+
+
+async def test_single_mode_overrides_socket_timeout_and_max_connections() -> None:
+    client = build_redis(cfg(pool_size=8, command_timeout_ms=250), socket_timeout_s=5.0, max_connections=2)
+    try:
+        pool = client.connection_pool
+        assert isinstance(pool, FastBlockingPool) and pool.max_connections == 2
+        assert pool.connection_kwargs["socket_timeout"] == 5.0 and pool.timeout == 0.25
+    finally:
+        await client.aclose(close_connection_pool=True)
+
+
+async def test_cluster_mode_builds_a_cluster_client_from_the_url_and_the_startup_nodes() -> None:
+    from redis.asyncio.cluster import RedisCluster
+
+    from picker.redis_pool import CLUSTER_RETRIES
+
+    client = build_redis(
+        cfg("redis://u:pw@h1:7000", mode="cluster", startup_nodes=["h2:7001"], pool_size=4, command_timeout_ms=300)
+    )
+    try:
+        assert isinstance(client, RedisCluster)  # no connection is opened before the first command
+        assert {n.name for n in client.startup_nodes} == {"h1:7000", "h2:7001"}
+        kw = client.connection_kwargs
+        assert (kw["username"], kw["password"], kw["max_connections"], kw["socket_timeout"]) == ("u", "pw", 4, 0.3)
+        assert client.retry.get_retries() == CLUSTER_RETRIES
+    finally:
+        await client.aclose()
+
+
+async def test_sentinel_mode_builds_a_blocking_sentinel_pool_with_the_urls_credentials() -> None:
+    from picker.redis_pool import BlockingSentinelPool
+
+    client = build_redis(
+        cfg("rediss://u:p%40ss@ignored:1/2", mode="sentinel", sentinels=["s1:26379", "s2:26380"], pool_size=3),
+        max_connections=2,
+    )
+    try:
+        pool = client.connection_pool
+        assert isinstance(pool, BlockingSentinelPool) and pool.max_connections == 2
+        assert pool.service_name == "mymaster"
+        kw = pool.connection_kwargs
+        assert (kw["username"], kw["password"], kw["db"]) == ("u", "p@ss", 2)
+        assert "SSL" in pool.connection_class.__name__
+        assert [(c.connection_pool.connection_kwargs["host"]) for c in pool.sentinel_manager.sentinels] == ["s1", "s2"]
+    finally:
+        await client.aclose(close_connection_pool=True)
+
+
+def test_failure_kinds_cluster_errors_are_outages_a_full_pool_is_not() -> None:
+    from redis.exceptions import (
+        ClusterDownError,
+        MaxConnectionsError,
+        RedisClusterException,
+        ResponseError,
+        SlotNotCoveredError,
+    )
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from picker.redis_pool import failure_kind
+
+    assert failure_kind(ClusterDownError("CLUSTERDOWN")) == "connection"
+    assert failure_kind(SlotNotCoveredError("no slot")) == "connection"
+    assert failure_kind(RedisClusterException("Redis Cluster cannot be connected")) == "connection"
+    assert failure_kind(RedisConnectionError("refused")) == "connection"
+    assert failure_kind(RedisTimeoutError()) == "timeout" and failure_kind(TimeoutError()) == "timeout"
+    assert failure_kind(MaxConnectionsError()) == "other"
+    assert failure_kind(ResponseError("OOM")) == "other"
