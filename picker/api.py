@@ -12,6 +12,7 @@ from picker.extproc.service import ExternalProcessor
 from picker.facts import Answer
 from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
+from picker.kv.redis_layout import CLUSTER_KEY_PREFIX
 from picker.request.exchange import Exchange
 from picker.request.path import Inbound, RequestPath
 from picker.routing.endpoints import BackendHold, Endpoint, EndpointState, PoolView
@@ -22,6 +23,7 @@ from picker.runtime.envoy_config import EnvoyOptions, bootstrap_yaml
 from picker.runtime.lifecycle import GRPC_OPTIONS
 
 __all__ = [
+    "CLUSTER_KEY_PREFIX",
     "DEST_HEADER",
     "GRPC_OPTIONS",
     "Answer",
