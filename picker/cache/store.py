@@ -334,6 +334,12 @@ class RedisCacheStore:
         return {
             "url": self.endpoint.display(),
             "mode": self.cfg.mode,
+            **(
+                {"sentinels": list(self.cfg.sentinels), "sentinel_master": self.cfg.sentinel_master}
+                if self.cfg.mode == "sentinel"
+                else {}
+            ),
+            **({"startup_nodes": list(self.cfg.startup_nodes)} if self.cfg.mode == "cluster" else {}),
             "key_prefix": self.prefix,
             "connected": self.connected,
             "connections": {"active": in_use, "idle": idle},

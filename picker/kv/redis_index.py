@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import MaxConnectionsError
 
 from picker.config import KV_INDEX_KEY_PREFIX
 from picker.kv.index import InMemoryKvIndex
@@ -208,9 +209,13 @@ class RedisKvIndex(InMemoryKvIndex):
         """A failed call. A failed write lost its batch: the shared copy is rebuilt (resync). Reads stop using
         Redis at once when the connection failed (refused, reset, authentication), else (a timeout, an error
         reply) after ``down_after_failures`` consecutive failures: one slow command (a long transaction of
-        another client) does not send every picker to its local index and into a resync at once."""
+        another client) does not send every picker to its local index and into a resync at once. This client's
+        own pool being full (cluster mode: ``MaxConnectionsError``, at once) says nothing of Redis: counted, a
+        lost write batch resynced, but never a step towards down."""
         self.stats.errors += 1
-        self._failures += 1
+        busy = isinstance(exc, MaxConnectionsError)
+        if not busy:
+            self._failures += 1
         if what == "write" and not self._resync_due:
             self._resync_due = True  # the batch may be lost: rebuild the shared copy
             self._queue.clear()
@@ -219,7 +224,7 @@ class RedisKvIndex(InMemoryKvIndex):
         # refused, reset, auth, a cluster without a primary for a slot: not slowness
         other_os_error = isinstance(exc, OSError) and not isinstance(exc, ConnectionError)
         refused = failure_kind(exc) == "connection" and not other_os_error
-        if self.stats.up and (refused or self._failures >= self.down_after_failures):
+        if self.stats.up and not busy and (refused or self._failures >= self.down_after_failures):
             self._go_down(what, str(exc)[:200] or type(exc).__name__)
             if refused or failure_kind(exc) == "timeout":  # an outage, not an error reply
                 # the type only: an error's text may quote a command's arguments (block keys)

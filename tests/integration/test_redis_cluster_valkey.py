@@ -159,12 +159,17 @@ async def test_moved_after_a_slot_migration_is_followed(cluster: ValkeyCluster) 
             idx.put("sim-0", [1, 2, 3], GPU)
             await idx.flush()
             assert await idx.holds([1, 2, 3]) == {"sim-0": idx.lookup([1, 2, 3])["sim-0"]}
+            moved_to = {}
             for key in ("t4:a", idx.set_key):  # move both slots to another primary: the client's map is stale
                 slot = cluster.key_slot(key)
                 other = next(p for p in cluster.primary_ports() if p != cluster.slot_owner(slot))
                 cluster.migrate_slot(slot, other)
+                moved_to[key] = other
+                assert client.get_node_from_key(key).port != other  # the client still sends it to the old owner
             assert await store.get("a") == b"A"  # MOVED: followed, then the slot map refreshed
+            assert client.get_node_from_key("t4:a").port == moved_to["t4:a"]
             assert await idx.holds([1, 2, 3]) == idx.lookup([1, 2, 3])
+            assert client.get_node_from_key(idx.set_key).port == moved_to[idx.set_key]
             idx.put("sim-1", [1, 2], WARM)
             await idx.flush()
             assert await idx.holds([1, 2, 3]) == idx.lookup([1, 2, 3])

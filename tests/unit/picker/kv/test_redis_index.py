@@ -107,3 +107,29 @@ def test_a_write_batch_holds_at_most_batch_max_keys_but_keeps_a_snapshot_whole()
     assert [op.kind for op in first] == ["drop"] + ["put"] * 15  # past the cap: not cut inside the snapshot
     assert [(op.backend, op.keys) for op in idx._take_batch()] == [("c", [1])]
     assert idx.stats.queued_keys == 0
+
+
+def test_a_full_client_pool_is_counted_but_never_takes_reads_off_redis() -> None:
+    from redis.exceptions import ClusterDownError, MaxConnectionsError
+
+    idx = _index()
+    for _ in range(5):  # cluster mode: every connection to a node in use fails at once (not Redis's outage)
+        idx._failed("read", MaxConnectionsError())
+    assert idx.stats.up and idx.stats.errors == 5 and not idx.health.down
+    idx._failed("write", MaxConnectionsError())  # a lost batch is still rebuilt
+    assert idx._resync_due and idx.stats.up
+    idx._failed("read", ClusterDownError("CLUSTERDOWN The cluster is down"))  # no primary for a slot: an outage
+    assert not idx.stats.up and idx.health.down
+
+
+def test_apply_args_encode_a_batch_for_the_cluster_script() -> None:
+    from picker.kv.redis_layout import WriteOp, apply_args, pack_keys
+
+    batch = [WriteOp("put", "a", [1, 2], b"g"), WriteOp("del", "a", [2]), WriteOp("drop", "b"), WriteOp("clear")]
+    assert apply_args(batch, b"p:b:", 1100) == [
+        b"p:b:", 1100,
+        b"p", b"a", b"g" + pack_keys([1, 2]),
+        b"d", b"a", pack_keys([2]),
+        b"x", b"b", b"",
+        b"c", b"", b"",
+    ]  # fmt: skip
