@@ -34,8 +34,9 @@ BACKENDS = ["sim-0", "sim-1", "sim-2", "sim-3"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]:
-    """One cluster for the tests that do not kill a node (each test uses its own key prefix)."""
-    with running_cluster(tmp_path_factory.mktemp("cluster")) as c:
+    """One cluster for the tests that do not kill a node (each test uses its own key prefix). A 5 s node timeout:
+    a node starved of CPU for a second on a busy machine is not failed over under these tests' feet."""
+    with running_cluster(tmp_path_factory.mktemp("cluster"), node_timeout_ms=5000) as c:
         yield c
 
 
