@@ -23,6 +23,7 @@ from picker.kv.redis_index import RedisKvIndex
 from picker.kv.redis_layout import CLUSTER_KEY_PREFIX, index_key_prefix
 from picker.redis_pool import build_redis, close_shared_redis, shared_redis
 from picker.shared.tiers import StorageTier
+from tests.support.admin_redis import admin  # noqa: F401  (the fixture)
 from tests.support.redis_failover import cluster_failover_run
 from tests.support.valkey_cluster import ValkeyCluster, running_cluster
 
@@ -186,3 +187,53 @@ async def test_a_primary_killed_under_traffic_costs_local_answers_only(tmp_path:
     assert report["errors_escaped"] == 0, report  # every call answered (locally while the cluster failed over)
     assert report["index_local_answers"] > 0 and report["cache_fallback_engaged"] > 0, report  # the outage was seen
     assert report["index_resyncs"] >= 1 and report["index_exact_after"] and report["on_redis_after"], report
+
+
+async def test_a_picker_composed_on_a_cluster_serves_its_admin_views(
+    cluster: ValkeyCluster,
+    admin: Any,  # noqa: F811
+) -> None:
+    """The app as ``build_app`` composes it from a config with ``mode: cluster``: the shared cluster client under
+    the store and Tier 4's index, the admin's stats (the keys Valkey holds: the index's one slot) and clear."""
+    import json
+
+    from picker.config import parse_settings
+    from picker.kv.tier4 import Tier4
+    from picker.ops.metrics import PickerMetrics
+    from picker.runtime.compose import build_app
+
+    settings = parse_settings(
+        {
+            "pool": {"backends": [{"name": "a", "address": "10.0.0.1:80"}, {"name": "b", "address": "10.0.0.2:80"}]},
+            "kv_cache_index": {"enabled": True, "backend": "redis"},
+            "response_cache": {
+                "enabled": True,
+                "backend": "redis",
+                "redis": {"url": cluster.url, "mode": "cluster", "key_prefix": "t6:", "command_timeout_ms": 2000},
+            },
+            "admin": {"bearer_token": "t0ken"},
+        }
+    )
+    app = build_app(settings, PickerMetrics())
+    if not isinstance(app.tier4.index if app.tier4 else None, RedisKvIndex):
+        app.tier4 = Tier4(settings.kv_cache_index, app.pool, PickerMetrics(), settings.response_cache.redis)
+    assert app.tier4 is not None
+    index = app.tier4.index
+    assert isinstance(index, RedisKvIndex) and index.prefix == CLUSTER_KEY_PREFIX
+    assert isinstance(app.cache_store, RedisCacheStore) and app.cache_store.client is index.client  # one client
+    await app.cache_store.set("x", b"X", 60)
+    async with running(index):
+        index.put("a", [1, 2, 3], GPU)
+        index.put("b", [1], WARM)
+        await index.flush(30)
+    client = await admin(app)
+    auth = {"Authorization": "Bearer t0ken"}
+    body = json.loads(await (await client.get("/admin/kv-index/stats", headers=auth)).text())
+    assert body["redis"]["connected"] is True
+    assert body["redis"]["keys"] == {"backends": 2, "entries": 4, "per_backend": {"a": 3, "b": 1}}
+    cache = json.loads(await (await client.get("/admin/response-cache/stats", headers=auth)).text())
+    assert "cluster" in json.dumps(cache)
+    r = await client.post("/admin/response-cache/clear", headers={**auth, "Content-Type": "application/json"}, json={})
+    assert r.status == 200
+    assert await app.cache_store.get("x") is None
+    assert await index.client.exists(index.set_key) == 1  # the cache's clear leaves the index's keys alone
