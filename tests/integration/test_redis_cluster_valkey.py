@@ -187,6 +187,7 @@ async def test_a_primary_killed_under_traffic_costs_local_answers_only(tmp_path:
     assert report["errors_escaped"] == 0, report  # every call answered (locally while the cluster failed over)
     assert report["index_local_answers"] > 0 and report["cache_fallback_engaged"] > 0, report  # the outage was seen
     assert report["index_resyncs"] >= 1 and report["index_exact_after"] and report["on_redis_after"], report
+    assert report["redis_reads_after"] > 0, report  # reads on the promoted replica
 
 
 async def test_a_picker_composed_on_a_cluster_serves_its_admin_views(

@@ -45,3 +45,4 @@ async def test_sentinel_mode_finds_the_primary_and_survives_its_failover(tmp_pat
     assert report["errors_escaped"] == 0, report  # every call answered (locally while the sentinel failed over)
     assert report["index_local_answers"] > 0 and report["cache_fallback_engaged"] > 0, report
     assert report["index_resyncs"] >= 1 and report["index_exact_after"] and report["on_redis_after"], report
+    assert report["redis_reads_after"] > 0, report  # reads on the promoted replica

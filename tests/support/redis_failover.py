@@ -122,12 +122,16 @@ async def failover_run(
         promoted_at = time.monotonic()
         await async_wait_until(lambda: idx.stats.up and not store.fallback_active and not idx._resync_due, timeout=60)
         back_at = time.monotonic()
+        lookups_back, local_back = idx.stats.lookups, idx.stats.fallbacks
         await asyncio.sleep(seconds_after)  # traffic on the promoted replica (a duration, not a synchronisation)
         stop.set()
         await task
         await idx.flush(30)
         exact = all([await idx.holds(c) == idx.lookup(c) for c in chains])
         after_ok = idx.stats.up and not store.fallback_active
+        # after the failover the reads are Valkey's (the promoted replica's), none local
+        redis_reads_after = idx.stats.lookups - lookups_back
+        local_reads_after = idx.stats.fallbacks - local_back
     finally:
         stop.set()
         for t in (task, writer):
@@ -154,4 +158,6 @@ async def failover_run(
         "slowest_call_s": round(max(slow), 3),
         "index_exact_after": exact,
         "on_redis_after": after_ok,
+        "redis_reads_after": redis_reads_after,
+        "local_reads_after": local_reads_after,
     }
