@@ -91,16 +91,19 @@ def redis_endpoint(cfg: RedisConfig) -> RedisEndpoint:
     )
 
 
-def build_redis(cfg: RedisConfig) -> Redis:
-    """A new client with its own pool of ``cfg.pool_size`` connections (prefer ``shared_redis``)."""
+def build_redis(
+    cfg: RedisConfig, *, socket_timeout_s: float | None = None, max_connections: int | None = None
+) -> Redis:
+    """A new client with its own pool of ``cfg.pool_size`` connections (prefer ``shared_redis``). The overrides
+    are for a dedicated client (the shared load view's, whose XREAD blocks longer than a command may)."""
     redis_endpoint(cfg)  # refuse a URL redis-py would misread
     command_s = cfg.command_timeout_ms / 1000
     pool = FastBlockingPool.from_url(
         effective_url(cfg),
-        max_connections=cfg.pool_size,
+        max_connections=max_connections or cfg.pool_size,
         timeout=command_s,  # the wait for a free connection
         socket_connect_timeout=cfg.connect_timeout_ms / 1000,
-        socket_timeout=command_s,
+        socket_timeout=socket_timeout_s if socket_timeout_s is not None else command_s,
         # one immediate retry on a connection error (a pooled connection a restarted Redis closed: redis-py
         # notices only when it uses it); never on a timeout; both tries within the store's command timeout
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
