@@ -3,6 +3,7 @@
     python -m benchmarks.routing --scenario seed003|chat-skew|churn|hot-docs|tiny|demo [--trace FILE]
         [--policies round_robin,load_only,prefix_hash,prefix_memory,kv_aware,kv_cost] [--out DIR]
         [--time-scale 0.5] [--seed 0] [--poll-ms 100]
+        [--pickers N] [--shared-load off|on|both] [--baseline] [--kill-picker-at S] [--fail-open on|off]
 
 For every policy (``benchmarks.policies.POLICIES``), in order: start fresh simulators (cold caches),
 the picker (and the listener) the policy needs, and the real Envoy; scrape the engines' prefix-cache
@@ -13,6 +14,10 @@ replica's ``vllm:num_requests_running`` / ``_waiting`` is polled each ``--poll-m
 fractions and ``idle_while_queued``. Then compute the docs/benchmarks.md figures (``benchmarks.report``)
 against the bound of the trace itself, write ``results.json``, ``results.md`` and PNG plots into
 ``--out``, and print the table and the checks of issue 12 (per policy, and the scenario's goals).
+
+With ``--pickers N`` every picker-backed policy runs N pickers behind one Envoy (``benchmarks.scale_out``;
+docs/benchmarks.md, "Several pickers"): each picker's decisions are reported, and ``--kill-picker-at``
+SIGKILLs one of them mid-run.
 
 A policy whose processes refuse to start (e.g. the picker rejects a strategy it does not know yet) is
 reported as "failed to start" with the error's last line, and the run goes on with the next policy.
@@ -490,6 +495,11 @@ def _sim_params(sim: SimConfig) -> dict[str, Any]:
     return {k: getattr(sim, k) for k in keep}
 
 
+def _arm(policy: PolicySpec) -> dict[str, Any]:
+    """A scale-out arm's keys on a policy that did not run (none for a plain 1-picker policy)."""
+    return {"base": policy.base, "pickers": policy.pickers} if policy.base else {}
+
+
 def run(
     scenario: Scenario,
     policies: list[PolicySpec],
@@ -537,11 +547,7 @@ def run(
     doc["params"]["workdir"] = str(workdir)
     for policy in policies:
         if not policy.available:
-            doc["policies"][policy.name] = {
-                **unavailable(policy.unavailable_reason),
-                "base": policy.base,
-                "pickers": policy.pickers,
-            }
+            doc["policies"][policy.name] = {**unavailable(policy.unavailable_reason), **_arm(policy)}
             print(f"[{policy.name}] not available: {policy.unavailable_reason}", flush=True)
             continue
         print(f"[{policy.name}] running {len(scenario.records)} requests ...", flush=True)
@@ -549,7 +555,7 @@ def run(
         try:
             pr = asyncio.run(run_policy(scenario, policy, workdir, poll_s, kill_picker_at_s, fail_open))
         except PolicyStartError as exc:
-            doc["policies"][policy.name] = {**failed_to_start(str(exc)), "base": policy.base, "pickers": policy.pickers}
+            doc["policies"][policy.name] = {**failed_to_start(str(exc)), **_arm(policy)}
             print(f"[{policy.name}] {doc['policies'][policy.name]['reason']}", flush=True)
             continue
         figures = policy_figures(
@@ -632,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--fail-open", choices=("on", "off"), default=None,
-        help="Envoy's failure_mode_allow for the picker (default: on with several pickers, else the policy's)",
+        help="Envoy's failure_mode_allow for the picker (default: the policy's, fail closed like the chart's default)",
     )  # fmt: skip
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -217,9 +217,9 @@ async def kill_and_watch(
         if out.get("last_scrape") and isinstance(out["last_scrape"].get("shared_load"), Mapping):
             victim_id = out["last_scrape"]["shared_load"].get("picker_id")
         out["picker_id"] = victim_id
+        killed = time.perf_counter()  # just before the signal: a request sent after this counts as after the kill
         with contextlib.suppress(ProcessLookupError):
             os.kill(target.pid, signal.SIGKILL)
-        killed = time.perf_counter()
         out["at_s"] = round((killed - t0) / time_scale, 2)
         out["at_wall_s"] = round(killed - t0, 3)
         view_s: float | None = None
