@@ -87,7 +87,7 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                 },
             }
         )
-        if len(o.picker_hosts) > 1:
+        if o.several_pickers:
             clusters[-1].update(picker_pool_options(o))
         if o.picker_tls:
             clusters[-1]["transport_socket"] = picker_transport_socket(o)

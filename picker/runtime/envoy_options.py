@@ -127,6 +127,14 @@ class EnvoyOptions:
             return tuple(self.picker_addresses)
         return () if self.picker_address is None else (self.picker_address,)
 
+    @property
+    def several_pickers(self) -> bool:
+        """The ext_proc cluster may have several hosts: listed, or one DNS name that may resolve to several (the
+        chart's headless Service of the picker replicas): least request, outlier ejection and the stream's retry
+        on another picker (docs/scale-out.md)."""
+        hosts = self.picker_hosts
+        return len(hosts) > 1 or (len(hosts) == 1 and not is_ip(hosts[0]))
+
 
 def socket_address(host_port: str) -> dict[str, Any]:
     host, _, port = host_port.rpartition(":")

@@ -44,7 +44,8 @@ def picker_stream_retry_policy(o: EnvoyOptions) -> dict[str, Any]:
     same one twice (``previous_hosts``), a short back-off (the caller's request waits on it)."""
     return {
         "retry_on": PICKER_STREAM_RETRY_ON,
-        "num_retries": min(3, len(o.picker_hosts) - 1),
+        # a DNS name's hosts are not known here: 3, which previous_hosts spreads over as many as it resolves to
+        "num_retries": min(3, len(o.picker_hosts) - 1) if len(o.picker_hosts) > 1 else 3,
         "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.050s"},
         "retry_host_predicate": [
             {
@@ -86,7 +87,7 @@ def _picker_grpc_service(o: EnvoyOptions) -> dict[str, Any]:
     service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "kv_epp_picker"}, "timeout": "10s"}
     if o.picker_token is not None:
         service["initial_metadata"] = [{"key": "authorization", "value": f"Bearer {o.picker_token}"}]
-    if len(o.picker_hosts) > 1:
+    if o.several_pickers:
         service["retry_policy"] = picker_stream_retry_policy(o)
     return service
 

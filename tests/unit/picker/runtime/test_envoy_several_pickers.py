@@ -82,3 +82,15 @@ def test_a_verified_certificate_over_several_picker_ips_needs_one_sni() -> None:
         bootstrap(EnvoyOptions(picker_addresses=pickers, backends=BACKENDS, picker_ca="/ca.pem", picker_sni="kv-epp"))
     )["transport_socket"]["typed_config"]
     assert tls["sni"] == "kv-epp"
+
+
+def test_one_dns_name_may_be_several_pickers_and_gets_their_options() -> None:
+    """The chart's headless Service resolves to every picker replica (STRICT_DNS): the same balancing, ejection and
+    retry as a listed set; one IP address stays the single-picker bootstrap."""
+    dns = bootstrap(EnvoyOptions(picker_address="kv-epp-picker.ns.svc:9002", backends=BACKENDS))
+    cluster = picker_cluster(dns)
+    assert cluster["type"] == "STRICT_DNS" and cluster["lb_policy"] == "LEAST_REQUEST"
+    assert cluster["outlier_detection"]["consecutive_local_origin_failure"] == 1
+    assert grpc_service(dns)["retry_policy"]["num_retries"] == 3
+    ip = bootstrap(EnvoyOptions(picker_address="127.0.0.1:9002", backends=BACKENDS))
+    assert "lb_policy" not in picker_cluster(ip) and "retry_policy" not in grpc_service(ip)
