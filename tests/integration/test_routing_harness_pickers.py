@@ -1,6 +1,7 @@
 """The routing harness with several pickers on real processes (simulators, pickers, the listener, Envoy): the
-tiny scenario through 2 pickers behind one Envoy, each taking decisions; and the kill test, one picker
-SIGKILLed mid-run, after which the survivor routes the rest and no request sent after the kill fails. No
+tiny scenario through 2 pickers behind one Envoy, each taking decisions; and the kill test, one of 2 pickers
+sharing their load view SIGKILLed mid-run, after which the survivor routes the rest, no request sent after the kill
+fails and the survivor's view drops the dead picker. No
 timing assertions: the kill is at a point of the trace, and what is asserted holds whenever it lands."""
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ def test_two_pickers_behind_one_envoy_both_take_decisions(tmp_path: Path) -> Non
 def test_killing_one_of_two_pickers_mid_run(tmp_path: Path) -> None:
     scenario = tiny(time_scale=0.5)
     span = max(r.t for r in scenario.records)
-    policies = scale_out_arms(parse_policies("prefix_hash"), pickers=2)
+    policies = scale_out_arms(parse_policies("kv_cost"), pickers=2, shared_load="on")
     doc = run(scenario, policies, tmp_path, plots=False, kill_picker_at_s=span / 3)
 
-    p = doc["policies"]["prefix_hash@2"]
+    p = doc["policies"]["kv_cost@2+shared"]
     k = p["kill"]
     assert k["picker"] == "picker-1" and k["signal"] == "SIGKILL"
     assert k["envoy_excluded_s"] is not None  # Envoy took the dead picker out (health check or ejection)
@@ -55,4 +56,6 @@ def test_killing_one_of_two_pickers_mid_run(tmp_path: Path) -> None:
     dead, alive = p["per_picker"]["pickers"][1], p["per_picker"]["pickers"][0]
     assert dead["killed"] and not alive["killed"]
     assert alive["decisions"] > 0  # the survivor took every request after the kill
-    assert k["goal_view_within_5s"] is None or isinstance(k["goal_view_within_5s"], bool)
+    # the survivor's shared view counted the dead picker as a peer, then dropped it (its silence outlived the
+    # peer TTL); how soon is the benchmark's figure, not this test's
+    assert k["shared_view_reported"] and k["view_recovered_s"] is not None

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
+from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
-from picker.config import PoolConfig, RedisConfig, SharedLoadConfig
+from picker.config import PoolConfig, RedisConfig, SharedLoadConfig, parse_settings
 from picker.kv.placements import RecentPlacements
 from picker.pool.pool import Pool
 from picker.pool.shared_load import PeerMessage, SharedLoad, encode
 from picker.redis_pool import build_redis
+from picker.runtime.app import PickerApp
+from picker.runtime.compose import build_server
 from tests.support.poll import async_wait_until
 from tests.support.valkey import ValkeyProcess, valkey_server  # noqa: F401  (the fixture)
 
@@ -180,3 +183,40 @@ async def test_losing_valkey_falls_back_to_own_counts_and_comes_back(
         await until(lambda: b.view.state == "up" and b.peer_in_flight() == 2, "the view is back")
         own.release()
         await until(lambda: a.peer_in_flight() == 1, "a sees b's release")
+
+
+async def test_the_picker_reports_its_view_in_readyz_and_admin_pool(
+    valkey_server: ValkeyProcess,  # noqa: F811
+    admin: Callable[[PickerApp], Awaitable[TestClient]],  # the fixture (tests/integration/conftest.py)
+) -> None:
+    """The composition root builds the view with ``shared_load.enabled``; ``/readyz`` and ``/admin/pool`` say how
+    it goes, and a lost view is detail: the readiness verdict does not change with it."""
+    settings = parse_settings(
+        {
+            "pool": {"backends": [{"name": "b0", "address": "10.0.0.1:8000"}]},
+            "response_cache": {"redis": {"url": valkey_server.url, "command_timeout_ms": 500}},
+            "shared_load": {"enabled": True, "key": KEY, "picker_id": "me", "retry_seconds": 0.2},
+        }
+    )
+    server = build_server(settings)
+    app = server.app
+    assert app.shared_load is not None and app.shared_load.run in server.background
+    app.ready = True
+    task = asyncio.create_task(app.shared_load.run())
+    try:
+        client = await admin(app)
+        await until(lambda: app.shared_load is not None and app.shared_load.state == "up", "the view up")
+        resp = await client.get("/readyz")
+        body = await resp.json()
+        assert resp.status == 200 and body["shared_load"]["state"] == "up" and body["shared_load"]["picker_id"] == "me"
+        pool = await (await client.get("/admin/pool")).json()
+        assert pool["shared_load"]["up"] is True and pool["backends"][0]["peer_in_flight_requests"] == 0
+        valkey_server.kill()
+        await until(lambda: app.shared_load is not None and app.shared_load.state == "lost", "the view lost")
+        resp = await client.get("/readyz")
+        body = await resp.json()
+        assert resp.status == 200 and body["shared_load"]["state"] == "lost" and body["shared_load"]["reason"]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
