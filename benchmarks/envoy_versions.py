@@ -54,6 +54,13 @@ def variants() -> dict[str, EnvoyOptions]:
     out["sidecar-buffered-response-full"] = replace(out["sidecar-buffered"], response_mode="full")
     out["sidecar-buffered-response-sampled"] = replace(out["sidecar-buffered"], response_mode="sampled")
     out["no-picker"] = EnvoyOptions(picker_address=None, backends=BACKENDS)
+    # several pickers behind one Envoy (least request, outlier ejection, the stream's open retried elsewhere)
+    out["several-pickers"] = replace(
+        out["sidecar-full_duplex_streamed"], picker_addresses=("127.0.0.1:9002", "127.0.0.1:9003", "127.0.0.1:9004")
+    )
+    out["several-pickers-dns-buffered-fail-open"] = replace(
+        out["standalone-buffered-fail-open"], picker_addresses=("kv-epp-0.kv-epp:9002", "kv-epp-1.kv-epp:9002")
+    )
     # Kubernetes (the Helm chart): the pool as a headless Service's pods (two data-parallel ports), the stats
     # listener for probes and Prometheus; sidecar and standalone Envoy
     for where in pickers:

@@ -30,6 +30,12 @@ class PolicySpec:
     envoy: dict[str, Any] = field(default_factory=dict)  # EnvoyOptions overrides (body_mode, response_mode)
     unavailable_reason: str = ""  # non-empty: registered but reported "not available", never run
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Scale-out arms (benchmarks.scale_out.scale_out_arms, ``--pickers N``): this many picker processes with the
+    # same config behind one Envoy; ``shared_load``: one Valkey for the run and the pickers' shared load view on;
+    # ``base``: the 1-picker policy the arm is compared with
+    pickers: int = 1
+    shared_load: bool = False
+    base: str = ""
 
     @property
     def available(self) -> bool:

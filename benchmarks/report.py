@@ -527,6 +527,7 @@ def results_markdown(doc: Mapping[str, Any]) -> str:
         "",
         ttft_detail_table(doc),
         "",
+        *_scale_out_sections(doc),
         "TTFT above is measured from when the request was sent (as vLLM's benchmark does); with a concurrency "
         "cap, a policy that cannot keep up queues requests in the client, where that TTFT does not see them. "
         "'From arrival' adds that wait. A hit request found at least half of its prompt in the engine's cache.",
@@ -604,6 +605,24 @@ def results_markdown(doc: Mapping[str, Any]) -> str:
         if rec:
             parts += ["", "Recovery time of the restarted replica (window resolution):", "", *rec]
     return "\n".join(parts) + "\n"
+
+
+def _scale_out_sections(doc: Mapping[str, Any]) -> list[str]:
+    """With several pickers (``--pickers N``): each picker's decisions, each arm against the 1-picker run and the
+    kill test (benchmarks.scale_out); nothing for a run with one picker per policy."""
+    from benchmarks.scale_out import kill_lines, per_picker_table, scale_out_lines
+
+    out: list[str] = []
+    table = per_picker_table(doc)
+    if table and any((p.get("pickers") or 1) > 1 for p in doc["policies"].values()):
+        out += ["## Decisions per picker", "", table, ""]
+    scale = scale_out_lines(doc)
+    if scale:
+        out += ["## Scale-out (each arm against the same policy with 1 picker)", "", *[f"- {x}" for x in scale], ""]
+    kills = kill_lines(doc)
+    if kills:
+        out += ["## Kill test", "", "```", *kills, "```", ""]
+    return out
 
 
 # -- plots ------------------------------------------------------------------------------------------------

@@ -503,6 +503,43 @@ def disaggregation(b: Board) -> None:
     )
 
 
+def shared_load(b: Board) -> None:
+    """The "Scale-out: the shared load view" row (picker/pool/shared_load.py; docs/scale-out.md): empty while
+    ``shared_load`` is off."""
+    b.row("Scale-out: the shared load view")
+    b.panel(
+        "Pickers on the shared view",
+        "continuum_picker_shared_load_up per picker (0: it scores on its own counts and the engines' metrics) and "
+        "the live peers each one sees (continuum_picker_shared_load_peers: N pickers see N-1 each).",
+        [
+            (f"sum({sel('continuum_picker_shared_load_up')})", "up"),
+            (f"count({sel('continuum_picker_shared_load_up')})", "pickers"),
+            (f"min({sel('continuum_picker_shared_load_peers')})", "peers (least seen)"),
+        ],
+        "short",
+    )
+    b.panel(
+        "Shared view entries",
+        "continuum_picker_shared_load_messages_total by direction and outcome (malformed: skipped), peers aged "
+        "out, outages.",
+        [
+            (
+                f"sum by (direction, outcome) ({rate('continuum_picker_shared_load_messages_total')})",
+                "{{direction}} {{outcome}}",
+            ),
+            (f"sum({rate('continuum_picker_shared_load_peers_expired_total')})", "peers aged out"),
+            (f"sum({rate('continuum_picker_shared_load_outages_total')})", "outages"),
+        ],
+        "ops",
+    )
+    b.panel(
+        "Shared view lag",
+        "continuum_picker_shared_load_lag_seconds: from a peer's publication to this picker applying it.",
+        quantiles("continuum_picker_shared_load_lag_seconds_bucket"),
+        "s",
+    )
+
+
 def pool() -> dict[str, Any]:
     b = Board()
     b.row("Per replica load")
@@ -587,6 +624,8 @@ def pool() -> dict[str, Any]:
         [(f"max by (backend) ({sel('continuum_engine_scrape_age_seconds')})", "{{backend}}")],
         "s",
     )
+
+    shared_load(b)
 
     b.row("Discovery and readiness")
     b.panel(

@@ -641,6 +641,44 @@ class DisaggregationConfig(_Section):
     transfer_ms_per_token: float = Field(0.02, ge=0.0, le=100.0)
 
 
+class SharedLoadConfig(_Section):
+    """The load view pickers share (docs/scale-out.md): each picker publishes its own in-flight requests, pending
+    prefill tokens and decoding requests per endpoint, and its recent placements, to one Valkey/Redis stream (on
+    ``response_cache.redis``'s server), reads its peers' from it, and scores every endpoint on the sum. A peer silent
+    for ``peer_ttl_ms`` is dropped; while the stream is out of reach the picker scores on its own counts and the
+    engines' metrics, says so in ``/readyz`` and ``continuum_picker_shared_load_up``, and keeps routing."""
+
+    enabled: bool = False
+    # the stream; keep the {...} hash tag: on a cluster the key lives on one slot (any name: pools sharing a
+    # Valkey use one key each)
+    key: str = Field("kv-epp:{load}", min_length=1, max_length=200)
+    picker_id: str | None = Field(None, min_length=1, max_length=128)  # None: <hostname>-<pid>-<random>
+    publish_min_interval_ms: int = Field(10, ge=1, le=10_000)  # changes are published at most this often
+    heartbeat_ms: int = Field(250, ge=10, le=60_000)  # published at least this often, changes or not
+    peer_ttl_ms: int = Field(2000, ge=50, le=600_000)  # a peer silent this long is dropped (a dead picker ages out)
+    max_stream_len: int = Field(10_000, ge=100, le=10_000_000)  # entries the stream keeps (XADD MAXLEN ~)
+    max_peers: int = Field(256, ge=1, le=10_000)  # peers followed; a newer one beyond it is ignored (counted)
+    share_placements: bool = True  # publish and apply recent placements (kv_cache_index.recent_placements_seconds)
+    max_placement_keys: int = Field(65_536, ge=0, le=10_000_000)  # block keys per published message (rest dropped)
+    retry_seconds: float = Field(1.0, gt=0.0, le=300.0)  # while the stream is out of reach: the reconnect period
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, v: str) -> str:
+        if any(c.isspace() for c in v) or CONTROL_CHARS.search(v):
+            raise ValueError("no spaces or control characters")
+        return v
+
+    @model_validator(mode="after")
+    def _ttl_over_heartbeat(self) -> SharedLoadConfig:
+        if self.peer_ttl_ms < 2 * self.heartbeat_ms:
+            raise ValueError(
+                f"peer_ttl_ms ({self.peer_ttl_ms}) must be at least twice heartbeat_ms ({self.heartbeat_ms}): a live "
+                "peer would age out between two of its heartbeats"
+            )
+        return self
+
+
 class ExtProcTlsConfig(_Section):
     """TLS on the ext_proc port: on by default (gateways and reference EPPs speak TLS to the picker).
 
@@ -1321,6 +1359,7 @@ class Settings(BaseSettings):
     watch_model_rewrites: bool = True
     metrics: MetricsConfig = MetricsConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    shared_load: SharedLoadConfig = SharedLoadConfig()  # restart-required
 
     @field_validator("model_rewrites")
     @classmethod

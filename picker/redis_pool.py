@@ -124,7 +124,8 @@ def build_redis(
 ) -> RedisClient:
     """A new client of ``cfg.mode`` with its own connections (prefer ``shared_redis``): at most
     ``max_connections`` (default ``cfg.pool_size``; in cluster mode per node), each read waiting at most
-    ``socket_timeout_s`` (default the command timeout). ValueError on a bad config (the key's path first)."""
+    ``socket_timeout_s`` (default the command timeout). The overrides are for a dedicated client (the shared load
+    view's, whose XREAD blocks longer than a command may). ValueError on a bad config (the key's path first)."""
     problems = redis_mode_problems(cfg)
     if problems:
         raise ValueError("; ".join(f"{path}: {why}" for path, why in problems))

@@ -5,7 +5,7 @@ See docs/picker.md, "Recent placements".
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Protocol
 
@@ -27,6 +27,9 @@ class RecentPlacements:
         # block key → the requests whose prefill ends with that block there (``watch``); bound:
         # MAX_WAITING_KEYS keys, the oldest dropped first (its requests then count as prefilled at their end)
         self._waiting: dict[int, list[tuple[str, PrefillWaiter]]] = {}
+        # told of this picker's own placements ("+") and their undoing ("-"): the shared load view publishes them
+        # to the other pickers (docs/scale-out.md); no I/O, no await
+        self.journal: Callable[[str, str, Sequence[int]], None] | None = None
 
     def watch(self, backend: str, key: int, waiter: PrefillWaiter) -> None:
         """Tell ``waiter`` when the feed says ``backend`` stored ``key`` (its prefill reached that block)."""
@@ -34,8 +37,11 @@ class RecentPlacements:
         while len(self._waiting) > MAX_WAITING_KEYS:
             del self._waiting[next(iter(self._waiting))]
 
-    def unrecord(self, backend: str, keys: Sequence[int]) -> None:
-        """The request placed there failed or was served elsewhere: its guesses on ``backend`` go."""
+    def unrecord(self, backend: str, keys: Sequence[int], journal: bool = True) -> None:
+        """The request placed there failed or was served elsewhere: its guesses on ``backend`` go. ``journal``
+        False: a peer's news (not published again)."""
+        if journal and self.journal is not None:
+            self.journal("-", backend, keys)
         placed = self._placed
         for k in keys:
             p = placed.get(k)
@@ -45,7 +51,10 @@ class RecentPlacements:
     def __len__(self) -> int:
         return len(self._placed)
 
-    def record(self, backend: str, keys: Sequence[int], now: float) -> None:
+    def record(self, backend: str, keys: Sequence[int], now: float, journal: bool = True) -> None:
+        """``keys`` were just sent to ``backend`` (by this picker, or by a peer when ``journal`` is False)."""
+        if journal and self.journal is not None:
+            self.journal("+", backend, keys)
         placed = self._placed
         for k in keys:
             placed.pop(k, None)  # re-insert: the newest placement is the last to go

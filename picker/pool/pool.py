@@ -46,9 +46,24 @@ class _EndpointStats:
     queued_avg: float = 0.0  # time-weighted mean of this picker's requests there before their first byte
     queued_avg_at: float = -1.0  # not yet started
     suspected: bool = False  # a health probe is checking it (routed to only when nothing else is eligible)
+    # the other pickers' counts there, from the shared load view (docs/scale-out.md; 0 without it)
+    peer_in_flight: int = 0
+    peer_pending_prefill_tokens: int = 0
+    peer_decoding: int = 0
 
     def load(self, mean_tokens: float) -> tuple[int, int, int]:
-        return endpoint_load(self.pending_prefill_tokens, self.in_flight, self.decoding, self.engine, mean_tokens)
+        """``endpoint_load`` of every picker's counts (this one's plus its peers') and the engine's report."""
+        return endpoint_load(
+            self.pending_prefill_tokens + self.peer_pending_prefill_tokens,
+            self.in_flight + self.peer_in_flight,
+            self.decoding + self.peer_decoding,
+            self.engine,
+            mean_tokens,
+        )
+
+    def queued(self) -> int:
+        """Every picker's requests there before their first byte (this one's plus its peers')."""
+        return max(0, self.in_flight + self.peer_in_flight - self.decoding - self.peer_decoding)
 
 
 ADMIN_NAMES = 64  # model and adapter names shown per endpoint in /admin/pool (the rest counted)
@@ -168,6 +183,9 @@ class Pool:
         self.suspicion_listener: Callable[[str, str], None] | None = None
         # an endpoint's load, health or engine reading changed (flow control looks again; set by the request path)
         self.change_listener: Callable[[], None] | None = None
+        # this picker's own load changed (a lease taken, prefilled or released): the shared load view publishes it
+        # (set by ``picker.pool.shared_load``; no I/O, no await)
+        self.load_listener: Callable[[], None] | None = None
         # what the engines say they serve (their /v1/models, set by ``picker.pool.engine_models``); None: not known
         self.served: ServedModels | None = None
         self.update(cfg)
@@ -269,6 +287,8 @@ class Pool:
             st.in_flight += 1
             st.pending_prefill_tokens += prefill_tokens
             self._changed(endpoint.name)
+            if self.load_listener is not None:
+                self.load_listener()
         return Lease(self, endpoint, st, prefill_tokens, sample)
 
     def _average_queue(self, st: _EndpointStats) -> None:
@@ -276,7 +296,7 @@ class Pool:
         now = self._clock()
         if st.queued_avg_at >= 0.0:
             w = 1.0 - math.exp(-max(0.0, now - st.queued_avg_at) / QUEUE_AVG_S)
-            st.queued_avg += w * (max(0, st.in_flight - st.decoding) - st.queued_avg)
+            st.queued_avg += w * (st.queued() - st.queued_avg)
         st.queued_avg_at = now
 
     def _first_byte(self, st: _EndpointStats, prefill_tokens: int) -> None:
@@ -285,6 +305,8 @@ class Pool:
         st.decoding += 1
         if self._stats.get(st.endpoint.name) is st:
             self._changed(st.endpoint.name)
+        if self.load_listener is not None:
+            self.load_listener()
 
     def _release(self, st: _EndpointStats, decoding: bool, prefill_tokens: int) -> None:
         self._average_queue(st)
@@ -296,9 +318,33 @@ class Pool:
             st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill_tokens)
         if self._stats.get(st.endpoint.name) is st:
             self._changed(st.endpoint.name)
+        if self.load_listener is not None:
+            self.load_listener()
 
     def in_flight(self) -> dict[str, int]:
+        """This picker's own in-flight requests per endpoint."""
         return {name: s.in_flight for name, s in self._stats.items()}
+
+    def own_load(self) -> dict[str, tuple[int, int, int]]:
+        """This picker's own (in flight, pending prefill tokens, decoding) per endpoint with any, standby included:
+        what the shared load view publishes (docs/scale-out.md)."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for table in (self._stats, self._standby):
+            for name, st in table.items():
+                if st.in_flight or st.pending_prefill_tokens or st.decoding:
+                    out[name] = (st.in_flight, st.pending_prefill_tokens, st.decoding)
+        return out
+
+    def set_peer_load(self, totals: Mapping[str, tuple[int, int, int]]) -> None:
+        """The other pickers' (in flight, pending prefill tokens, decoding) per endpoint, summed (an endpoint not
+        named: none). Off the request path (the shared load view's reader); endpoints whose sum changed are
+        re-snapshotted."""
+        for name, st in self._stats.items():
+            new = totals.get(name, (0, 0, 0))
+            if (st.peer_in_flight, st.peer_pending_prefill_tokens, st.peer_decoding) != new:
+                self._average_queue(st)
+                st.peer_in_flight, st.peer_pending_prefill_tokens, st.peer_decoding = new
+                self._changed(name)
 
     def set_served_models(self, served: ServedModels | None) -> None:
         """What the engines serve (None: not known); every later snapshot carries it. Off the request path."""
@@ -450,8 +496,9 @@ class Pool:
                 snap = self._snaps.get(name)
                 if snap is None:
                     snap = EndpointState(
-                        st.endpoint, st.in_flight, self._rate(st), st.latency_ewma_ms, True,
-                        st.pending_prefill_tokens, st.decoding, st.engine, round(st.queued_avg, 3),
+                        st.endpoint, st.in_flight + st.peer_in_flight, self._rate(st), st.latency_ewma_ms, True,
+                        st.pending_prefill_tokens + st.peer_pending_prefill_tokens, st.decoding + st.peer_decoding,
+                        st.engine, round(st.queued_avg, 3),
                     )  # fmt: skip
                     self._snaps[name] = snap
                 (suspected if st.suspected else states).append(snap)
@@ -519,6 +566,10 @@ class Pool:
                 "in_flight_requests": st.in_flight,
                 "pending_prefill_tokens": st.pending_prefill_tokens,
                 "decoding_requests": st.decoding,
+                # the other pickers' counts there (the shared load view, docs/scale-out.md; 0 without it)
+                "peer_in_flight_requests": st.peer_in_flight,
+                "peer_pending_prefill_tokens": st.peer_pending_prefill_tokens,
+                "peer_decoding_requests": st.peer_decoding,
                 "engine": None if st.engine is None else _engine_report(st.engine),
                 "models": _models_report(self.served, name),
                 "success_rate": round(self._rate(st), 4),

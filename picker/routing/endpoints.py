@@ -67,7 +67,8 @@ class EndpointState:
 
     ``pending_prefill_tokens``: the uncached prompt tokens of this picker's requests sent to the endpoint
     that have not produced their first byte yet (queued or prefilling there); ``decoding``: this picker's
-    requests past their first byte and not finished."""
+    requests past their first byte and not finished. With the shared load view (docs/scale-out.md) ``in_flight``,
+    ``pending_prefill_tokens`` and ``decoding`` are every picker's: this one's plus its live peers'."""
 
     endpoint: Endpoint
     in_flight: int = 0

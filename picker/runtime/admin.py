@@ -215,6 +215,8 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
             body["response_cache"] = cache
         if app.extproc_access is not None:  # who may open streams; a "warning" when anyone who reaches it may
             body["extproc"] = app.extproc_access
+        if app.shared_load is not None:  # detail only: without the shared view the picker routes on its own counts
+            body["shared_load"] = app.shared_load.status()
         if app.path.flow.cfg.enabled:  # detail only: a saturated pool queues, it is not unready
             body["flow_control"] = app.path.flow.stats()
         if app.tier4 is not None:  # detail only: a wrong feed costs Tier 4, never the picker's routing
@@ -233,6 +235,8 @@ def build_admin_app(app: PickerApp, extra: list[AdminRoutes] | None = None) -> w
             "pool": app.pool_status(),
             "discovery": app.discovery.status() if app.discovery is not None else None,
             "disaggregation": app.path.disagg.report(),  # P/D (docs/pd.md): settings, roles, the transfer fit
+            # the load view shared with the other pickers (docs/scale-out.md)
+            "shared_load": app.shared_load.status() if app.shared_load is not None else {"enabled": False},
         }
         return web.json_response(body)
 

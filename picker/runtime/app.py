@@ -37,6 +37,7 @@ from picker.routing.endpoints import Endpoint
 from picker.shared.discovery import Discovery, PoolSnapshot
 
 if TYPE_CHECKING:
+    from picker.pool.shared_load import SharedLoad
     from picker.shared.discovery.kube_objectives import KubernetesObjectiveWatch
     from picker.shared.discovery.kube_rewrites import KubernetesModelRewriteWatch
 
@@ -102,6 +103,8 @@ class PickerApp:
         self.objective_watch: KubernetesObjectiveWatch | None = None
         # the InferenceModelRewrite watch behind the request path's watched rewrites (set by the composition root)
         self.rewrite_watch: KubernetesModelRewriteWatch | None = None
+        # the load view shared with the other pickers (``shared_load.enabled``; set by the composition root)
+        self.shared_load: SharedLoad | None = None
         self.pool_source = settings.pool.source
         self.pool_synced = not settings.pool.discovered
         self.pool_version = ""

@@ -30,7 +30,8 @@ from picker.pool.engine_models import EngineModelPoller
 from picker.pool.engine_signals import EngineSignalScraper
 from picker.pool.health_probe import HealthProber
 from picker.pool.pool import Pool
-from picker.redis_pool import close_shared_redis, shared_redis
+from picker.pool.shared_load import SharedLoad
+from picker.redis_pool import build_redis, close_shared_redis, shared_redis
 from picker.request.exchange import ResponseObserver
 from picker.request.path import RequestPath
 from picker.routing.core import Router
@@ -163,6 +164,17 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
     if app.rewrite_watch is not None:  # InferenceModelRewrite objects, applied beside the config's model_rewrites
         metrics.child(metrics.discovery_events, "rewrites_error").inc(0)
         server.background.append(app.rewrite_watch.run)
+    if settings.shared_load.enabled:  # the load view shared with the other pickers (docs/scale-out.md)
+        redis_cfg = settings.response_cache.redis
+
+        def shared_load_client(socket_timeout_s: float) -> object:  # its own 2 connections: one blocks on XREAD
+            return build_redis(redis_cfg, socket_timeout_s=socket_timeout_s, max_connections=2)
+
+        placements = app.path.placements if settings.kv_cache_index.recent_placements_seconds > 0 else None
+        app.shared_load = SharedLoad(
+            settings.shared_load, app.pool, shared_load_client, app.metrics.registry, placements=placements
+        )
+        server.background.append(app.shared_load.run)  # its bye to the peers and its client close as it stops
     # engine signals: always supervised; it reads pool.engine_metrics (hot-reloadable) each round and idles
     # while that says enabled: false
     server.background.append(LoopLag(app.metrics).run)  # continuum_picker_event_loop_lag_seconds

@@ -25,6 +25,7 @@ from picker.runtime.envoy_options import (
 from picker.runtime.envoy_picker import (
     ext_proc_filter,
     picker_health_checks,
+    picker_pool_options,
     picker_transport_socket,
     processing_mode,
     sampled_override,
@@ -69,7 +70,7 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
         clusters.append(
             {
                 "name": "kv_epp_picker",
-                "type": "STATIC" if is_ip(o.picker_address) else "STRICT_DNS",
+                "type": "STATIC" if all(is_ip(h) for h in o.picker_hosts) else "STRICT_DNS",
                 "connect_timeout": "1s",
                 "typed_extension_protocol_options": {
                     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -80,10 +81,14 @@ def bootstrap(o: EnvoyOptions) -> dict[str, Any]:
                 "circuit_breakers": thresholds,
                 "load_assignment": {
                     "cluster_name": "kv_epp_picker",
-                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address(o.picker_address)}}]}],
+                    "endpoints": [
+                        {"lb_endpoints": [{"endpoint": {"address": socket_address(h)}} for h in o.picker_hosts]}
+                    ],
                 },
             }
         )
+        if o.several_pickers:
+            clusters[-1].update(picker_pool_options(o))
         if o.picker_tls:
             clusters[-1]["transport_socket"] = picker_transport_socket(o)
         if o.picker_health_interval_s > 0:

@@ -55,6 +55,11 @@ class EnvoyOptions:
     admin_port: int = 9901
     admin_address: str = "127.0.0.1"
     picker_address: str | None = "127.0.0.1:9002"  # host:port of the ext_proc server; None = no picker
+    # Several pickers behind this one Envoy (scale-out, docs/benchmarks.md "Several pickers"): the ext_proc
+    # cluster's hosts (ip:port, or DNS names resolved each), Envoy spreading the ext_proc streams (one per HTTP
+    # request) over them by least request. When set, ``picker_address`` is taken as the first of them; empty:
+    # ``picker_address`` alone (one host, the bootstrap unchanged).
+    picker_addresses: Sequence[str] = field(default_factory=tuple)
     body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
     response_mode: ResponseMode = "none"  # see ResponseMode; "sampled" needs body_mode BUFFERED
     fail_open: bool = False
@@ -106,6 +111,29 @@ class EnvoyOptions:
     # verified against
     external_upstreams: Sequence[ExternalUpstream] = field(default_factory=tuple)
     external_ca_file: str = SYSTEM_CA_FILE
+
+    def __post_init__(self) -> None:
+        if self.picker_addresses:
+            hosts = tuple(self.picker_addresses)
+            if len(set(hosts)) != len(hosts):
+                raise ValueError(f"picker_addresses lists a host twice: {', '.join(hosts)}")
+            object.__setattr__(self, "picker_addresses", hosts)
+            object.__setattr__(self, "picker_address", hosts[0])
+
+    @property
+    def picker_hosts(self) -> tuple[str, ...]:
+        """The ext_proc cluster's hosts: ``picker_addresses``, or ``picker_address`` alone; () without a picker."""
+        if self.picker_addresses:
+            return tuple(self.picker_addresses)
+        return () if self.picker_address is None else (self.picker_address,)
+
+    @property
+    def several_pickers(self) -> bool:
+        """The ext_proc cluster may have several hosts: listed, or one DNS name that may resolve to several (the
+        chart's headless Service of the picker replicas): least request, outlier ejection and the stream's retry
+        on another picker (docs/scale-out.md)."""
+        hosts = self.picker_hosts
+        return len(hosts) > 1 or (len(hosts) == 1 and not is_ip(hosts[0]))
 
 
 def socket_address(host_port: str) -> dict[str, Any]:

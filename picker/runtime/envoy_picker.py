@@ -30,10 +30,65 @@ def picker_health_checks(o: EnvoyOptions) -> dict[str, Any]:
     }
 
 
+# Several pickers (``EnvoyOptions.picker_addresses``): what an ext_proc stream's open may be retried on, on another
+# picker. A refused connection or a reset before the picker answered anything: the picker took no decision,
+# and Envoy's ext_proc client buffers what it sent so far for such a retry. UNAVAILABLE is a draining picker's
+# refusal of new streams (docs/operations.md "Lifecycle"). Once the picker has answered (the stream's response
+# headers came), Envoy retries nothing: a picker that dies then fails its in-flight requests (see
+# docs/benchmarks.md "Several pickers").
+PICKER_STREAM_RETRY_ON = "connect-failure,refused-stream,reset,unavailable"
+
+
+def picker_stream_retry_policy(o: EnvoyOptions) -> dict[str, Any]:
+    """The ext_proc stream's retry policy with several pickers: once per other picker (at most 3), never the
+    same one twice (``previous_hosts``), a short back-off (the caller's request waits on it)."""
+    return {
+        "retry_on": PICKER_STREAM_RETRY_ON,
+        # a DNS name's hosts are not known here: 3, which previous_hosts spreads over as many as it resolves to
+        "num_retries": min(3, len(o.picker_hosts) - 1) if len(o.picker_hosts) > 1 else 3,
+        "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.050s"},
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
+    }
+
+
+def picker_pool_options(o: EnvoyOptions) -> dict[str, Any]:
+    """The picker cluster with several hosts: least request (an ext_proc stream lasts as long as its HTTP
+    request, streamed answer included, so the streams open on a picker are its load; a picker that falls
+    behind — a busy core, a pause — gets fewer new ones, where round robin would keep dealing it its turn)
+    and outlier detection on local-origin failures (a refused connection ejects a dead picker at once, before
+    the health checks' two missed intervals)."""
+    return {
+        "lb_policy": "LEAST_REQUEST",
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "consecutive_5xx": 1_000_000,  # gRPC statuses are the picker's answers, not its health
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_consecutive_gateway_failure": 0,
+            "enforcing_success_rate": 0,
+            "enforcing_local_origin_success_rate": 0,
+            "interval": "1s",
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 100,
+        },
+    }
+
+
 def _picker_grpc_service(o: EnvoyOptions) -> dict[str, Any]:
     service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "kv_epp_picker"}, "timeout": "10s"}
     if o.picker_token is not None:
         service["initial_metadata"] = [{"key": "authorization", "value": f"Bearer {o.picker_token}"}]
+    if o.several_pickers:
+        service["retry_policy"] = picker_stream_retry_policy(o)
     return service
 
 
@@ -51,6 +106,11 @@ def picker_transport_socket(o: EnvoyOptions) -> dict[str, Any]:
     sni = _picker_sni(o)
     if o.picker_ca is not None:
         assert o.picker_address is not None
+        if sni is None and len(o.picker_hosts) > 1:
+            raise ValueError(
+                "picker_ca with several picker addresses needs picker_sni: one certificate name verified on every"
+                " picker (an IP SAN would match the first picker only)"
+            )
         if sni is not None:
             san = {"san_type": "DNS", "matcher": {"exact": sni}}
         else:
