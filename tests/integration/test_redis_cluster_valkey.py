@@ -24,6 +24,7 @@ from picker.kv.redis_layout import CLUSTER_KEY_PREFIX, index_key_prefix
 from picker.redis_pool import build_redis, close_shared_redis, shared_redis
 from picker.shared.tiers import StorageTier
 from tests.support.admin_redis import admin  # noqa: F401  (the fixture)
+from tests.support.poll import async_wait_until
 from tests.support.redis_failover import cluster_failover_run
 from tests.support.valkey_cluster import ValkeyCluster, running_cluster
 
@@ -238,3 +239,40 @@ async def test_a_picker_composed_on_a_cluster_serves_its_admin_views(
     assert r.status == 200
     assert await app.cache_store.get("x") is None
     assert await index.client.exists(index.set_key) == 1  # the cache's clear leaves the index's keys alone
+
+
+async def test_the_shared_load_view_works_on_a_cluster(cluster: ValkeyCluster) -> None:
+    """The lead's shared load view (docs/scale-out.md) through build_redis in cluster mode: XADD/XREAD on its one
+    hash-tagged stream key, one picker's in-flight request seen by the other."""
+    from prometheus_client import CollectorRegistry
+
+    from picker.config import PoolConfig, SharedLoadConfig
+    from picker.pool.pool import Pool
+    from picker.pool.shared_load import SharedLoad
+
+    redis_cfg = RedisConfig(url=cluster.url, mode="cluster", command_timeout_ms=500, connect_timeout_ms=500)
+
+    def picker(picker_id: str) -> tuple[Pool, SharedLoad]:
+        pool = Pool(PoolConfig(backends=[{"name": f"b{i}", "address": f"10.0.0.{i}:8000"} for i in range(2)]))
+        cfg = SharedLoadConfig(
+            enabled=True, key="t7:{load}", picker_id=picker_id, heartbeat_ms=50, peer_ttl_ms=600,
+            publish_min_interval_ms=5,
+        )  # fmt: skip
+        client = lambda t: build_redis(redis_cfg, socket_timeout_s=t, max_connections=2)  # noqa: E731
+        return pool, SharedLoad(cfg, pool, client, CollectorRegistry())
+
+    (pool_a, view_a), (pool_b, view_b) = picker("a"), picker("b")
+    tasks = [asyncio.create_task(view_a.run()), asyncio.create_task(view_b.run())]
+    try:
+        await async_wait_until(lambda: view_a.state == "up" and view_b.state == "up", timeout=20)
+        b0 = pool_a.endpoint("b0")
+        assert b0 is not None
+        lease = pool_a.acquire(b0)
+        await async_wait_until(lambda: pool_b.view().by_name()["b0"].in_flight == 1, timeout=20)
+        lease.release()
+        await async_wait_until(lambda: pool_b.view().by_name()["b0"].in_flight == 0, timeout=20)
+    finally:
+        for t in tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
