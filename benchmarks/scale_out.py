@@ -41,7 +41,7 @@ SHARED_VIEW_UNAVAILABLE = "shared view not available in this picker build (its c
 
 def shared_view_supported() -> bool:
     """Whether this checkout's picker accepts the ``shared_load`` config section (the lead's shared load view)."""
-    from picker.config import Settings
+    from picker.api import Settings
 
     return "shared_load" in Settings.model_fields
 

@@ -26,12 +26,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from redis.asyncio import Redis
 
 from picker.config import SharedLoadConfig
-from picker.kv.placements import RecentPlacements
 from picker.pool.pool import Pool
 
 log = logging.getLogger("kv_epp.shared_load")
@@ -47,6 +47,16 @@ LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 _REC = struct.Struct(">cHI")  # op, name length, key count
 
 Load = dict[str, tuple[int, int, int]]  # endpoint → (in flight, pending prefill tokens, decoding)
+
+
+class Placements(Protocol):
+    """What the view needs of the recent placements (``picker.kv.placements.RecentPlacements``, a layer above)."""
+
+    journal: Callable[[str, str, Sequence[int]], None] | None
+
+    def record(self, backend: str, keys: Sequence[int], now: float, journal: bool = True) -> None: ...
+
+    def unrecord(self, backend: str, keys: Sequence[int], journal: bool = True) -> None: ...
 
 
 # -- the wire: one stream entry ---------------------------------------------------------------------------
@@ -251,7 +261,7 @@ class SharedLoad:
         pool: Pool,
         client_factory: Callable[[float], Any],
         registry: CollectorRegistry,
-        placements: RecentPlacements | None = None,
+        placements: Placements | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
@@ -491,7 +501,10 @@ class SharedLoad:
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
-                await client.aclose()
+                if isinstance(client, Redis):  # its own pool, passed to it explicitly: closed with it
+                    await client.aclose(close_connection_pool=True)
+                else:  # a cluster client closes its nodes' pools
+                    await client.aclose()
 
     async def close(self) -> None:
         """At stop: tell the peers (a ``bye`` entry, so they drop this picker's share at once), best effort."""

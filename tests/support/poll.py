@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ async def async_wait_until(
         if isinstance(value, Awaitable):
             value = await value
         if value:
-            return value  # type: ignore[return-value]
+            return cast(T, value)
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or _name(predicate)}")
         await asyncio.sleep(interval)
