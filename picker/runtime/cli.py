@@ -128,7 +128,8 @@ def _envoy_config(args: argparse.Namespace) -> int:
     """Print the bootstrap. With ``--picker-config`` what the picker's config needs of Envoy is derived from it
     (``picker.runtime.envoy_needs``: said on stderr), and a flag that would silently disable one of its features
     is refused: one ``error:`` line, exit 2."""
-    if args.mode == "standalone" and args.picker is None:
+    pickers: list[str] = args.picker or []
+    if args.mode == "standalone" and not pickers:
         print("error: --picker HOST:PORT is required in standalone mode", file=sys.stderr)
         return 2
     settings = None
@@ -147,7 +148,8 @@ def _envoy_config(args: argparse.Namespace) -> int:
         print(f"error: {picker_tls}", file=sys.stderr)
         return 2
     given = Given(
-        mode=args.mode, picker=args.picker, body_mode=args.body_mode, response_mode=args.response_mode,
+        mode=args.mode, picker=pickers[0] if pickers else None, body_mode=args.body_mode,
+        response_mode=args.response_mode,
         plaintext=args.picker_plaintext, ca=args.picker_ca, sni=args.picker_sni, client_cert=args.picker_client_cert,
         token=picker_tls["picker_token"], token_file=args.picker_token_file,
         message_timeout_ms=args.message_timeout_ms, retries=args.retries,
@@ -158,9 +160,12 @@ def _envoy_config(args: argparse.Namespace) -> int:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     options = {**picker_tls, **derived.options}
-    options.setdefault("picker_address", args.picker or DEFAULT_PICKER)
+    options.setdefault("picker_address", pickers[0] if pickers else DEFAULT_PICKER)
+    if len(pickers) > 1:
+        options["picker_addresses"] = tuple(pickers)
     if args.mode == "no-picker":
         options["picker_address"] = None
+        options.pop("picker_addresses", None)
     for note in derived.notes:
         print(f"note: {one_line(note)}", file=sys.stderr)
     for warning in derived.warnings:
@@ -281,7 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mode", choices=["sidecar", "standalone", "no-picker"], default="sidecar")
     e.add_argument(
         "--picker",
-        help="ext_proc address host:port (sidecar mode: --picker-config's extproc.host:port, else 127.0.0.1:9002)",
+        action="append",
+        help="ext_proc address host:port (sidecar mode: --picker-config's extproc.host:port, else 127.0.0.1:9002); "
+        "repeat it for several pickers (one ext_proc cluster, least request, docs/scale-out.md)",
     )
     e.add_argument(
         "--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],

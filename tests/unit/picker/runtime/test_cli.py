@@ -187,3 +187,14 @@ def test_envoy_config_takes_the_pool_as_a_headless_service(capsys: pytest.Captur
     ]:
         assert picker_cli.main(bad) == 2, bad
         assert message in capsys.readouterr().err
+
+
+def test_envoy_config_takes_several_pickers(capsys: pytest.CaptureFixture[str]) -> None:
+    """--picker repeated: one ext_proc cluster with every picker as a host (docs/scale-out.md)."""
+    argv = ["envoy-config", "--mode", "standalone", "--backend", "10.1.0.1:8000"]
+    assert picker_cli.main([*argv, "--picker", "10.0.0.1:9002", "--picker", "10.0.0.2:9002"]) == 0
+    out = capsys.readouterr().out
+    assert "address: 10.0.0.1" in out and "address: 10.0.0.2" in out and "LEAST_REQUEST" in out
+    assert picker_cli.main([*argv, "--picker", "10.0.0.1:9002"]) == 0
+    out = capsys.readouterr().out
+    assert "10.0.0.2" not in out and "LEAST_REQUEST" not in out
