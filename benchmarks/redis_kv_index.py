@@ -186,6 +186,16 @@ async def replay(
     return {"log": log, "cost_us": cost_us}
 
 
+def request_keys(scn: Scenario) -> list[list[int]]:
+    """Each of the scenario's requests as the block keys the picker's default tokenizer settings give it."""
+    tok = Settings().kv_cache_index.tokenizer
+    max_blocks = tok.max_prefix_tokens // tok.block_size
+    return [
+        chain_block_keys(token_ids(r.body), tok.block_size, root_key(str(r.body.get("model", "model"))), max_blocks)
+        for r in scn.records
+    ]
+
+
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return round(s[min(len(s) - 1, int(q * len(s)))], 1)
@@ -204,12 +214,7 @@ async def layouts(index: RedisKvIndex, scn: Scenario, base_memory: int, reps: in
             pipe.hset(prefix.encode() + k.to_bytes(8, "big"), backend, "g" if t is GPU else "w")
             n_keys += 1
     await pipe.execute()
-    tok = Settings().kv_cache_index.tokenizer
-    max_blocks = tok.max_prefix_tokens // tok.block_size
-    reqs = [
-        chain_block_keys(token_ids(r.body), tok.block_size, root_key(str(r.body.get("model", "model"))), max_blocks)
-        for r in scn.records
-    ]
+    reqs = request_keys(scn)
     hash_us: list[float] = []
     block_us: list[float] = []
     same = 0
@@ -325,12 +330,7 @@ async def cluster_layouts(index: RedisKvIndex, scn: Scenario, reps: int = 3) -> 
         if items:
             await client.hset(b_keys[n], mapping=items)
     nodes = {n: client.get_node_from_key(b_keys[n]).name for n in names}
-    tok = Settings().kv_cache_index.tokenizer
-    max_blocks = tok.max_prefix_tokens // tok.block_size
-    reqs = [
-        chain_block_keys(token_ids(r.body), tok.block_size, root_key(str(r.body.get("model", "model"))), max_blocks)
-        for r in scn.records
-    ]
+    reqs = request_keys(scn)
     a_us: list[float] = []
     b_us: list[float] = []
     same = 0
