@@ -5,6 +5,7 @@ See docs/picker.md, "Recent placements".
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Protocol
@@ -23,7 +24,9 @@ class RecentPlacements:
     def __init__(self, max_entries: int = 200_000, ttl_seconds: float = 30.0) -> None:
         self.max_entries = max_entries
         self.ttl = ttl_seconds
-        self._placed: dict[int, tuple[str, float]] = {}  # block key → (backend, placed at)
+        # block key → (backend, placed at), oldest first: an OrderedDict, whose front is popped in O(1) (a dict's
+        # next(iter()) scans the slots its deletions left at the front: trimming a full one was quadratic)
+        self._placed: OrderedDict[int, tuple[str, float]] = OrderedDict()
         # block key → the requests whose prefill ends with that block there (``watch``); bound:
         # MAX_WAITING_KEYS keys, the oldest dropped first (its requests then count as prefilled at their end)
         self._waiting: dict[int, list[tuple[str, PrefillWaiter]]] = {}
@@ -57,18 +60,18 @@ class RecentPlacements:
             self.journal("+", backend, keys)
         placed = self._placed
         for k in keys:
-            placed.pop(k, None)  # re-insert: the newest placement is the last to go
             placed[k] = (backend, now)
+            placed.move_to_end(k)  # re-inserted: the newest placement is the last to go
         self._trim(now)
 
     def _trim(self, now: float) -> None:
         placed = self._placed
         horizon = now - self.ttl
         while placed:
-            k = next(iter(placed))
-            if len(placed) <= self.max_entries and placed[k][1] >= horizon:
+            _key, (_, at) = next(iter(placed.items()))
+            if len(placed) <= self.max_entries and at >= horizon:
                 break
-            del placed[k]
+            placed.popitem(last=False)
 
     def holds(self, keys: Sequence[int], now: float) -> dict[str, int]:
         """Endpoint → leading blocks of ``keys`` this picker placed there within ``ttl_seconds``."""

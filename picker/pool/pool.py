@@ -168,6 +168,9 @@ class Pool:
         # preemption windows); bound: one short series per scraped endpoint
         self.preemptions = PreemptionWindows()
         self._stats: dict[str, _EndpointStats] = {}
+        # the other pickers' (in flight, pending prefill tokens, decoding) per endpoint, as last set (the shared
+        # load view); bound: what the view keeps (its peers' endpoints)
+        self._peer_totals: Mapping[str, tuple[int, int, int]] = {}
         self._standby: dict[str, _EndpointStats] = {}  # not routed to (docs/picker.md, "The pool")
         self._by_address: dict[str, str] = {}
         # Snapshot cache: one EndpointState per endpoint, rebuilt only when that endpoint changes, and
@@ -220,6 +223,9 @@ class Pool:
                     table[ep.name] = _EndpointStats(ep, 0, window)
         for st in aside.values():
             st.engine = None  # not scraped while on standby: a stale report must not come back with it
+            st.peer_in_flight = st.peer_pending_prefill_tokens = st.peer_decoding = 0  # not routed to: not summed
+        for name, st in new.items():  # a member joining (or back from standby) takes the peers' last sums now
+            st.peer_in_flight, st.peer_pending_prefill_tokens, st.peer_decoding = self._peer_totals.get(name, (0, 0, 0))
         self.cfg = cfg
         self._stats = new
         self._standby = aside
@@ -339,6 +345,7 @@ class Pool:
         """The other pickers' (in flight, pending prefill tokens, decoding) per endpoint, summed (an endpoint not
         named: none). Off the request path (the shared load view's reader); endpoints whose sum changed are
         re-snapshotted."""
+        self._peer_totals = totals
         for name, st in self._stats.items():
             new = totals.get(name, (0, 0, 0))
             if (st.peer_in_flight, st.peer_pending_prefill_tokens, st.peer_decoding) != new:

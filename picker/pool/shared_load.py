@@ -41,7 +41,11 @@ MAX_NAME = 253  # an endpoint name's bytes (a DNS name, a pod name)
 MAX_ENDPOINTS = 10_000  # endpoints in one entry's load
 MAX_COUNT = 1_000_000_000  # any one count (a larger one is malformed)
 MAX_ID = 128  # a picker id's bytes
-READ_COUNT = 1000  # entries per XREAD / XRANGE
+READ_COUNT = 200  # entries per XREAD
+SEED_COUNT = 2000  # entries read back from the hello when (re)connecting: the newest of the last peer_ttl_ms
+YIELD_EVERY = 50  # entries applied between two yields to the event loop (a batch never holds it long)
+MAX_BLOCK_MS = 1000  # the reader's XREAD BLOCK at most: a stop waits for it (then says bye)
+MAX_LOAD_BYTES = 1 << 20  # an entry's load field, before it is parsed
 OUTBOX_FACTOR = 4  # the placement outbox holds this many messages' worth of keys (the oldest dropped first)
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _REC = struct.Struct(">cHI")  # op, name length, key count
@@ -63,11 +67,12 @@ class Placements(Protocol):
 @dataclass(slots=True)
 class PeerMessage:
     picker_id: str
-    seq: int
+    seq: int  # informational: the stream orders the entries
     sent_ms: float  # the sender's wall clock (for the lag figure only)
     load: Load
     placements: list[tuple[str, str, list[int]]] = field(default_factory=list)  # (op "+"/"-", endpoint, keys)
     bye: bool = False
+    nonce: str = ""  # this process's (a second process under the same picker id has another: said, counted)
 
 
 def encode(msg: PeerMessage) -> dict[str, bytes]:
@@ -81,6 +86,8 @@ def encode(msg: PeerMessage) -> dict[str, bytes]:
         "t": f"{msg.sent_ms:.3f}".encode(),
         "load": json.dumps({k: list(v) for k, v in msg.load.items()}, separators=(",", ":")).encode(),
     }
+    if msg.nonce:
+        out["n"] = msg.nonce.encode()
     if msg.placements:
         parts = []
         for op, name, keys in msg.placements:
@@ -110,7 +117,10 @@ def decode(fields: Mapping[Any, Any], max_keys: int) -> PeerMessage:
     picker_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
     seq = int(f.get("seq", b""))
     sent_ms = float(f.get("t", b""))
-    body = json.loads(f.get("load", b"{}"))
+    raw_load = f.get("load", b"{}")
+    if not isinstance(raw_load, bytes | str) or len(raw_load) > MAX_LOAD_BYTES:
+        raise ValueError(f"load must be at most {MAX_LOAD_BYTES} bytes")
+    body = json.loads(raw_load)  # RecursionError on deep nesting: the reader counts any error as malformed
     if not isinstance(body, dict) or len(body) > MAX_ENDPOINTS:
         raise ValueError(f"load must be an object of at most {MAX_ENDPOINTS} endpoints")
     load: Load = {}
@@ -138,7 +148,9 @@ def decode(fields: Mapping[Any, Any], max_keys: int) -> PeerMessage:
         keys = list(struct.unpack_from(f">{n_keys}Q", blob, pos + n_name))
         placements.append((op.decode(), name, keys))
         pos = end
-    return PeerMessage(picker_id, seq, sent_ms, load, placements, bye=f.get("bye") in (b"1", "1"))
+    nonce = f.get("n", b"")
+    nonce = nonce.decode() if isinstance(nonce, bytes) else str(nonce)
+    return PeerMessage(picker_id, seq, sent_ms, load, placements, bye=f.get("bye") in (b"1", "1"), nonce=nonce[:64])
 
 
 # -- the peers -------------------------------------------------------------------------------------------
@@ -161,8 +173,8 @@ class PeerTable:
         self.ignored = 0  # entries of peers beyond max_peers
 
     def apply(self, msg: PeerMessage, seen: float) -> bool:
-        """Take a peer's entry read at ``seen``; True when the peers' load changed. An older entry than the
-        peer's last (its sequence number) changes nothing but its liveness."""
+        """Take a peer's entry read at ``seen`` (the stream's order: its last entry is its load); True when the
+        peers' load changed."""
         peer = self.peers.get(msg.picker_id)
         if msg.bye:
             return self.peers.pop(msg.picker_id, None) is not None
@@ -173,8 +185,6 @@ class PeerTable:
             self.peers[msg.picker_id] = _Peer(msg.load, seen, msg.seq)
             return bool(msg.load)
         peer.seen = max(peer.seen, seen)
-        if msg.seq < peer.seq and msg.seq != 0:  # a restarted peer under the same id starts again at 0
-            return False
         changed = peer.load != msg.load
         peer.load, peer.seq = msg.load, msg.seq
         return changed
@@ -272,7 +282,9 @@ class SharedLoad:
         self.clock = clock
         self.picker_id = cfg.picker_id or default_picker_id()
         self.table = PeerTable(cfg.peer_ttl_ms / 1000, cfg.max_peers)
-        self.block_ms = max(10, min(cfg.heartbeat_ms, cfg.peer_ttl_ms // 4))
+        self.block_ms = max(10, min(cfg.heartbeat_ms, cfg.peer_ttl_ms // 4, MAX_BLOCK_MS))
+        self.nonce = f"{random.getrandbits(64):016x}"  # tells this process's entries from a namesake's
+        self.duplicate_id_seen = False
         self.state = "connecting"  # connecting | up | lost
         self.reason: str | None = None
         self.since = clock()
@@ -295,9 +307,11 @@ class SharedLoad:
     # -- the outbox of placements ------------------------------------------------------------------
     def _journal(self, op: str, backend: str, keys: Sequence[int]) -> None:
         """This picker placed (``+``) or unplaced (``-``) ``keys`` on ``backend``: publish it (no I/O here)."""
-        if self.state != "up" or not keys:
-            return
         cap = self.cfg.max_placement_keys
+        if self.state != "up" or not keys or not cap:
+            return
+        if len(keys) > cap:
+            self.metrics.placement_keys_dropped.inc(len(keys) - cap)
         keys = list(keys[:cap])
         self._outbox.append((op, backend, keys))
         self._outbox_keys += len(keys)
@@ -415,13 +429,22 @@ class SharedLoad:
         self._stopping = False
 
     async def _seed(self, hello: bytes) -> bytes:
-        """Read the last ``peer_ttl_ms`` of the stream (up to our hello entry): the peers alive now."""
+        """Read the last ``peer_ttl_ms`` of the stream back from our hello entry, newest first (``SEED_COUNT`` at
+        most): each peer's newest entry there is its load now (a ``bye`` there: gone)."""
         ms = int(hello.split(b"-", 1)[0])
         start = f"{max(0, ms - self.cfg.peer_ttl_ms)}-0"
-        entries = await self._client.xrange(self.cfg.key, min=start, max=hello, count=READ_COUNT)
+        entries = await self._client.xrevrange(self.cfg.key, max=hello, min=start, count=SEED_COUNT)
         now = self.clock()
-        for entry_id, fields in entries or ():
-            age = max(0.0, (ms - int(entry_id.split(b"-", 1)[0])) / 1000)
+        newest: dict[bytes, tuple[float, Mapping[Any, Any]]] = {}  # raw picker id → (its newest entry's age, fields)
+        for i, (entry_id, fields) in enumerate(entries or ()):
+            pid = fields.get(b"id", fields.get("id")) if isinstance(fields, Mapping) else None
+            if isinstance(pid, bytes | str):
+                key = pid.encode() if isinstance(pid, str) else pid
+                if key not in newest:
+                    newest[key] = (max(0.0, (ms - int(entry_id.split(b"-", 1)[0])) / 1000), fields)
+            if i % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)
+        for age, fields in newest.values():
             self._take(fields, now - age, placements=False)
         self._after_read(now)
         return hello
@@ -445,8 +468,9 @@ class SharedLoad:
 
     async def _publish(self, bye: bool = False) -> bytes:
         msg = PeerMessage(
-            self.picker_id, self.seq, time.time() * 1000, self.pool.own_load(), self._take_placements(), bye=bye
-        )
+            self.picker_id, self.seq, time.time() * 1000, self.pool.own_load(), self._take_placements(), bye=bye,
+            nonce=self.nonce,
+        )  # fmt: skip
         self.seq += 1
         entry_id = await self._client.xadd(self.cfg.key, encode(msg), maxlen=self.cfg.max_stream_len, approximate=True)
         self.metrics.messages.labels("sent", "ok").inc()
@@ -456,20 +480,33 @@ class SharedLoad:
         while not self._stopping:
             reply = await self._client.xread({self.cfg.key: last_id}, count=READ_COUNT, block=self.block_ms)
             now = self.clock()
+            n = 0
             for _stream, entries in reply or ():
                 for entry_id, fields in entries:
                     last_id = entry_id
                     self._take(fields, now, placements=True)
-            self._after_read(now)
+                    n += 1
+                    if n % YIELD_EVERY == 0:  # a batch of entries never holds the loop long
+                        await asyncio.sleep(0)
+            self._after_read(self.clock())
 
     def _take(self, fields: Mapping[Any, Any], seen: float, placements: bool) -> None:
         try:
             msg = decode(fields, self.cfg.max_placement_keys)
-        except (ValueError, TypeError, KeyError, struct.error, UnicodeDecodeError) as exc:
+        except Exception as exc:  # anything an entry can make the decoder raise (RecursionError too): skipped
             self.metrics.messages.labels("received", "malformed").inc()
             log.debug("event=shared_load_malformed error=%r", exc)
             return
         if msg.picker_id == self.picker_id:
+            # live entries only: a restarted picker's predecessor (the same configured id) is not a namesake
+            if placements and msg.nonce and msg.nonce != self.nonce and not self.duplicate_id_seen:
+                self.duplicate_id_seen = True  # another process publishes under our id: it and we ignore each other
+                self.metrics.messages.labels("received", "duplicate_id").inc()
+                log.warning(
+                    "event=shared_load_duplicate_picker_id picker_id=%s (another picker uses this"
+                    " shared_load.picker_id: the two do not count each other's load)",
+                    self.picker_id,
+                )
             return
         self.metrics.messages.labels("received", "applied").inc()
         lag = time.time() * 1000 - msg.sent_ms

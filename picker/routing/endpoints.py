@@ -78,7 +78,7 @@ class EndpointState:
     pending_prefill_tokens: int = 0
     decoding: int = 0
     engine: EngineSignals | None = None
-    queued_avg: float = 0.0  # time-weighted mean (over ~5 s) of this picker's requests before their first byte
+    queued_avg: float = 0.0  # time-weighted mean (over ~5 s) of the requests before their first byte (with peers')
 
     def load(self, mean_tokens: float) -> tuple[int, int, int]:
         """``endpoint_load`` of this snapshot: (prefill tokens ahead, queued requests, decoding requests)."""

@@ -76,13 +76,62 @@ def test_the_table_sums_peers_and_drops_the_silent_ones_after_the_ttl() -> None:
     assert t.totals() == {}
 
 
-def test_an_older_entry_changes_nothing_but_a_restart_at_zero_does() -> None:
+def test_the_last_entry_read_is_the_peers_load_whatever_its_sequence() -> None:
+    """One stream orders every entry: a peer restarted under the same id (its sequence from 0 again) is taken at
+    its word at once."""
     t = PeerTable(ttl_s=2.0, max_peers=8)
     t.apply(msg("p1", seq=5, load={"b0": (5, 0, 0)}), seen=1.0)
-    assert not t.apply(msg("p1", seq=4, load={"b0": (1, 0, 0)}), seen=1.1)
-    assert t.totals() == {"b0": (5, 0, 0)}
     assert t.apply(msg("p1", seq=0, load={"b0": (1, 0, 0)}), seen=1.2)
     assert t.totals() == {"b0": (1, 0, 0)}
+
+
+def test_a_deeply_nested_or_huge_load_is_malformed_not_a_crash() -> None:
+    pool = pool_of(1)
+    view = SharedLoad(SharedLoadConfig(enabled=True), pool, lambda _t: None, CollectorRegistry())
+    for load in (b"[" * 100_000, b"{" + b" " * (1 << 20) + b"}"):
+        view._take({**encode(msg()), "load": load}, seen=1.0, placements=True)
+    assert view.metrics.messages.labels("received", "malformed")._value.get() == 2
+    assert view.table.peers == {}
+
+
+def test_a_namesake_process_is_said_once_and_a_predecessor_is_not() -> None:
+    pool = pool_of(1)
+    view = SharedLoad(SharedLoadConfig(enabled=True, picker_id="me"), pool, lambda _t: None, CollectorRegistry())
+    view._take(encode(msg("me", nonce="old-process")), seen=1.0, placements=False)  # the seed: a predecessor
+    assert not view.duplicate_id_seen
+    view._take(encode(msg("me", nonce=view.nonce)), seen=1.0, placements=True)  # our own entry
+    assert not view.duplicate_id_seen
+    view._take(encode(msg("me", nonce="another-process")), seen=1.0, placements=True)
+    assert view.duplicate_id_seen and view.table.peers == {}
+
+
+def test_a_member_joining_or_back_from_standby_takes_the_peers_last_sums() -> None:
+    cfg = PoolConfig(backends=[{"name": f"b{i}", "address": f"10.0.0.{i}:8000"} for i in range(2)])
+    pool = Pool(cfg)
+    b0, b1 = pool.endpoint("b0"), pool.endpoint("b1")
+    assert b0 is not None and b1 is not None
+    b2 = type(b0)("b2", "10.0.0.2:8000")
+    pool.set_peer_load({"b1": (5, 500, 0), "b2": (7, 0, 0)})
+    pool.update(cfg, members=[b0], standby=[b1])  # b1 not Ready: its peers' load is not summed while aside
+    assert pool.health_snapshot()[0]["backend"] == "b0"
+    pool.update(cfg, members=[b0, b1, b2])  # b1 back, b2 new: both carry the peers' sums at once
+    states = pool.view().by_name()
+    assert states["b1"].in_flight == 5 and states["b1"].pending_prefill_tokens == 500
+    assert states["b2"].in_flight == 7
+    pool.set_peer_load({})
+    pool.update(cfg, members=[b0], standby=[b1])
+    pool.update(cfg, members=[b0, b1])
+    assert pool.view().by_name()["b1"].in_flight == 0  # nothing stale came back from standby
+
+
+def test_trimming_keeps_the_newest_placements_and_a_reinsert_moves_a_key_last() -> None:
+    p = RecentPlacements(max_entries=3, ttl_seconds=10)
+    p.record("b0", [1, 2, 3], now=0.0)
+    p.record("b1", [1], now=1.0)  # key 1 placed again: the newest now
+    p.record("b0", [4], now=2.0)  # over the bound: the oldest (2) goes, not 1
+    assert p.holds([1], now=2.0) == {"b1": 1} and p.holds([2], now=2.0) == {} and len(p) == 3
+    p.record("b0", [5], now=11.5)  # past the TTL: 3 (placed at 0) expired
+    assert p.holds([3], now=11.5) == {} and p.holds([5], now=11.5) == {"b0": 1}
 
 
 def test_a_bye_drops_the_peer_at_once_and_peers_beyond_the_bound_are_ignored() -> None:
@@ -156,12 +205,19 @@ def test_the_view_publishes_placements_only_while_up_and_bounds_its_outbox() -> 
     placements.record("b0", [1, 2], now=1.0)
     assert view._take_placements() == []  # not up: nothing kept
     view.state = "up"
+    placements.record("b0", list(range(1000, 1006)), now=1.0)  # longer than an entry: cut, the rest counted
+    assert view.metrics.placement_keys_dropped._value.get() == 2
+    view._take_placements()
     for i in range(10):
         placements.record("b0", [i, i + 100], now=1.0)
     # 4 x 4 keys kept at most: the oldest records went first
     assert view._outbox_keys <= 16
     first = view._take_placements()
     assert sum(len(k) for _, _, k in first) <= 4 and first[0][2] == [2, 102]
+    off = SharedLoad(cfg.model_copy(update={"max_placement_keys": 0}), pool_of(1), lambda _t: None, CollectorRegistry())
+    off.state = "up"
+    off._journal("+", "b0", [1, 2])
+    assert off._outbox_keys == 0 and not off._outbox
 
 
 def test_a_peer_placement_counts_as_a_hold_until_the_feed_settles_it() -> None:
