@@ -1238,6 +1238,10 @@ def redis_mode_problems(cfg: RedisConfig, path: str = "response_cache.redis") ->
         out.append((f"{path}.sentinels", f"only read with mode sentinel (mode is {cfg.mode})"))
     if cfg.mode != "cluster" and cfg.startup_nodes:
         out.append((f"{path}.startup_nodes", f"only read with mode cluster (mode is {cfg.mode})"))
+    if cfg.mode != "single" and urllib.parse.urlsplit(cfg.url).query:
+        out.append(
+            (f"{path}.url", f"query options (?ssl_ca_certs=...) are read in mode single only, not in mode {cfg.mode}")
+        )
     if cfg.mode == "cluster":
         db = urllib.parse.urlsplit(cfg.url).path.strip("/")
         if db not in ("", "0"):

@@ -157,9 +157,38 @@ CLUSTER_RETRIES = 2
 CLUSTER_BACKOFF_CAP_S = 0.05  # the pause between tries: 10 ms, 20 ms, at most this
 
 
+class PickerRedisCluster(RedisCluster):
+    """``RedisCluster`` with two guards (docs/picker.md, "Redis modes"):
+
+    - at most ``concurrency`` commands at once: a caller beyond it waits, as single mode's blocking pool makes it
+      (redis-py's cluster pool fails at once when a node's connections are all in use; the KV index lives on one
+      node); the caller's own timeout bounds the wait;
+    - an error of redis-py's own making (not a Redis error: an ASK to a node its slot map does not have yet raised
+      AttributeError in redis-py 8.1) refreshes the slot map before the next command and is raised as a
+      ``ClusterError``: an outage the callers fall back from, never an exception on the request path."""
+
+    def __init__(self, *args: Any, concurrency: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._commands = asyncio.Semaphore(concurrency)  # bound to the loop of its first wait (the client's)
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        async with self._commands:
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except (RedisError, RedisClusterException, OSError, TimeoutError):
+                raise
+            except Exception as exc:
+                self._initialize = True  # the next command asks the cluster for its slot map first
+                raise ClusterError(f"redis-py failed on the cluster's answer: {exc!r}") from exc
+
+
 def _build_cluster(cfg: RedisConfig, endpoint: RedisEndpoint, socket_s: float, size: int) -> RedisCluster:
     startup = [ClusterNode(host, port) for host, port in map(host_port, cfg.startup_nodes)]
-    return RedisCluster(
+    return PickerRedisCluster(
+        concurrency=size,
+        # the configured seeds stay the seeds: a cluster whose every node moved (pods recreated behind one Service
+        # name) is found again through them, not through the addresses it had
+        dynamic_startup_nodes=False,
         host=endpoint.host,
         port=endpoint.port,
         startup_nodes=startup or None,

@@ -478,6 +478,7 @@ class RedisCacheStore:
     async def _clear_redis(self) -> None:
         pattern = self.prefix.replace("\\", "\\\\") + "*"  # the prefix has no glob characters (config)
         if isinstance(self.client, RedisCluster):  # SCAN walks one node's keys: walk every primary's
+            await self._command("clear", self.client.initialize())  # a client not used yet knows no primary
             for node in self.client.get_primaries():
                 await self._clear_node(pattern, node)
             return

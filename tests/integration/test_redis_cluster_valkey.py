@@ -22,6 +22,7 @@ from picker.kv.index import InMemoryKvIndex
 from picker.kv.redis_index import RedisKvIndex
 from picker.kv.redis_layout import CLUSTER_KEY_PREFIX, index_key_prefix
 from picker.redis_pool import build_redis, close_shared_redis, shared_redis
+from picker.routing.endpoints import BackendHold
 from picker.shared.tiers import StorageTier
 from tests.support.admin_redis import admin  # noqa: F401  (the fixture)
 from tests.support.poll import async_wait_until
@@ -276,3 +277,79 @@ async def test_the_shared_load_view_works_on_a_cluster(cluster: ValkeyCluster) -
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+
+
+async def test_a_slot_resharded_onto_a_node_the_client_never_saw(tmp_path: Path) -> None:
+    """An operator adds a node and migrates the cache's and the index's slots onto it: the ASK names a node the
+    client's slot map lacks (redis-py 8.1 then fails with AttributeError). No exception reaches a caller (the
+    store and the index answer locally), the writer task lives on, and once the client has the new map the
+    calls are answered by Redis again."""
+    from picker.redis_pool import PickerRedisCluster
+    from tests.support.valkey import ValkeyProcess
+    from tests.support.valkey_cluster import HOST, _cluster_info, wait_for
+    from tests.support.valkey_cluster import admin as node_admin
+
+    with running_cluster(tmp_path / "c", 3, 0, 5000) as c:
+        new = ValkeyProcess(
+            tmp_path / "new",
+            extra_args=["--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "new-nodes.conf"),
+                        "--cluster-node-timeout", "5000"],
+        )  # fmt: skip
+        (tmp_path / "new").mkdir()
+        new.start()
+        cfg = RedisConfig(
+            url=c.url, mode="cluster", key_prefix="t:", command_timeout_ms=1000, health_check_interval_seconds=0.2
+        )
+        client = build_redis(cfg)
+        assert isinstance(client, PickerRedisCluster)
+        store = RedisCacheStore(cfg, client)
+        idx = RedisKvIndex(client, key_prefix=CLUSTER_KEY_PREFIX)
+        try:
+            idx.put("a", [1, 2], GPU)
+            await idx._write(idx._take_batch())  # the writer's step, before its task runs
+            await store.set("a", b"A", 60)
+            with node_admin(c.nodes[0].port) as n0:
+                n0.execute_command("CLUSTER MEET", HOST, new.port)
+            wait_for(
+                lambda: _cluster_info(new.port).get("cluster_known_nodes") == "4"
+                and _cluster_info(new.port).get("cluster_state") == "ok",
+                60, "the new node to join",
+            )  # fmt: skip
+            moves = []  # (slot, the new node's id)
+            for slot in {c.key_slot("t:a"), c.key_slot(idx.set_key)}:
+                with node_admin(c.slot_owner(slot)) as src, node_admin(new.port) as dst:
+                    src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+                    dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+                    src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+                    keys = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000)
+                    src.execute_command("MIGRATE", HOST, new.port, "", 0, 5000, "KEYS", *keys)
+                    moves.append((slot, dst_id))
+            # mid-migration: the ASK names the new node, which owns no slot yet (not in the client's map)
+            assert await store.get("a") in (None, b"A")  # a miss (counted), or Redis's answer: never an exception
+            assert await idx.holds([1, 2]) == {"a": BackendHold(2, GPU)}  # Redis's or the local copy's: the same
+            writer = asyncio.create_task(idx.run())
+            try:
+                errors = idx.stats.errors
+                idx.put("b", [5], GPU)
+                await async_wait_until(lambda: idx.stats.errors > errors, timeout=30, what="the writer's failed batch")
+                assert not writer.done()  # counted, the index on its local copy: the writer lives on
+                for slot, dst_id in moves:  # the migration ends: every node says the new node owns the slot
+                    for port in [*c.primary_ports(), new.port]:
+                        with node_admin(port) as n:
+                            n.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+
+                async def answered_by_redis() -> bool:
+                    return not store.fallback_active and await store.get("a") == b"A"
+
+                await async_wait_until(answered_by_redis, timeout=30, what="the store answered by Redis again")
+                await idx.flush()
+                assert await idx.holds([5]) == {"b": BackendHold(1, GPU)} and idx.stats.up
+                assert not writer.done()
+            finally:
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await writer
+        finally:
+            await store.aclose()
+            await client.aclose()
+            new.stop()
