@@ -76,21 +76,27 @@ class ScaleOut:
     def view(self, p: str) -> dict[str, Any]:
         return dict(http("GET", self.pickers[p].admin_url + "/admin/pool", timeout=30).json()["shared_load"])
 
-    def engine_requests(self, name: str) -> int:
-        """The engine's own count: ``vllm:num_requests_running`` + ``vllm:num_requests_waiting``."""
+    def engine_requests(self, name: str) -> tuple[int, int]:
+        """The engine's own counts: ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``."""
         body = http("GET", self.engine(name).base_url + "/metrics", timeout=30).body.decode()
-        wanted = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-        return int(sum(v for n, _, v in parse_prometheus_text(body) if n in wanted))
+        got = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+        for n, _, v in parse_prometheus_text(body):
+            if n in got:
+                got[n] += v
+        return int(got["vllm:num_requests_running"]), int(got["vllm:num_requests_waiting"])
 
     def counts(self) -> dict[str, Any]:
-        """One look at every count: per engine its own (running + waiting), and per picker and engine the picker's
+        """One look at every count: per engine its own (running + waiting, and running alone under ``running``), and
+        per picker and engine the picker's
         ``(own in flight, peer in flight, own decoding, peer decoding, peer pending prefill tokens)``; kept in
         ``last`` for a failure's message."""
         pools = {p: self.pool(p) for p in self.pickers}
         keys = ("in_flight_requests", "peer_in_flight_requests", "decoding_requests", "peer_decoding_requests",
                 "peer_pending_prefill_tokens")  # fmt: skip
         snap: dict[str, Any] = {p: {n: tuple(b[k] for k in keys) for n, b in pool.items()} for p, pool in pools.items()}
-        snap["engine"] = {n: self.engine_requests(n) for n in (P32, P64)}
+        engine = {n: self.engine_requests(n) for n in (P32, P64)}
+        snap["engine"] = {n: running + waiting for n, (running, waiting) in engine.items()}
+        snap["running"] = {n: running for n, (running, _) in engine.items()}
         self.last = snap
         return snap
 
@@ -233,8 +239,10 @@ def scale_out(engines: list[VllmProcess]) -> Iterator[ScaleOut]:
 
 def test_each_picker_counts_the_others_requests_as_the_engines_do(scale_out: ScaleOut) -> None:
     """Long requests routed by both pickers generate on both engines: each picker's ``peer_in_flight_requests``
-    is what the other sent there, and own + peer equals the engine's running + waiting, at a moment when every
-    request is running (each has streamed a chunk and none has ended). After they end, every count is 0.
+    is what the other sent there, own + peer equals the engine's running + waiting, and own + peer decoding equals
+    the engine's running (Tier 4 counts a request decoding once the KV events confirm its prefill), at a moment
+    when every request is running (each has streamed a chunk and none has ended). After they end, every count
+    is 0.
 
     The machine can stall for seconds (2 cores; a picker's loop was seen 4.3 s late): one engine's requests may then
     end before the other's start, or the view be lost for a moment (it comes back). Such a round is run again, up
@@ -279,12 +287,14 @@ def compare_while_running(st: ScaleOut, plan: dict[str, dict[str, int]], attempt
             first = first or snap  # the first poll's counts (printed when it did not agree)
             for n in (P32, P64):
                 for p, other in (("a", "b"), ("b", "a")):
-                    own, peer, _, peer_decoding, _ = snap[p][n]
+                    own, peer, decoding, peer_decoding, _ = snap[p][n]
                     if (own, peer) != (sent[p][n], sent[other][n]) or peer_decoding != snap[other][n][2]:
                         return None
-                    if own + peer != snap["engine"][n]:
+                    # every request is decoding (it streamed content): so in the view, once the KV events
+                    # confirmed its prefill (Tier 4's commit stage), and at the engine
+                    if own + peer != snap["engine"][n] or decoding + peer_decoding != snap["running"][n]:
                         return None
-                if snap["engine"][n] != sent["a"][n] + sent["b"][n]:
+                if snap["running"][n] != sent["a"][n] + sent["b"][n]:
                     return None
             return ("agreed", snap)
 
