@@ -28,8 +28,9 @@ class Usage:
 
 
 def stream_chat(url: str, messages: list[dict[str, str]], max_tokens: int = 4, headers: dict[str, str] | None = None,
-                timeout: float = 300.0) -> Usage:  # fmt: skip
-    """One streamed chat completion with ``stream_options.include_usage``; the usage of its last chunk."""
+                timeout: float = 300.0, response_headers: dict[str, str] | None = None) -> Usage:  # fmt: skip
+    """One streamed chat completion with ``stream_options.include_usage``; the usage of its last chunk.
+    ``response_headers``, when given, is filled with the answer's headers (names lower-cased)."""
     body = {
         "model": MODEL_NAME,
         "messages": messages,
@@ -45,6 +46,8 @@ def stream_chat(url: str, messages: list[dict[str, str]], max_tokens: int = 4, h
     chunks = 0
     with urllib.request.urlopen(req, timeout=timeout) as r:
         assert r.status == 200
+        if response_headers is not None:
+            response_headers.update({k.lower(): v for k, v in r.headers.items()})
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
