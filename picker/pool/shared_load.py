@@ -46,6 +46,7 @@ SEED_COUNT = 2000  # entries read back from the hello when (re)connecting: the n
 YIELD_EVERY = 50  # entries applied between two yields to the event loop (a batch never holds it long)
 MAX_BLOCK_MS = 1000  # the reader's XREAD BLOCK at most: a stop waits for it (then says bye)
 MAX_LOAD_BYTES = 1 << 20  # an entry's load field, before it is parsed
+READ_GRACE_MS = 3000  # a read's socket timeout beyond the XREAD's block (a hung Valkey is detected within it)
 OUTBOX_FACTOR = 4  # the placement outbox holds this many messages' worth of keys (the oldest dropped first)
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _REC = struct.Struct(">cHI")  # op, name length, key count
@@ -370,27 +371,36 @@ class SharedLoad:
                 except Exception as exc:  # a Redis error, a timeout, a reply of the wrong shape
                     self._lost(f"{type(exc).__name__}: {str(exc)[:200]}")
                 await self._close_client()
-                await asyncio.sleep(self.cfg.retry_seconds * (0.5 + random.random()))
+                await self._wait_retry()
         finally:
             await self._stop_tasks()
             await self.close()
 
+    async def _wait_retry(self) -> None:
+        """Between sessions (``retry_seconds``, jittered): the peers' last load ages out as it would with the view
+        up (``peer_ttl_ms`` after each one's last entry), so a lost view leaves the picker on its own counts and
+        the engines' metrics within a peer TTL, and a short stall (a read timeout on a starved machine, a
+        reconnect) costs nothing while the peers are still fresh."""
+        deadline = self.clock() + self.cfg.retry_seconds * (0.5 + random.random())
+        while (left := deadline - self.clock()) > 0:
+            await asyncio.sleep(min(left, self.block_ms / 1000))
+            self._after_read(self.clock())
+
     def _lost(self, reason: str) -> None:
         was = self.state
         self.state, self.reason, self.since = "lost", reason, self.clock()
-        self.table.clear()
-        self._outbox.clear()
+        self._outbox.clear()  # placements not published: they were guesses for the next requests only
         self._outbox_keys = 0
-        self.pool.set_peer_load({})
         self.metrics.up.set(0)
-        self.metrics.peers.set(0)
+        self._after_read(self.clock())
         if was != "lost":
             self.outages += 1
             self.metrics.outages.inc()
             log.warning("event=shared_load_lost reason=%r fallback=own_counts_and_engine_metrics", reason)
 
     async def _session(self) -> None:
-        self._client = self.client_factory((self.block_ms + 2000) / 1000)
+        # a read waits the XREAD's block and then up to 3 s more: a starved machine's stall is not an outage
+        self._client = self.client_factory((self.block_ms + READ_GRACE_MS) / 1000)
         hello = await self._publish()  # our first entry: its id is the server's clock now
         last_id = await self._seed(hello)
         if self.state != "up":
