@@ -108,6 +108,17 @@ def picker_config(engines: list[VllmProcess], feed_url: str, **kv: Any) -> dict[
     return kv_picker_config(engines, feed_url, tokenizer=tokenizer, checks=checks, **kv)
 
 
+def pinning_envoy(picker: Any, engines: list[VllmProcess], workdir: Path) -> Any:
+    """The real Envoy in front of ``picker`` and the engines, the test's subset-hint header honoured (a request
+    can be pinned to one engine), a first byte waited for up to 300 s (the engines share two busy cores)."""
+    return start_envoy(
+        EnvoyOptions(listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
+                     subset_hint_from_header=PIN_HEADER, backends=tuple(e.address for e in engines),
+                     first_byte_timeout_s=300, **picker.envoy_picker_options()),
+        workdir,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def stack(engines: list[VllmProcess]) -> Iterator[RealStack]:
     """Listener (with a state file, on a fixed port across restarts) + picker + Envoy, and a reference
@@ -131,12 +142,7 @@ def stack(engines: list[VllmProcess]) -> Iterator[RealStack]:
             picker_config(engines, ref_listener.url, checks={"self_check": False}), workdir, name="ref-picker"
         )
         procs.append(ref_picker)
-        envoy = start_envoy(
-            EnvoyOptions(listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
-                         subset_hint_from_header=PIN_HEADER, backends=tuple(e.address for e in engines),
-                         first_byte_timeout_s=300, **picker.envoy_picker_options()),
-            workdir,
-        )  # fmt: skip
+        envoy = pinning_envoy(picker, engines, workdir)
         procs.append(envoy)
         st.picker, st.ref_picker, st.envoy = picker, ref_picker, envoy
         yield st

@@ -29,15 +29,12 @@ from benchmarks.stack import (
     EnvoyProcess,
     ListenerProcess,
     PickerProcess,
-    free_port,
     make_workdir,
-    start_envoy,
     start_listener,
     start_picker,
 )
 from benchmarks.vllm_engine.process import MODEL_NAME, VllmProcess
-from picker.api import EnvoyOptions
-from tests.engines.conftest import listener_config, picker_config
+from tests.engines.conftest import listener_config, picker_config, pinning_envoy
 from tests.engines.real_stack import PIN_HEADER, Usage, stream_chat
 from tests.engines.test_real_vllm import text
 from tests.integration.conftest import http
@@ -214,12 +211,7 @@ def scale_out(engines: list[VllmProcess]) -> Iterator[ScaleOut]:
             cfg["response_cache"] = {"redis": {"url": valkey.url}}
             picker = start_picker(cfg, workdir, name=f"picker-{p}")
             procs.append(picker)
-            envoy = start_envoy(
-                EnvoyOptions(listen_port=free_port(), listen_address="127.0.0.1", admin_port=free_port(),
-                             subset_hint_from_header=PIN_HEADER, backends=tuple(e.address for e in engines),
-                             first_byte_timeout_s=300, **picker.envoy_picker_options()),
-                workdir,
-            )  # fmt: skip
+            envoy = pinning_envoy(picker, engines, workdir)
             procs.append(envoy)
             st.pickers[p], st.envoys[p] = picker, envoy
         wait_until(st.both_up_with_each_other, timeout=60.0, what="both pickers' views up, each the other's peer")
