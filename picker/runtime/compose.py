@@ -30,7 +30,7 @@ from picker.pool.engine_models import EngineModelPoller
 from picker.pool.engine_signals import EngineSignalScraper
 from picker.pool.health_probe import HealthProber
 from picker.pool.pool import Pool
-from picker.pool.shared_load import SharedLoad
+from picker.pool.shared_load import SharedLoad, SharedLoadMetrics
 from picker.redis_pool import build_redis, close_shared_redis, shared_redis
 from picker.request.exchange import ResponseObserver
 from picker.request.path import RequestPath
@@ -175,6 +175,8 @@ def build_server(settings: Settings, config_path: str | Path | None = None) -> P
             settings.shared_load, app.pool, shared_load_client, app.metrics.registry, placements=placements
         )
         server.background.append(app.shared_load.run)  # its bye to the peers and its client close as it stops
+    else:  # its families declared all the same (up 0): the dashboards and alerts find them on every picker
+        SharedLoadMetrics(app.metrics.registry)
     # engine signals: always supervised; it reads pool.engine_metrics (hot-reloadable) each round and idles
     # while that says enabled: false
     server.background.append(LoopLag(app.metrics).run)  # continuum_picker_event_loop_lag_seconds

@@ -44,14 +44,6 @@ pytestmark = pytest.mark.envoy
 SAMPLE_HEADER = "x-kv-epp-sample"  # extproc.response_sample_header: this response's usage is read
 # Declared on /metrics but without a sample after this run: what it takes to get one, and where that is tested.
 NO_SAMPLE_HERE: dict[str, str] = {
-    # the shared load view (picker/pool/shared_load.py) is off here, as in the chart's default: its families are
-    # registered only with shared_load.enabled (tests/integration/test_shared_load_valkey.py reads them)
-    "continuum_picker_shared_load_up": "shared_load.enabled",
-    "continuum_picker_shared_load_peers": "shared_load.enabled",
-    "continuum_picker_shared_load_messages_total": "shared_load.enabled",
-    "continuum_picker_shared_load_peers_expired_total": "shared_load.enabled",
-    "continuum_picker_shared_load_outages_total": "shared_load.enabled",
-    "continuum_picker_shared_load_lag_seconds_bucket": "shared_load.enabled",
     "continuum_picker_backend_ejections_total": "passive health ejecting a failing backend "
     "(tests/integration/test_dead_backend.py)",
     "continuum_picker_backend_readmissions_total": "an ejected backend's cooldown ending",

@@ -342,8 +342,11 @@ async def test_a_slot_resharded_onto_a_node_the_client_never_saw(tmp_path: Path)
                     return not store.fallback_active and await store.get("a") == b"A"
 
                 await async_wait_until(answered_by_redis, timeout=30, what="the store answered by Redis again")
+                # the index's writer probes again after its retry interval (5 s, jittered), then resyncs
+                await async_wait_until(lambda: idx.stats.up, timeout=60, what="the index back on Redis")
                 await idx.flush()
-                assert await idx.holds([5]) == {"b": BackendHold(1, GPU)} and idx.stats.up
+                assert await idx.holds([5]) == {"b": BackendHold(1, GPU)}
+                assert idx.stats.lookups > 0  # answered by Redis, not the local copy
                 assert not writer.done()
             finally:
                 writer.cancel()
