@@ -44,6 +44,7 @@ from benchmarks.stack import (
     envoy_binary,
     free_port,
     make_workdir,
+    parse_envoy_stats,
     spawn,
     spawn_ready_line,
     start_envoy,
@@ -276,10 +277,7 @@ def envoy_upstream_stats(admin_port: int) -> dict[str, int]:
     url = f"http://127.0.0.1:{admin_port}/stats?filter={query}"
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        k, _, v = line.partition(":")
-        out[k.rpartition(".")[2].replace("_total", "")] = int(v)
+    out = {k.rpartition(".")[2].replace("_total", ""): int(v) for k, v in parse_envoy_stats(text).items()}
     return {"upstream_cx": out.get("upstream_cx", -1), "upstream_rq": out.get("upstream_rq", -1)}
 
 

@@ -45,7 +45,7 @@ import tempfile
 import time
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +196,29 @@ def request_keys(scn: Scenario) -> list[list[int]]:
     ]
 
 
+async def timed_against(
+    index: RedisKvIndex,
+    reqs: list[list[int]],
+    reps: int,
+    other: Callable[[bytes], Awaitable[dict[str, int]]],
+) -> tuple[list[float], list[float], int]:
+    """Each request's ``holds`` from the index, then from ``other`` (its block keys packed 8 bytes each → backend:
+    leading blocks), ``reps`` times: both read times (µs) and how many answers agreed."""
+    index_us: list[float] = []
+    other_us: list[float] = []
+    same = 0
+    for _ in range(reps):
+        for keys in reqs:
+            t0 = time.perf_counter()
+            a = await index.holds(keys)
+            index_us.append((time.perf_counter() - t0) * 1e6)
+            t0 = time.perf_counter()
+            b = await other(b"".join(k.to_bytes(8, "big") for k in keys))
+            other_us.append((time.perf_counter() - t0) * 1e6)
+            same += b == {n: h.blocks for n, h in a.items()}
+    return index_us, other_us, same
+
+
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return round(s[min(len(s) - 1, int(q * len(s)))], 1)
@@ -215,20 +238,12 @@ async def layouts(index: RedisKvIndex, scn: Scenario, base_memory: int, reps: in
             n_keys += 1
     await pipe.execute()
     reqs = request_keys(scn)
-    hash_us: list[float] = []
-    block_us: list[float] = []
-    same = 0
-    for _ in range(reps):
-        for keys in reqs:
-            t0 = time.perf_counter()
-            a = await index.holds(keys)
-            hash_us.append((time.perf_counter() - t0) * 1e6)
-            t0 = time.perf_counter()
-            blob = b"".join(k.to_bytes(8, "big") for k in keys)
-            flat = await per_block(keys=["unused"], args=[prefix.encode(), blob])
-            block_us.append((time.perf_counter() - t0) * 1e6)
-            b = {flat[j].decode(): int(flat[j + 1]) for j in range(0, len(flat) - 2, 3)}
-            same += b == {n: h.blocks for n, h in a.items()}
+
+    async def by_block(blob: bytes) -> dict[str, int]:
+        flat = await per_block(keys=["unused"], args=[prefix.encode(), blob])
+        return {flat[j].decode(): int(flat[j + 1]) for j in range(0, len(flat) - 2, 3)}
+
+    hash_us, block_us, same = await timed_against(index, reqs, reps, by_block)
     after = int((await client.info("memory"))["used_memory"])
     per_backend_bytes = before - base_memory
     await client.flushdb()
@@ -331,20 +346,12 @@ async def cluster_layouts(index: RedisKvIndex, scn: Scenario, reps: int = 3) -> 
             await client.hset(b_keys[n], mapping=items)
     nodes = {n: client.get_node_from_key(b_keys[n]).name for n in names}
     reqs = request_keys(scn)
-    a_us: list[float] = []
-    b_us: list[float] = []
-    same = 0
-    for _ in range(reps):
-        for keys in reqs:
-            t0 = time.perf_counter()
-            a = await index.holds(keys)
-            a_us.append((time.perf_counter() - t0) * 1e6)
-            t0 = time.perf_counter()
-            blob = b"".join(k.to_bytes(8, "big") for k in keys)
-            replies = await asyncio.gather(*(one(keys=[b_keys[n]], args=[blob]) for n in names))
-            b_us.append((time.perf_counter() - t0) * 1e6)
-            b = {n: int(r[0]) for n, r in zip(names, replies, strict=True) if int(r[0]) > 0}
-            same += b == {n: h.blocks for n, h in a.items()}
+
+    async def per_backend(blob: bytes) -> dict[str, int]:
+        replies = await asyncio.gather(*(one(keys=[b_keys[n]], args=[blob]) for n in names))
+        return {n: int(r[0]) for n, r in zip(names, replies, strict=True) if int(r[0]) > 0}
+
+    a_us, b_us, same = await timed_against(index, reqs, reps, per_backend)
     return {
         "requests": len(reqs) * reps,
         "backends": len(names),

@@ -36,27 +36,17 @@ SHARED_SUFFIX = "+shared"
 KILL_POLL_S = 0.1  # wall seconds between two polls of the survivors' view after the kill
 MAX_KILL_POLLS = 600  # at most 60 s of polls
 VIEW_RECOVERY_GOAL_S = 5.0  # issue 28: the survivors stop counting the dead picker within 5 s
-SHARED_VIEW_UNAVAILABLE = "shared view not available in this picker build (its config has no shared_load section)"
-
-
-def shared_view_supported() -> bool:
-    """Whether this checkout's picker accepts the ``shared_load`` config section (the lead's shared load view)."""
-    from picker.api import Settings
-
-    return "shared_load" in Settings.model_fields
 
 
 def scale_out_arms(
     policies: Sequence[PolicySpec], pickers: int, shared_load: str = "off", baseline: bool = False
 ) -> list[PolicySpec]:
     """The arms to run. ``shared_load``: off | on | both. A policy without a picker (round robin) runs once as
-    it is; so does every policy when ``pickers`` is 1 and the shared view is off. The shared arm is registered
-    "not available" (never run) when the picker has no ``shared_load`` section."""
+    it is; so does every policy when ``pickers`` is 1 and the shared view is off."""
     if pickers < 1:
         raise ValueError("--pickers must be at least 1")
     if shared_load not in ("off", "on", "both"):
         raise ValueError("--shared-load is off, on or both")
-    supported = shared_view_supported()
     out: list[PolicySpec] = []
     for p in policies:
         if p.picker is None:
@@ -76,7 +66,6 @@ def scale_out_arms(
                     shared_load=True,
                     base=p.name,
                     description=f"{p.description}; {pickers} picker(s) sharing their load view through one Valkey",
-                    unavailable_reason=p.unavailable_reason or ("" if supported else SHARED_VIEW_UNAVAILABLE),
                 )
             )
     return out
@@ -149,12 +138,8 @@ def with_shares(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def _peer_ids(shared: Any) -> set[str] | None:
     if not isinstance(shared, Mapping):
         return None
-    peers = shared.get("peers")
-    if isinstance(peers, Mapping):
-        return {str(k) for k in peers}
-    if isinstance(peers, list):
-        return {str(p.get("picker_id", p.get("id", ""))) if isinstance(p, Mapping) else str(p) for p in peers}
-    return None
+    peers = shared.get("peers")  # picker id → its age and load (picker/pool/shared_load.py, ``status``)
+    return {str(k) for k in peers} if isinstance(peers, Mapping) else None
 
 
 def _envoy_host_state(clusters_json: Mapping[str, Any], host: str) -> dict[str, Any] | None:

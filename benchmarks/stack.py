@@ -27,6 +27,17 @@ import yaml
 from picker.api import EnvoyOptions, bootstrap_yaml
 
 
+def parse_envoy_stats(text: str) -> dict[str, float]:
+    """Envoy's ``/stats`` text (``name: value`` lines) as name → value; histogram lines (not a number) are left out."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, sep, value = line.rpartition(": ")  # a name may hold colons (an IPv6 listener's)
+        value = value.strip()
+        if sep and value.lstrip("-").isdigit():
+            out[name.strip()] = float(value)
+    return out
+
+
 def free_port() -> int:
     """A currently free TCP port on 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

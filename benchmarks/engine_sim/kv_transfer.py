@@ -103,21 +103,20 @@ class KvTransferParams:
         return self.do_remote_prefill and bool(self.remote_block_ids)
 
 
-def _bool(raw: Mapping[str, Any], key: str) -> bool:
+def _field(raw: Mapping[str, Any], key: str, kind: type, what: str) -> Any:
+    """``raw[key]`` when present and of ``kind`` (None when absent or null); KvTransferError otherwise."""
     value = raw.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise KvTransferError(f"'kv_transfer_params.{key}' must be a boolean")
+    if value is not None and not isinstance(value, kind):
+        raise KvTransferError(f"'kv_transfer_params.{key}' must be {what}")
     return value
 
 
+def _bool(raw: Mapping[str, Any], key: str) -> bool:
+    return bool(_field(raw, key, bool, "a boolean"))
+
+
 def _opt_str(raw: Mapping[str, Any], key: str) -> str | None:
-    value = raw.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise KvTransferError(f"'kv_transfer_params.{key}' must be a string")
+    value: str | None = _field(raw, key, str, "a string")
     return value
 
 

@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 FLAP_WINDOW_S = 60.0  # an outage this soon after the last recovery is a flap: the early switch back is held off
 DEFAULT_MAX_BYTES = 256 << 20  # the memory store's byte bound unless the caller sets one
 CLEAR_BATCH = 500  # keys per SCAN COUNT hint and per UNLINK
-_FAILURES = REDIS_FAILURES
 
 
 class MemoryCacheStore:
@@ -145,10 +144,6 @@ class MemoryCacheStore:
             if self._entries[key][0] > now:
                 return
             self._drop(key)
-
-
-def _error_kind(exc: BaseException) -> str:
-    return failure_kind(exc)  # timeout, connection (an outage: refused, reset, a cluster without a primary), other
 
 
 class RedisCacheStore:
@@ -361,7 +356,7 @@ class RedisCacheStore:
         try:
             async with asyncio.timeout(self.timeout if timeout is None else timeout):
                 result = await call
-        except _FAILURES as exc:
+        except REDIS_FAILURES as exc:
             self.metrics.latency[operation].observe(time.perf_counter() - start)
             self._failed(operation, exc)
             raise CacheStoreError(f"redis {operation} failed: {self.last_error}") from exc
@@ -380,7 +375,7 @@ class RedisCacheStore:
         engages the fallback; an error reply (``OOM``, ``READONLY``, ...: kind ``other``) comes from a Redis that
         answers, so the store stays on it (the caller's ``set`` is not stored, its ``get`` a miss): a fallback
         would be left at once by the health check's PING, and would flap."""
-        kind = _error_kind(exc)
+        kind = failure_kind(exc)  # timeout, connection (an outage: refused, reset, a cluster without a primary), other
         self.errors[kind] += 1
         self.metrics.errors[(operation, kind)].inc()
         outage = kind != "other"

@@ -19,6 +19,7 @@ from picker.kv.placements import RecentPlacements
 from picker.pool.pool import Pool
 from picker.pool.shared_load import PeerMessage, SharedLoad, decode, encode
 from picker.redis_pool import build_redis
+from picker.routing.endpoints import Endpoint
 from picker.runtime.app import PickerApp
 from picker.runtime.compose import build_server
 from tests.support.poll import async_wait_until
@@ -53,6 +54,11 @@ class Picker:
             placements=self.placements,
         )
         self.task: asyncio.Task[None] | None = None
+
+    def endpoint(self, name: str) -> Endpoint:
+        ep = self.pool.endpoint(name)
+        assert ep is not None, name
+        return ep
 
     def peer_in_flight(self, name: str = "b0") -> int:
         return self.pool.view().by_name()[name].in_flight
@@ -90,9 +96,8 @@ async def test_two_pickers_see_each_others_load_and_placements(
 ) -> None:
     a, b = Picker(valkey_server.url, "a"), Picker(valkey_server.url, "b")
     async with running(a, b):
-        await until(lambda: a.view.state == "up" and b.view.state == "up", "both views up")
-        b0 = a.pool.endpoint("b0")
-        assert b0 is not None
+        await until(lambda: a.view.state == "up" and b.view.state == "up", "both up")
+        b0 = a.endpoint("b0")
         lease = a.pool.acquire(b0, prefill_tokens=700)
         await until(lambda: b.peer_in_flight() == 1, "b counts a's request")
         assert b.pool.view().by_name()["b0"].pending_prefill_tokens == 700
@@ -146,8 +151,7 @@ async def test_a_new_picker_knows_its_live_peers_at_once(
     a = Picker(valkey_server.url, "a", heartbeat_ms=2000, peer_ttl_ms=10_000)  # no heartbeat during the test
     async with running(a):
         await until(lambda: a.view.state == "up", "a up")
-        b0 = a.pool.endpoint("b0")
-        assert b0 is not None
+        b0 = a.endpoint("b0")
         a.pool.acquire(b0, prefill_tokens=50)
         raw = aioredis.Redis.from_url(valkey_server.url)
 
@@ -193,8 +197,7 @@ async def test_losing_valkey_falls_back_to_own_counts_and_comes_back(
     a, b = Picker(valkey_server.url, "a"), Picker(valkey_server.url, "b")
     async with running(a, b):
         await until(lambda: a.view.state == "up" and b.view.state == "up", "both up")
-        b0 = a.pool.endpoint("b0")
-        assert b0 is not None
+        b0 = a.endpoint("b0")
         a.pool.acquire(b0)
         own = b.pool.acquire(b0)
         await until(lambda: b.peer_in_flight() == 2, "b counts both")

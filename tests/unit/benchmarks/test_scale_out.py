@@ -8,11 +8,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks import scale_out
 from benchmarks.loadgen import RequestResult
 from benchmarks.policies import parse_policies
 from benchmarks.scale_out import (
-    SHARED_VIEW_UNAVAILABLE,
     kill_figures,
     kill_lines,
     merge_metrics,
@@ -33,8 +31,10 @@ continuum_picker_shared_load_up 1.0
 """
 
 
-def test_arms_per_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scale_out, "shared_view_supported", lambda: True)
+NOT_AVAILABLE = "failed to start: the picker refused its config"  # an arm the run could not start
+
+
+def test_arms_per_flag() -> None:
     rr_cost = parse_policies("round_robin,kv_cost")
     assert [p.name for p in scale_out_arms(rr_cost, 1)] == ["round_robin", "kv_cost"]  # today's run
     arms = scale_out_arms(rr_cost, 4, "both", baseline=True)
@@ -46,14 +46,6 @@ def test_arms_per_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [p.name for p in scale_out_arms(rr_cost, 4, "on")] == ["round_robin", "kv_cost@4+shared"]
     with pytest.raises(ValueError):
         scale_out_arms(rr_cost, 0)
-
-
-def test_the_shared_arm_is_not_available_without_the_pickers_shared_load_section(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(scale_out, "shared_view_supported", lambda: False)
-    off, on = scale_out_arms(parse_policies("kv_cost"), 2, "both")
-    assert off.available and not on.available and on.unavailable_reason == SHARED_VIEW_UNAVAILABLE
 
 
 def test_a_pickers_counters_and_several_pickers_merged() -> None:
@@ -124,10 +116,10 @@ def test_per_picker_table_and_scale_out_lines_against_the_one_picker_run() -> No
         "per_picker": with_shares([{"name": f"picker-{i}", "decisions": 10.0, "killed": i == 3} for i in range(4)]),
     }
     doc = {"policies": {"kv_cost": one, "kv_cost@4": four, "kv_cost@4+shared": {
-        "available": False, "reason": SHARED_VIEW_UNAVAILABLE, "base": "kv_cost"}}}  # fmt: skip
+        "available": False, "reason": NOT_AVAILABLE, "base": "kv_cost"}}}  # fmt: skip
     table = per_picker_table(doc)
     assert "| kv_cost@4 | 4 | 40 | picker-0: 10 (25.0%)" in table and "picker-3 (killed): 10 (25.0%)" in table
     lines = scale_out_lines(doc)
     assert lines[0].startswith("kv_cost@4 (4 pickers): 90.00% of bound; TTFT p99 send 150 ms, arrival 300 ms")
     assert "vs kv_cost (1 picker): bound share 98.00%, TTFT p99 send 1.50x, arrival 1.50x" in lines[0]
-    assert lines[1] == f"kv_cost@4+shared: {SHARED_VIEW_UNAVAILABLE}"
+    assert lines[1] == f"kv_cost@4+shared: {NOT_AVAILABLE}"
