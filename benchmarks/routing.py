@@ -91,6 +91,7 @@ from benchmarks.stack import (
     PickerProcess,
     free_port,
     make_workdir,
+    parse_envoy_stats,
     start_envoy,
     start_listener,
     start_picker,
@@ -215,6 +216,26 @@ class PolicyStack:
         self.notes.append(note)
         return note
 
+    async def requests_ended(self, killed: Mapping[int, Any], timeout_s: float = 30.0) -> None:
+        """Wait until every live picker counts no request in flight: a client has its whole answer a moment before
+        the picker hears of the end (Envoy closes the ext_proc stream after the response), and on a busy machine
+        that moment is long. The stats read after this describe the finished run. Bounded by ``timeout_s``."""
+        live = [p for i, p in enumerate(self.pickers) if i not in killed]
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while time.monotonic() < deadline:
+                try:
+                    busy = 0
+                    for p in live:
+                        async with http.get(f"{p.admin_url}/admin/pool") as resp:
+                            doc = await resp.json()
+                        busy += sum(int(b.get("in_flight_requests", 0)) for b in doc.get("backends", []))
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    return  # the stats say what they can
+                if not busy:
+                    return
+                await asyncio.sleep(0.05)
+
     async def picker_stats(self, killed: Mapping[int, dict[str, Any] | None] | None = None) -> dict[str, Any] | None:
         """The first live picker's Tier 1 stats, plus its Tier 4 stats under ``kv_index`` when the listener runs;
         the cached-token and sampled-usage counters summed over every picker; and ``per_picker``: each picker's
@@ -288,12 +309,7 @@ class PolicyStack:
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError):
             return {}
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            name, sep, value = line.partition(": ")
-            if sep and value.strip().lstrip("-").isdigit() and float(value) != 0:
-                out[name.strip()] = float(value)
-        return out
+        return {name: value for name, value in parse_envoy_stats(text).items() if value != 0}
 
     def stop(self) -> None:
         for proc in (self.envoy, *self.pickers, self.listener):
@@ -401,6 +417,7 @@ async def run_policy(
         kill = await kill_task if kill_task is not None else None  # None: the trace ended before the kill time
         after = await scrape_prefix_cache_counters([s.base_url for s in sims])
         killed = {len(stack.pickers) - 1: (kill or {}).get("last_scrape")} if kill else {}
+        await stack.requests_ended(killed)
         stats = await stack.picker_stats(killed)
         url_names = {s.base_url: s.config.name for s in sims}
         return PolicyRun(

@@ -261,8 +261,9 @@ def default_picker_id() -> str:
 
 class SharedLoad:
     """The shared load view of one picker: ``run`` (supervised background task) connects, publishes and reads,
-    and on any failure falls back (the peers' share is dropped: the pool scores on its own counts and the engines'
-    metrics), says so (``status``, ``continuum_picker_shared_load_up``) and reconnects every ``retry_seconds``.
+    and on any failure falls back (each peer's last load ages out after ``peer_ttl_ms``, then the pool scores on
+    its own counts and the engines' metrics), says so (``status``, ``continuum_picker_shared_load_up``) and
+    reconnects every ``retry_seconds``.
 
     ``client_factory`` builds a dedicated client (a blocking XREAD holds a connection); ``clock`` is monotonic."""
 
@@ -298,8 +299,8 @@ class SharedLoad:
         self._outbox_keys = 0
         self._client: Any = None
         self._dirty = False  # the peers' load changed since the pool last had it
-        self._tasks: list[asyncio.Task[None]] = []  # the session's publisher and reader
-        self._stopping = False
+        self._stopping = False  # the view stops (``run`` cancelled): every loop of the session ends
+        self._ending = False  # one of the session's two tasks ended: the other ends too
         self.metrics.up.set(0)
         pool.load_listener = self._wake.set
         if self.placements is not None:
@@ -361,20 +362,33 @@ class SharedLoad:
 
     # -- the session -------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Background (supervised): sessions until cancelled; between them, the fallback."""
+        """Background (supervised): sessions until cancelled; between them, the fallback.
+
+        Every Redis command runs in a task of its own (the session, and its publisher and reader): this task only
+        waits on them and sleeps, so its cancel never lands inside a command, where Python 3.11's timeouts (redis-py
+        reads under one) can swallow it and the task would run on (seen on a busy machine). At the stop the session
+        is asked to end (``_stopping``: each of its loops checks it, the reader's XREAD returns within block_ms),
+        cancelled only after that, then the bye is sent."""
+        session: asyncio.Task[None] | None = None
+        self._stopping = False
         try:
             while True:
-                try:
-                    await self._session()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # a Redis error, a timeout, a reply of the wrong shape
-                    self._lost(f"{type(exc).__name__}: {str(exc)[:200]}")
+                session = asyncio.create_task(self._session_or_lost())
+                await asyncio.wait({session})
                 await self._close_client()
                 await self._wait_retry()
         finally:
-            await self._stop_tasks()
+            self._stopping = True
+            self._wake.set()
+            if session is not None and not session.done():
+                await self._end([session])
             await self.close()
+
+    async def _session_or_lost(self) -> None:
+        try:
+            await self._session()
+        except Exception as exc:  # a Redis error, a timeout, a reply of the wrong shape
+            self._lost(f"{type(exc).__name__}: {str(exc)[:200]}")
 
     async def _wait_retry(self) -> None:
         """Between sessions (``retry_seconds``, jittered): the peers' last load ages out as it would with the view
@@ -403,31 +417,38 @@ class SharedLoad:
         self._client = self.client_factory((self.block_ms + READ_GRACE_MS) / 1000)
         hello = await self._publish()  # our first entry: its id is the server's clock now
         last_id = await self._seed(hello)
+        if self._halted:
+            return
         if self.state != "up":
             log.info(
                 "event=shared_load_up picker_id=%s key=%s peers=%d", self.picker_id, self.cfg.key, len(self.table.peers)
             )
         self.state, self.reason, self.since = "up", None, self.clock()
         self.metrics.up.set(1)
-        # not a TaskGroup: a cancelled blocking XREAD may never return on Python 3.11's timeouts (seen here), so at
-        # stop the tasks are asked to end (``_stopping``: the reader's XREAD returns within block_ms) before any
-        # cancel (``_stop_tasks``)
-        self._tasks = [asyncio.create_task(self._publisher()), asyncio.create_task(self._reader(last_id))]
-        done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
-        await self._stop_tasks()
+        # not a TaskGroup: its cancel would land inside the commands (``run``); the two end when asked
+        tasks = [asyncio.create_task(self._publisher()), asyncio.create_task(self._reader(last_id))]
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        self._ending = True  # the other one ends too
+        self._wake.set()
+        try:
+            await self._end(tasks)
+        finally:
+            self._ending = False
+        if self._stopping:
+            return
         for task in done:
             exc = task.exception()
             if exc is not None:
                 raise exc
         raise RuntimeError("the shared load view's task ended")
 
-    async def _stop_tasks(self) -> None:
-        """End the publisher and the reader: asked first (each returns within a block_ms), cancelled after."""
-        tasks, self._tasks = self._tasks, []
-        if not tasks:
-            return
-        self._stopping = True
-        self._wake.set()
+    @property
+    def _halted(self) -> bool:
+        """The session's loops end: the view stops, or one of its two tasks ended."""
+        return self._stopping or self._ending
+
+    async def _end(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Wait for ``tasks``, asked to end (each returns within a block_ms), and cancel them only after that."""
         _, pending = await asyncio.wait(tasks, timeout=self.block_ms / 1000 + 1.0)
         for task in pending:
             task.cancel()
@@ -436,7 +457,6 @@ class SharedLoad:
         for task in tasks:
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved: reported by the caller or the outage, never "never retrieved"
-        self._stopping = False
 
     async def _seed(self, hello: bytes) -> bytes:
         """Read the last ``peer_ttl_ms`` of the stream back from our hello entry, newest first (``SEED_COUNT`` at
@@ -463,7 +483,7 @@ class SharedLoad:
         heartbeat = self.cfg.heartbeat_ms / 1000
         gap = self.cfg.publish_min_interval_ms / 1000
         last = self.clock()
-        while not self._stopping:
+        while not self._halted:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, last + heartbeat - self.clock())):
                     await self._wake.wait()
@@ -471,7 +491,7 @@ class SharedLoad:
             if wait > 0:  # coalesce: at most one entry per publish_min_interval_ms
                 await asyncio.sleep(wait)
             self._wake.clear()
-            if self._stopping:
+            if self._halted:
                 return
             last = self.clock()
             await self._publish()
@@ -487,7 +507,7 @@ class SharedLoad:
         return entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
 
     async def _reader(self, last_id: bytes) -> None:
-        while not self._stopping:
+        while not self._halted:
             reply = await self._client.xread({self.cfg.key: last_id}, count=READ_COUNT, block=self.block_ms)
             now = self.clock()
             n = 0
