@@ -38,6 +38,9 @@ def parse_envoy_stats(text: str) -> dict[str, float]:
     return out
 
 
+PORT_CLASH_ATTEMPTS = 3  # a picker whose chosen port was taken meanwhile starts again on new ones
+
+
 def free_port() -> int:
     """A currently free TCP port on 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -217,20 +220,31 @@ def start_picker(config: dict[str, Any], workdir: Path, name: str = "picker") ->
 
     TLS stays the picker's default (a self-signed certificate generated at start) unless ``config`` says
     ``extproc: {tls: {mode: plaintext}}``; ``PickerProcess.envoy_picker_options`` gives Envoy the match."""
-    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
-    extproc = dict(cfg.get("extproc", {}))
-    extproc.setdefault("host", "127.0.0.1")
-    extproc.setdefault("port", free_port())
-    extproc.setdefault("health_port", None)
-    cfg["extproc"] = extproc
-    admin = dict(cfg.get("admin", {}))
-    admin.setdefault("port", free_port())
-    cfg["admin"] = admin
-    path = workdir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    argv = [sys.executable, "-m", "picker", "serve", "--config", str(path)]
-    mp = spawn_ready(name, argv, workdir, f"http://127.0.0.1:{admin['port']}/readyz")
-    return PickerProcess(cfg, path, extproc["port"], admin["port"], mp)
+    chosen = "port" not in config.get("extproc", {}) and "port" not in config.get("admin", {})
+    for attempt in range(PORT_CLASH_ATTEMPTS):
+        cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+        extproc = dict(cfg.get("extproc", {}))
+        extproc.setdefault("host", "127.0.0.1")
+        extproc.setdefault("port", free_port())
+        extproc.setdefault("health_port", None)
+        cfg["extproc"] = extproc
+        admin = dict(cfg.get("admin", {}))
+        admin.setdefault("port", free_port())
+        cfg["admin"] = admin
+        path = workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        argv = [sys.executable, "-m", "picker", "serve", "--config", str(path)]
+        try:
+            mp = spawn_ready(name, argv, workdir, f"http://127.0.0.1:{admin['port']}/readyz")
+        except RuntimeError as exc:
+            # free_port's port is free when asked, not when the picker binds it: another process (an outgoing
+            # connection's ephemeral port, a parallel test) may take it in between. Ports chosen here are chosen
+            # again; a port the caller gave is the caller's.
+            if not chosen or "Address already in use" not in str(exc) or attempt == PORT_CLASH_ATTEMPTS - 1:
+                raise
+            continue
+        return PickerProcess(cfg, path, extproc["port"], admin["port"], mp)
+    raise AssertionError("unreachable")
 
 
 def make_workdir(prefix: str = "kv-epp-") -> Path:
